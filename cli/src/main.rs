@@ -1,0 +1,283 @@
+//! tracerctl: the command-line client of tracerd.
+
+mod client;
+mod duration;
+mod launch;
+mod render;
+
+use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use tokio_stream::StreamExt;
+use tracer_proto::{
+    target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode, ReportFormat,
+    SessionInfo, SessionRef, SessionState, StartSessionRequest, Target, WatchSessionRequest,
+};
+
+/// Control tracerd: start profiling sessions, follow them, fetch their reports.
+#[derive(Parser)]
+#[command(version, name = "tracerctl")]
+struct Cli {
+    /// tracerd's Unix socket, or tcp://HOST:PORT.
+    #[arg(long, env = "TRACER_SOCKET", default_value = "/run/tracer/tracerd.sock", global = true)]
+    socket: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a session on a pid, the whole machine, or a command run under it.
+    Start(StartArgs),
+    /// Stop a running session; its report is then available.
+    Stop { id: String },
+    /// List sessions, running and finished.
+    List,
+    /// Show one session: state, elapsed time, counts so far, losses.
+    Status { id: String },
+    /// Print a finished session's report.
+    Report {
+        id: String,
+        #[command(flatten)]
+        out: Output,
+    },
+    /// What this machine and daemon can do.
+    Capabilities,
+}
+
+#[derive(Args)]
+struct StartArgs {
+    /// counting, sampling or tracing.
+    #[arg(long, value_enum)]
+    mode: ModeArg,
+    /// perf events to count, comma-separated (as `perf stat -e`).
+    #[arg(long, value_delimiter = ',')]
+    events: Vec<String>,
+    /// Stop after this long: 500ms, 30s, 5m, 1h (at most 24h).
+    #[arg(long, value_parser = duration::parse_ms)]
+    duration: Option<u64>,
+    /// Wait for the session to end and print its report (implied with `-- CMD`).
+    #[arg(long)]
+    wait: bool,
+    /// Trace this process, its threads, and the children it forks from now on.
+    #[arg(long, conflicts_with_all = ["all", "command"])]
+    pid: Option<u32>,
+    /// Trace every process on the machine (root only).
+    #[arg(long, conflicts_with = "command")]
+    all: bool,
+    #[command(flatten)]
+    out: Output,
+    /// The command to run under the session: `-- CMD ARGS…`.
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+#[derive(Args)]
+struct Output {
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = FormatArg::Table)]
+    format: FormatArg,
+    /// Write the report to this file instead of standard output.
+    #[arg(short = 'o', long = "output")]
+    output: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Counting,
+    Sampling,
+    Tracing,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FormatArg {
+    Table,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            // One line naming the problem, not clap's usage block.
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments").trim_start_matches("error: ");
+            eprintln!("tracerctl: {first} (see tracerctl --help)");
+            return ExitCode::from(2);
+        }
+    };
+    // `-- CMD` is forked before any thread exists (tokio's included).
+    let held = match &cli.command {
+        Command::Start(a) if !a.command.is_empty() => match launch::hold(&a.command) {
+            Ok(h) => Some(h),
+            Err(e) => return fail(&e),
+        },
+        _ => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    match rt.block_on(run(cli, held)) {
+        Ok(code) => code,
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(e: &anyhow::Error) -> ExitCode {
+    eprintln!("tracerctl: {e:#}");
+    ExitCode::FAILURE
+}
+
+/// A gRPC error as one line: the daemon's message already names the problem.
+fn status_err(s: tonic::Status) -> anyhow::Error {
+    match s.code() {
+        tonic::Code::Unavailable => anyhow::anyhow!("tracerd is unavailable: {}", s.message()),
+        _ => anyhow::anyhow!("{}", s.message()),
+    }
+}
+
+async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
+    let mut client = match client::connect(&cli.socket).await {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some(h) = held {
+                h.abandon();
+            }
+            return Err(e);
+        }
+    };
+    match cli.command {
+        Command::Start(args) => start(&mut client, args, held).await,
+        Command::Stop { id } => {
+            let s = client.stop_session(SessionRef { id }).await.map_err(status_err)?.into_inner();
+            print!("{}", render::status(&s));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::List => {
+            let r = client.list_sessions(ListSessionsRequest {}).await.map_err(status_err)?.into_inner();
+            print!("{}", render::list(&r.sessions));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { id } => {
+            let s = client.get_session(SessionRef { id }).await.map_err(status_err)?.into_inner();
+            print!("{}", render::status(&s));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Report { id, out } => {
+            report(&mut client, id, &out).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Capabilities => {
+            let c = client.get_capabilities(GetCapabilitiesRequest {}).await.map_err(status_err)?.into_inner();
+            print!("{}", render::capabilities(&c));
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn start(client: &mut client::Client, args: StartArgs, mut held: Option<launch::Held>) -> Result<ExitCode> {
+    let kind = match (&held, args.pid, args.all) {
+        (Some(h), _, _) => target::Kind::Pid(u32::try_from(h.pid.as_raw()).expect("pids are positive")),
+        (None, Some(pid), _) => target::Kind::Pid(pid),
+        (None, None, true) => target::Kind::All(true),
+        (None, None, false) => bail!("a target is required: --pid PID, --all, or -- CMD ARGS…"),
+    };
+    let mode = match args.mode {
+        ModeArg::Counting => Mode::Counting,
+        ModeArg::Sampling => Mode::Sampling,
+        ModeArg::Tracing => Mode::Tracing,
+    };
+    let req = StartSessionRequest {
+        mode: mode.into(),
+        target: Some(Target { kind: Some(kind), launched: held.is_some() }),
+        duration_ms: args.duration,
+        counting: Some(CountingOptions { events: args.events }),
+    };
+    let session = match client.start_session(req).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => {
+            if let Some(h) = held {
+                h.abandon();
+            }
+            return Err(status_err(e));
+        }
+    };
+    let Some(h) = held.as_mut() else {
+        if !args.wait {
+            println!("{}", session.id);
+            return Ok(ExitCode::SUCCESS);
+        }
+        follow(client, &session.id).await?;
+        report(client, session.id, &args.out).await?;
+        return Ok(ExitCode::SUCCESS);
+    };
+    h.release()?;
+    let pid = h.pid;
+    let waiter = tokio::task::spawn_blocking(move || launch::wait(pid));
+    // The daemon sees the exit too and ends the session; following it shows progress meanwhile.
+    let followed = follow(client, &session.id);
+    let code = tokio::select! {
+        code = waiter => code.context("waiting for the command")?,
+        r = followed => { r?; 0 }
+    };
+    // Either way the session is over or about to be: wait for the daemon to close it.
+    finish_after_exit(client, &session.id).await?;
+    report(client, session.id, &args.out).await?;
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// Follows a session until it ends, with a progress line on a terminal.
+async fn follow(client: &mut client::Client, id: &str) -> Result<SessionInfo> {
+    let tty = std::io::stderr().is_terminal();
+    let mut stream = client
+        .watch_session(WatchSessionRequest { id: id.to_owned(), interval_ms: 500 })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let mut last = None;
+    while let Some(info) = stream.next().await {
+        let info = info.map_err(status_err)?;
+        if tty {
+            eprint!("\r\x1b[2K{}", render::progress(&info));
+        }
+        last = Some(info);
+    }
+    if tty {
+        eprintln!();
+    }
+    last.context("the daemon closed the session stream without a state")
+}
+
+/// After the command exited: the daemon ends the session on the exit event; stop it
+/// ourselves if that has not happened within a few seconds.
+async fn finish_after_exit(client: &mut client::Client, id: &str) -> Result<()> {
+    for _ in 0..50 {
+        let s = client.get_session(SessionRef { id: id.to_owned() }).await.map_err(status_err)?.into_inner();
+        if s.state != SessionState::Running as i32 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    client.stop_session(SessionRef { id: id.to_owned() }).await.map_err(status_err)?;
+    Ok(())
+}
+
+async fn report(client: &mut client::Client, id: String, out: &Output) -> Result<()> {
+    let format = match out.format {
+        FormatArg::Table => ReportFormat::Table,
+        FormatArg::Json => ReportFormat::Json,
+    };
+    let mut stream = client.get_report(GetReportRequest { id, format: format.into() }).await.map_err(status_err)?.into_inner();
+    let mut data = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        data.extend(chunk.map_err(status_err)?.data);
+    }
+    match &out.output {
+        Some(path) => std::fs::write(path, &data).with_context(|| format!("writing {}", path.display()))?,
+        None => {
+            use std::io::Write;
+            std::io::stdout().write_all(&data)?;
+        }
+    }
+    Ok(())
+}

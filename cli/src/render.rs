@@ -1,0 +1,121 @@
+//! Plain-text views of sessions and capabilities.
+
+use std::fmt::Write as _;
+
+use tracer_proto::{counter, target, Capabilities, EndReason, Mode, SessionInfo, SessionState};
+
+pub fn mode(m: i32) -> &'static str {
+    match Mode::try_from(m) {
+        Ok(Mode::Counting) => "counting",
+        Ok(Mode::Sampling) => "sampling",
+        Ok(Mode::Tracing) => "tracing",
+        _ => "?",
+    }
+}
+
+pub fn state(s: &SessionInfo) -> String {
+    let reason = match EndReason::try_from(s.end_reason) {
+        Ok(EndReason::Stopped) => " (stopped)",
+        Ok(EndReason::Duration) => " (duration reached)",
+        Ok(EndReason::TargetExited) => " (target exited)",
+        Ok(EndReason::DaemonShutdown) => " (daemon shut down)",
+        Ok(EndReason::Error) => " (error)",
+        _ => "",
+    };
+    let name = match SessionState::try_from(s.state) {
+        Ok(SessionState::Running) => "running",
+        Ok(SessionState::Finished) => "finished",
+        Ok(SessionState::Failed) => "failed",
+        _ => "?",
+    };
+    format!("{name}{reason}")
+}
+
+pub fn target(s: &SessionInfo) -> String {
+    match s.target.and_then(|t| t.kind) {
+        Some(target::Kind::Pid(p)) => format!("pid {p}"),
+        Some(target::Kind::All(_)) => "all".into(),
+        None => "-".into(),
+    }
+}
+
+fn secs(ms: u64) -> String {
+    format!("{:.1}s", ms as f64 / 1000.0)
+}
+
+pub fn list(sessions: &[SessionInfo]) -> String {
+    let mut out = format!("{:<14} {:<9} {:<12} {:>9}  {}\n", "ID", "MODE", "TARGET", "ELAPSED", "STATE");
+    for s in sessions {
+        let _ = writeln!(out, "{:<14} {:<9} {:<12} {:>9}  {}", s.id, mode(s.mode), target(s), secs(s.elapsed_ms), state(s));
+    }
+    out
+}
+
+pub fn status(s: &SessionInfo) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "session:   {}", s.id);
+    let _ = writeln!(out, "mode:      {}", mode(s.mode));
+    let _ = writeln!(out, "target:    {}", target(s));
+    let _ = writeln!(out, "state:     {}", state(s));
+    if !s.error.is_empty() {
+        let _ = writeln!(out, "error:     {}", s.error);
+    }
+    let dur = if s.duration_ms > 0 { format!(" of {}", secs(s.duration_ms)) } else { String::new() };
+    let _ = writeln!(out, "elapsed:   {}{dur}", secs(s.elapsed_ms));
+    let _ = writeln!(out, "processes: {} live, {} exited", s.live_processes, s.exited_processes);
+    let _ = writeln!(out, "events:    {}", s.events);
+    let losses = if s.losses.is_empty() {
+        "none".to_owned()
+    } else {
+        s.losses.iter().map(|l| format!("{} {}", l.count, l.cause)).collect::<Vec<_>>().join(", ")
+    };
+    let _ = writeln!(out, "losses:    {losses}");
+    for c in &s.counters {
+        match &c.result {
+            Some(counter::Result::Value(v)) => {
+                let _ = writeln!(out, "  {:<18} {v} {}", c.event, if c.unit == "ns" { "ns" } else { "" });
+            }
+            Some(counter::Result::Unavailable(why)) => {
+                let _ = writeln!(out, "  {:<18} unavailable: {why}", c.event);
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+/// One line for a terminal's live progress.
+pub fn progress(s: &SessionInfo) -> String {
+    let lost: u64 = s.losses.iter().map(|l| l.count).sum();
+    format!(
+        "[tracer {}] {} elapsed · {} processes · {} events · {} lost",
+        s.id,
+        secs(s.elapsed_ms),
+        s.live_processes,
+        s.events,
+        lost
+    )
+}
+
+pub fn capabilities(c: &Capabilities) -> String {
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let mut out = String::new();
+    let _ = writeln!(out, "tracerd {}  kernel {}", c.daemon_version, c.kernel_release);
+    let _ = writeln!(out, "BPF: {}  BTF: {}  tracefs: {}  perf_event_paranoid: {}", yes(c.bpf), yes(c.btf), yes(c.tracefs), c.perf_event_paranoid);
+    let modes: Vec<&str> = c.modes.iter().map(|m| mode(*m)).collect();
+    let _ = writeln!(out, "modes: {}", modes.join(", "));
+    let _ = writeln!(out, "hardware counters: {}", yes(c.hardware_counters));
+    let _ = writeln!(out, "\nperf events:");
+    for e in &c.perf_events {
+        let state = if e.available { "available".to_owned() } else { format!("unavailable: {}", e.reason) };
+        let _ = writeln!(out, "  {:<18} {:<9} {state}", e.name, e.kind);
+    }
+    let _ = writeln!(out, "\nPython interpreters:");
+    if c.interpreters.is_empty() {
+        let _ = writeln!(out, "  none found on PATH");
+    }
+    for i in &c.interpreters {
+        let _ = writeln!(out, "  {:<5} {}  (eval loop in {}, {} symbols) {}", i.version, i.path, i.runtime_path, i.symbols, i.support);
+    }
+    out
+}

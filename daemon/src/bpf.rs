@@ -1,0 +1,212 @@
+//! Loading tracer's BPF object and the process-following programs it holds.
+//!
+//! One object is loaded at daemon start. The `TRACKED` map says which sessions follow which
+//! processes; the tracepoint programs extend it on fork and report forks and exits on the
+//! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
+
+use std::{fs, path::Path, sync::Mutex};
+
+use aya::{
+    maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf},
+    programs::TracePoint,
+    Ebpf, EbpfError, EbpfLoader,
+};
+use tokio::{io::unix::AsyncFd, sync::mpsc};
+use tracer_common::{globals, loss, ProcEvent, SessionMask};
+
+/// The object built from ebpf/probes by build.rs.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer.bpf.o"));
+
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BpfError {
+    #[error("loading tracer's BPF object: {0}")]
+    Load(#[source] Box<EbpfError>),
+    #[error("BPF program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("BPF map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: Box<MapError>,
+    },
+    #[error("tracefs is not available at {TRACEFS} and could not be mounted: {0}")]
+    Tracefs(String),
+}
+
+fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
+    move |e| BpfError::Map { name, source: Box::new(e) }
+}
+
+/// Follows sessions' processes through fork and exit.
+pub struct ProcessFollower {
+    tracked: Mutex<HashMap<MapData, u32, SessionMask>>,
+    losses: PerCpuArray<MapData, u64>,
+    events: Mutex<Option<RingBuf<MapData>>>,
+    // Keeps the programs attached for as long as the follower lives.
+    _ebpf: Ebpf,
+}
+
+impl ProcessFollower {
+    pub fn load() -> Result<Self, BpfError> {
+        ensure_tracefs()?;
+        let newtask = TracepointFormat::read("task", "task_newtask");
+        let exit = TracepointFormat::read("sched", "sched_process_exit");
+        let pid_off = newtask.offset("pid").unwrap_or(8);
+        let flags_off = newtask.offset("clone_flags").unwrap_or(32);
+        let group_dead_off = exit.offset("group_dead").unwrap_or(u32::MAX);
+        let mut ebpf = EbpfLoader::new()
+            .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
+            .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
+            .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
+            .load(OBJECT)
+            .map_err(|e| BpfError::Load(Box::new(e)))?;
+        attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
+        attach(&mut ebpf, "tracer_process_exit", "sched", "sched_process_exit")?;
+        let tracked = HashMap::try_from(ebpf.take_map("TRACKED").expect("TRACKED in object")).map_err(map_err("TRACKED"))?;
+        let losses = PerCpuArray::try_from(ebpf.take_map("LOSSES").expect("LOSSES in object")).map_err(map_err("LOSSES"))?;
+        let events = RingBuf::try_from(ebpf.take_map("PROC_EVENTS").expect("PROC_EVENTS in object"))
+            .map_err(map_err("PROC_EVENTS"))?;
+        Ok(Self { tracked: Mutex::new(tracked), losses, events: Mutex::new(Some(events)), _ebpf: ebpf })
+    }
+
+    /// Adds `slot` to the sessions following `pid`.
+    pub fn follow(&self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let mut map = self.tracked.lock().expect("tracked lock");
+        let mask = match map.get(&pid, 0) {
+            Ok(m) => m,
+            Err(MapError::KeyNotFound) => 0,
+            Err(e) => return Err(map_err("TRACKED")(e)),
+        };
+        map.insert(pid, mask | (1 << slot), 0).map_err(map_err("TRACKED"))
+    }
+
+    /// Removes `slot` from every process; entries no session follows any more are deleted.
+    pub fn release(&self, slot: u8) -> Result<(), BpfError> {
+        let mut map = self.tracked.lock().expect("tracked lock");
+        let entries: Vec<(u32, SessionMask)> = map.iter().filter_map(Result::ok).collect();
+        for (pid, mask) in entries {
+            if mask & (1 << slot) == 0 {
+                continue;
+            }
+            let rest = mask & !(1 << slot);
+            let res = if rest == 0 { map.remove(&pid) } else { map.insert(pid, rest, 0) };
+            match res {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => return Err(map_err("TRACKED")(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Totals of the kernel-side loss counters, indexed by `tracer_common::loss`.
+    pub fn losses(&self) -> [u64; loss::COUNT as usize] {
+        let mut out = [0; loss::COUNT as usize];
+        for (i, slot) in out.iter_mut().enumerate() {
+            if let Ok(values) = self.losses.get(&(i as u32), 0) {
+                *slot = values.iter().sum();
+            }
+        }
+        out
+    }
+
+    /// Starts draining fork/exit events into `tx`. Call once.
+    pub fn events(&self, tx: mpsc::UnboundedSender<ProcEvent>) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let ring = self.events.lock().expect("events lock").take().expect("events() called once");
+        // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd, which deregisters it
+        // before dropping it.
+        let mut fd = unsafe { AsyncFd::register(ring) }.map_err(std::io::Error::from)?;
+        Ok(tokio::spawn(async move {
+            loop {
+                let Ok(mut guard) = fd.readable_mut().await else { return };
+                let ring = guard.get_inner_mut();
+                while let Some(item) = ring.next() {
+                    if item.len() >= std::mem::size_of::<ProcEvent>() {
+                        // SAFETY: the record was written as a ProcEvent by the BPF side; read unaligned.
+                        let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcEvent>()) };
+                        if tx.send(ev).is_err() {
+                            return;
+                        }
+                    }
+                }
+                guard.clear_ready();
+            }
+        }))
+    }
+}
+
+pub fn loss_cause_name(index: u32) -> &'static str {
+    match index {
+        loss::RINGBUF_FULL => "proc_events_ringbuf_full",
+        loss::TRACKED_MAP_FULL => "tracked_map_full",
+        _ => "unknown",
+    }
+}
+
+fn attach(ebpf: &mut Ebpf, prog: &'static str, category: &str, name: &str) -> Result<(), BpfError> {
+    let err = |e| BpfError::Program { name: prog, source: Box::new(e) };
+    let tp: &mut TracePoint = ebpf
+        .program_mut(prog)
+        .expect("program in object")
+        .try_into()
+        .map_err(err)?;
+    tp.load().map_err(err)?;
+    tp.attach(category, name).map_err(err)?;
+    Ok(())
+}
+
+/// Mounts tracefs when it is not (a fresh boot may lack it); tracepoints and uprobes need it.
+pub fn ensure_tracefs() -> Result<(), BpfError> {
+    if Path::new(TRACEFS).join("events").exists() {
+        return Ok(());
+    }
+    nix::mount::mount(Some("nodev"), TRACEFS, Some("tracefs"), nix::mount::MsFlags::empty(), None::<&str>)
+        .map_err(|e| BpfError::Tracefs(e.to_string()))
+}
+
+/// Field offsets of a tracepoint, from its tracefs `format` file.
+struct TracepointFormat(String);
+
+impl TracepointFormat {
+    fn read(category: &str, name: &str) -> Self {
+        Self(fs::read_to_string(Path::new(TRACEFS).join("events").join(category).join(name).join("format")).unwrap_or_default())
+    }
+
+    /// The offset of `field`, from a line like `field:pid_t pid;	offset:8;	size:4;	signed:1;`.
+    fn offset(&self, field: &str) -> Option<u32> {
+        self.0.lines().find_map(|line| {
+            let decl = line.trim().strip_prefix("field:")?.split(';').next()?;
+            let name = decl.rsplit([' ', '*']).next()?.split('[').next()?;
+            if name != field {
+                return None;
+            }
+            let off = line.split("offset:").nth(1)?.split(';').next()?;
+            off.trim().parse().ok()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracepoint_offsets_parse() {
+        let f = TracepointFormat(
+            "format:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+             \tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
+             \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
+             \tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n"
+                .into(),
+        );
+        assert_eq!(f.offset("pid"), Some(24));
+        assert_eq!(f.offset("comm"), Some(8));
+        assert_eq!(f.offset("group_dead"), Some(32));
+        assert_eq!(f.offset("prio"), None);
+    }
+}

@@ -1,0 +1,48 @@
+//! What this machine and daemon can do, measured once at start.
+
+use std::path::Path;
+
+use tracer_proto::{Capabilities, Interpreter, Mode, PerfEventSupport};
+
+use crate::{bpf, perf, python};
+
+pub fn measure(bpf_loaded: bool) -> Capabilities {
+    let perf_events: Vec<PerfEventSupport> = perf::EVENTS
+        .iter()
+        .map(|e| {
+            let res = e.probe();
+            PerfEventSupport {
+                name: e.name.into(),
+                kind: e.kind.as_str().into(),
+                available: res.is_ok(),
+                reason: res.err().unwrap_or_default(),
+            }
+        })
+        .collect();
+    let hardware_counters = perf_events.iter().any(|e| e.kind == "hardware" && e.available);
+    let interpreters = python::discover::interpreters()
+        .into_iter()
+        .map(|i| Interpreter {
+            path: i.path.display().to_string(),
+            version: i.version,
+            runtime_path: i.runtime.display().to_string(),
+            symbols: if i.full_symbols { "full" } else { "dynamic" }.into(),
+            support: "perf counters; Python function probes are not in this tracerd version".into(),
+        })
+        .collect();
+    Capabilities {
+        daemon_version: env!("CARGO_PKG_VERSION").into(),
+        kernel_release: nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default(),
+        btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
+        bpf: bpf_loaded,
+        tracefs: Path::new(bpf::TRACEFS).join("events").exists(),
+        hardware_counters,
+        perf_events,
+        interpreters,
+        modes: vec![Mode::Counting.into()],
+        perf_event_paranoid: std::fs::read_to_string("/proc/sys/kernel/perf_event_paranoid")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(-100),
+    }
+}

@@ -1,0 +1,172 @@
+//! Wiring: state store, BPF, the session manager and the gRPC servers (Unix socket, optional TCP).
+
+use std::{
+    net::SocketAddr,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use tokio::{net::UnixListener, sync::watch};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::Server;
+use tracer_proto::tracer_server::TracerServer;
+
+use crate::{bpf::ProcessFollower, capabilities, server::Service, session::manager::Manager, store::Store};
+
+pub const DEFAULT_SOCKET: &str = "/run/tracer/tracerd.sock";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    /// `tcp://HOST:PORT`: also serve on TCP. Callers there carry no credentials.
+    pub listen: Option<String>,
+    /// Group allowed to use the socket besides root.
+    pub group: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("another tracerd is already listening on {0}")]
+    SocketInUse(PathBuf),
+    #[error("cannot listen on {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no group named '{0}'")]
+    NoSuchGroup(String),
+    #[error("--listen wants tcp://HOST:PORT, got '{0}'")]
+    BadListen(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Bpf(#[from] crate::bpf::BpfError),
+    #[error(transparent)]
+    Session(#[from] crate::error::Error),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// Runs the daemon until `shutdown` resolves; running sessions are then ended and their reports kept.
+pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>) -> Result<(), DaemonError> {
+    let tcp = config.listen.as_deref().map(parse_listen).transpose()?;
+    claim_socket(&config.socket)?;
+    let store = Store::open(&config.state_dir)?;
+    let follower = Arc::new(ProcessFollower::load()?);
+    let gid = config
+        .group
+        .as_deref()
+        .map(|g| match nix::unistd::Group::from_name(g) {
+            Ok(Some(group)) => Ok(group.gid),
+            _ => Err(DaemonError::NoSuchGroup(g.to_owned())),
+        })
+        .transpose()?;
+    let uds = bind(&config.socket, gid)?;
+    let tcp = match tcp {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| DaemonError::Listen { addr: addr.to_string(), source })?,
+        ),
+        None => None,
+    };
+    let caps = Arc::new(tokio::task::spawn_blocking(|| capabilities::measure(true)).await.expect("capabilities task"));
+    let (sessions, manager_task) = Manager::spawn(store, follower)?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<TracerServer<Service>>().await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("valid descriptor sets");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("valid descriptor sets");
+    let service = TracerServer::new(Service { sessions: sessions.clone(), capabilities: caps });
+    let router = Server::builder()
+        .add_service(service)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    tracing::info!(socket = %config.socket.display(), "tracerd listening");
+    let uds_server = router.clone().serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
+    let tcp_server = async {
+        match tcp {
+            Some(l) => {
+                tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "tracerd listening on TCP (no credentials: read-only)");
+                router.serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped(stop_rx.clone())).await
+            }
+            None => Ok(()),
+        }
+    };
+    let on_shutdown = async {
+        shutdown.await;
+        tracing::info!("shutting down: ending running sessions");
+        health.set_not_serving::<TracerServer<Service>>().await;
+        sessions.shutdown().await;
+        let _ = stop_tx.send(true);
+    };
+    let (a, b, ()) = tokio::join!(uds_server, tcp_server, on_shutdown);
+    let _ = manager_task.await;
+    let _ = std::fs::remove_file(&config.socket);
+    a?;
+    b?;
+    Ok(())
+}
+
+fn parse_listen(s: &str) -> Result<SocketAddr, DaemonError> {
+    s.strip_prefix("tcp://").and_then(|a| a.parse().ok()).ok_or_else(|| DaemonError::BadListen(s.to_owned()))
+}
+
+/// Refuses a socket another daemon serves; removes a stale one left by a daemon that died.
+fn claim_socket(path: &Path) -> Result<(), DaemonError> {
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(DaemonError::SocketInUse(path.to_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(_) => std::fs::remove_file(path).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|source| DaemonError::Bind { path: path.to_owned(), source }),
+    }
+}
+
+/// Binds the socket with mode 0660, owned by root and `gid`: only root and that group may connect.
+fn bind(path: &Path, gid: Option<nix::unistd::Gid>) -> Result<UnixListener, DaemonError> {
+    let err = |source| DaemonError::Bind { path: path.to_owned(), source };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
+    if let Some(gid) = gid {
+        nix::unistd::chown(path, None, Some(gid)).map_err(|e| err(e.into()))?;
+    }
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses_parse() {
+        assert!(parse_listen("tcp://127.0.0.1:7070").is_ok());
+        assert!(parse_listen("127.0.0.1:7070").is_err());
+        assert!(parse_listen("tcp://nohost").is_err());
+    }
+}

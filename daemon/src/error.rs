@@ -1,0 +1,58 @@
+//! The daemon's errors, and the one place they become gRPC statuses.
+
+use tonic::{Code, Status};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("no process with pid {pid}")]
+    NoSuchProcess { pid: u32 },
+    #[error("permission denied: {reason}")]
+    PermissionDenied { reason: String },
+    #[error("no session with id '{id}'")]
+    NoSuchSession { id: String },
+    #[error("session {id} is still running; its report is available once it ends (stop it with `tracerctl stop {id}`)")]
+    StillRunning { id: String },
+    #[error("{0}")]
+    Unimplemented(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error(transparent)]
+    Bpf(#[from] crate::bpf::BpfError),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the daemon is shutting down")]
+    ShuttingDown,
+}
+
+impl Error {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io { context: context.into(), source }
+    }
+
+    pub fn code(&self) -> Code {
+        match self {
+            Error::InvalidArgument(_) => Code::InvalidArgument,
+            Error::NoSuchProcess { .. } | Error::NoSuchSession { .. } => Code::NotFound,
+            Error::PermissionDenied { .. } => Code::PermissionDenied,
+            Error::StillRunning { .. } => Code::FailedPrecondition,
+            Error::Unimplemented(_) => Code::Unimplemented,
+            Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::ShuttingDown => Code::Unavailable,
+            Error::Bpf(_) | Error::Store(_) | Error::Io { .. } => Code::Internal,
+        }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}

@@ -1,0 +1,14 @@
+//! tracerd's library: everything the daemon binary wires together.
+
+pub mod access;
+pub mod bpf;
+pub mod capabilities;
+pub mod daemon;
+pub mod error;
+pub mod perf;
+pub mod process;
+pub mod python;
+pub mod report;
+pub mod server;
+pub mod session;
+pub mod store;

@@ -1,0 +1,51 @@
+//! tracerd: the tracer daemon. One per machine; clients (tracerctl, any gRPC client) start
+//! sessions over its Unix socket.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use tracer_daemon::daemon::{self, Config};
+
+/// The tracer daemon: serves profiling sessions over gRPC.
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// Unix socket to serve on (mode 0660: root and --group may connect).
+    #[arg(long, default_value = daemon::DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// Where finished sessions' reports are kept across restarts.
+    #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// Also serve on TCP, e.g. tcp://127.0.0.1:7070. TCP callers carry no credentials and may only read.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    listen: Option<String>,
+    /// Group whose members may use the socket besides root.
+    #[arg(long)]
+    group: Option<String>,
+}
+
+fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = Config { socket: args.socket, state_dir: args.state_dir, listen: args.listen, group: args.group };
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    if let Err(e) = rt.block_on(daemon::run(config, shutdown_signal())) {
+        eprintln!("tracerd: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,3 @@
+//! CPython: finding interpreters on this machine and where their eval loop lives.
+
+pub mod discover;

@@ -1,0 +1,211 @@
+//! A session's report: what it measured, and what it could not. Stored as JSON; rendered as
+//! a table or JSON on request.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+use tracer_proto::{counter, Counter, Loss};
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    pub session: Summary,
+    /// perf counter totals (counting mode).
+    pub counters: Vec<CounterResult>,
+    /// Events that could not be recorded, by cause; empty when nothing was lost.
+    pub losses: Vec<LossEntry>,
+    pub processes: Processes,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub id: String,
+    pub mode: String,
+    /// "pid 1234" or "all".
+    pub target: String,
+    /// The target was launched by tracerctl and counted from its exec.
+    pub launched: bool,
+    pub owner_uid: u32,
+    pub started_unix_ms: u64,
+    pub elapsed_ms: u64,
+    pub state: String,
+    pub end_reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CounterResult {
+    pub event: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+    pub unit: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_enabled_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_running_ns: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LossEntry {
+    pub cause: String,
+    pub count: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Processes {
+    /// Processes followed at some point (target and forked children).
+    pub followed: u32,
+    pub exited: u32,
+    /// The target's command name, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+}
+
+impl From<&Counter> for CounterResult {
+    fn from(c: &Counter) -> Self {
+        let (value, unavailable, times) = match &c.result {
+            Some(counter::Result::Value(v)) => (Some(*v), None, true),
+            Some(counter::Result::Unavailable(why)) => (None, Some(why.clone()), false),
+            None => (None, Some("no reading".into()), false),
+        };
+        Self {
+            event: c.event.clone(),
+            value,
+            unavailable,
+            unit: c.unit.clone(),
+            time_enabled_ns: times.then_some(c.time_enabled_ns),
+            time_running_ns: times.then_some(c.time_running_ns),
+        }
+    }
+}
+
+impl From<&Loss> for LossEntry {
+    fn from(l: &Loss) -> Self {
+        Self { cause: l.cause.clone(), count: l.count }
+    }
+}
+
+impl Report {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("reports serialize")
+    }
+
+    pub fn from_json(s: &str) -> serde_json::Result<Self> {
+        serde_json::from_str(s)
+    }
+
+    /// The terminal table, laid out like `perf stat`.
+    pub fn to_table(&self) -> String {
+        let s = &self.session;
+        let mut out = String::new();
+        let launched = if s.launched { " (launched)" } else { "" };
+        let command = self.processes.command.as_deref().map(|c| format!(" [{c}]")).unwrap_or_default();
+        let _ = writeln!(out, "session {} · {} · {}{launched}{command}", s.id, s.mode, s.target);
+        let _ = writeln!(out, "{} {} after {}", s.state, s.end_reason, seconds(s.elapsed_ms));
+        if let Some(err) = &s.error {
+            let _ = writeln!(out, "error: {err}");
+        }
+        if !self.counters.is_empty() {
+            let _ = writeln!(out, "\n Performance counter stats:\n");
+            for c in &self.counters {
+                match (c.value, &c.unavailable) {
+                    (Some(v), _) if c.unit == "ns" => {
+                        let ms = v as f64 / 1e6;
+                        let _ = writeln!(out, "{:>20} msec  {:<18}{}", group_f(ms), c.event, multiplex_note(c));
+                    }
+                    (Some(v), _) => {
+                        let _ = writeln!(out, "{:>20}       {:<18}{}", group(v), c.event, multiplex_note(c));
+                    }
+                    (None, why) => {
+                        let why = why.as_deref().unwrap_or("no reading");
+                        let _ = writeln!(out, "{:>20}       {:<18}{why}", "<not supported>", c.event);
+                    }
+                }
+            }
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(out, " processes: {} followed, {} exited", self.processes.followed, self.processes.exited);
+        if self.losses.is_empty() {
+            let _ = writeln!(out, " losses: none");
+        } else {
+            let list: Vec<String> = self.losses.iter().map(|l| format!("{} {}", group(l.count), l.cause)).collect();
+            let _ = writeln!(out, " losses: {}", list.join(", "));
+        }
+        out
+    }
+}
+
+fn multiplex_note(c: &CounterResult) -> String {
+    match (c.time_enabled_ns, c.time_running_ns) {
+        (Some(e), Some(r)) if r < e && e > 0 => format!("  ({:.2}% counted, scaled)", r as f64 * 100.0 / e as f64),
+        _ => String::new(),
+    }
+}
+
+fn seconds(ms: u64) -> String {
+    format!("{:.3} s", ms as f64 / 1000.0)
+}
+
+/// 1234567 → "1,234,567".
+pub fn group(v: u64) -> String {
+    let digits = v.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+fn group_f(v: f64) -> String {
+    let whole = v.trunc() as u64;
+    format!("{}.{:02}", group(whole), ((v - v.trunc()) * 100.0).round().min(99.0) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_grouped() {
+        assert_eq!(group(0), "0");
+        assert_eq!(group(999), "999");
+        assert_eq!(group(1000), "1,000");
+        assert_eq!(group(1_234_567), "1,234,567");
+        assert_eq!(group_f(1234.5), "1,234.50");
+    }
+
+    #[test]
+    fn unavailable_counters_are_never_zero() {
+        let r = Report {
+            counters: vec![
+                CounterResult::from(&Counter {
+                    event: "cycles".into(),
+                    result: Some(counter::Result::Unavailable("no PMU".into())),
+                    unit: "count".into(),
+                    ..Default::default()
+                }),
+                CounterResult::from(&Counter {
+                    event: "page-faults".into(),
+                    result: Some(counter::Result::Value(1234)),
+                    unit: "count".into(),
+                    time_enabled_ns: 10,
+                    time_running_ns: 10,
+                }),
+            ],
+            ..Default::default()
+        };
+        let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!(json["counters"][0]["unavailable"], "no PMU");
+        assert!(json["counters"][0].get("value").is_none());
+        assert_eq!(json["counters"][1]["value"], 1234);
+        let table = r.to_table();
+        assert!(table.contains("<not supported>       cycles"), "{table}");
+        assert!(table.contains("1,234       page-faults"), "{table}");
+        assert_eq!(Report::from_json(&r.to_json()).unwrap(), r);
+    }
+}

@@ -1,0 +1,120 @@
+//! The gRPC service: validates requests, asks the session manager, maps errors to statuses.
+
+use std::{pin::Pin, sync::Arc, time::Duration};
+
+use tokio::sync::mpsc;
+use tokio_stream::{wrappers::ReceiverStream, Stream};
+use tonic::{transport::server::UdsConnectInfo, Request, Response, Status};
+use tracer_proto::{
+    tracer_server::Tracer, Capabilities, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest,
+    ListSessionsResponse, ReportChunk, ReportFormat, SessionInfo, SessionRef, SessionState, StartSessionRequest,
+    WatchSessionRequest,
+};
+
+use crate::{access::Caller, session::manager::Handle};
+
+/// Reports are streamed in pieces of this size.
+const CHUNK: usize = 64 * 1024;
+
+pub struct Service {
+    pub sessions: Handle,
+    pub capabilities: Arc<Capabilities>,
+}
+
+/// The caller's identity: SO_PEERCRED on the Unix socket; none over TCP.
+fn caller<T>(req: &Request<T>) -> Caller {
+    let uid = req.extensions().get::<UdsConnectInfo>().and_then(|info| info.peer_cred).map(|cred| cred.uid());
+    Caller { uid }
+}
+
+fn id_of(id: &str) -> Result<String, Status> {
+    if id.is_empty() {
+        return Err(Status::invalid_argument("a session id is required"));
+    }
+    Ok(id.to_owned())
+}
+
+type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Tracer for Service {
+    async fn start_session(&self, req: Request<StartSessionRequest>) -> Result<Response<SessionInfo>, Status> {
+        let who = caller(&req);
+        Ok(Response::new(self.sessions.start(req.into_inner(), who).await?))
+    }
+
+    async fn stop_session(&self, req: Request<SessionRef>) -> Result<Response<SessionInfo>, Status> {
+        let who = caller(&req);
+        let id = id_of(&req.get_ref().id)?;
+        Ok(Response::new(self.sessions.stop(id, who).await?))
+    }
+
+    async fn get_session(&self, req: Request<SessionRef>) -> Result<Response<SessionInfo>, Status> {
+        let who = caller(&req);
+        let id = id_of(&req.get_ref().id)?;
+        Ok(Response::new(self.sessions.get(id, who).await?.0))
+    }
+
+    type WatchSessionStream = Stream2<SessionInfo>;
+
+    async fn watch_session(&self, req: Request<WatchSessionRequest>) -> Result<Response<Self::WatchSessionStream>, Status> {
+        let who = caller(&req);
+        let id = id_of(&req.get_ref().id)?;
+        let interval = Duration::from_millis(u64::from(match req.get_ref().interval_ms {
+            0 => 1000,
+            ms => ms.max(50),
+        }));
+        // Fails here, before the stream starts, for an unknown or foreign session.
+        let (first, mut ended) = self.sessions.get(id.clone(), who).await?;
+        let (tx, rx) = mpsc::channel(4);
+        let sessions = self.sessions.clone();
+        tokio::spawn(async move {
+            let mut info = first;
+            loop {
+                let done = info.state != SessionState::Running as i32;
+                // A client that went away ends this task; nothing else depends on it.
+                if tx.send(Ok(info)).await.is_err() || done {
+                    return;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = ended.changed() => {}
+                }
+                info = match sessions.get(id.clone(), who).await {
+                    Ok((i, _)) => i,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                };
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn list_sessions(&self, req: Request<ListSessionsRequest>) -> Result<Response<ListSessionsResponse>, Status> {
+        let who = caller(&req);
+        Ok(Response::new(ListSessionsResponse { sessions: self.sessions.list(who).await? }))
+    }
+
+    type GetReportStream = Stream2<ReportChunk>;
+
+    async fn get_report(&self, req: Request<GetReportRequest>) -> Result<Response<Self::GetReportStream>, Status> {
+        let who = caller(&req);
+        let id = id_of(&req.get_ref().id)?;
+        let format = ReportFormat::try_from(req.get_ref().format)
+            .map_err(|_| Status::invalid_argument(format!("unknown report format {}", req.get_ref().format)))?;
+        let report = self.sessions.report(id, who).await?;
+        let text = match format {
+            ReportFormat::Unspecified | ReportFormat::Table => report.to_table(),
+            ReportFormat::Json => report.to_json(),
+        };
+        let chunks: Vec<Result<ReportChunk, Status>> =
+            text.into_bytes().chunks(CHUNK).map(|c| Ok(ReportChunk { data: c.to_vec() })).collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
+
+    async fn get_capabilities(&self, _req: Request<GetCapabilitiesRequest>) -> Result<Response<Capabilities>, Status> {
+        Ok(Response::new((*self.capabilities).clone()))
+    }
+}

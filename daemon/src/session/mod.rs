@@ -1,0 +1,131 @@
+//! Sessions: what one client asked to measure, from start to report.
+//!
+//! [`manager`] owns every session in one task; the gRPC service talks to it through a
+//! [`manager::Handle`]. Each mode's sources live in their own module ([`counting`]).
+
+pub mod counting;
+pub mod manager;
+
+use std::{collections::BTreeSet, time::Instant};
+
+use tokio::{sync::watch, task::JoinHandle};
+use tracer_common::loss;
+use tracer_proto::{EndReason, Loss, Mode, SessionInfo, SessionState, Target};
+
+use crate::{bpf, report};
+
+/// A running session.
+struct Session {
+    id: String,
+    mode: Mode,
+    target: Target,
+    duration_ms: u64,
+    owner_uid: u32,
+    started: Instant,
+    started_unix_ms: u64,
+    /// Bit in the BPF `TRACKED` masks, for sessions that follow processes.
+    slot: Option<u8>,
+    /// Followed processes that are alive.
+    live: BTreeSet<u32>,
+    followed: u32,
+    exited: u32,
+    proc_events: u64,
+    counting: Option<counting::Counting>,
+    /// Kernel loss counters at start: a session reports what was lost while it ran.
+    loss_base: [u64; loss::COUNT as usize],
+    command: Option<String>,
+    ended: watch::Sender<bool>,
+    expiry: Option<JoinHandle<()>>,
+}
+
+impl Session {
+    fn losses(&self, now: &[u64; loss::COUNT as usize]) -> Vec<Loss> {
+        if self.slot.is_none() {
+            return Vec::new();
+        }
+        (0..loss::COUNT)
+            .filter_map(|i| {
+                let n = now[i as usize].saturating_sub(self.loss_base[i as usize]);
+                (n > 0).then(|| Loss { cause: bpf::loss_cause_name(i).into(), count: n })
+            })
+            .collect()
+    }
+
+    fn info(&mut self, losses: &[u64; loss::COUNT as usize]) -> SessionInfo {
+        SessionInfo {
+            id: self.id.clone(),
+            mode: self.mode.into(),
+            target: Some(self.target),
+            state: SessionState::Running.into(),
+            end_reason: EndReason::Unspecified.into(),
+            error: String::new(),
+            started_unix_ms: self.started_unix_ms,
+            elapsed_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            duration_ms: self.duration_ms,
+            counters: self.counting.as_mut().map(counting::Counting::read).unwrap_or_default(),
+            live_processes: u32::try_from(self.live.len()).unwrap_or(u32::MAX),
+            exited_processes: self.exited,
+            losses: self.losses(losses),
+            owner_uid: self.owner_uid,
+            events: self.proc_events,
+        }
+    }
+}
+
+pub fn target_label(t: Option<&Target>) -> String {
+    match t.and_then(|t| t.kind) {
+        Some(tracer_proto::target::Kind::Pid(pid)) => format!("pid {pid}"),
+        Some(tracer_proto::target::Kind::All(_)) => "all".into(),
+        None => "none".into(),
+    }
+}
+
+pub fn mode_name(mode: i32) -> &'static str {
+    match Mode::try_from(mode) {
+        Ok(Mode::Counting) => "counting",
+        Ok(Mode::Sampling) => "sampling",
+        Ok(Mode::Tracing) => "tracing",
+        _ => "unspecified",
+    }
+}
+
+pub fn state_name(state: i32) -> &'static str {
+    match SessionState::try_from(state) {
+        Ok(SessionState::Running) => "running",
+        Ok(SessionState::Finished) => "finished",
+        Ok(SessionState::Failed) => "failed",
+        _ => "unspecified",
+    }
+}
+
+pub fn end_reason_name(reason: i32) -> &'static str {
+    match EndReason::try_from(reason) {
+        Ok(EndReason::Stopped) => "stopped",
+        Ok(EndReason::Duration) => "duration reached",
+        Ok(EndReason::TargetExited) => "target exited",
+        Ok(EndReason::DaemonShutdown) => "daemon shut down",
+        Ok(EndReason::Error) => "error",
+        _ => "",
+    }
+}
+
+/// The report of an ended session, from its final state.
+fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> report::Report {
+    report::Report {
+        session: report::Summary {
+            id: info.id.clone(),
+            mode: mode_name(info.mode).into(),
+            target: target_label(info.target.as_ref()),
+            launched: info.target.is_some_and(|t| t.launched),
+            owner_uid: info.owner_uid,
+            started_unix_ms: info.started_unix_ms,
+            elapsed_ms: info.elapsed_ms,
+            state: state_name(info.state).into(),
+            end_reason: end_reason_name(info.end_reason).into(),
+            error: (!info.error.is_empty()).then(|| info.error.clone()),
+        },
+        counters: info.counters.iter().map(report::CounterResult::from).collect(),
+        losses: info.losses.iter().map(report::LossEntry::from).collect(),
+        processes: report::Processes { followed, exited: info.exited_processes, command },
+    }
+}

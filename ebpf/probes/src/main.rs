@@ -1,0 +1,12 @@
+//! tracer's BPF programs. One object, loaded once by tracerd; programs are attached as sessions need them.
+#![no_std]
+#![no_main]
+
+mod proc;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // BPF programs cannot panic at run time; the verifier rejects any path that would reach here.
+    loop {}
+}

@@ -1,0 +1,137 @@
+//! Process following: which processes belong to which session, as they fork and exit.
+//!
+//! `TRACKED` maps a process id to the sessions that follow it. The daemon seeds it with a
+//! session's target; these programs extend it to the children the target forks and tell the
+//! daemon (ring buffer) when a followed process forks or exits, so sessions end when their
+//! targets do and later probes can filter on it.
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    macros::{map, tracepoint},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::TracePointContext,
+};
+use tracer_common::{
+    loss, ProcEvent, SessionMask, PROC_EVENT_EXIT, PROC_EVENT_FORK, TRACKED_MAX_ENTRIES,
+};
+
+/// Process id → sessions following it.
+#[map]
+static TRACKED: HashMap<u32, SessionMask> = HashMap::with_max_entries(TRACKED_MAX_ENTRIES, 0);
+
+#[map]
+static PROC_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// Per-CPU loss counters, indexed by `tracer_common::loss::*`.
+#[map]
+static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
+
+// Tracepoint field offsets, patched in by the loader from tracefs (see `tracer_common::globals`).
+#[no_mangle]
+static NEWTASK_PID_OFFSET: u32 = 8;
+#[no_mangle]
+static NEWTASK_CLONE_FLAGS_OFFSET: u32 = 32;
+#[no_mangle]
+static EXIT_GROUP_DEAD_OFFSET: u32 = u32::MAX;
+
+const CLONE_THREAD: u64 = 0x0001_0000;
+
+fn global(v: &u32) -> u32 {
+    // SAFETY: reading a plain static; volatile so the loader's patched value is used, not the default.
+    unsafe { core::ptr::read_volatile(v) }
+}
+
+fn count_loss(cause: u32) {
+    if let Some(slot) = LOSSES.get_ptr_mut(cause) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
+        unsafe { *slot += 1 };
+    }
+}
+
+fn emit(event: ProcEvent) {
+    match PROC_EVENTS.reserve::<ProcEvent>(0) {
+        Some(mut entry) => {
+            entry.write(event);
+            entry.submit(0);
+        }
+        None => count_loss(loss::RINGBUF_FULL),
+    }
+}
+
+/// `task:task_newtask`, in the parent: a followed process forked a new process (not a thread).
+#[tracepoint]
+pub fn tracer_task_newtask(ctx: TracePointContext) -> u32 {
+    match try_task_newtask(&ctx) {
+        Ok(()) => 0,
+        Err(()) => 1,
+    }
+}
+
+fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
+    let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: map lookups return pointers valid for the duration of the program.
+    let Some(&sessions) = (unsafe { TRACKED.get(&parent) }) else {
+        return Ok(());
+    };
+    // SAFETY: offsets come from this kernel's tracepoint format; read_at is a bounded probe read.
+    let flags: u64 = unsafe { ctx.read_at(global(&NEWTASK_CLONE_FLAGS_OFFSET) as usize) }.map_err(|_| ())?;
+    if flags & CLONE_THREAD != 0 {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    let child: i32 = unsafe { ctx.read_at(global(&NEWTASK_PID_OFFSET) as usize) }.map_err(|_| ())?;
+    let child = child as u32;
+    if TRACKED.insert(&child, &sessions, 0).is_err() {
+        count_loss(loss::TRACKED_MAP_FULL);
+    }
+    emit(ProcEvent {
+        kind: PROC_EVENT_FORK,
+        pid: child,
+        parent_pid: parent,
+        _pad: 0,
+        sessions,
+        // SAFETY: plain BPF helper calls.
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        comm: bpf_get_current_comm().unwrap_or([0; 16]),
+    });
+    Ok(())
+}
+
+/// `sched:sched_process_exit`: the last thread of a followed process is exiting.
+#[tracepoint]
+pub fn tracer_process_exit(ctx: TracePointContext) -> u32 {
+    match try_process_exit(&ctx) {
+        Ok(()) => 0,
+        Err(()) => 1,
+    }
+}
+
+fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    let group_dead = match global(&EXIT_GROUP_DEAD_OFFSET) {
+        // Older kernels lack `group_dead`: take the leader's exit as the process's.
+        u32::MAX => tgid == tid,
+        // SAFETY: offset from this kernel's tracepoint format.
+        off => unsafe { ctx.read_at::<u8>(off as usize) }.map_err(|_| ())? != 0,
+    };
+    if !group_dead {
+        return Ok(());
+    }
+    // SAFETY: see try_task_newtask.
+    let Some(&sessions) = (unsafe { TRACKED.get(&tgid) }) else {
+        return Ok(());
+    };
+    let _ = TRACKED.remove(&tgid);
+    emit(ProcEvent {
+        kind: PROC_EVENT_EXIT,
+        pid: tgid,
+        parent_pid: 0,
+        _pad: 0,
+        sessions,
+        // SAFETY: plain BPF helper calls.
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        comm: bpf_get_current_comm().unwrap_or([0; 16]),
+    });
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! `cargo xtask …`: everything a developer or CI runs, as one Rust program.
+
+mod proto;
+mod toolchain;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "tracer's developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what the BPF build needs (nightly rust-src, bpf-linker 0.10.3), only what is missing.
+    Setup,
+    /// Set up, then build tracerd and tracerctl (release), BPF programs included.
+    Build,
+    /// Regenerate proto/src/generated from proto/proto/tracer.proto.
+    GenProto {
+        /// Fail instead of writing when the checked-in code differs from a fresh generation.
+        #[arg(long)]
+        check: bool,
+    },
+    /// The main job: build, start tracerd, profile examples/app.py in counting mode, print the report.
+    Demo,
+    /// The whole test suite: formatting, lints, generated code, unit and end-to-end tests (needs root).
+    Test,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => toolchain::setup(),
+        Task::Build => build(),
+        Task::GenProto { check } => proto::generate(check),
+        Task::Demo => demo(),
+        Task::Test => test(),
+    }
+}
+
+/// The workspace root (this crate lives one level below it).
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask has a parent").to_path_buf()
+}
+
+/// Where release binaries land.
+pub fn bin_dir() -> PathBuf {
+    root().join("target").join("release")
+}
+
+/// Runs a command to completion, failing with its name when it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+fn build() -> Result<()> {
+    toolchain::setup()?;
+    run(cargo().args(["build", "--release", "--bin", "tracerd", "--bin", "tracerctl"]))
+}
+
+fn demo() -> Result<()> {
+    build()?;
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("tracerd.sock");
+    let bin = bin_dir();
+    let mut daemon = Command::new(bin.join("tracerd"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .context("starting tracerd (the demo must run as root)")?;
+    let result = (|| {
+        wait_for_socket(&socket, &mut daemon)?;
+        let events = "task-clock,page-faults,context-switches,cycles";
+        println!("$ tracerctl start --mode=counting --events {events} -- python3 examples/app.py");
+        run(Command::new(bin.join("tracerctl"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["start", "--mode=counting", "--events", events, "--", "python3"])
+            .arg(root().join("examples/app.py")))?;
+        // The same command under perf stat, for comparison, where perf is installed.
+        if Command::new("perf").arg("--version").output().is_ok_and(|o| o.status.success()) {
+            println!("\n$ perf stat -e {events} -- python3 examples/app.py");
+            run(Command::new("perf").args(["stat", "-e", events, "--", "python3"]).arg(root().join("examples/app.py")))?;
+        }
+        Ok(())
+    })();
+    // SIGTERM lets the daemon close sessions and persist their reports.
+    let _ = Command::new("kill").arg(daemon.id().to_string()).status();
+    let _ = daemon.wait();
+    result
+}
+
+fn wait_for_socket(socket: &Path, daemon: &mut std::process::Child) -> Result<()> {
+    for _ in 0..200 {
+        if socket.exists() {
+            return Ok(());
+        }
+        if let Some(status) = daemon.try_wait()? {
+            bail!("tracerd exited before listening: {status}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    bail!("tracerd did not create {} within 10 s", socket.display())
+}
+
+fn test() -> Result<()> {
+    toolchain::setup()?;
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    proto::generate(true)?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--release", "--", "-D", "warnings"]))?;
+    let venv = toolchain::python_test_env()?;
+    run(cargo().args(["build", "--release", "--bin", "tracerd", "--bin", "tracerctl"]))?;
+    run(cargo()
+        .args(["test", "--workspace", "--release", "--", "--test-threads=1"])
+        .env("TRACER_BIN_DIR", bin_dir())
+        .env("TRACER_TEST_PYTHON", venv.join("bin/python3")))
+}

@@ -1,0 +1,49 @@
+//! Installs, only when missing, what building the BPF programs needs.
+
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::run;
+
+/// bpf-linker 0.10.x links with the nightly rustc's own LLVM; later versions need a system LLVM.
+const BPF_LINKER_VERSION: &str = "0.10.3";
+
+pub fn setup() -> Result<()> {
+    let installed = output(Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]))
+        .context("rustup must be installed with a nightly toolchain")?;
+    if !installed.lines().any(|l| l.starts_with("rust-src")) {
+        eprintln!("xtask: installing rust-src for nightly");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    }
+    let have = output(Command::new("bpf-linker").arg("--version")).unwrap_or_default();
+    if !have.contains(BPF_LINKER_VERSION) {
+        eprintln!("xtask: installing bpf-linker {BPF_LINKER_VERSION}");
+        run(Command::new("cargo").args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force"]))?;
+    }
+    Ok(())
+}
+
+/// A virtualenv under target/ with the third-party Python clients the tests use as ground truth.
+pub fn python_test_env() -> Result<std::path::PathBuf> {
+    let venv = crate::root().join("target").join("test-venv");
+    let python = venv.join("bin/python3");
+    let want = ["grpcio", "grpcio-reflection", "grpcio-health-checking", "protobuf"];
+    if !python.exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    let ok = Command::new(&python)
+        .args(["-c", "import grpc, grpc_reflection, grpc_health"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        run(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).args(want))?;
+    }
+    Ok(venv)
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    anyhow::ensure!(out.status.success(), "{cmd:?} failed");
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

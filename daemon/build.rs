@@ -14,7 +14,11 @@ fn main() {
     for dir in ["ebpf/probes/src", "ebpf/common/src"] {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
-    for file in ["ebpf/probes/Cargo.toml", "ebpf/probes/Cargo.lock", "ebpf/common/Cargo.toml"] {
+    for file in [
+        "ebpf/probes/Cargo.toml",
+        "ebpf/probes/Cargo.lock",
+        "ebpf/common/Cargo.toml",
+    ] {
         println!("cargo:rerun-if-changed={}", root.join(file).display());
     }
     // Its own target dir: the nested build must not wait on the lock of the outer one.
@@ -30,11 +34,17 @@ fn main() {
     // The outer build's compiler settings (clippy's wrapper, host rustflags, the stable toolchain) must not leak in.
     for (key, _) in env::vars_os() {
         let key = key.to_string_lossy();
-        if (key.starts_with("CARGO_") && key != "CARGO_HOME") || key.starts_with("RUSTC") || key == "RUSTFLAGS" || key == "RUSTUP_TOOLCHAIN" {
+        if (key.starts_with("CARGO_") && key != "CARGO_HOME")
+            || key.starts_with("RUSTC")
+            || key == "RUSTFLAGS"
+            || key == "RUSTUP_TOOLCHAIN"
+        {
             cmd.env_remove(key.as_ref());
         }
     }
-    let status = cmd.status().unwrap_or_else(|e| panic!("running `rustup run nightly cargo`: {e}"));
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("running `rustup run nightly cargo`: {e}"));
     assert!(
         status.success(),
         "building the BPF programs failed ({status}); run `cargo xtask setup` to install nightly rust-src and bpf-linker"
@@ -45,5 +55,6 @@ fn main() {
 }
 
 fn copy(from: &Path, to: &Path) {
-    std::fs::copy(from, to).unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
+    std::fs::copy(from, to)
+        .unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
 }

@@ -31,7 +31,9 @@ pub async fn connect(addr: &str) -> anyhow::Result<Client> {
     let channel = Endpoint::try_from("http://tracerd.local")?
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
         }))
         .await
         .map_err(|e| anyhow::anyhow!("cannot connect to tracerd at {addr}: {}", root_cause(&e)))?;

@@ -2,15 +2,23 @@
 
 pub fn parse_ms(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("invalid duration '{s}' (examples: 500ms, 30s, 5m, 1h)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration '{s}' (examples: 500ms, 30s, 5m, 1h)"))?;
     let scale = match unit {
         "ms" => 1.0,
         "" | "s" => 1e3,
         "m" => 60e3,
         "h" => 3600e3,
-        _ => return Err(format!("invalid duration unit '{unit}' in '{s}' (use ms, s, m or h)")),
+        _ => {
+            return Err(format!(
+                "invalid duration unit '{unit}' in '{s}' (use ms, s, m or h)"
+            ))
+        }
     };
     Ok((n * scale).round() as u64)
 }

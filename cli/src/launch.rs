@@ -20,8 +20,11 @@ pub struct Held {
 
 /// Forks. Must be called while the process is single-threaded (before the tokio runtime).
 pub fn hold(cmd: &[String]) -> Result<Held> {
-    let args: Vec<CString> =
-        cmd.iter().map(|a| CString::new(a.as_str())).collect::<Result<_, _>>().context("command has a NUL byte")?;
+    let args: Vec<CString> = cmd
+        .iter()
+        .map(|a| CString::new(a.as_str()))
+        .collect::<Result<_, _>>()
+        .context("command has a NUL byte")?;
     let (rx, tx) = pipe().context("pipe")?;
     // SAFETY: single-threaded here; the child only calls async-signal-safe functions before exec.
     match unsafe { fork() }.context("fork")? {
@@ -35,13 +38,20 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
             }
             let err = nix::unistd::execvp(&args[0], &args).unwrap_err();
             // Forked from a single-threaded process: formatting and printing are safe here.
-            eprintln!("tracerctl: cannot run '{}': {}", cmd[0], std::io::Error::from(err));
+            eprintln!(
+                "tracerctl: cannot run '{}': {}",
+                cmd[0],
+                std::io::Error::from(err)
+            );
             // SAFETY: _exit skips the parent's atexit handlers and buffers, as a failed exec should.
             unsafe { libc::_exit(127) }
         }
         ForkResult::Parent { child } => {
             drop(rx);
-            Ok(Held { pid: child, go: Some(tx) })
+            Ok(Held {
+                pid: child,
+                go: Some(tx),
+            })
         }
     }
 }

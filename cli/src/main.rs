@@ -11,8 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tracer_proto::{
-    target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode, ReportFormat,
-    SessionInfo, SessionRef, SessionState, StartSessionRequest, Target, WatchSessionRequest,
+    target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode,
+    ReportFormat, SessionInfo, SessionRef, SessionState, StartSessionRequest, Target,
+    WatchSessionRequest,
 };
 
 /// Control tracerd: start profiling sessions, follow them, fetch their reports.
@@ -20,7 +21,12 @@ use tracer_proto::{
 #[command(version, name = "tracerctl")]
 struct Cli {
     /// tracerd's Unix socket, or tcp://HOST:PORT.
-    #[arg(long, env = "TRACER_SOCKET", default_value = "/run/tracer/tracerd.sock", global = true)]
+    #[arg(
+        long,
+        env = "TRACER_SOCKET",
+        default_value = "/run/tracer/tracerd.sock",
+        global = true
+    )]
     socket: String,
     #[command(subcommand)]
     command: Command,
@@ -103,7 +109,11 @@ fn main() -> ExitCode {
         Err(e) => {
             // One line naming the problem, not clap's usage block.
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments").trim_start_matches("error: ");
+            let first = text
+                .lines()
+                .next()
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
             eprintln!("tracerctl: {first} (see tracerctl --help)");
             return ExitCode::from(2);
         }
@@ -116,7 +126,11 @@ fn main() -> ExitCode {
         },
         _ => None,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match rt.block_on(run(cli, held)) {
         Ok(code) => code,
         Err(e) => fail(&e),
@@ -149,17 +163,29 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
     match cli.command {
         Command::Start(args) => start(&mut client, args, held).await,
         Command::Stop { id } => {
-            let s = client.stop_session(SessionRef { id }).await.map_err(status_err)?.into_inner();
+            let s = client
+                .stop_session(SessionRef { id })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             print!("{}", render::status(&s));
             Ok(ExitCode::SUCCESS)
         }
         Command::List => {
-            let r = client.list_sessions(ListSessionsRequest {}).await.map_err(status_err)?.into_inner();
+            let r = client
+                .list_sessions(ListSessionsRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
             print!("{}", render::list(&r.sessions));
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { id } => {
-            let s = client.get_session(SessionRef { id }).await.map_err(status_err)?.into_inner();
+            let s = client
+                .get_session(SessionRef { id })
+                .await
+                .map_err(status_err)?
+                .into_inner();
             print!("{}", render::status(&s));
             Ok(ExitCode::SUCCESS)
         }
@@ -168,16 +194,26 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Capabilities => {
-            let c = client.get_capabilities(GetCapabilitiesRequest {}).await.map_err(status_err)?.into_inner();
+            let c = client
+                .get_capabilities(GetCapabilitiesRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
             print!("{}", render::capabilities(&c));
             Ok(ExitCode::SUCCESS)
         }
     }
 }
 
-async fn start(client: &mut client::Client, args: StartArgs, mut held: Option<launch::Held>) -> Result<ExitCode> {
+async fn start(
+    client: &mut client::Client,
+    args: StartArgs,
+    mut held: Option<launch::Held>,
+) -> Result<ExitCode> {
     let kind = match (&held, args.pid, args.all) {
-        (Some(h), _, _) => target::Kind::Pid(u32::try_from(h.pid.as_raw()).expect("pids are positive")),
+        (Some(h), _, _) => {
+            target::Kind::Pid(u32::try_from(h.pid.as_raw()).expect("pids are positive"))
+        }
         (None, Some(pid), _) => target::Kind::Pid(pid),
         (None, None, true) => target::Kind::All(true),
         (None, None, false) => bail!("a target is required: --pid PID, --all, or -- CMD ARGS…"),
@@ -189,9 +225,14 @@ async fn start(client: &mut client::Client, args: StartArgs, mut held: Option<la
     };
     let req = StartSessionRequest {
         mode: mode.into(),
-        target: Some(Target { kind: Some(kind), launched: held.is_some() }),
+        target: Some(Target {
+            kind: Some(kind),
+            launched: held.is_some(),
+        }),
         duration_ms: args.duration,
-        counting: Some(CountingOptions { events: args.events }),
+        counting: Some(CountingOptions {
+            events: args.events,
+        }),
     };
     let session = match client.start_session(req).await {
         Ok(s) => s.into_inner(),
@@ -230,7 +271,10 @@ async fn start(client: &mut client::Client, args: StartArgs, mut held: Option<la
 async fn follow(client: &mut client::Client, id: &str) -> Result<SessionInfo> {
     let tty = std::io::stderr().is_terminal();
     let mut stream = client
-        .watch_session(WatchSessionRequest { id: id.to_owned(), interval_ms: 500 })
+        .watch_session(WatchSessionRequest {
+            id: id.to_owned(),
+            interval_ms: 500,
+        })
         .await
         .map_err(status_err)?
         .into_inner();
@@ -252,13 +296,20 @@ async fn follow(client: &mut client::Client, id: &str) -> Result<SessionInfo> {
 /// ourselves if that has not happened within a few seconds.
 async fn finish_after_exit(client: &mut client::Client, id: &str) -> Result<()> {
     for _ in 0..50 {
-        let s = client.get_session(SessionRef { id: id.to_owned() }).await.map_err(status_err)?.into_inner();
+        let s = client
+            .get_session(SessionRef { id: id.to_owned() })
+            .await
+            .map_err(status_err)?
+            .into_inner();
         if s.state != SessionState::Running as i32 {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    client.stop_session(SessionRef { id: id.to_owned() }).await.map_err(status_err)?;
+    client
+        .stop_session(SessionRef { id: id.to_owned() })
+        .await
+        .map_err(status_err)?;
     Ok(())
 }
 
@@ -267,13 +318,22 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Table => ReportFormat::Table,
         FormatArg::Json => ReportFormat::Json,
     };
-    let mut stream = client.get_report(GetReportRequest { id, format: format.into() }).await.map_err(status_err)?.into_inner();
+    let mut stream = client
+        .get_report(GetReportRequest {
+            id,
+            format: format.into(),
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner();
     let mut data = Vec::new();
     while let Some(chunk) = stream.next().await {
         data.extend(chunk.map_err(status_err)?.data);
     }
     match &out.output {
-        Some(path) => std::fs::write(path, &data).with_context(|| format!("writing {}", path.display()))?,
+        Some(path) => {
+            std::fs::write(path, &data).with_context(|| format!("writing {}", path.display()))?
+        }
         None => {
             use std::io::Write;
             std::io::stdout().write_all(&data)?;

@@ -44,9 +44,20 @@ fn secs(ms: u64) -> String {
 }
 
 pub fn list(sessions: &[SessionInfo]) -> String {
-    let mut out = format!("{:<14} {:<9} {:<12} {:>9}  {}\n", "ID", "MODE", "TARGET", "ELAPSED", "STATE");
+    let mut out = format!(
+        "{:<14} {:<9} {:<12} {:>9}  {}\n",
+        "ID", "MODE", "TARGET", "ELAPSED", "STATE"
+    );
     for s in sessions {
-        let _ = writeln!(out, "{:<14} {:<9} {:<12} {:>9}  {}", s.id, mode(s.mode), target(s), secs(s.elapsed_ms), state(s));
+        let _ = writeln!(
+            out,
+            "{:<14} {:<9} {:<12} {:>9}  {}",
+            s.id,
+            mode(s.mode),
+            target(s),
+            secs(s.elapsed_ms),
+            state(s)
+        );
     }
     out
 }
@@ -60,20 +71,37 @@ pub fn status(s: &SessionInfo) -> String {
     if !s.error.is_empty() {
         let _ = writeln!(out, "error:     {}", s.error);
     }
-    let dur = if s.duration_ms > 0 { format!(" of {}", secs(s.duration_ms)) } else { String::new() };
+    let dur = if s.duration_ms > 0 {
+        format!(" of {}", secs(s.duration_ms))
+    } else {
+        String::new()
+    };
     let _ = writeln!(out, "elapsed:   {}{dur}", secs(s.elapsed_ms));
-    let _ = writeln!(out, "processes: {} live, {} exited", s.live_processes, s.exited_processes);
+    let _ = writeln!(
+        out,
+        "processes: {} live, {} exited",
+        s.live_processes, s.exited_processes
+    );
     let _ = writeln!(out, "events:    {}", s.events);
     let losses = if s.losses.is_empty() {
         "none".to_owned()
     } else {
-        s.losses.iter().map(|l| format!("{} {}", l.count, l.cause)).collect::<Vec<_>>().join(", ")
+        s.losses
+            .iter()
+            .map(|l| format!("{} {}", l.count, l.cause))
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     let _ = writeln!(out, "losses:    {losses}");
     for c in &s.counters {
         match &c.result {
             Some(counter::Result::Value(v)) => {
-                let _ = writeln!(out, "  {:<18} {v} {}", c.event, if c.unit == "ns" { "ns" } else { "" });
+                let _ = writeln!(
+                    out,
+                    "  {:<18} {v} {}",
+                    c.event,
+                    if c.unit == "ns" { "ns" } else { "" }
+                );
             }
             Some(counter::Result::Unavailable(why)) => {
                 let _ = writeln!(out, "  {:<18} unavailable: {why}", c.event);
@@ -100,14 +128,29 @@ pub fn progress(s: &SessionInfo) -> String {
 pub fn capabilities(c: &Capabilities) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::new();
-    let _ = writeln!(out, "tracerd {}  kernel {}", c.daemon_version, c.kernel_release);
-    let _ = writeln!(out, "BPF: {}  BTF: {}  tracefs: {}  perf_event_paranoid: {}", yes(c.bpf), yes(c.btf), yes(c.tracefs), c.perf_event_paranoid);
+    let _ = writeln!(
+        out,
+        "tracerd {}  kernel {}",
+        c.daemon_version, c.kernel_release
+    );
+    let _ = writeln!(
+        out,
+        "BPF: {}  BTF: {}  tracefs: {}  perf_event_paranoid: {}",
+        yes(c.bpf),
+        yes(c.btf),
+        yes(c.tracefs),
+        c.perf_event_paranoid
+    );
     let modes: Vec<&str> = c.modes.iter().map(|m| mode(*m)).collect();
     let _ = writeln!(out, "modes: {}", modes.join(", "));
     let _ = writeln!(out, "hardware counters: {}", yes(c.hardware_counters));
     let _ = writeln!(out, "\nperf events:");
     for e in &c.perf_events {
-        let state = if e.available { "available".to_owned() } else { format!("unavailable: {}", e.reason) };
+        let state = if e.available {
+            "available".to_owned()
+        } else {
+            format!("unavailable: {}", e.reason)
+        };
         let _ = writeln!(out, "  {:<18} {:<9} {state}", e.name, e.kind);
     }
     let _ = writeln!(out, "\nPython interpreters:");
@@ -115,7 +158,11 @@ pub fn capabilities(c: &Capabilities) -> String {
         let _ = writeln!(out, "  none found on PATH");
     }
     for i in &c.interpreters {
-        let _ = writeln!(out, "  {:<5} {}  (eval loop in {}, {} symbols) {}", i.version, i.path, i.runtime_path, i.symbols, i.support);
+        let _ = writeln!(
+            out,
+            "  {:<5} {}  (eval loop in {}, {} symbols) {}",
+            i.version, i.path, i.runtime_path, i.symbols, i.support
+        );
     }
     out
 }

@@ -18,7 +18,9 @@ impl Caller {
 
     fn uid(self, action: &str) -> Result<u32, Error> {
         self.uid.ok_or_else(|| Error::PermissionDenied {
-            reason: format!("{action} needs the caller's credentials, which only the Unix socket carries"),
+            reason: format!(
+                "{action} needs the caller's credentials, which only the Unix socket carries"
+            ),
         })
     }
 
@@ -32,14 +34,23 @@ impl Caller {
         if uids.iter().all(|&u| u == uid) {
             Ok(())
         } else {
-            Err(Error::PermissionDenied { reason: format!("uid {uid} may not trace pid {pid}, which runs as uid {}", uids[0]) })
+            Err(Error::PermissionDenied {
+                reason: format!(
+                    "uid {uid} may not trace pid {pid}, which runs as uid {}",
+                    uids[0]
+                ),
+            })
         }
     }
 
     pub fn may_trace_all(self) -> Result<(), Error> {
         match self.uid("a system-wide session")? {
             0 => Ok(()),
-            uid => Err(Error::PermissionDenied { reason: format!("only root may start system-wide (--all) sessions; caller is uid {uid}") }),
+            uid => Err(Error::PermissionDenied {
+                reason: format!(
+                    "only root may start system-wide (--all) sessions; caller is uid {uid}"
+                ),
+            }),
         }
     }
 
@@ -48,7 +59,9 @@ impl Caller {
         match self.uid {
             Some(0) => Ok(()),
             Some(uid) if uid == owner => Ok(()),
-            _ => Err(Error::PermissionDenied { reason: format!("session {id} belongs to uid {owner}") }),
+            _ => Err(Error::PermissionDenied {
+                reason: format!("session {id} belongs to uid {owner}"),
+            }),
         }
     }
 
@@ -68,7 +81,10 @@ mod tests {
         assert!(user.may_trace_all().is_err());
         assert!(Caller::ROOT.may_trace_all().is_ok());
         // pid 1 runs as root.
-        assert!(matches!(user.may_trace_pid(1), Err(Error::PermissionDenied { .. })));
+        assert!(matches!(
+            user.may_trace_pid(1),
+            Err(Error::PermissionDenied { .. })
+        ));
         assert!(user.may_access(1000, "x").is_ok());
         assert!(user.may_access(1001, "x").is_err());
         assert!(Caller::ROOT.may_access(1001, "x").is_ok());

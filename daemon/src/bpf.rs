@@ -40,7 +40,10 @@ pub enum BpfError {
 }
 
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
-    move |e| BpfError::Map { name, source: Box::new(e) }
+    move |e| BpfError::Map {
+        name,
+        source: Box::new(e),
+    }
 }
 
 /// Follows sessions' processes through fork and exit.
@@ -67,12 +70,25 @@ impl ProcessFollower {
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
-        attach(&mut ebpf, "tracer_process_exit", "sched", "sched_process_exit")?;
-        let tracked = HashMap::try_from(ebpf.take_map("TRACKED").expect("TRACKED in object")).map_err(map_err("TRACKED"))?;
-        let losses = PerCpuArray::try_from(ebpf.take_map("LOSSES").expect("LOSSES in object")).map_err(map_err("LOSSES"))?;
-        let events = RingBuf::try_from(ebpf.take_map("PROC_EVENTS").expect("PROC_EVENTS in object"))
-            .map_err(map_err("PROC_EVENTS"))?;
-        Ok(Self { tracked: Mutex::new(tracked), losses, events: Mutex::new(Some(events)), _ebpf: ebpf })
+        attach(
+            &mut ebpf,
+            "tracer_process_exit",
+            "sched",
+            "sched_process_exit",
+        )?;
+        let tracked = HashMap::try_from(ebpf.take_map("TRACKED").expect("TRACKED in object"))
+            .map_err(map_err("TRACKED"))?;
+        let losses = PerCpuArray::try_from(ebpf.take_map("LOSSES").expect("LOSSES in object"))
+            .map_err(map_err("LOSSES"))?;
+        let events =
+            RingBuf::try_from(ebpf.take_map("PROC_EVENTS").expect("PROC_EVENTS in object"))
+                .map_err(map_err("PROC_EVENTS"))?;
+        Ok(Self {
+            tracked: Mutex::new(tracked),
+            losses,
+            events: Mutex::new(Some(events)),
+            _ebpf: ebpf,
+        })
     }
 
     /// Adds `slot` to the sessions following `pid`.
@@ -83,7 +99,8 @@ impl ProcessFollower {
             Err(MapError::KeyNotFound) => 0,
             Err(e) => return Err(map_err("TRACKED")(e)),
         };
-        map.insert(pid, mask | (1 << slot), 0).map_err(map_err("TRACKED"))
+        map.insert(pid, mask | (1 << slot), 0)
+            .map_err(map_err("TRACKED"))
     }
 
     /// Removes `slot` from every process; entries no session follows any more are deleted.
@@ -95,7 +112,11 @@ impl ProcessFollower {
                 continue;
             }
             let rest = mask & !(1 << slot);
-            let res = if rest == 0 { map.remove(&pid) } else { map.insert(pid, rest, 0) };
+            let res = if rest == 0 {
+                map.remove(&pid)
+            } else {
+                map.insert(pid, rest, 0)
+            };
             match res {
                 Ok(()) | Err(MapError::KeyNotFound) => {}
                 Err(e) => return Err(map_err("TRACKED")(e)),
@@ -116,19 +137,30 @@ impl ProcessFollower {
     }
 
     /// Starts draining fork/exit events into `tx`. Call once.
-    pub fn events(&self, tx: mpsc::UnboundedSender<ProcEvent>) -> std::io::Result<tokio::task::JoinHandle<()>> {
-        let ring = self.events.lock().expect("events lock").take().expect("events() called once");
+    pub fn events(
+        &self,
+        tx: mpsc::UnboundedSender<ProcEvent>,
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let ring = self
+            .events
+            .lock()
+            .expect("events lock")
+            .take()
+            .expect("events() called once");
         // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd, which deregisters it
         // before dropping it.
         let mut fd = unsafe { AsyncFd::register(ring) }.map_err(std::io::Error::from)?;
         Ok(tokio::spawn(async move {
             loop {
-                let Ok(mut guard) = fd.readable_mut().await else { return };
+                let Ok(mut guard) = fd.readable_mut().await else {
+                    return;
+                };
                 let ring = guard.get_inner_mut();
                 while let Some(item) = ring.next() {
                     if item.len() >= std::mem::size_of::<ProcEvent>() {
                         // SAFETY: the record was written as a ProcEvent by the BPF side; read unaligned.
-                        let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcEvent>()) };
+                        let ev =
+                            unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ProcEvent>()) };
                         if tx.send(ev).is_err() {
                             return;
                         }
@@ -149,7 +181,10 @@ pub fn loss_cause_name(index: u32) -> &'static str {
 }
 
 fn attach(ebpf: &mut Ebpf, prog: &'static str, category: &str, name: &str) -> Result<(), BpfError> {
-    let err = |e| BpfError::Program { name: prog, source: Box::new(e) };
+    let err = |e| BpfError::Program {
+        name: prog,
+        source: Box::new(e),
+    };
     let tp: &mut TracePoint = ebpf
         .program_mut(prog)
         .expect("program in object")
@@ -165,8 +200,14 @@ pub fn ensure_tracefs() -> Result<(), BpfError> {
     if Path::new(TRACEFS).join("events").exists() {
         return Ok(());
     }
-    nix::mount::mount(Some("nodev"), TRACEFS, Some("tracefs"), nix::mount::MsFlags::empty(), None::<&str>)
-        .map_err(|e| BpfError::Tracefs(e.to_string()))
+    nix::mount::mount(
+        Some("nodev"),
+        TRACEFS,
+        Some("tracefs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| BpfError::Tracefs(e.to_string()))
 }
 
 /// Field offsets of a tracepoint, from its tracefs `format` file.
@@ -174,10 +215,20 @@ struct TracepointFormat(String);
 
 impl TracepointFormat {
     fn read(category: &str, name: &str) -> Self {
-        Self(fs::read_to_string(Path::new(TRACEFS).join("events").join(category).join(name).join("format")).unwrap_or_default())
+        Self(
+            fs::read_to_string(
+                Path::new(TRACEFS)
+                    .join("events")
+                    .join(category)
+                    .join(name)
+                    .join("format"),
+            )
+            .unwrap_or_default(),
+        )
     }
 
-    /// The offset of `field`, from a line like `field:pid_t pid;	offset:8;	size:4;	signed:1;`.
+    /// The offset of `field`, from a line like `field:pid_t pid; offset:8; size:4; signed:1;`
+    /// (tab-separated).
     fn offset(&self, field: &str) -> Option<u32> {
         self.0.lines().find_map(|line| {
             let decl = line.trim().strip_prefix("field:")?.split(';').next()?;

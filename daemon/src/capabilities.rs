@@ -19,7 +19,9 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             }
         })
         .collect();
-    let hardware_counters = perf_events.iter().any(|e| e.kind == "hardware" && e.available);
+    let hardware_counters = perf_events
+        .iter()
+        .any(|e| e.kind == "hardware" && e.available);
     let interpreters = python::discover::interpreters()
         .into_iter()
         .map(|i| Interpreter {
@@ -32,7 +34,9 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
         .collect();
     Capabilities {
         daemon_version: env!("CARGO_PKG_VERSION").into(),
-        kernel_release: nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default(),
+        kernel_release: nix::sys::utsname::uname()
+            .map(|u| u.release().to_string_lossy().into_owned())
+            .unwrap_or_default(),
         btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
         bpf: bpf_loaded,
         tracefs: Path::new(bpf::TRACEFS).join("events").exists(),

@@ -12,7 +12,9 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::transport::Server;
 use tracer_proto::tracer_server::TracerServer;
 
-use crate::{bpf::ProcessFollower, capabilities, server::Service, session::manager::Manager, store::Store};
+use crate::{
+    bpf::ProcessFollower, capabilities, server::Service, session::manager::Manager, store::Store,
+};
 
 pub const DEFAULT_SOCKET: &str = "/run/tracer/tracerd.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
@@ -58,7 +60,10 @@ pub enum DaemonError {
 }
 
 /// Runs the daemon until `shutdown` resolves; running sessions are then ended and their reports kept.
-pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>) -> Result<(), DaemonError> {
+pub async fn run(
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DaemonError> {
     let tcp = config.listen.as_deref().map(parse_listen).transpose()?;
     claim_socket(&config.socket)?;
     let store = Store::open(&config.state_dir)?;
@@ -76,11 +81,18 @@ pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|source| DaemonError::Listen { addr: addr.to_string(), source })?,
+                .map_err(|source| DaemonError::Listen {
+                    addr: addr.to_string(),
+                    source,
+                })?,
         ),
         None => None,
     };
-    let caps = Arc::new(tokio::task::spawn_blocking(|| capabilities::measure(true)).await.expect("capabilities task"));
+    let caps = Arc::new(
+        tokio::task::spawn_blocking(|| capabilities::measure(true))
+            .await
+            .expect("capabilities task"),
+    );
     let (sessions, manager_task) = Manager::spawn(store, follower)?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -95,7 +107,10 @@ pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .expect("valid descriptor sets");
-    let service = TracerServer::new(Service { sessions: sessions.clone(), capabilities: caps });
+    let service = TracerServer::new(Service {
+        sessions: sessions.clone(),
+        capabilities: caps,
+    });
     let router = Server::builder()
         .add_service(service)
         .add_service(health_service)
@@ -107,12 +122,19 @@ pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>
         let _ = rx.wait_for(|s| *s).await;
     };
     tracing::info!(socket = %config.socket.display(), "tracerd listening");
-    let uds_server = router.clone().serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
+    let uds_server = router
+        .clone()
+        .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
     let tcp_server = async {
         match tcp {
             Some(l) => {
                 tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "tracerd listening on TCP (no credentials: read-only)");
-                router.serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped(stop_rx.clone())).await
+                router
+                    .serve_with_incoming_shutdown(
+                        TcpListenerStream::new(l),
+                        stopped(stop_rx.clone()),
+                    )
+                    .await
             }
             None => Ok(()),
         }
@@ -133,7 +155,9 @@ pub async fn run(config: Config, shutdown: impl std::future::Future<Output = ()>
 }
 
 fn parse_listen(s: &str) -> Result<SocketAddr, DaemonError> {
-    s.strip_prefix("tcp://").and_then(|a| a.parse().ok()).ok_or_else(|| DaemonError::BadListen(s.to_owned()))
+    s.strip_prefix("tcp://")
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| DaemonError::BadListen(s.to_owned()))
 }
 
 /// Refuses a socket another daemon serves; removes a stale one left by a daemon that died.
@@ -141,13 +165,27 @@ fn claim_socket(path: &Path) -> Result<(), DaemonError> {
     match std::os::unix::net::UnixStream::connect(path) {
         Ok(_) => Err(DaemonError::SocketInUse(path.to_owned())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(_) => std::fs::remove_file(path).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|source| DaemonError::Bind { path: path.to_owned(), source }),
+        Err(_) => std::fs::remove_file(path)
+            .or_else(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+            .map_err(|source| DaemonError::Bind {
+                path: path.to_owned(),
+                source,
+            }),
     }
 }
 
 /// Binds the socket with mode 0660, owned by root and `gid`: only root and that group may connect.
 fn bind(path: &Path, gid: Option<nix::unistd::Gid>) -> Result<UnixListener, DaemonError> {
-    let err = |source| DaemonError::Bind { path: path.to_owned(), source };
+    let err = |source| DaemonError::Bind {
+        path: path.to_owned(),
+        source,
+    };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(err)?;
     }

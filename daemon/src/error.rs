@@ -34,7 +34,10 @@ pub enum Error {
 
 impl Error {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        Self::Io { context: context.into(), source }
+        Self::Io {
+            context: context.into(),
+            source,
+        }
     }
 
     pub fn code(&self) -> Code {

@@ -32,7 +32,12 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let config = Config { socket: args.socket, state_dir: args.state_dir, listen: args.listen, group: args.group };
+    let config = Config {
+        socket: args.socket,
+        state_dir: args.state_dir,
+        listen: args.listen,
+        group: args.group,
+    };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     if let Err(e) = rt.block_on(daemon::run(config, shutdown_signal())) {
         eprintln!("tracerd: {e}");

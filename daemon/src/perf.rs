@@ -49,10 +49,20 @@ enum Which {
 }
 
 const fn hw(name: &'static str, e: Hardware) -> EventSpec {
-    EventSpec { name, kind: Kind::Hardware, unit: "count", which: Which::Hw(e) }
+    EventSpec {
+        name,
+        kind: Kind::Hardware,
+        unit: "count",
+        which: Which::Hw(e),
+    }
 }
 const fn sw(name: &'static str, unit: &'static str, e: Software) -> EventSpec {
-    EventSpec { name, kind: Kind::Software, unit, which: Which::Sw(e) }
+    EventSpec {
+        name,
+        kind: Kind::Software,
+        unit,
+        which: Which::Sw(e),
+    }
 }
 
 /// Every event, in the order reports list them. Aliases map onto these names.
@@ -73,8 +83,15 @@ pub const EVENTS: &[EventSpec] = &[
 ];
 
 /// What `--events` means when empty: perf stat's default software set plus the common hardware ones.
-pub const DEFAULT_EVENTS: &[&str] =
-    &["task-clock", "context-switches", "cpu-migrations", "page-faults", "cycles", "instructions", "branch-misses"];
+pub const DEFAULT_EVENTS: &[&str] = &[
+    "task-clock",
+    "context-switches",
+    "cpu-migrations",
+    "page-faults",
+    "cycles",
+    "instructions",
+    "branch-misses",
+];
 
 /// Looks an event up by name or perf's aliases (`cs`, `faults`, `migrations`, `branch-instructions`...).
 pub fn lookup(name: &str) -> Option<&'static EventSpec> {
@@ -108,12 +125,18 @@ impl EventSpec {
             Scope::Threads { tids, on_exec } => {
                 for &tid in tids {
                     let mut b = self.builder();
-                    let pid = i32::try_from(tid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-                    b.observe_pid(pid).any_cpu().inherit(true).enable_on_exec(*on_exec);
+                    let pid = i32::try_from(tid)
+                        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+                    b.observe_pid(pid)
+                        .any_cpu()
+                        .inherit(true)
+                        .enable_on_exec(*on_exec);
                     match b.build() {
                         Ok(c) => counters.push(c),
                         // A thread that ended between listing and opening is not an error.
-                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) && !counters.is_empty() => continue,
+                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) && !counters.is_empty() => {
+                            continue
+                        }
                         Err(e) => return Err(e),
                     }
                 }
@@ -138,7 +161,9 @@ impl EventSpec {
     pub fn probe(&self) -> Result<(), String> {
         let mut b = self.builder();
         b.observe_self().any_cpu();
-        b.build().map(drop).map_err(|e| unavailable_reason(self, &e))
+        b.build()
+            .map(drop)
+            .map_err(|e| unavailable_reason(self, &e))
     }
 }
 
@@ -183,7 +208,8 @@ fn scale(count: u64, enabled: u64, running: u64) -> u64 {
 /// Online CPUs, from sysfs ("0-3,6").
 pub fn online_cpus() -> io::Result<Vec<usize>> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
-    parse_cpu_list(text.trim()).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad cpu list"))
+    parse_cpu_list(text.trim())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad cpu list"))
 }
 
 fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
@@ -228,7 +254,12 @@ mod tests {
     #[test]
     fn software_events_count_this_process() {
         let spec = lookup("task-clock").unwrap();
-        let mut counters = spec.open(&Scope::Threads { tids: vec![std::process::id()], on_exec: false }).unwrap();
+        let mut counters = spec
+            .open(&Scope::Threads {
+                tids: vec![nix::unistd::gettid().as_raw() as u32],
+                on_exec: false,
+            })
+            .unwrap();
         let mut x = 0u64;
         for i in 0..2_000_000u64 {
             x = x.wrapping_mul(31).wrapping_add(i);

@@ -6,7 +6,10 @@ use std::{fs, io};
 pub fn alive(pid: u32) -> bool {
     match fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name, which may itself hold ')'.
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X"),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|s| s != "Z" && s != "X"),
         Err(_) => false,
     }
 }
@@ -20,7 +23,9 @@ pub fn uids(pid: u32) -> io::Result<[u32; 4]> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Uid line"))?;
     let mut out = [0; 4];
     for (slot, field) in out.iter_mut().zip(line.split_whitespace()) {
-        *slot = field.parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad uid"))?;
+        *slot = field
+            .parse()
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad uid"))?;
     }
     Ok(out)
 }
@@ -36,7 +41,9 @@ pub fn threads(pid: u32) -> io::Result<Vec<u32>> {
 
 /// The command name of `pid`, for reports.
 pub fn comm(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|s| s.trim_end().to_owned())
+    fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|s| s.trim_end().to_owned())
 }
 
 #[cfg(test)]

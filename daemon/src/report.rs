@@ -83,7 +83,10 @@ impl From<&Counter> for CounterResult {
 
 impl From<&Loss> for LossEntry {
     fn from(l: &Loss) -> Self {
-        Self { cause: l.cause.clone(), count: l.count }
+        Self {
+            cause: l.cause.clone(),
+            count: l.count,
+        }
     }
 }
 
@@ -101,9 +104,24 @@ impl Report {
         let s = &self.session;
         let mut out = String::new();
         let launched = if s.launched { " (launched)" } else { "" };
-        let command = self.processes.command.as_deref().map(|c| format!(" [{c}]")).unwrap_or_default();
-        let _ = writeln!(out, "session {} · {} · {}{launched}{command}", s.id, s.mode, s.target);
-        let _ = writeln!(out, "{} {} after {}", s.state, s.end_reason, seconds(s.elapsed_ms));
+        let command = self
+            .processes
+            .command
+            .as_deref()
+            .map(|c| format!(" [{c}]"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "session {} · {} · {}{launched}{command}",
+            s.id, s.mode, s.target
+        );
+        let _ = writeln!(
+            out,
+            "{} {} after {}",
+            s.state,
+            s.end_reason,
+            seconds(s.elapsed_ms)
+        );
         if let Some(err) = &s.error {
             let _ = writeln!(out, "error: {err}");
         }
@@ -113,24 +131,45 @@ impl Report {
                 match (c.value, &c.unavailable) {
                     (Some(v), _) if c.unit == "ns" => {
                         let ms = v as f64 / 1e6;
-                        let _ = writeln!(out, "{:>20} msec  {:<18}{}", group_f(ms), c.event, multiplex_note(c));
+                        let _ = writeln!(
+                            out,
+                            "{:>20} msec  {:<18}{}",
+                            group_f(ms),
+                            c.event,
+                            multiplex_note(c)
+                        );
                     }
                     (Some(v), _) => {
-                        let _ = writeln!(out, "{:>20}       {:<18}{}", group(v), c.event, multiplex_note(c));
+                        let _ = writeln!(
+                            out,
+                            "{:>20}       {:<18}{}",
+                            group(v),
+                            c.event,
+                            multiplex_note(c)
+                        );
                     }
                     (None, why) => {
                         let why = why.as_deref().unwrap_or("no reading");
-                        let _ = writeln!(out, "{:>20}       {:<18}{why}", "<not supported>", c.event);
+                        let _ =
+                            writeln!(out, "{:>20}       {:<18}{why}", "<not supported>", c.event);
                     }
                 }
             }
         }
         let _ = writeln!(out);
-        let _ = writeln!(out, " processes: {} followed, {} exited", self.processes.followed, self.processes.exited);
+        let _ = writeln!(
+            out,
+            " processes: {} followed, {} exited",
+            self.processes.followed, self.processes.exited
+        );
         if self.losses.is_empty() {
             let _ = writeln!(out, " losses: none");
         } else {
-            let list: Vec<String> = self.losses.iter().map(|l| format!("{} {}", group(l.count), l.cause)).collect();
+            let list: Vec<String> = self
+                .losses
+                .iter()
+                .map(|l| format!("{} {}", group(l.count), l.cause))
+                .collect();
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
         out
@@ -139,7 +178,9 @@ impl Report {
 
 fn multiplex_note(c: &CounterResult) -> String {
     match (c.time_enabled_ns, c.time_running_ns) {
-        (Some(e), Some(r)) if r < e && e > 0 => format!("  ({:.2}% counted, scaled)", r as f64 * 100.0 / e as f64),
+        (Some(e), Some(r)) if r < e && e > 0 => {
+            format!("  ({:.2}% counted, scaled)", r as f64 * 100.0 / e as f64)
+        }
         _ => String::new(),
     }
 }
@@ -153,7 +194,7 @@ pub fn group(v: u64) -> String {
     let digits = v.to_string();
     let mut out = String::new();
     for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);
@@ -163,7 +204,11 @@ pub fn group(v: u64) -> String {
 
 fn group_f(v: f64) -> String {
     let whole = v.trunc() as u64;
-    format!("{}.{:02}", group(whole), ((v - v.trunc()) * 100.0).round().min(99.0) as u64)
+    format!(
+        "{}.{:02}",
+        group(whole),
+        ((v - v.trunc()) * 100.0).round().min(99.0) as u64
+    )
 }
 
 #[cfg(test)]

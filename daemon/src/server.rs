@@ -6,9 +6,9 @@ use tokio::sync::mpsc;
 use tokio_stream::{wrappers::ReceiverStream, Stream};
 use tonic::{transport::server::UdsConnectInfo, Request, Response, Status};
 use tracer_proto::{
-    tracer_server::Tracer, Capabilities, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest,
-    ListSessionsResponse, ReportChunk, ReportFormat, SessionInfo, SessionRef, SessionState, StartSessionRequest,
-    WatchSessionRequest,
+    tracer_server::Tracer, Capabilities, GetCapabilitiesRequest, GetReportRequest,
+    ListSessionsRequest, ListSessionsResponse, ReportChunk, ReportFormat, SessionInfo, SessionRef,
+    SessionState, StartSessionRequest, WatchSessionRequest,
 };
 
 use crate::{access::Caller, session::manager::Handle};
@@ -23,7 +23,11 @@ pub struct Service {
 
 /// The caller's identity: SO_PEERCRED on the Unix socket; none over TCP.
 fn caller<T>(req: &Request<T>) -> Caller {
-    let uid = req.extensions().get::<UdsConnectInfo>().and_then(|info| info.peer_cred).map(|cred| cred.uid());
+    let uid = req
+        .extensions()
+        .get::<UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .map(|cred| cred.uid());
     Caller { uid }
 }
 
@@ -38,12 +42,20 @@ type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Tracer for Service {
-    async fn start_session(&self, req: Request<StartSessionRequest>) -> Result<Response<SessionInfo>, Status> {
+    async fn start_session(
+        &self,
+        req: Request<StartSessionRequest>,
+    ) -> Result<Response<SessionInfo>, Status> {
         let who = caller(&req);
-        Ok(Response::new(self.sessions.start(req.into_inner(), who).await?))
+        Ok(Response::new(
+            self.sessions.start(req.into_inner(), who).await?,
+        ))
     }
 
-    async fn stop_session(&self, req: Request<SessionRef>) -> Result<Response<SessionInfo>, Status> {
+    async fn stop_session(
+        &self,
+        req: Request<SessionRef>,
+    ) -> Result<Response<SessionInfo>, Status> {
         let who = caller(&req);
         let id = id_of(&req.get_ref().id)?;
         Ok(Response::new(self.sessions.stop(id, who).await?))
@@ -57,7 +69,10 @@ impl Tracer for Service {
 
     type WatchSessionStream = Stream2<SessionInfo>;
 
-    async fn watch_session(&self, req: Request<WatchSessionRequest>) -> Result<Response<Self::WatchSessionStream>, Status> {
+    async fn watch_session(
+        &self,
+        req: Request<WatchSessionRequest>,
+    ) -> Result<Response<Self::WatchSessionStream>, Status> {
         let who = caller(&req);
         let id = id_of(&req.get_ref().id)?;
         let interval = Duration::from_millis(u64::from(match req.get_ref().interval_ms {
@@ -92,29 +107,44 @@ impl Tracer for Service {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    async fn list_sessions(&self, req: Request<ListSessionsRequest>) -> Result<Response<ListSessionsResponse>, Status> {
+    async fn list_sessions(
+        &self,
+        req: Request<ListSessionsRequest>,
+    ) -> Result<Response<ListSessionsResponse>, Status> {
         let who = caller(&req);
-        Ok(Response::new(ListSessionsResponse { sessions: self.sessions.list(who).await? }))
+        Ok(Response::new(ListSessionsResponse {
+            sessions: self.sessions.list(who).await?,
+        }))
     }
 
     type GetReportStream = Stream2<ReportChunk>;
 
-    async fn get_report(&self, req: Request<GetReportRequest>) -> Result<Response<Self::GetReportStream>, Status> {
+    async fn get_report(
+        &self,
+        req: Request<GetReportRequest>,
+    ) -> Result<Response<Self::GetReportStream>, Status> {
         let who = caller(&req);
         let id = id_of(&req.get_ref().id)?;
-        let format = ReportFormat::try_from(req.get_ref().format)
-            .map_err(|_| Status::invalid_argument(format!("unknown report format {}", req.get_ref().format)))?;
+        let format = ReportFormat::try_from(req.get_ref().format).map_err(|_| {
+            Status::invalid_argument(format!("unknown report format {}", req.get_ref().format))
+        })?;
         let report = self.sessions.report(id, who).await?;
         let text = match format {
             ReportFormat::Unspecified | ReportFormat::Table => report.to_table(),
             ReportFormat::Json => report.to_json(),
         };
-        let chunks: Vec<Result<ReportChunk, Status>> =
-            text.into_bytes().chunks(CHUNK).map(|c| Ok(ReportChunk { data: c.to_vec() })).collect();
+        let chunks: Vec<Result<ReportChunk, Status>> = text
+            .into_bytes()
+            .chunks(CHUNK)
+            .map(|c| Ok(ReportChunk { data: c.to_vec() }))
+            .collect();
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
-    async fn get_capabilities(&self, _req: Request<GetCapabilitiesRequest>) -> Result<Response<Capabilities>, Status> {
+    async fn get_capabilities(
+        &self,
+        _req: Request<GetCapabilitiesRequest>,
+    ) -> Result<Response<Capabilities>, Status> {
         Ok(Response::new((*self.capabilities).clone()))
     }
 }

@@ -43,7 +43,10 @@ pub struct Store {
 
 impl Store {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        let dir_err = |source| StoreError::Dir { dir: dir.to_owned(), source };
+        let dir_err = |source| StoreError::Dir {
+            dir: dir.to_owned(),
+            source,
+        };
         std::fs::create_dir_all(dir).map_err(dir_err)?;
         // Fail early and clearly on a directory we cannot write, before redb's own error.
         let probe = dir.join(".tracerd-write-test");
@@ -51,8 +54,13 @@ impl Store {
         let _ = std::fs::remove_file(&probe);
         let path = dir.join("sessions.redb");
         let db = Database::create(&path).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { dir: dir.to_owned() },
-            e => StoreError::Db { path: path.clone(), source: Box::new(e.into()) },
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+                dir: dir.to_owned(),
+            },
+            e => StoreError::Db {
+                path: path.clone(),
+                source: Box::new(e.into()),
+            },
         })?;
         let store = Self { db, path };
         // Create the tables so that reads of an empty store succeed.
@@ -61,12 +69,18 @@ impl Store {
     }
 
     fn db_err(&self, e: impl Into<redb::Error>) -> StoreError {
-        StoreError::Db { path: self.path.clone(), source: Box::new(e.into()) }
+        StoreError::Db {
+            path: self.path.clone(),
+            source: Box::new(e.into()),
+        }
     }
 
     fn write(
         &self,
-        f: impl FnOnce(&mut redb::Table<&str, &[u8]>, &mut redb::Table<&str, &str>) -> Result<(), redb::Error>,
+        f: impl FnOnce(
+            &mut redb::Table<&str, &[u8]>,
+            &mut redb::Table<&str, &str>,
+        ) -> Result<(), redb::Error>,
     ) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(|e| self.db_err(e))?;
         {
@@ -94,8 +108,11 @@ impl Store {
         let mut out = Vec::new();
         for row in table.iter().map_err(|e| self.db_err(e))? {
             let (id, bytes) = row.map_err(|e| self.db_err(e))?;
-            let info = SessionInfo::decode(bytes.value())
-                .map_err(|source| StoreError::Corrupt { id: id.value().to_owned(), source })?;
+            let info =
+                SessionInfo::decode(bytes.value()).map_err(|source| StoreError::Corrupt {
+                    id: id.value().to_owned(),
+                    source,
+                })?;
             out.push(info);
         }
         Ok(out)
@@ -104,7 +121,10 @@ impl Store {
     pub fn report(&self, id: &str) -> Result<Option<String>, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.db_err(e))?;
         let table = txn.open_table(REPORTS).map_err(|e| self.db_err(e))?;
-        Ok(table.get(id).map_err(|e| self.db_err(e))?.map(|v| v.value().to_owned()))
+        Ok(table
+            .get(id)
+            .map_err(|e| self.db_err(e))?
+            .map(|v| v.value().to_owned()))
     }
 }
 
@@ -115,11 +135,18 @@ mod tests {
     #[test]
     fn sessions_survive_reopening() {
         let dir = tempfile::tempdir().unwrap();
-        let info = SessionInfo { id: "abc".into(), elapsed_ms: 42, ..Default::default() };
+        let info = SessionInfo {
+            id: "abc".into(),
+            elapsed_ms: 42,
+            ..Default::default()
+        };
         {
             let store = Store::open(dir.path()).unwrap();
             store.put(&info, "{\"x\":1}").unwrap();
-            assert!(matches!(Store::open(dir.path()), Err(StoreError::InUse { .. })));
+            assert!(matches!(
+                Store::open(dir.path()),
+                Err(StoreError::InUse { .. })
+            ));
         }
         let store = Store::open(dir.path()).unwrap();
         assert_eq!(store.sessions().unwrap(), vec![info]);
@@ -131,6 +158,9 @@ mod tests {
     fn a_file_is_not_a_state_directory() {
         let file = tempfile::NamedTempFile::new().unwrap();
         let err = Store::open(&file.path().join("state")).err().unwrap();
-        assert!(err.to_string().starts_with("cannot use state directory"), "{err}");
+        assert!(
+            err.to_string().starts_with("cannot use state directory"),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,270 @@
+//! Helpers for tracer's end-to-end tests: a real tracerd on a temporary socket and state
+//! directory, tracerctl runs against it, and guards that clean up processes.
+//!
+//! The binaries come from `TRACER_BIN_DIR` (set by `cargo xtask test`), else `target/release`.
+
+use std::{
+    os::unix::{fs::PermissionsExt, process::CommandExt},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("TRACER_BIN_DIR").map_or_else(
+        || {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .unwrap()
+                .join("target/release")
+        },
+        PathBuf::from,
+    )
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build with `cargo xtask build` (or run `cargo xtask test`)",
+        p.display()
+    );
+    p
+}
+
+/// True when running as root; otherwise prints why the test is skipped.
+pub fn root_or_skip() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    println!("skipping: needs root (BPF, perf events on other processes)");
+    false
+}
+
+/// The interpreter the workloads run under: the real binary, not a shim, so that runs compare.
+pub fn python() -> PathBuf {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3 on PATH");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+pub fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(name)
+}
+
+/// A child killed (and reaped) on drop.
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    pub fn spawn(cmd: &mut Command) -> Self {
+        Self(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}")),
+        )
+    }
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub struct DaemonOptions {
+    pub group: Option<String>,
+    pub state_dir: Option<PathBuf>,
+}
+
+/// A running tracerd; SIGTERM and reaped on drop.
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    pub fn start() -> Self {
+        Self::start_with(DaemonOptions {
+            group: None,
+            state_dir: None,
+        })
+    }
+
+    pub fn start_with(opts: DaemonOptions) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        // Reachable by the unprivileged users of the access tests; the socket's own mode guards it.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = dir.path().join("tracerd.sock");
+        let state_dir = opts.state_dir.unwrap_or_else(|| dir.path().join("state"));
+        let mut d = Daemon {
+            dir,
+            socket,
+            state_dir,
+            child: None,
+        };
+        d.spawn(opts.group.as_deref());
+        d
+    }
+
+    fn spawn(&mut self, group: Option<&str>) {
+        let mut cmd = Command::new(bin("tracerd"));
+        cmd.arg("--socket")
+            .arg(&self.socket)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .env("RUST_LOG", "warn");
+        if let Some(g) = group {
+            cmd.args(["--group", g]);
+        }
+        let mut child = cmd.spawn().expect("starting tracerd");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.socket.exists() {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("tracerd exited before listening: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tracerd did not listen within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child = Some(child);
+    }
+
+    /// Stops the daemon (SIGTERM) and starts it again on the same socket and state directory.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn(None);
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    panic!("tracerd did not exit within 10 s of SIGTERM");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    pub fn ctl(&self) -> Command {
+        let mut cmd = Command::new(bin("tracerctl"));
+        cmd.arg("--socket").arg(&self.socket).stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs tracerctl with these arguments to completion.
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.ctl().args(args).output().expect("running tracerctl")
+    }
+
+    /// Runs tracerctl and expects success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "tracerctl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs tracerctl as another user.
+    pub fn run_as(&self, uid: u32, gid: u32, args: &[&str], ctl: &Path) -> Output {
+        let mut cmd = Command::new(ctl);
+        cmd.arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .stdin(Stdio::null());
+        // SAFETY: only async-signal-safe syscalls between fork and exec. Groups first, then
+        // gid, then uid: each later step drops the right to do the earlier ones.
+        unsafe {
+            cmd.pre_exec(move || {
+                let gid = nix::unistd::Gid::from_raw(gid);
+                nix::unistd::setgroups(&[gid])?;
+                nix::unistd::setgid(gid)?;
+                nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
+                Ok(())
+            });
+        }
+        cmd.output().expect("running tracerctl as another user")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A failed tracerctl run: non-zero exit and exactly one line on stderr, which is returned.
+pub fn one_line_error(out: &Output) -> String {
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let err = String::from_utf8(out.stderr.clone()).unwrap();
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "expected one line on stderr, got: {err:?}"
+    );
+    err.trim_end().to_owned()
+}
+
+/// The JSON counters of a report, by event name: Ok(value) or Err(unavailable reason).
+pub fn counters(report: &serde_json::Value) -> Vec<(String, Result<u64, String>)> {
+    report["counters"]
+        .as_array()
+        .expect("counters array")
+        .iter()
+        .map(|c| {
+            let name = c["event"].as_str().unwrap().to_owned();
+            let v = match (c.get("value"), c.get("unavailable")) {
+                (Some(v), None) => Ok(v.as_u64().unwrap()),
+                (None, Some(r)) => Err(r.as_str().unwrap().to_owned()),
+                other => {
+                    panic!("counter {name} must have exactly one of value/unavailable: {other:?}")
+                }
+            };
+            (name, v)
+        })
+        .collect()
+}
+
+pub fn counter(report: &serde_json::Value, event: &str) -> Result<u64, String> {
+    counters(report)
+        .into_iter()
+        .find(|(n, _)| n == event)
+        .unwrap_or_else(|| panic!("no counter {event}"))
+        .1
+}
+
+/// Waits until `f` holds, or panics after `secs`.
+pub fn wait_until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {secs}s waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

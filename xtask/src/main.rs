@@ -48,7 +48,10 @@ fn main() -> Result<()> {
 
 /// The workspace root (this crate lives one level below it).
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask has a parent")
+        .to_path_buf()
 }
 
 /// Where release binaries land.
@@ -73,7 +76,14 @@ fn cargo() -> Command {
 
 fn build() -> Result<()> {
     toolchain::setup()?;
-    run(cargo().args(["build", "--release", "--bin", "tracerd", "--bin", "tracerctl"]))
+    run(cargo().args([
+        "build",
+        "--release",
+        "--bin",
+        "tracerd",
+        "--bin",
+        "tracerctl",
+    ]))
 }
 
 fn demo() -> Result<()> {
@@ -96,12 +106,25 @@ fn demo() -> Result<()> {
         run(Command::new(bin.join("tracerctl"))
             .arg("--socket")
             .arg(&socket)
-            .args(["start", "--mode=counting", "--events", events, "--", "python3"])
+            .args([
+                "start",
+                "--mode=counting",
+                "--events",
+                events,
+                "--",
+                "python3",
+            ])
             .arg(root().join("examples/app.py")))?;
         // The same command under perf stat, for comparison, where perf is installed.
-        if Command::new("perf").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        if Command::new("perf")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
             println!("\n$ perf stat -e {events} -- python3 examples/app.py");
-            run(Command::new("perf").args(["stat", "-e", events, "--", "python3"]).arg(root().join("examples/app.py")))?;
+            run(Command::new("perf")
+                .args(["stat", "-e", events, "--", "python3"])
+                .arg(root().join("examples/app.py")))?;
         }
         Ok(())
     })();
@@ -128,11 +151,33 @@ fn test() -> Result<()> {
     toolchain::setup()?;
     run(cargo().args(["fmt", "--all", "--check"]))?;
     proto::generate(true)?;
-    run(cargo().args(["clippy", "--workspace", "--all-targets", "--release", "--", "-D", "warnings"]))?;
+    run(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--release",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let venv = toolchain::python_test_env()?;
-    run(cargo().args(["build", "--release", "--bin", "tracerd", "--bin", "tracerctl"]))?;
+    run(cargo().args([
+        "build",
+        "--release",
+        "--bin",
+        "tracerd",
+        "--bin",
+        "tracerctl",
+    ]))?;
     run(cargo()
-        .args(["test", "--workspace", "--release", "--", "--test-threads=1"])
+        .args([
+            "test",
+            "--workspace",
+            "--release",
+            "--no-fail-fast",
+            "--",
+            "--test-threads=1",
+        ])
         .env("TRACER_BIN_DIR", bin_dir())
         .env("TRACER_TEST_PYTHON", venv.join("bin/python3")))
 }

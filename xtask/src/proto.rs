@@ -11,7 +11,10 @@ pub fn generate(check: bool) -> Result<()> {
     let target = root().join("proto/src/generated");
     let out = tempfile::tempdir()?;
     // SAFETY (of intent): xtask is single-threaded here; set_var is only unsafe with threads around.
-    std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path().context("vendored protoc")?);
+    std::env::set_var(
+        "PROTOC",
+        protoc_bin_vendored::protoc_bin_path().context("vendored protoc")?,
+    );
     tonic_prost_build::configure()
         .out_dir(out.path())
         .file_descriptor_set_path(out.path().join("tracer_descriptor.bin"))
@@ -30,10 +33,28 @@ pub fn generate(check: bool) -> Result<()> {
         }
     }
     if check && !stale.is_empty() {
-        bail!("proto/src/generated is out of date ({}): run `cargo xtask gen-proto`", stale.join(", "));
+        bail!(
+            "proto/src/generated is out of date ({}): run `cargo xtask gen-proto`",
+            stale.join(", ")
+        );
     }
     if !check {
-        eprintln!("xtask: proto/src/generated {}", if stale.is_empty() { "unchanged" } else { "updated" });
+        eprintln!(
+            "xtask: proto/src/generated {}",
+            if stale.is_empty() {
+                "unchanged"
+            } else {
+                "updated"
+            }
+        );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn generated_code_is_current() {
+        super::generate(true).unwrap();
+    }
 }

@@ -10,16 +10,35 @@ use crate::run;
 const BPF_LINKER_VERSION: &str = "0.10.3";
 
 pub fn setup() -> Result<()> {
-    let installed = output(Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]))
-        .context("rustup must be installed with a nightly toolchain")?;
+    let installed = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--toolchain",
+        "nightly",
+        "--installed",
+    ]))
+    .context("rustup must be installed with a nightly toolchain")?;
     if !installed.lines().any(|l| l.starts_with("rust-src")) {
         eprintln!("xtask: installing rust-src for nightly");
-        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
     }
     let have = output(Command::new("bpf-linker").arg("--version")).unwrap_or_default();
     if !have.contains(BPF_LINKER_VERSION) {
         eprintln!("xtask: installing bpf-linker {BPF_LINKER_VERSION}");
-        run(Command::new("cargo").args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force"]))?;
+        run(Command::new("cargo").args([
+            "install",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--locked",
+            "--force",
+        ]))?;
     }
     Ok(())
 }
@@ -28,7 +47,12 @@ pub fn setup() -> Result<()> {
 pub fn python_test_env() -> Result<std::path::PathBuf> {
     let venv = crate::root().join("target").join("test-venv");
     let python = venv.join("bin/python3");
-    let want = ["grpcio", "grpcio-reflection", "grpcio-health-checking", "protobuf"];
+    let want = [
+        "grpcio",
+        "grpcio-reflection",
+        "grpcio-health-checking",
+        "protobuf",
+    ];
     if !python.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
@@ -37,7 +61,9 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        run(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).args(want))?;
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(want))?;
     }
     Ok(venv)
 }

@@ -24,23 +24,35 @@ pub struct Interpreter {
 
 /// Every distinct interpreter (by resolved path) found on PATH and under pyenv.
 pub fn interpreters() -> Vec<Interpreter> {
-    let mut dirs: Vec<PathBuf> = env::var_os("PATH").map(|p| env::split_paths(&p).collect()).unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = env::var_os("PATH")
+        .map(|p| env::split_paths(&p).collect())
+        .unwrap_or_default();
     let pyenv = env::var_os("PYENV_ROOT")
         .map(PathBuf::from)
         .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".pyenv")));
     if let Some(root) = pyenv {
         if let Ok(versions) = fs::read_dir(root.join("versions")) {
-            dirs.extend(versions.filter_map(Result::ok).map(|v| v.path().join("bin")));
+            dirs.extend(
+                versions
+                    .filter_map(Result::ok)
+                    .map(|v| v.path().join("bin")),
+            );
         }
     }
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for dir in dirs {
-        let Ok(entries) = fs::read_dir(&dir) else { continue };
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.filter_map(Result::ok) {
             let name = entry.file_name();
-            let Some(version) = name.to_str().and_then(version_of) else { continue };
-            let Ok(real) = fs::canonicalize(entry.path()) else { continue };
+            let Some(version) = name.to_str().and_then(version_of) else {
+                continue;
+            };
+            let Ok(real) = fs::canonicalize(entry.path()) else {
+                continue;
+            };
             if !seen.insert(real.clone()) {
                 continue;
             }
@@ -49,7 +61,14 @@ pub fn interpreters() -> Vec<Interpreter> {
             }
         }
     }
-    out.sort_by(|a, b| (&a.version, &a.path).cmp(&(&b.version, &b.path)));
+    // Numerically: 3.8 before 3.10.
+    let minor = |i: &Interpreter| {
+        i.version
+            .split('.')
+            .nth(1)
+            .and_then(|m| m.parse::<u32>().ok())
+    };
+    out.sort_by(|a, b| (minor(a), &a.path).cmp(&(minor(b), &b.path)));
     out
 }
 
@@ -57,7 +76,8 @@ pub fn interpreters() -> Vec<Interpreter> {
 fn version_of(name: &str) -> Option<String> {
     let v = name.strip_prefix("python")?;
     let (major, minor) = v.split_once('.')?;
-    (major == "3" && !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit())).then(|| v.to_owned())
+    (major == "3" && !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit()))
+        .then(|| v.to_owned())
 }
 
 fn inspect(exe: &Path, version: String) -> Option<Interpreter> {
@@ -74,24 +94,38 @@ fn inspect(exe: &Path, version: String) -> Option<Interpreter> {
         let lib = fs::read(&runtime).ok()?;
         has_symtab(&object::File::parse(&*lib).ok()?)
     };
-    Some(Interpreter { path: exe.to_path_buf(), version, runtime, full_symbols })
+    Some(Interpreter {
+        path: exe.to_path_buf(),
+        version,
+        runtime,
+        full_symbols,
+    })
 }
 
 fn defines(file: &object::File, name: &str) -> bool {
-    file.symbols().chain(file.dynamic_symbols()).any(|s| s.is_definition() && s.name() == Ok(name))
+    file.symbols()
+        .chain(file.dynamic_symbols())
+        .any(|s| s.is_definition() && s.name() == Ok(name))
 }
 
 fn has_symtab(file: &object::File) -> bool {
-    file.section_by_name(".symtab").is_some_and(|s| s.size() > 0)
+    file.section_by_name(".symtab")
+        .is_some_and(|s| s.size() > 0)
 }
 
 fn find_libpython(exe: &Path, version: &str) -> Option<PathBuf> {
     let name = format!("libpython{version}.so.1.0");
     let near = exe.parent()?.parent()?.join("lib");
-    [near.as_path(), Path::new("/usr/lib/x86_64-linux-gnu"), Path::new("/usr/lib64"), Path::new("/usr/lib"), Path::new("/usr/local/lib")]
-        .iter()
-        .map(|d| d.join(&name))
-        .find(|p| p.exists())
+    [
+        near.as_path(),
+        Path::new("/usr/lib/x86_64-linux-gnu"),
+        Path::new("/usr/lib64"),
+        Path::new("/usr/lib"),
+        Path::new("/usr/local/lib"),
+    ]
+    .iter()
+    .map(|d| d.join(&name))
+    .find(|p| p.exists())
 }
 
 #[cfg(test)]
@@ -110,7 +144,10 @@ mod tests {
     fn interpreters_found_have_an_eval_loop() {
         for i in interpreters() {
             let data = fs::read(&i.runtime).unwrap();
-            assert!(defines(&object::File::parse(&*data).unwrap(), EVAL_FRAME), "{i:?}");
+            assert!(
+                defines(&object::File::parse(&*data).unwrap(), EVAL_FRAME),
+                "{i:?}"
+            );
         }
     }
 }

@@ -9,8 +9,15 @@ use crate::{
 };
 
 enum Slot {
-    Open { spec: &'static EventSpec, counters: Vec<PerfCounter>, last: perf::Reading },
-    Unavailable { spec: &'static EventSpec, reason: String },
+    Open {
+        spec: &'static EventSpec,
+        counters: Vec<PerfCounter>,
+        last: perf::Reading,
+    },
+    Unavailable {
+        spec: &'static EventSpec,
+        reason: String,
+    },
 }
 
 pub struct Counting {
@@ -22,13 +29,21 @@ pub fn resolve(events: &[String]) -> Result<Vec<&'static EventSpec>, Error> {
     let names: Vec<&str> = if events.is_empty() {
         perf::DEFAULT_EVENTS.to_vec()
     } else {
-        events.iter().flat_map(|e| e.split(',')).map(str::trim).filter(|e| !e.is_empty()).collect()
+        events
+            .iter()
+            .flat_map(|e| e.split(','))
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .collect()
     };
     let mut specs: Vec<&'static EventSpec> = Vec::new();
     for name in names {
         let spec = perf::lookup(name).ok_or_else(|| {
             let known: Vec<&str> = perf::EVENTS.iter().map(|e| e.name).collect();
-            Error::InvalidArgument(format!("unknown event '{name}' (known: {})", known.join(", ")))
+            Error::InvalidArgument(format!(
+                "unknown event '{name}' (known: {})",
+                known.join(", ")
+            ))
         })?;
         if !specs.iter().any(|s| s.name == spec.name) {
             specs.push(spec);
@@ -40,15 +55,28 @@ pub fn resolve(events: &[String]) -> Result<Vec<&'static EventSpec>, Error> {
 impl Counting {
     /// Opens every event on `scope`. An event this machine lacks becomes "unavailable" with its
     /// reason; only a vanished target fails the whole session.
-    pub fn open(specs: &[&'static EventSpec], scope: &Scope, pid: Option<u32>) -> Result<Self, Error> {
+    pub fn open(
+        specs: &[&'static EventSpec],
+        scope: &Scope,
+        pid: Option<u32>,
+    ) -> Result<Self, Error> {
         let mut slots = Vec::new();
         for &spec in specs {
             match spec.open(scope) {
-                Ok(counters) => slots.push(Slot::Open { spec, counters, last: perf::Reading::default() }),
+                Ok(counters) => slots.push(Slot::Open {
+                    spec,
+                    counters,
+                    last: perf::Reading::default(),
+                }),
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                    return Err(Error::NoSuchProcess { pid: pid.unwrap_or_default() });
+                    return Err(Error::NoSuchProcess {
+                        pid: pid.unwrap_or_default(),
+                    });
                 }
-                Err(e) => slots.push(Slot::Unavailable { spec, reason: perf::unavailable_reason(spec, &e) }),
+                Err(e) => slots.push(Slot::Unavailable {
+                    spec,
+                    reason: perf::unavailable_reason(spec, &e),
+                }),
             }
         }
         Ok(Self { slots })
@@ -59,7 +87,11 @@ impl Counting {
         self.slots
             .iter_mut()
             .map(|slot| match slot {
-                Slot::Open { spec, counters, last } => {
+                Slot::Open {
+                    spec,
+                    counters,
+                    last,
+                } => {
                     if let Ok(r) = perf::read(counters) {
                         *last = r;
                     }
@@ -93,7 +125,10 @@ mod tests {
         let got: Vec<&str> = specs.iter().map(|s| s.name).collect();
         assert_eq!(got, ["task-clock", "page-faults", "context-switches"]);
         let err = names(&["task-clock,bogus"]).unwrap_err();
-        assert!(err.to_string().starts_with("unknown event 'bogus'"), "{err}");
+        assert!(
+            err.to_string().starts_with("unknown event 'bogus'"),
+            "{err}"
+        );
         assert_eq!(names(&[]).unwrap().len(), perf::DEFAULT_EVENTS.len());
     }
 }

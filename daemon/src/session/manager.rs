@@ -12,7 +12,9 @@ use tracer_common::{ProcEvent, MAX_TRACKED_SESSIONS, PROC_EVENT_EXIT, PROC_EVENT
 use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
 
 use super::{build_report, counting, Session};
-use crate::{access::Caller, bpf::ProcessFollower, error::Error, perf, process, report::Report, store::Store};
+use crate::{
+    access::Caller, bpf::ProcessFollower, error::Error, perf, process, report::Report, store::Store,
+};
 
 /// Longest session a client may ask for.
 pub const MAX_DURATION_MS: u64 = 24 * 60 * 60 * 1000;
@@ -22,13 +24,36 @@ pub const MAX_RUNNING: usize = 256;
 type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
 enum Command {
-    Start { req: StartSessionRequest, caller: Caller, reply: Reply<SessionInfo> },
-    Stop { id: String, caller: Caller, reply: Reply<SessionInfo> },
-    Get { id: String, caller: Caller, reply: Reply<(SessionInfo, watch::Receiver<bool>)> },
-    List { caller: Caller, reply: Reply<Vec<SessionInfo>> },
-    Report { id: String, caller: Caller, reply: Reply<Report> },
-    Expire { id: String },
-    Shutdown { reply: oneshot::Sender<()> },
+    Start {
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+    },
+    Stop {
+        id: String,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+    },
+    Get {
+        id: String,
+        caller: Caller,
+        reply: Reply<(SessionInfo, watch::Receiver<bool>)>,
+    },
+    List {
+        caller: Caller,
+        reply: Reply<Vec<SessionInfo>>,
+    },
+    Report {
+        id: String,
+        caller: Caller,
+        reply: Reply<Report>,
+    },
+    Expire {
+        id: String,
+    },
+    Shutdown {
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// A cheap, cloneable way to talk to the manager.
@@ -40,25 +65,38 @@ pub struct Handle {
 impl Handle {
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, Error> {
         let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| Error::ShuttingDown)?;
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| Error::ShuttingDown)?;
         rx.await.map_err(|_| Error::ShuttingDown)?
     }
 
-    pub async fn start(&self, req: StartSessionRequest, caller: Caller) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Start { req, caller, reply }).await
+    pub async fn start(
+        &self,
+        req: StartSessionRequest,
+        caller: Caller,
+    ) -> Result<SessionInfo, Error> {
+        self.call(|reply| Command::Start { req, caller, reply })
+            .await
     }
     pub async fn stop(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
         self.call(|reply| Command::Stop { id, caller, reply }).await
     }
     /// The session's state, and a receiver that turns `true` when it ends.
-    pub async fn get(&self, id: String, caller: Caller) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
+    pub async fn get(
+        &self,
+        id: String,
+        caller: Caller,
+    ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
         self.call(|reply| Command::Get { id, caller, reply }).await
     }
     pub async fn list(&self, caller: Caller) -> Result<Vec<SessionInfo>, Error> {
         self.call(|reply| Command::List { caller, reply }).await
     }
     pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
-        self.call(|reply| Command::Report { id, caller, reply }).await
+        self.call(|reply| Command::Report { id, caller, reply })
+            .await
     }
     /// Ends every running session (their reports are kept) and stops the manager.
     pub async fn shutdown(&self) {
@@ -82,7 +120,10 @@ pub struct Manager {
 
 impl Manager {
     /// Starts the manager task. Sessions left running by a daemon that died are marked failed.
-    pub fn spawn(store: Store, follower: Arc<ProcessFollower>) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
+    pub fn spawn(
+        store: Store,
+        follower: Arc<ProcessFollower>,
+    ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
         let mut finished = HashMap::new();
         for mut info in store.sessions()? {
@@ -95,7 +136,9 @@ impl Manager {
             finished.insert(info.id.clone(), info);
         }
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
-        follower.events(proc_tx).map_err(|e| Error::io("reading BPF process events", e))?;
+        follower
+            .events(proc_tx)
+            .map_err(|e| Error::io("reading BPF process events", e))?;
         let manager = Manager {
             running: HashMap::new(),
             finished,
@@ -109,7 +152,11 @@ impl Manager {
         Ok((Handle { tx }, task))
     }
 
-    async fn run(mut self, mut rx: mpsc::Receiver<Command>, mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>) {
+    async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<Command>,
+        mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
+    ) {
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
@@ -144,10 +191,15 @@ impl Manager {
             }
             Command::List { caller, reply } => {
                 let losses = self.follower.losses();
-                let mut all: Vec<SessionInfo> = self.running.values_mut().map(|s| s.info(&losses)).collect();
+                let mut all: Vec<SessionInfo> =
+                    self.running.values_mut().map(|s| s.info(&losses)).collect();
                 all.extend(self.finished.values().cloned());
                 all.retain(|s| caller.sees(s.owner_uid));
-                all.sort_by(|a, b| b.started_unix_ms.cmp(&a.started_unix_ms).then(a.id.cmp(&b.id)));
+                all.sort_by(|a, b| {
+                    b.started_unix_ms
+                        .cmp(&a.started_unix_ms)
+                        .then(a.id.cmp(&b.id))
+                });
                 let _ = reply.send(Ok(all));
             }
             Command::Report { id, caller, reply } => {
@@ -159,9 +211,14 @@ impl Manager {
     }
 
     fn start(&mut self, req: StartSessionRequest, caller: Caller) -> Result<SessionInfo, Error> {
-        let mode = Mode::try_from(req.mode).map_err(|_| Error::InvalidArgument(format!("unknown mode {}", req.mode)))?;
+        let mode = Mode::try_from(req.mode)
+            .map_err(|_| Error::InvalidArgument(format!("unknown mode {}", req.mode)))?;
         match mode {
-            Mode::Unspecified => return Err(Error::InvalidArgument("a mode is required: counting, sampling or tracing".into())),
+            Mode::Unspecified => {
+                return Err(Error::InvalidArgument(
+                    "a mode is required: counting, sampling or tracing".into(),
+                ))
+            }
             Mode::Counting => {}
             Mode::Sampling | Mode::Tracing => {
                 return Err(Error::Unimplemented(format!(
@@ -172,31 +229,60 @@ impl Manager {
         }
         let duration_ms = match req.duration_ms {
             None => 0,
-            Some(0) => return Err(Error::InvalidArgument("duration must be greater than 0".into())),
-            Some(d) if d > MAX_DURATION_MS => return Err(Error::InvalidArgument("duration must be at most 24h".into())),
+            Some(0) => {
+                return Err(Error::InvalidArgument(
+                    "duration must be greater than 0".into(),
+                ))
+            }
+            Some(d) if d > MAX_DURATION_MS => {
+                return Err(Error::InvalidArgument(
+                    "duration must be at most 24h".into(),
+                ))
+            }
             Some(d) => d,
         };
-        let target = req.target.ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
+        let target = req
+            .target
+            .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let specs = counting::resolve(&req.counting.map(|c| c.events).unwrap_or_default())?;
         if self.running.len() >= MAX_RUNNING {
-            return Err(Error::ResourceExhausted(format!("{MAX_RUNNING} sessions are running already")));
+            return Err(Error::ResourceExhausted(format!(
+                "{MAX_RUNNING} sessions are running already"
+            )));
         }
         let (scope, pid) = match target.kind {
-            Some(target::Kind::Pid(0)) | None => return Err(Error::InvalidArgument("a target is required: a pid, or all".into())),
+            Some(target::Kind::Pid(0)) | None => {
+                return Err(Error::InvalidArgument(
+                    "a target is required: a pid, or all".into(),
+                ))
+            }
             Some(target::Kind::Pid(pid)) => {
                 caller.may_trace_pid(pid)?;
                 if !process::alive(pid) {
                     return Err(Error::NoSuchProcess { pid });
                 }
                 let tids = process::threads(pid).map_err(|_| Error::NoSuchProcess { pid })?;
-                (perf::Scope::Threads { tids, on_exec: target.launched }, Some(pid))
+                (
+                    perf::Scope::Threads {
+                        tids,
+                        on_exec: target.launched,
+                    },
+                    Some(pid),
+                )
             }
             Some(target::Kind::All(_)) => {
                 caller.may_trace_all()?;
-                (perf::Scope::Cpus(perf::online_cpus().map_err(|e| Error::io("listing online CPUs", e))?), None)
+                (
+                    perf::Scope::Cpus(
+                        perf::online_cpus().map_err(|e| Error::io("listing online CPUs", e))?,
+                    ),
+                    None,
+                )
             }
         };
-        let owner_uid = caller.uid.ok_or_else(|| Error::PermissionDenied { reason: "no caller credentials".into() })?;
+        let owner_uid = caller.uid.ok_or_else(|| Error::PermissionDenied {
+            reason: "no caller credentials".into(),
+        })?;
 
         let slot = match pid {
             Some(pid) => {
@@ -259,9 +345,13 @@ impl Manager {
     }
 
     fn take_slot(&mut self) -> Result<u8, Error> {
-        let free = (0..MAX_TRACKED_SESSIONS as u8).find(|i| self.used_slots & (1 << i) == 0).ok_or_else(|| {
-            Error::ResourceExhausted(format!("at most {MAX_TRACKED_SESSIONS} sessions may follow processes at once"))
-        })?;
+        let free = (0..MAX_TRACKED_SESSIONS as u8)
+            .find(|i| self.used_slots & (1 << i) == 0)
+            .ok_or_else(|| {
+                Error::ResourceExhausted(format!(
+                    "at most {MAX_TRACKED_SESSIONS} sessions may follow processes at once"
+                ))
+            })?;
         self.used_slots |= 1 << free;
         Ok(free)
     }
@@ -296,7 +386,11 @@ impl Manager {
             .ok_or_else(|| Error::NoSuchSession { id: id.into() })
     }
 
-    fn get(&mut self, id: &str, caller: Caller) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
+    fn get(
+        &mut self,
+        id: &str,
+        caller: Caller,
+    ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
         caller.may_access(self.owner(id)?, id)?;
         let losses = self.follower.losses();
         if let Some(s) = self.running.get_mut(id) {
@@ -314,13 +408,18 @@ impl Manager {
         if let Some(r) = self.unsaved.get(id) {
             return Ok(r.clone());
         }
-        let json = self.store.report(id)?.ok_or_else(|| Error::NoSuchSession { id: id.into() })?;
+        let json = self
+            .store
+            .report(id)?
+            .ok_or_else(|| Error::NoSuchSession { id: id.into() })?;
         Report::from_json(&json).map_err(|e| Error::io(format!("stored report of {id}"), e.into()))
     }
 
     /// Ends a running session: final readings, report, persisted.
     fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
-        let Some(mut s) = self.running.remove(id) else { return };
+        let Some(mut s) = self.running.remove(id) else {
+            return;
+        };
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
@@ -329,7 +428,12 @@ impl Manager {
         // Close the counters before anything else can fail.
         s.counting = None;
         self.release(s.slot);
-        info.state = if error.is_some() { SessionState::Failed } else { SessionState::Finished }.into();
+        info.state = if error.is_some() {
+            SessionState::Failed
+        } else {
+            SessionState::Finished
+        }
+        .into();
         info.end_reason = reason.into();
         info.error = error.unwrap_or_default();
         let report = build_report(&info, s.followed, s.command.take());
@@ -337,7 +441,11 @@ impl Manager {
             tracing::error!(%e, id, "could not persist the report; it is kept in memory until tracerd exits");
             self.unsaved.insert(id.to_owned(), report);
         }
-        tracing::info!(id, reason = super::end_reason_name(info.end_reason), "session ended");
+        tracing::info!(
+            id,
+            reason = super::end_reason_name(info.end_reason),
+            "session ended"
+        );
         self.finished.insert(id.to_owned(), info);
         let _ = s.ended.send(true);
     }
@@ -351,15 +459,15 @@ impl Manager {
             }
             s.proc_events += 1;
             match ev.kind {
-                PROC_EVENT_FORK => {
-                    if s.live.insert(ev.pid) {
-                        s.followed += 1;
-                    }
-                }
+                PROC_EVENT_FORK if s.live.insert(ev.pid) => s.followed += 1,
                 PROC_EVENT_EXIT => {
                     // A launched target's name is only known once it has exec'd.
                     if s.target.kind == Some(target::Kind::Pid(ev.pid)) {
-                        let len = ev.comm.iter().position(|&b| b == 0).unwrap_or(ev.comm.len());
+                        let len = ev
+                            .comm
+                            .iter()
+                            .position(|&b| b == 0)
+                            .unwrap_or(ev.comm.len());
                         s.command = Some(String::from_utf8_lossy(&ev.comm[..len]).into_owned());
                     }
                     if s.live.remove(&ev.pid) {
@@ -382,7 +490,12 @@ impl Manager {
     fn sweep(&mut self) {
         let mut ended = Vec::new();
         for s in self.running.values_mut().filter(|s| s.slot.is_some()) {
-            let gone: Vec<u32> = s.live.iter().copied().filter(|&p| !process::alive(p)).collect();
+            let gone: Vec<u32> = s
+                .live
+                .iter()
+                .copied()
+                .filter(|&p| !process::alive(p))
+                .collect();
             for pid in gone {
                 s.live.remove(&pid);
                 s.exited += 1;
@@ -398,7 +511,9 @@ impl Manager {
 }
 
 fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// 12 hex digits from the kernel's random pool.

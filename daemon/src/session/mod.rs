@@ -46,7 +46,10 @@ impl Session {
         (0..loss::COUNT)
             .filter_map(|i| {
                 let n = now[i as usize].saturating_sub(self.loss_base[i as usize]);
-                (n > 0).then(|| Loss { cause: bpf::loss_cause_name(i).into(), count: n })
+                (n > 0).then(|| Loss {
+                    cause: bpf::loss_cause_name(i).into(),
+                    count: n,
+                })
             })
             .collect()
     }
@@ -62,7 +65,11 @@ impl Session {
             started_unix_ms: self.started_unix_ms,
             elapsed_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             duration_ms: self.duration_ms,
-            counters: self.counting.as_mut().map(counting::Counting::read).unwrap_or_default(),
+            counters: self
+                .counting
+                .as_mut()
+                .map(counting::Counting::read)
+                .unwrap_or_default(),
             live_processes: u32::try_from(self.live.len()).unwrap_or(u32::MAX),
             exited_processes: self.exited,
             losses: self.losses(losses),
@@ -124,8 +131,16 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             end_reason: end_reason_name(info.end_reason).into(),
             error: (!info.error.is_empty()).then(|| info.error.clone()),
         },
-        counters: info.counters.iter().map(report::CounterResult::from).collect(),
+        counters: info
+            .counters
+            .iter()
+            .map(report::CounterResult::from)
+            .collect(),
         losses: info.losses.iter().map(report::LossEntry::from).collect(),
-        processes: report::Processes { followed, exited: info.exited_processes, command },
+        processes: report::Processes {
+            followed,
+            exited: info.exited_processes,
+            command,
+        },
     }
 }

@@ -1,0 +1,132 @@
+//! Clients nobody here wrote: Python's grpcio with server reflection and the standard health
+//! service, using no proto file.
+
+use std::{path::PathBuf, process::Command};
+
+use serde_json::Value;
+use tracer_tests::{root_or_skip, script, Daemon};
+
+/// The Python with grpcio, grpcio-reflection and grpcio-health-checking (`cargo xtask test` makes it).
+fn grpc_python() -> Option<PathBuf> {
+    let py = std::env::var_os("TRACER_TEST_PYTHON")
+        .map_or_else(|| PathBuf::from("python3"), PathBuf::from);
+    let ok = Command::new(&py)
+        .args(["-c", "import grpc, grpc_reflection, grpc_health"])
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(py)
+}
+
+#[test]
+fn reflection_and_health_serve_generic_clients() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = grpc_python() else {
+        println!("skipping: no Python with grpcio, grpcio-reflection and grpcio-health-checking (run via `cargo xtask test`)");
+        return;
+    };
+    let d = Daemon::start();
+    let out = Command::new(py)
+        .arg(script("generic_client.py"))
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "generic client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let services = v["services"].to_string();
+    for s in [
+        "tracer.v1.Tracer",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        assert!(services.contains(s), "{services}");
+    }
+    let methods: Vec<&str> = v["methods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            "GetCapabilities",
+            "GetReport",
+            "GetSession",
+            "ListSessions",
+            "StartSession",
+            "StopSession",
+            "WatchSession"
+        ]
+    );
+    assert_eq!(v["health"], "SERVING");
+    assert!(v["capabilities"]["kernelRelease"]
+        .as_str()
+        .is_some_and(|k| !k.is_empty()));
+    assert_eq!(v["capabilities"]["bpf"], true);
+    let codes = &v["errors"];
+    assert_eq!(codes["no_mode"][0], "INVALID_ARGUMENT", "{codes}");
+    assert_eq!(codes["zero_duration"][0], "INVALID_ARGUMENT", "{codes}");
+    assert_eq!(codes["no_such_pid"][0], "NOT_FOUND", "{codes}");
+    assert_eq!(codes["bad_event"][0], "INVALID_ARGUMENT", "{codes}");
+    assert_eq!(codes["sampling"][0], "UNIMPLEMENTED", "{codes}");
+    assert_eq!(codes["no_session"][0], "NOT_FOUND", "{codes}");
+    assert_eq!(
+        v["started"]["state"], "SESSION_STATE_RUNNING",
+        "{}",
+        v["started"]
+    );
+}
+
+#[test]
+fn tcp_callers_have_no_credentials_and_may_only_read() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let sock = d.dir.path().join("tcp-daemon.sock");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let mut child = tracer_tests::ChildGuard::spawn(
+        Command::new(tracer_tests::bin("tracerd"))
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--state-dir")
+            .arg(d.dir.path().join("tcp-state"))
+            .args(["--listen", &listen])
+            .env("RUST_LOG", "warn"),
+    );
+    tracer_tests::wait_until(20, "the TCP daemon", || sock.exists());
+    let ctl = |args: &[&str]| {
+        Command::new(tracer_tests::bin("tracerctl"))
+            .args(["--socket", &listen])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let caps = ctl(&["capabilities"]);
+    assert!(
+        caps.status.success(),
+        "{}",
+        String::from_utf8_lossy(&caps.stderr)
+    );
+    assert!(ctl(&["list"]).status.success());
+    let line = tracer_tests::one_line_error(&ctl(&[
+        "start",
+        "--mode=counting",
+        "--all",
+        "--duration",
+        "1s",
+    ]));
+    assert!(line.contains("only the Unix socket carries"), "{line}");
+    assert!(child.0.try_wait().unwrap().is_none());
+}

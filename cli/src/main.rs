@@ -60,6 +60,9 @@ struct StartArgs {
     /// perf events to count, comma-separated (as `perf stat -e`).
     #[arg(long, value_delimiter = ',')]
     events: Vec<String>,
+    /// Count calls of every Python function (CPython 3.10-3.13), as cProfile counts them.
+    #[arg(long)]
+    python: bool,
     /// Stop after this long: 500ms, 30s, 5m, 1h (at most 24h).
     #[arg(long, value_parser = duration::parse_ms)]
     duration: Option<u64>,
@@ -231,6 +234,7 @@ async fn start(
         }),
         duration_ms: args.duration,
         counting: Some(CountingOptions {
+            python: args.python,
             events: args.events,
         }),
     };

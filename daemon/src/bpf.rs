@@ -4,15 +4,20 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
-use std::{fs, path::Path, sync::Mutex};
+use std::{fs, path::Path};
 
 use aya::{
-    maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf},
-    programs::TracePoint,
+    maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf},
+    programs::{
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+        TracePoint, UProbe,
+    },
     Ebpf, EbpfError, EbpfLoader,
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
-use tracer_common::{globals, loss, ProcEvent, SessionMask};
+use tracer_common::{globals, loss, ProcEvent, PyCallKey, PyLayout, SessionMask};
+
+use crate::python::{layout::VERSIONS, runtime::Runtime};
 
 /// The object built from ebpf/probes by build.rs.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer.bpf.o"));
@@ -46,16 +51,34 @@ fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
     }
 }
 
-/// Follows sessions' processes through fork and exit.
-pub struct ProcessFollower {
-    tracked: Mutex<HashMap<MapData, u32, SessionMask>>,
+/// tracer's loaded BPF object: process following and the Python probes' maps.
+pub struct Bpf {
+    tracked: HashMap<MapData, u32, SessionMask>,
     losses: PerCpuArray<MapData, u64>,
-    events: Mutex<Option<RingBuf<MapData>>>,
-    // Keeps the programs attached for as long as the follower lives.
-    _ebpf: Ebpf,
+    events: Option<RingBuf<MapData>>,
+    pub py_tstate: HashMap<MapData, u32, u64>,
+    pub py_calls: HashMap<MapData, PyCallKey, u64>,
+    py_codes: Option<RingBuf<MapData>>,
+    py_sessions: Array<MapData, SessionMask>,
+    // Kept open: programs loaded later refer to every map by fd.
+    _py_layouts: Array<MapData, PyLayout>,
+    py_loaded: bool,
+    // Owns the programs; attached links live as long as it does.
+    ebpf: Ebpf,
 }
 
-impl ProcessFollower {
+/// Takes a map out of the object, typed.
+fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+) -> Result<T, BpfError> {
+    let map = ebpf
+        .take_map(name)
+        .unwrap_or_else(|| panic!("{name} in object"));
+    T::try_from(map).map_err(map_err(name))
+}
+
+impl Bpf {
     pub fn load() -> Result<Self, BpfError> {
         ensure_tracefs()?;
         let newtask = TracepointFormat::read("task", "task_newtask");
@@ -72,28 +95,119 @@ impl ProcessFollower {
         attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
         attach(
             &mut ebpf,
+            "tracer_process_exec",
+            "sched",
+            "sched_process_exec",
+        )?;
+        attach(
+            &mut ebpf,
             "tracer_process_exit",
             "sched",
             "sched_process_exit",
         )?;
-        let tracked = HashMap::try_from(ebpf.take_map("TRACKED").expect("TRACKED in object"))
-            .map_err(map_err("TRACKED"))?;
-        let losses = PerCpuArray::try_from(ebpf.take_map("LOSSES").expect("LOSSES in object"))
-            .map_err(map_err("LOSSES"))?;
-        let events =
-            RingBuf::try_from(ebpf.take_map("PROC_EVENTS").expect("PROC_EVENTS in object"))
-                .map_err(map_err("PROC_EVENTS"))?;
+        let mut layouts: Array<MapData, PyLayout> = take(&mut ebpf, "PY_LAYOUTS")?;
+        for v in VERSIONS {
+            layouts
+                .set(v.index, v.probe, 0)
+                .map_err(map_err("PY_LAYOUTS"))?;
+        }
         Ok(Self {
-            tracked: Mutex::new(tracked),
-            losses,
-            events: Mutex::new(Some(events)),
-            _ebpf: ebpf,
+            tracked: take(&mut ebpf, "TRACKED")?,
+            losses: take(&mut ebpf, "LOSSES")?,
+            events: Some(take(&mut ebpf, "PROC_EVENTS")?),
+            py_tstate: take(&mut ebpf, "PY_TSTATE")?,
+            py_calls: take(&mut ebpf, "PY_CALLS")?,
+            py_codes: Some(take(&mut ebpf, "PY_CODES")?),
+            py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
+            _py_layouts: layouts,
+            py_loaded: false,
+            ebpf,
         })
     }
 
+    /// Sets which session slots count Python calls ([0]) and which of those count every process ([1]).
+    pub fn set_python_sessions(
+        &mut self,
+        python: SessionMask,
+        all: SessionMask,
+    ) -> Result<(), BpfError> {
+        self.py_sessions
+            .set(0, python, 0)
+            .map_err(map_err("PY_SESSIONS"))?;
+        self.py_sessions
+            .set(1, all, 0)
+            .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// The ring buffer of first-seen code objects; taken once by its reader.
+    pub fn take_py_codes(&mut self) -> Option<RingBuf<MapData>> {
+        self.py_codes.take()
+    }
+
+    /// Attaches the Python probes to one interpreter binary, for every process that maps it.
+    pub fn attach_python(
+        &mut self,
+        rt: &Runtime,
+    ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
+        const ENTRY: &str = "tracer_py_eval_entry";
+        const RESUME: &str = "tracer_py_resume";
+        if !self.py_loaded {
+            for name in [ENTRY, RESUME] {
+                self.uprobe(name)?.load().map_err(|e| BpfError::Program {
+                    name,
+                    source: Box::new(e),
+                })?;
+            }
+            self.py_loaded = true;
+        }
+        let cookie = Some(u64::from(rt.version.index));
+        let points =
+            std::iter::once((ENTRY, &rt.eval_entry)).chain(rt.resume.iter().map(|p| (RESUME, p)));
+        let mut links = Vec::new();
+        for (name, point) in points {
+            let at = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(point.file_offset),
+                cookie,
+            };
+            match self
+                .uprobe(name)?
+                .attach(at, &rt.path, UProbeScope::AllProcesses)
+            {
+                Ok(link) => links.push((name, link)),
+                Err(e) => {
+                    self.detach_python(links);
+                    return Err(BpfError::Program {
+                        name,
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        Ok(links)
+    }
+
+    pub fn detach_python(&mut self, links: Vec<(&'static str, UProbeLinkId)>) {
+        for (name, link) in links {
+            if let Ok(p) = self.uprobe(name) {
+                let _ = p.detach(link);
+            }
+        }
+    }
+
+    fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe, BpfError> {
+        self.ebpf
+            .program_mut(name)
+            .unwrap_or_else(|| panic!("{name} in object"))
+            .try_into()
+            .map_err(|e| BpfError::Program {
+                name,
+                source: Box::new(e),
+            })
+    }
+
     /// Adds `slot` to the sessions following `pid`.
-    pub fn follow(&self, pid: u32, slot: u8) -> Result<(), BpfError> {
-        let mut map = self.tracked.lock().expect("tracked lock");
+    pub fn follow(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let map = &mut self.tracked;
         let mask = match map.get(&pid, 0) {
             Ok(m) => m,
             Err(MapError::KeyNotFound) => 0,
@@ -104,8 +218,8 @@ impl ProcessFollower {
     }
 
     /// Removes `slot` from every process; entries no session follows any more are deleted.
-    pub fn release(&self, slot: u8) -> Result<(), BpfError> {
-        let mut map = self.tracked.lock().expect("tracked lock");
+    pub fn release(&mut self, slot: u8) -> Result<(), BpfError> {
+        let map = &mut self.tracked;
         let entries: Vec<(u32, SessionMask)> = map.iter().filter_map(Result::ok).collect();
         for (pid, mask) in entries {
             if mask & (1 << slot) == 0 {
@@ -138,15 +252,10 @@ impl ProcessFollower {
 
     /// Starts draining fork/exit events into `tx`. Call once.
     pub fn events(
-        &self,
+        &mut self,
         tx: mpsc::UnboundedSender<ProcEvent>,
     ) -> std::io::Result<tokio::task::JoinHandle<()>> {
-        let ring = self
-            .events
-            .lock()
-            .expect("events lock")
-            .take()
-            .expect("events() called once");
+        let ring = self.events.take().expect("events() called once");
         // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd, which deregisters it
         // before dropping it.
         let mut fd = unsafe { AsyncFd::register(ring) }.map_err(std::io::Error::from)?;
@@ -176,6 +285,10 @@ pub fn loss_cause_name(index: u32) -> &'static str {
     match index {
         loss::RINGBUF_FULL => "proc_events_ringbuf_full",
         loss::TRACKED_MAP_FULL => "tracked_map_full",
+        loss::PY_CALLS_FULL => "python_calls_map_full",
+        loss::PY_CODES_RINGBUF_FULL => "python_names_ringbuf_full",
+        loss::PY_NO_THREAD_STATE => "python_thread_state_unknown",
+        loss::PY_READ_FAILED => "python_memory_read_failed",
         _ => "unknown",
     }
 }

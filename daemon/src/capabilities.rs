@@ -29,7 +29,19 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             version: i.version,
             runtime_path: i.runtime.display().to_string(),
             symbols: if i.full_symbols { "full" } else { "dynamic" }.into(),
-            support: "perf counters; Python function probes are not in this tracerd version".into(),
+            support: match python::runtime::Runtime::inspect(&i.runtime) {
+                Ok(rt) if rt.resume.is_empty() => "calls counted exactly (eval-loop entry)".into(),
+                Ok(rt) => format!(
+                    "calls counted exactly ({} handlers; opcode table by {})",
+                    rt.resume
+                        .iter()
+                        .map(|p| p.what.trim_end_matches(" handler"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    rt.table_found_by
+                ),
+                Err(e) => format!("not supported: {e}"),
+            },
         })
         .collect();
     Capabilities {

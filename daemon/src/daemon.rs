@@ -12,9 +12,7 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::transport::Server;
 use tracer_proto::tracer_server::TracerServer;
 
-use crate::{
-    bpf::ProcessFollower, capabilities, server::Service, session::manager::Manager, store::Store,
-};
+use crate::{bpf::Bpf, capabilities, server::Service, session::manager::Manager, store::Store};
 
 pub const DEFAULT_SOCKET: &str = "/run/tracer/tracerd.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
@@ -67,7 +65,7 @@ pub async fn run(
     let tcp = config.listen.as_deref().map(parse_listen).transpose()?;
     claim_socket(&config.socket)?;
     let store = Store::open(&config.state_dir)?;
-    let follower = Arc::new(ProcessFollower::load()?);
+    let bpf = Bpf::load()?;
     let gid = config
         .group
         .as_deref()
@@ -88,12 +86,16 @@ pub async fn run(
         ),
         None => None,
     };
-    let caps = Arc::new(
-        tokio::task::spawn_blocking(|| capabilities::measure(true))
-            .await
-            .expect("capabilities task"),
-    );
-    let (sessions, manager_task) = Manager::spawn(store, follower)?;
+    let caps = tokio::task::spawn_blocking(|| capabilities::measure(true))
+        .await
+        .expect("capabilities task");
+    let interpreters = caps
+        .interpreters
+        .iter()
+        .map(|i| i.runtime_path.clone().into())
+        .collect();
+    let caps = Arc::new(caps);
+    let (sessions, manager_task) = Manager::spawn(store, bpf, interpreters)?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;

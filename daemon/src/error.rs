@@ -16,6 +16,9 @@ pub enum Error {
     StillRunning { id: String },
     #[error("{0}")]
     Unimplemented(String),
+    /// The request is valid but the target cannot be measured that way (e.g. not a supported CPython).
+    #[error("{0}")]
+    FailedPrecondition(String),
     #[error("{0}")]
     ResourceExhausted(String),
     #[error(transparent)]
@@ -45,7 +48,7 @@ impl Error {
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NoSuchProcess { .. } | Error::NoSuchSession { .. } => Code::NotFound,
             Error::PermissionDenied { .. } => Code::PermissionDenied,
-            Error::StillRunning { .. } => Code::FailedPrecondition,
+            Error::StillRunning { .. } | Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Unimplemented(_) => Code::Unimplemented,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::ShuttingDown => Code::Unavailable,

@@ -14,6 +14,29 @@ pub struct Report {
     /// Events that could not be recorded, by cause; empty when nothing was lost.
     pub losses: Vec<LossEntry>,
     pub processes: Processes,
+    /// Python calls per function (counting mode with `--python`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python: Option<PythonReport>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PythonReport {
+    /// Sorted by ncalls, most first.
+    pub functions: Vec<PyFunction>,
+    /// Code objects counted whose names could not be read.
+    pub unknown_names: u64,
+    /// What limits these numbers: interpreters that could not be probed, late attaches.
+    pub warnings: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PyFunction {
+    pub pid: u32,
+    pub qualname: String,
+    pub filename: String,
+    pub firstlineno: i32,
+    /// Calls, counted as cProfile counts them: every start and every resume of the frame.
+    pub ncalls: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -156,6 +179,9 @@ impl Report {
                 }
             }
         }
+        if let Some(py) = &self.python {
+            py_table(&mut out, py);
+        }
         let _ = writeln!(out);
         let _ = writeln!(
             out,
@@ -173,6 +199,38 @@ impl Report {
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
         out
+    }
+}
+
+fn py_table(out: &mut String, py: &PythonReport) {
+    let total: u64 = py.functions.iter().map(|f| f.ncalls).sum();
+    let _ = writeln!(
+        out,
+        "\n Python calls: {} in {} functions\n",
+        group(total),
+        py.functions.len()
+    );
+    let _ = writeln!(
+        out,
+        "{:>12}  {:>8}  filename:lineno(function)",
+        "ncalls", "pid"
+    );
+    for f in &py.functions {
+        let _ = writeln!(
+            out,
+            "{:>12}  {:>8}  {}:{}({})",
+            group(f.ncalls),
+            f.pid,
+            f.filename,
+            f.firstlineno,
+            f.qualname
+        );
+    }
+    if py.unknown_names > 0 {
+        let _ = writeln!(out, " {} code objects could not be named", py.unknown_names);
+    }
+    for w in &py.warnings {
+        let _ = writeln!(out, " warning: {w}");
     }
 }
 

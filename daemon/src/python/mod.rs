@@ -1,3 +1,6 @@
-//! CPython: finding interpreters on this machine and where their eval loop lives.
+//! CPython: finding interpreters, their eval loops, and counting their calls.
 
 pub mod discover;
+pub mod layout;
+pub mod memory;
+pub mod runtime;

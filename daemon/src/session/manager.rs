@@ -3,17 +3,32 @@
 
 use std::{
     collections::HashMap,
-    sync::Arc,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use tokio::sync::{mpsc, oneshot, watch};
-use tracer_common::{ProcEvent, MAX_TRACKED_SESSIONS, PROC_EVENT_EXIT, PROC_EVENT_FORK};
+use aya::maps::{MapData, RingBuf};
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot, watch},
+};
+use tracer_common::{
+    ProcEvent, PyCodeEvent, MAX_TRACKED_SESSIONS, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
+};
 use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
 
-use super::{build_report, counting, Session};
+use super::{
+    build_report, counting,
+    python::{Probes, PySession, Unprobed},
+    Session,
+};
 use crate::{
-    access::Caller, bpf::ProcessFollower, error::Error, perf, process, report::Report, store::Store,
+    access::Caller,
+    bpf::Bpf,
+    error::Error,
+    perf, process,
+    python::memory,
+    report::{PythonReport, Report},
+    store::Store,
 };
 
 /// Longest session a client may ask for.
@@ -113,16 +128,21 @@ pub struct Manager {
     /// Reports that could not be written to the store; served from memory.
     unsaved: HashMap<String, Report>,
     store: Store,
-    follower: Arc<ProcessFollower>,
+    bpf: Bpf,
+    py: Probes,
     used_slots: u64,
     tx: mpsc::Sender<Command>,
 }
 
+type CodeRing = AsyncFd<RingBuf<MapData>>;
+
 impl Manager {
     /// Starts the manager task. Sessions left running by a daemon that died are marked failed.
+    /// `interpreters`: the Python runtimes on this machine, probed when a session counts Python calls.
     pub fn spawn(
         store: Store,
-        follower: Arc<ProcessFollower>,
+        mut bpf: Bpf,
+        interpreters: Vec<std::path::PathBuf>,
     ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
         let mut finished = HashMap::new();
@@ -136,19 +156,23 @@ impl Manager {
             finished.insert(info.id.clone(), info);
         }
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
-        follower
-            .events(proc_tx)
+        bpf.events(proc_tx)
             .map_err(|e| Error::io("reading BPF process events", e))?;
+        let ring = bpf.take_py_codes().expect("PY_CODES taken once");
+        // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd.
+        let codes = unsafe { AsyncFd::register(ring) }
+            .map_err(|e| Error::io("reading BPF Python names", e.into()))?;
         let manager = Manager {
             running: HashMap::new(),
             finished,
             unsaved: HashMap::new(),
             store,
-            follower,
+            bpf,
+            py: Probes::new(interpreters),
             used_slots: 0,
             tx: tx.clone(),
         };
-        let task = tokio::spawn(manager.run(rx, proc_rx));
+        let task = tokio::spawn(manager.run(rx, proc_rx, codes));
         Ok((Handle { tx }, task))
     }
 
@@ -156,11 +180,22 @@ impl Manager {
         mut self,
         mut rx: mpsc::Receiver<Command>,
         mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
+        mut codes: CodeRing,
     ) {
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
-                cmd = rx.recv() => match cmd {
+                guard = codes.readable_mut() => {
+                    if let Ok(mut g) = guard {
+                        self.drain_codes(g.get_inner_mut());
+                        g.clear_ready();
+                    }
+                    continue;
+                }
+                cmd = rx.recv() => {
+                    // Names first: a session that ends now must have every name it was sent.
+                    self.drain_codes(codes.get_mut());
+                    match cmd {
                     Some(Command::Shutdown { reply }) => {
                         let ids: Vec<String> = self.running.keys().cloned().collect();
                         for id in ids {
@@ -171,9 +206,34 @@ impl Manager {
                     }
                     Some(cmd) => self.handle(cmd),
                     None => return,
-                },
-                Some(ev) = proc_rx.recv() => self.on_proc_event(ev),
-                _ = sweep.tick() => self.sweep(),
+                }},
+                Some(ev) = proc_rx.recv() => {
+                    self.drain_codes(codes.get_mut());
+                    self.on_proc_event(ev);
+                }
+                _ = sweep.tick() => {
+                    self.drain_codes(codes.get_mut());
+                    self.sweep();
+                }
+            }
+        }
+    }
+
+    fn drain_codes(&mut self, ring: &mut RingBuf<MapData>) {
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<PyCodeEvent>() {
+                continue;
+            }
+            // SAFETY: written as a PyCodeEvent by the BPF side; read unaligned.
+            let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<PyCodeEvent>()) };
+            let slot = ev.slot;
+            if let Some(py) = self
+                .running
+                .values_mut()
+                .find(|s| s.slot.is_some_and(|x| u32::from(x) == slot))
+                .and_then(|s| s.python.as_mut())
+            {
+                py.on_code(&ev, &self.py);
             }
         }
     }
@@ -190,7 +250,7 @@ impl Manager {
                 let _ = reply.send(self.get(&id, caller));
             }
             Command::List { caller, reply } => {
-                let losses = self.follower.losses();
+                let losses = self.bpf.losses();
                 let mut all: Vec<SessionInfo> =
                     self.running.values_mut().map(|s| s.info(&losses)).collect();
                 all.extend(self.finished.values().cloned());
@@ -244,7 +304,14 @@ impl Manager {
         let target = req
             .target
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
-        let specs = counting::resolve(&req.counting.map(|c| c.events).unwrap_or_default())?;
+        let options = req.counting.unwrap_or_default();
+        let python = options.python;
+        // With --python, perf counters are only what was asked for.
+        let specs = if python && options.events.is_empty() {
+            Vec::new()
+        } else {
+            counting::resolve(&options.events)?
+        };
         if self.running.len() >= MAX_RUNNING {
             return Err(Error::ResourceExhausted(format!(
                 "{MAX_RUNNING} sessions are running already"
@@ -284,18 +351,18 @@ impl Manager {
             reason: "no caller credentials".into(),
         })?;
 
-        let slot = match pid {
-            Some(pid) => {
-                let slot = self.take_slot()?;
-                if let Err(e) = self.follower.follow(pid, slot) {
-                    self.free_slot(slot);
-                    return Err(e.into());
-                }
-                Some(slot)
-            }
-            None => None,
+        let slot = if pid.is_some() || python {
+            Some(self.take_slot()?)
+        } else {
+            None
         };
-        let loss_base = self.follower.losses();
+        if let (Some(pid), Some(slot)) = (pid, slot) {
+            if let Err(e) = self.bpf.follow(pid, slot) {
+                self.free_slot(slot);
+                return Err(e.into());
+            }
+        }
+        let loss_base = self.bpf.losses();
         let counting = match counting::Counting::open(&specs, &scope, pid) {
             Ok(c) => c,
             Err(e) => {
@@ -308,6 +375,17 @@ impl Manager {
             self.release(slot);
             return Err(Error::NoSuchProcess { pid });
         }
+        let python = if python {
+            match self.start_python(pid, target.launched) {
+                Ok(py) => Some(py),
+                Err(e) => {
+                    self.release(slot);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
 
         let id = new_id();
         let (ended, _) = watch::channel(false);
@@ -333,6 +411,7 @@ impl Manager {
             exited: 0,
             proc_events: 0,
             counting: Some(counting),
+            python,
             loss_base,
             command: pid.and_then(process::comm),
             ended,
@@ -341,7 +420,117 @@ impl Manager {
         let info = session.info(&loss_base);
         tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, "session started");
         self.running.insert(id, session);
+        self.update_python_masks();
         Ok(info)
+    }
+
+    /// Probes what a Python-counting session needs before it starts counting.
+    fn start_python(&mut self, pid: Option<u32>, launched: bool) -> Result<PySession, Error> {
+        let mut py = PySession::default();
+        match pid {
+            // Already running: probe its interpreter and find the threads inside the eval loop.
+            Some(pid) if !launched => {
+                let mapped = memory::runtime_of(pid).ok_or_else(|| {
+                    Error::FailedPrecondition(format!(
+                        "pid {pid} does not run CPython (no libpython3.X or python3.X mapped)"
+                    ))
+                })?;
+                self.py
+                    .ensure(&mut self.bpf, &mapped.path)
+                    .map_err(|why| Error::FailedPrecondition(format!("pid {pid}: {why}")))?;
+                if let Err(why) = self.py.seed_threads(&mut self.bpf, pid, &mapped) {
+                    py.warnings.push(why);
+                }
+                py.checked.insert(pid, exe_id(pid));
+            }
+            // Not exec'd yet: probe every interpreter on the machine, so the first call is counted
+            // whichever it runs. One found later is probed then, with a warning (see sweep).
+            Some(_) => {
+                for why in self.py.ensure_known(&mut self.bpf) {
+                    tracing::debug!(%why, "known interpreter not probed");
+                }
+            }
+            None => {
+                let _ = self.py.ensure_known(&mut self.bpf);
+                for pid in all_pids() {
+                    self.check_python_process(&mut py, pid, false);
+                }
+            }
+        }
+        Ok(py)
+    }
+
+    /// Probes the interpreter of `pid` if not yet (once per exec of the process). `late`: the
+    /// process ran unprobed for a while; say so in the report.
+    fn check_python_process(&mut self, py: &mut PySession, pid: u32, late: bool) {
+        let exe = exe_id(pid);
+        if py.checked.get(&pid) == Some(&exe) {
+            return;
+        }
+        // Not marked as checked when no interpreter is mapped yet: right after exec the dynamic
+        // loader may not have mapped libpython.
+        let Some(mapped) = memory::runtime_of(pid) else {
+            return;
+        };
+        let attached = self.py.is_attached(&mapped.path);
+        let result = self.py.ensure(&mut self.bpf, &mapped.path).map(|_| ());
+        if result != Err(Unprobed::NotRuntime) {
+            py.checked.insert(pid, exe);
+        }
+        match result {
+            Err(Unprobed::NotRuntime) => {}
+            Ok(_) if attached && !late => {}
+            Ok(_) => {
+                if let Err(why) = self.py.seed_threads(&mut self.bpf, pid, &mapped) {
+                    py.warnings.push(why);
+                }
+                if late && !attached {
+                    py.warnings.push(format!(
+                        "pid {pid}: {} was probed only when the process was found; its earlier calls were not counted",
+                        mapped.path.display()
+                    ));
+                }
+            }
+            Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
+        }
+    }
+
+    /// Tells the probes which slots count Python, and which of those count every process.
+    fn update_python_masks(&mut self) {
+        let (mut python, mut all) = (0u64, 0u64);
+        for s in self.running.values().filter(|s| s.python.is_some()) {
+            if let Some(slot) = s.slot {
+                python |= 1 << slot;
+                if matches!(s.target.kind, Some(target::Kind::All(_))) {
+                    all |= 1 << slot;
+                }
+            }
+        }
+        if let Err(e) = self.bpf.set_python_sessions(python, all) {
+            tracing::error!(%e, "updating Python session masks");
+        }
+        if python == 0 {
+            self.py.detach_all(&mut self.bpf);
+        }
+    }
+
+    /// Takes a session's Python counts out of the kernel map.
+    fn python_counts(&mut self, slot: u8) -> Vec<(u32, u64, u64, u64)> {
+        let keys: Vec<tracer_common::PyCallKey> = self
+            .bpf
+            .py_calls
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == u32::from(slot))
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Ok(n) = self.bpf.py_calls.get(&k, 0) {
+                out.push((k.pid, k.code, k.names, n));
+            }
+            let _ = self.bpf.py_calls.remove(&k);
+        }
+        out
     }
 
     fn take_slot(&mut self) -> Result<u8, Error> {
@@ -362,7 +551,7 @@ impl Manager {
 
     fn release(&mut self, slot: Option<u8>) {
         if let Some(slot) = slot {
-            if let Err(e) = self.follower.release(slot) {
+            if let Err(e) = self.bpf.release(slot) {
                 tracing::warn!(%e, slot, "releasing a BPF session slot");
             }
             self.free_slot(slot);
@@ -392,7 +581,7 @@ impl Manager {
         caller: Caller,
     ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
         caller.may_access(self.owner(id)?, id)?;
-        let losses = self.follower.losses();
+        let losses = self.bpf.losses();
         if let Some(s) = self.running.get_mut(id) {
             return Ok((s.info(&losses), s.ended.subscribe()));
         }
@@ -423,7 +612,7 @@ impl Manager {
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
-        let losses = self.follower.losses();
+        let losses = self.bpf.losses();
         let mut info = s.info(&losses);
         // Close the counters before anything else can fail.
         s.counting = None;
@@ -436,7 +625,25 @@ impl Manager {
         .into();
         info.end_reason = reason.into();
         info.error = error.unwrap_or_default();
-        let report = build_report(&info, s.followed, s.command.take());
+        let mut report = build_report(&info, s.followed, s.command.take());
+        if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
+            // Stop counting for this slot before reading it out.
+            self.update_python_masks();
+            let counts = self.python_counts(slot);
+            let seen_interpreter = !py.checked.is_empty();
+            let (functions, unknown_names) = py.functions(counts);
+            let mut warnings = py.warnings;
+            if functions.is_empty() && !seen_interpreter {
+                warnings.push(
+                    "no probed CPython 3.10-3.13 interpreter was seen running in the followed processes".into(),
+                );
+            }
+            report.python = Some(PythonReport {
+                functions,
+                unknown_names,
+                warnings,
+            });
+        }
         if let Err(e) = self.store.put(&info, &report.to_json()) {
             tracing::error!(%e, id, "could not persist the report; it is kept in memory until tracerd exits");
             self.unsaved.insert(id.to_owned(), report);
@@ -452,7 +659,8 @@ impl Manager {
 
     fn on_proc_event(&mut self, ev: ProcEvent) {
         let mut ended = Vec::new();
-        for s in self.running.values_mut() {
+        let mut execs = Vec::new();
+        for s in self.running.values_mut().filter(|s| s.follows_pid()) {
             let Some(slot) = s.slot else { continue };
             if ev.sessions & (1 << slot) == 0 {
                 continue;
@@ -477,11 +685,25 @@ impl Manager {
                         ended.push(s.id.clone());
                     }
                 }
+                PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
                 _ => {}
             }
         }
+        for id in execs {
+            self.check_session_process(&id, ev.pid);
+        }
         for id in ended {
             self.finish(&id, EndReason::TargetExited, None);
+        }
+    }
+
+    fn check_session_process(&mut self, id: &str, pid: u32) {
+        let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
+            return;
+        };
+        self.check_python_process(&mut py, pid, true);
+        if let Some(s) = self.running.get_mut(id) {
+            s.python = Some(py);
         }
     }
 
@@ -489,7 +711,11 @@ impl Manager {
     /// that are gone are treated as exited.
     fn sweep(&mut self) {
         let mut ended = Vec::new();
-        for s in self.running.values_mut().filter(|s| s.slot.is_some()) {
+        for s in self
+            .running
+            .values_mut()
+            .filter(|s| s.slot.is_some() && s.follows_pid())
+        {
             let gone: Vec<u32> = s
                 .live
                 .iter()
@@ -507,7 +733,42 @@ impl Manager {
         for id in ended {
             self.finish(&id, EndReason::TargetExited, None);
         }
+        // Python processes that appeared, or exec'd an interpreter, since the last look.
+        let ids: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(_, s)| s.python.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            let Some(s) = self.running.get_mut(&id) else {
+                continue;
+            };
+            let pids: Vec<u32> = if s.follows_pid() {
+                s.live.iter().copied().collect()
+            } else {
+                all_pids()
+            };
+            for pid in pids {
+                self.check_session_process(&id, pid);
+            }
+        }
     }
+}
+
+/// Identity of the executable a process runs now (changes on exec).
+fn exe_id(pid: u32) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |m| (m.dev(), m.ino()))
+}
+
+fn all_pids() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn unix_ms() -> u64 {

@@ -5,6 +5,7 @@
 
 pub mod counting;
 pub mod manager;
+pub mod python;
 
 use std::{collections::BTreeSet, time::Instant};
 
@@ -31,6 +32,8 @@ struct Session {
     exited: u32,
     proc_events: u64,
     counting: Option<counting::Counting>,
+    /// Counting Python calls.
+    python: Option<python::PySession>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
@@ -39,6 +42,11 @@ struct Session {
 }
 
 impl Session {
+    /// Whether the session follows a process tree (and ends when it exits), rather than the machine.
+    fn follows_pid(&self) -> bool {
+        matches!(self.target.kind, Some(tracer_proto::target::Kind::Pid(_)))
+    }
+
     fn losses(&self, now: &[u64; loss::COUNT as usize]) -> Vec<Loss> {
         if self.slot.is_none() {
             return Vec::new();
@@ -142,5 +150,6 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             exited: info.exited_processes,
             command,
         },
+        python: None,
     }
 }

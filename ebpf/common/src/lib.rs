@@ -14,6 +14,8 @@ pub type SessionMask = u64;
 pub const PROC_EVENT_FORK: u32 = 1;
 /// `ProcEvent::kind`: the last thread of a followed process exited.
 pub const PROC_EVENT_EXIT: u32 = 2;
+/// `ProcEvent::kind`: a followed process exec'd a new program.
+pub const PROC_EVENT_EXEC: u32 = 3;
 
 /// Sent on the `PROC_EVENTS` ring buffer when a followed process forks or exits.
 #[repr(C)]
@@ -39,8 +41,17 @@ pub mod loss {
     pub const RINGBUF_FULL: u32 = 0;
     /// The `TRACKED` map was full: a forked child could not be followed.
     pub const TRACKED_MAP_FULL: u32 = 1;
+    /// `PY_CALLS` was full: a Python function's calls could not be counted.
+    pub const PY_CALLS_FULL: u32 = 2;
+    /// The `PY_CODES` ring buffer was full: a function's name was not sent.
+    pub const PY_CODES_RINGBUF_FULL: u32 = 3;
+    /// A call on a thread whose thread state is unknown (it never entered the eval loop
+    /// while probed, and the daemon did not find it at attach).
+    pub const PY_NO_THREAD_STATE: u32 = 4;
+    /// Reading the interpreter's memory (frame, code object) failed.
+    pub const PY_READ_FAILED: u32 = 5;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 2;
+    pub const COUNT: u32 = 6;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -54,14 +65,104 @@ pub mod globals {
     pub const EXIT_GROUP_DEAD_OFFSET: &str = "EXIT_GROUP_DEAD_OFFSET";
 }
 
+/// How a probe finds the running code object; `PyLayout::kind`.
+pub mod py_kind {
+    /// 3.10: `_PyEval_EvalFrameDefault(tstate, PyFrameObject *f, throwflag)` runs every call;
+    /// the frame is its second argument.
+    pub const EVAL_ARG_FRAME: u32 = 0;
+    /// 3.11, 3.12: `tstate->cframe->current_frame`, at the RESUME handlers.
+    pub const CFRAME: u32 = 1;
+    /// 3.13: `tstate->current_frame`, at the RESUME handlers.
+    pub const CURRENT_FRAME: u32 = 2;
+}
+
+/// Entries of the `PY_LAYOUTS` array: one per CPython version (see daemon/src/python/layout.rs).
+pub const PY_LAYOUTS_MAX: u32 = 8;
+
+/// Byte offsets into one CPython version's structs, as the probes need them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyLayout {
+    pub kind: u32,
+    pub tstate_cframe: u32,
+    pub cframe_current_frame: u32,
+    pub tstate_current_frame: u32,
+    /// Code object within the frame (`f_code`, or `f_executable` on 3.13).
+    pub frame_code: u32,
+    pub code_filename: u32,
+    /// `co_qualname` (3.11+) or `co_name` (3.10, which has no qualname).
+    pub code_qualname: u32,
+    pub code_firstlineno: u32,
+    /// Offset of the `state` bitfield in `PyASCIIObject`.
+    pub unicode_state: u32,
+    /// `sizeof(PyASCIIObject)`: where a compact ASCII string's characters start.
+    pub unicode_ascii_data: u32,
+}
+
+/// Key of `PY_CALLS`: one session's count of calls of one code object in one process.
+///
+/// A freed code object's address is reused by later ones (modules run once at start-up free
+/// theirs), so the address alone does not name a function: `names` mixes in the addresses of
+/// its (interned) qualname and file name.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PyCallKey {
+    pub slot: u32,
+    pub pid: u32,
+    pub code: u64,
+    pub names: u64,
+}
+
+/// `PyCallKey::names` from the qualname and file name object addresses.
+pub const fn py_names_id(qualname: u64, filename: u64) -> u64 {
+    qualname ^ filename.rotate_left(29)
+}
+
+pub const PY_QUALNAME_LEN: usize = 128;
+pub const PY_FILENAME_LEN: usize = 256;
+
+/// `PyCodeEvent::flags`: the name was not a compact ASCII string (or could not be read).
+pub const PY_CODE_QUALNAME_UNREAD: u32 = 1;
+/// `PyCodeEvent::flags`: likewise for the file name.
+pub const PY_CODE_FILENAME_UNREAD: u32 = 2;
+
+/// Sent on `PY_CODES` the first time a session sees a code object in a process: its names,
+/// read while the process is alive, so that counts of processes that exit can still be named.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PyCodeEvent {
+    pub slot: u32,
+    pub pid: u32,
+    pub code: u64,
+    pub names: u64,
+    pub firstlineno: i32,
+    pub flags: u32,
+    /// NUL-terminated (or full).
+    pub qualname: [u8; PY_QUALNAME_LEN],
+    pub filename: [u8; PY_FILENAME_LEN],
+}
+
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: repr(C), Copy, every field an integer and every byte covered (no implicit padding).
+    // SAFETY (all): repr(C), Copy, every field an integer or byte array, no implicit padding.
     unsafe impl aya::Pod for super::ProcEvent {}
+    unsafe impl aya::Pod for super::PyLayout {}
+    unsafe impl aya::Pod for super::PyCallKey {}
+    unsafe impl aya::Pod for super::PyCodeEvent {}
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn python_types_have_no_hidden_padding() {
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 10 * 4);
+        assert_eq!(core::mem::size_of::<super::PyCallKey>(), 24);
+        assert_eq!(
+            core::mem::size_of::<super::PyCodeEvent>(),
+            4 + 4 + 8 + 8 + 4 + 4 + super::PY_QUALNAME_LEN + super::PY_FILENAME_LEN
+        );
+    }
+
     #[test]
     fn proc_event_has_no_hidden_padding() {
         assert_eq!(core::mem::size_of::<super::ProcEvent>(), 4 * 4 + 8 + 8 + 16);

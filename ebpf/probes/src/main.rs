@@ -1,8 +1,12 @@
 //! tracer's BPF programs. One object, loaded once by tracerd; programs are attached as sessions need them.
 #![no_std]
 #![no_main]
+// Atomic map updates: core's atomics lack read-modify-write on the BPF target.
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod proc;
+mod python;
 
 #[cfg(not(test))]
 #[panic_handler]

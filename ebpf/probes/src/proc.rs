@@ -12,19 +12,19 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use tracer_common::{
-    loss, ProcEvent, SessionMask, PROC_EVENT_EXIT, PROC_EVENT_FORK, TRACKED_MAX_ENTRIES,
+    loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK, TRACKED_MAX_ENTRIES,
 };
 
 /// Process id → sessions following it.
 #[map]
-static TRACKED: HashMap<u32, SessionMask> = HashMap::with_max_entries(TRACKED_MAX_ENTRIES, 0);
+pub(crate) static TRACKED: HashMap<u32, SessionMask> = HashMap::with_max_entries(TRACKED_MAX_ENTRIES, 0);
 
 #[map]
 static PROC_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 
 /// Per-CPU loss counters, indexed by `tracer_common::loss::*`.
 #[map]
-static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
+pub(crate) static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
 
 // Tracepoint field offsets, patched in by the loader from tracefs (see `tracer_common::globals`).
 #[no_mangle]
@@ -41,7 +41,7 @@ fn global(v: &u32) -> u32 {
     unsafe { core::ptr::read_volatile(v) }
 }
 
-fn count_loss(cause: u32) {
+pub(crate) fn count_loss(cause: u32) {
     if let Some(slot) = LOSSES.get_ptr_mut(cause) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
         unsafe { *slot += 1 };
@@ -134,4 +134,25 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
     });
     Ok(())
+}
+
+/// `sched:sched_process_exec`: a followed process runs a new program (the daemon checks
+/// whether it is an interpreter to probe).
+#[tracepoint]
+pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: see try_task_newtask.
+    if let Some(&sessions) = unsafe { TRACKED.get(&tgid) } {
+        emit(ProcEvent {
+            kind: PROC_EVENT_EXEC,
+            pid: tgid,
+            parent_pid: 0,
+            _pad: 0,
+            sessions,
+            // SAFETY: plain BPF helper calls.
+            ktime_ns: unsafe { bpf_ktime_get_ns() },
+            comm: bpf_get_current_comm().unwrap_or([0; 16]),
+        });
+    }
+    0
 }

@@ -28,9 +28,14 @@ pub mod target {
 pub struct CountingOptions {
     /// perf event names, as `perf stat -e` spells them: task-clock, cpu-clock, page-faults,
     /// minor-faults, major-faults, context-switches, cpu-migrations, cycles, instructions,
-    /// cache-references, cache-misses, branches, branch-misses. Empty: a default set.
+    /// cache-references, cache-misses, branches, branch-misses. Empty: a default set, unless
+    /// `python` is set, when empty means no perf counters.
     #[prost(string, repeated, tag = "1")]
     pub events: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Count calls of every Python function (CPython 3.10-3.13) in the target, exactly as
+    /// cProfile counts them, with uprobes on the interpreter's eval loop.
+    #[prost(bool, tag = "2")]
+    pub python: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -1,0 +1,152 @@
+//! Reading a live Python process from outside (process_vm_readv): which interpreter it runs,
+//! its threads' states, and code objects' names that the probes could not read.
+
+use std::{fs, io, path::PathBuf};
+
+use nix::{
+    sys::uio::{process_vm_readv, RemoteIoVec},
+    unistd::Pid,
+};
+
+use super::{layout::Version, runtime::Runtime};
+
+/// A mapping of an interpreter binary in a process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapped {
+    pub path: PathBuf,
+    pub start: u64,
+    pub file_offset: u64,
+}
+
+/// The interpreter binary a process runs: its libpython if it maps one, else its `python3.X`
+/// executable. Paths are seen through /proc/PID/root, so processes in containers work too.
+pub fn runtime_of(pid: u32) -> Option<Mapped> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let mut exe = None;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(off), Some(_dev), Some(_inode), Some(path)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let name = path.rsplit('/').next().unwrap_or(path);
+        let start = u64::from_str_radix(range.split('-').next()?, 16).ok()?;
+        let file_offset = u64::from_str_radix(off, 16).ok()?;
+        let mapped = || Mapped {
+            path: PathBuf::from(format!("/proc/{pid}/root{path}")),
+            start,
+            file_offset,
+        };
+        if name.starts_with("libpython3.") && name.contains(".so") {
+            return Some(mapped());
+        }
+        if exe.is_none()
+            && super::runtime::minor_from_name(std::path::Path::new(name)).is_some()
+            && !name.contains(".so")
+        {
+            exe = Some(mapped());
+        }
+    }
+    exe
+}
+
+fn read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+    let len = buf.len();
+    let remote = [RemoteIoVec {
+        base: usize::try_from(addr).map_err(|_| io::ErrorKind::InvalidInput)?,
+        len,
+    }];
+    let n = process_vm_readv(
+        Pid::from_raw(pid as i32),
+        &mut [io::IoSliceMut::new(buf)],
+        &remote,
+    )?;
+    if n == len {
+        Ok(())
+    } else {
+        Err(io::ErrorKind::UnexpectedEof.into())
+    }
+}
+
+fn read_u64(pid: u32, addr: u64) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    read(pid, addr, &mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// (thread id, `PyThreadState *`) of every thread of the main interpreter, for 3.11+.
+pub fn thread_states(pid: u32, rt: &Runtime, mapped: &Mapped) -> io::Result<Vec<(u32, u64)>> {
+    let v: &Version = rt.version;
+    let (Some(native_id), Some(sym)) = (v.tstate_native_thread_id, rt.runtime_symbol) else {
+        return Ok(Vec::new());
+    };
+    let bias = rt
+        .load_bias(mapped.start, mapped.file_offset)
+        .ok_or(io::ErrorKind::InvalidData)?;
+    let runtime = sym.wrapping_add(bias);
+    let interp = read_u64(pid, runtime + v.runtime_interpreters_head)?;
+    if interp == 0 {
+        // Not initialised yet (just exec'd): its threads will enter the eval loop while probed.
+        return Ok(Vec::new());
+    }
+    let mut tstate = read_u64(pid, interp + v.interp_threads_head)?;
+    let mut out = Vec::new();
+    // A bound against a corrupt or changing list.
+    for _ in 0..4096 {
+        if tstate == 0 {
+            break;
+        }
+        let mut id = [0u8; 8];
+        read(pid, tstate + native_id, &mut id)?;
+        out.push((u32::try_from(u64::from_le_bytes(id)).unwrap_or(0), tstate));
+        tstate = read_u64(pid, tstate + v.tstate_next)?;
+    }
+    Ok(out)
+}
+
+/// Reads a `str` object: compact ASCII, Latin-1, UCS-2 or UCS-4.
+pub fn read_str(pid: u32, obj: u64, v: &Version) -> io::Result<String> {
+    let length = read_u64(pid, obj + 16)?;
+    let mut state = [0u8; 4];
+    read(pid, obj + u64::from(v.probe.unicode_state), &mut state)?;
+    let state = u32::from_le_bytes(state);
+    let (kind, compact, ascii) = (
+        (state >> 2) & 7,
+        state & (1 << 5) != 0,
+        state & (1 << 6) != 0,
+    );
+    if !compact || length > 4096 {
+        return Err(io::ErrorKind::Unsupported.into());
+    }
+    // Non-ASCII compact strings are PyCompactUnicodeObject: utf8_length and utf8 pointer
+    // follow the header (and wstr_length before 3.12).
+    let extra = match (ascii, v.minor) {
+        (true, _) => 0,
+        (false, ..=11) => 24,
+        (false, _) => 16,
+    };
+    let data = obj + u64::from(v.probe.unicode_ascii_data) + extra;
+    let width = u64::from(kind.max(1));
+    let mut buf =
+        vec![0u8; usize::try_from(length * width).map_err(|_| io::ErrorKind::InvalidData)?];
+    read(pid, data, &mut buf)?;
+    Ok(match width {
+        1 => buf.iter().map(|&b| char::from(b)).collect(),
+        2 => buf
+            .chunks(2)
+            .filter_map(|c| char::from_u32(u32::from(u16::from_le_bytes([c[0], c[1]]))))
+            .collect(),
+        _ => buf
+            .chunks(4)
+            .filter_map(|c| char::from_u32(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect(),
+    })
+}
+
+/// A code object's qualname (name on 3.10) and file name.
+pub fn code_names(pid: u32, code: u64, v: &Version) -> io::Result<(String, String)> {
+    let q = read_u64(pid, code + u64::from(v.probe.code_qualname))?;
+    let f = read_u64(pid, code + u64::from(v.probe.code_filename))?;
+    Ok((read_str(pid, q, v)?, read_str(pid, f, v)?))
+}

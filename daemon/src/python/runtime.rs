@@ -1,0 +1,276 @@
+//! An interpreter binary (libpython or a `python3.X` with the interpreter linked in): where its
+//! eval loop is, and where the handlers of the opcodes that start frames are.
+//!
+//! The handlers' addresses sit in the eval loop's `opcode_targets` table (computed gotos). With
+//! a full symbol table the table is the local symbol `opcode_targets.N`; distribution builds
+//! keep only dynamic symbols, and the table is found as the run of 256 code pointers that
+//! fall mostly inside `_PyEval_EvalFrameDefault`.
+
+use std::{
+    collections::HashMap,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use object::{
+    elf, Object, ObjectSection, ObjectSegment, ObjectSymbol, RelocationFlags, SectionKind,
+};
+
+use super::layout::{self, Version};
+
+const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum RuntimeError {
+    #[error("cannot read {path}: {reason}")]
+    Read { path: PathBuf, reason: String },
+    #[error("{path} has no {EVAL_FRAME}: not a CPython runtime")]
+    NoEvalLoop { path: PathBuf },
+    #[error("CPython 3.{minor} ({path}) is not supported: tracer knows 3.10 to 3.13")]
+    Unsupported { path: PathBuf, minor: u32 },
+    #[error("cannot tell the CPython version of {path} from its name")]
+    UnknownVersion { path: PathBuf },
+    #[error("{path}: no opcode_targets table found (built without computed gotos?), so Python calls cannot be counted exactly")]
+    NoOpcodeTable { path: PathBuf },
+}
+
+/// A probe location: file offset in the binary, and what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbePoint {
+    pub file_offset: u64,
+    pub what: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Runtime {
+    pub path: PathBuf,
+    pub version: &'static Version,
+    pub eval_entry: ProbePoint,
+    /// Handlers of RESUME and friends (empty on 3.10, where every call enters the eval loop).
+    pub resume: Vec<ProbePoint>,
+    /// Link-time address of `_PyRuntime`, for walking the thread list.
+    pub runtime_symbol: Option<u64>,
+    /// (vaddr, file offset, file size) of each loadable segment, to turn mappings into load biases.
+    pub segments: Vec<(u64, u64, u64)>,
+    /// How the opcode table was found: "symbol" or "scan".
+    pub table_found_by: &'static str,
+}
+
+/// `libpython3.12.so.1.0` or `python3.12` → 12.
+pub fn minor_from_name(path: &Path) -> Option<u32> {
+    let name = path.file_name()?.to_str()?;
+    let rest = name
+        .strip_prefix("libpython3.")
+        .or_else(|| name.strip_prefix("python3."))?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+impl Runtime {
+    pub fn inspect(path: &Path) -> Result<Self, RuntimeError> {
+        let read_err = |reason: String| RuntimeError::Read {
+            path: path.to_owned(),
+            reason,
+        };
+        let data = fs::read(path).map_err(|e| read_err(e.to_string()))?;
+        let file = object::File::parse(&*data).map_err(|e| read_err(e.to_string()))?;
+        let (eval_addr, eval_size) =
+            symbol(&file, |n| n == EVAL_FRAME).ok_or_else(|| RuntimeError::NoEvalLoop {
+                path: path.to_owned(),
+            })?;
+        let minor = minor_from_name(path).ok_or_else(|| RuntimeError::UnknownVersion {
+            path: path.to_owned(),
+        })?;
+        let version = layout::version(minor).ok_or(RuntimeError::Unsupported {
+            path: path.to_owned(),
+            minor,
+        })?;
+        let segments: Vec<(u64, u64, u64)> = file
+            .segments()
+            .map(|s| {
+                let (off, size) = s.file_range();
+                (s.address(), off, size)
+            })
+            .collect();
+        let to_offset = |vaddr: u64| {
+            segments
+                .iter()
+                .find(|(va, _, size)| vaddr >= *va && vaddr < va + size)
+                .map(|(va, off, _)| vaddr - va + off)
+        };
+        let no_table = || RuntimeError::NoOpcodeTable {
+            path: path.to_owned(),
+        };
+        let eval_entry = ProbePoint {
+            file_offset: to_offset(eval_addr).ok_or_else(no_table)?,
+            what: EVAL_FRAME.into(),
+        };
+        let (mut resume, mut table_found_by) = (Vec::new(), "not needed");
+        if !version.resume_opcodes.is_empty() {
+            let relocs = relative_relocations(&file);
+            let (table, how) = match symbol(&file, |n| n.starts_with("opcode_targets")) {
+                Some((addr, 2048)) => (read_table(&file, &relocs, addr), "symbol"),
+                _ => (scan_table(&file, &relocs, eval_addr, eval_size), "scan"),
+            };
+            let table = table.ok_or_else(no_table)?;
+            table_found_by = how;
+            for &(op, name) in version.resume_opcodes {
+                let handler = table[usize::from(op)];
+                resume.push(ProbePoint {
+                    file_offset: to_offset(handler).ok_or_else(no_table)?,
+                    what: format!("{name} handler"),
+                });
+            }
+        }
+        Ok(Self {
+            path: path.to_owned(),
+            version,
+            eval_entry,
+            resume,
+            runtime_symbol: symbol(&file, |n| n == "_PyRuntime").map(|(a, _)| a),
+            segments,
+            table_found_by,
+        })
+    }
+
+    /// The load bias of this binary in a process, from one of its mappings.
+    pub fn load_bias(&self, map_start: u64, map_file_offset: u64) -> Option<u64> {
+        let (vaddr, off, _) = self.segments.iter().find(|(_, off, size)| {
+            map_file_offset >= *off && map_file_offset < off + size.max(&1)
+        })?;
+        Some(map_start.wrapping_sub(vaddr + (map_file_offset - off)))
+    }
+}
+
+/// Address and size of the first defined symbol (full table first, then dynamic) whose name matches.
+fn symbol(file: &object::File, matches: impl Fn(&str) -> bool) -> Option<(u64, u64)> {
+    file.symbols()
+        .chain(file.dynamic_symbols())
+        .find(|s| s.is_definition() && s.name().is_ok_and(&matches))
+        .map(|s| (s.address(), s.size()))
+}
+
+/// R_X86_64_RELATIVE relocations: slot address → value the loader writes there.
+fn relative_relocations(file: &object::File) -> HashMap<u64, u64> {
+    let mut out = HashMap::new();
+    if let Some(relocs) = file.dynamic_relocations() {
+        for (offset, r) in relocs {
+            if let RelocationFlags::Elf {
+                r_type: elf::R_X86_64_RELATIVE,
+            } = r.flags()
+            {
+                out.insert(offset, r.addend() as u64);
+            }
+        }
+    }
+    out
+}
+
+/// The pointer stored at `vaddr` once loaded: its relocation's value, or the file's bytes.
+fn pointer_at(file: &object::File, relocs: &HashMap<u64, u64>, vaddr: u64) -> Option<u64> {
+    if let Some(&v) = relocs.get(&vaddr) {
+        return Some(v);
+    }
+    file.sections().find_map(|s| {
+        let start = s.address();
+        if vaddr < start || vaddr + 8 > start + s.size() {
+            return None;
+        }
+        let data = s.data().ok()?;
+        let at = usize::try_from(vaddr - start).ok()?;
+        Some(u64::from_le_bytes(data.get(at..at + 8)?.try_into().ok()?))
+    })
+}
+
+fn read_table(file: &object::File, relocs: &HashMap<u64, u64>, addr: u64) -> Option<Vec<u64>> {
+    (0..256)
+        .map(|i| pointer_at(file, relocs, addr + 8 * i))
+        .collect()
+}
+
+/// Finds the opcode table without symbols: 256 consecutive pointers into executable code, the
+/// most of them inside the eval loop. PGO builds move cold handlers out of the function, so
+/// not all of them are inside.
+fn scan_table(
+    file: &object::File,
+    relocs: &HashMap<u64, u64>,
+    eval: u64,
+    eval_size: u64,
+) -> Option<Vec<u64>> {
+    let text: Vec<(u64, u64)> = file
+        .sections()
+        .filter(|s| s.kind() == SectionKind::Text)
+        .map(|s| (s.address(), s.address() + s.size()))
+        .collect();
+    let in_text = |p: u64| text.iter().any(|&(a, b)| p >= a && p < b);
+    let in_eval = |p: u64| p >= eval && p < eval + eval_size.max(1);
+    let mut best: Option<(usize, u64)> = None;
+    for s in file
+        .sections()
+        .filter(|s| matches!(s.kind(), SectionKind::Data | SectionKind::ReadOnlyData))
+    {
+        let start = s.address() & !7;
+        let slots = usize::try_from(s.size() / 8).ok()?;
+        let ptrs: Vec<u64> = (0..slots as u64)
+            .map(|i| pointer_at(file, relocs, start + 8 * i).unwrap_or(0))
+            .collect();
+        let mut run = 0usize;
+        for i in 0..ptrs.len() {
+            run = if in_text(ptrs[i]) { run + 1 } else { 0 };
+            if run >= 256 {
+                let first = i + 1 - 256;
+                let inside = ptrs[first..=i].iter().filter(|&&p| in_eval(p)).count();
+                if inside >= 128 && best.is_none_or(|(n, _)| inside > n) {
+                    best = Some((inside, start + 8 * first as u64));
+                }
+            }
+        }
+    }
+    best.and_then(|(_, addr)| read_table(file, relocs, addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_from_names() {
+        assert_eq!(
+            minor_from_name(Path::new("/x/libpython3.12.so.1.0")),
+            Some(12)
+        );
+        assert_eq!(minor_from_name(Path::new("/usr/bin/python3.11")), Some(11));
+        assert_eq!(minor_from_name(Path::new("/usr/bin/python3")), None);
+    }
+
+    /// The scan must find what the symbol table says, on every interpreter that has one.
+    #[test]
+    fn the_scan_finds_the_symbol_tables_answer() {
+        let mut checked = 0;
+        for interp in super::super::discover::interpreters() {
+            let Some(minor) = minor_from_name(&interp.runtime) else {
+                continue;
+            };
+            let Some(v) = layout::version(minor) else {
+                continue;
+            };
+            if !interp.full_symbols || v.resume_opcodes.is_empty() {
+                continue;
+            }
+            let data = fs::read(&interp.runtime).unwrap();
+            let file = object::File::parse(&*data).unwrap();
+            let relocs = relative_relocations(&file);
+            let (addr, _) = symbol(&file, |n| n.starts_with("opcode_targets")).unwrap();
+            let (eval, size) = symbol(&file, |n| n == EVAL_FRAME).unwrap();
+            assert_eq!(
+                scan_table(&file, &relocs, eval, size),
+                read_table(&file, &relocs, addr),
+                "{interp:?}"
+            );
+            checked += 1;
+        }
+        if checked == 0 {
+            println!("skipping: no CPython 3.11+ with a full symbol table on this machine");
+        }
+    }
+}

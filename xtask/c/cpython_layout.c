@@ -1,0 +1,55 @@
+/* Prints the CPython struct offsets tracer's BPF programs need, from the interpreter's own
+ * (internal) headers. Built and run by `cargo xtask py-layouts` once per CPython version;
+ * its output is pasted into daemon/src/python/layout.rs. */
+#define Py_BUILD_CORE 1
+#include <Python.h>
+#include <stddef.h>
+#include <stdio.h>
+#if PY_VERSION_HEX >= 0x030B0000
+#include "internal/pycore_frame.h"
+#endif
+#include "internal/pycore_runtime.h"
+#include "internal/pycore_interp.h"
+#if PY_VERSION_HEX < 0x030B0000
+#include <frameobject.h>
+#endif
+
+#define OFF(t, f) printf("    %s: %zu,\n", #f, offsetof(t, f))
+
+int main(void) {
+    printf("// CPython %d.%d\n", PY_MAJOR_VERSION, PY_MINOR_VERSION);
+    printf("runtime_interpreters_head: %zu,\n", offsetof(_PyRuntimeState, interpreters.head));
+#if PY_VERSION_HEX >= 0x030B0000
+    printf("interp_threads_head: %zu,\n", offsetof(PyInterpreterState, threads.head));
+#else
+    printf("interp_threads_head: %zu,\n", offsetof(PyInterpreterState, tstate_head));
+#endif
+    printf("tstate_next: %zu,\n", offsetof(PyThreadState, next));
+#if PY_VERSION_HEX >= 0x030B0000
+    printf("tstate_native_thread_id: %zu,\n", offsetof(PyThreadState, native_thread_id));
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    printf("tstate_current_frame: %zu,\n", offsetof(PyThreadState, current_frame));
+    printf("iframe_code: %zu,\n", offsetof(_PyInterpreterFrame, f_executable));
+    printf("iframe_previous: %zu,\n", offsetof(_PyInterpreterFrame, previous));
+#elif PY_VERSION_HEX >= 0x030B0000
+    printf("tstate_cframe: %zu,\n", offsetof(PyThreadState, cframe));
+    printf("cframe_current_frame: %zu,\n", offsetof(_PyCFrame, current_frame));
+    printf("iframe_code: %zu,\n", offsetof(_PyInterpreterFrame, f_code));
+    printf("iframe_previous: %zu,\n", offsetof(_PyInterpreterFrame, previous));
+#else
+    printf("tstate_frame: %zu,\n", offsetof(PyThreadState, frame));
+    printf("frame_code: %zu,\n", offsetof(PyFrameObject, f_code));
+    printf("frame_back: %zu,\n", offsetof(PyFrameObject, f_back));
+#endif
+    printf("code_filename: %zu,\n", offsetof(PyCodeObject, co_filename));
+    printf("code_name: %zu,\n", offsetof(PyCodeObject, co_name));
+#if PY_VERSION_HEX >= 0x030B0000
+    printf("code_qualname: %zu,\n", offsetof(PyCodeObject, co_qualname));
+#endif
+    printf("code_firstlineno: %zu,\n", offsetof(PyCodeObject, co_firstlineno));
+    printf("unicode_length: %zu,\n", offsetof(PyASCIIObject, length));
+    printf("unicode_state: %zu,\n", offsetof(PyASCIIObject, state));
+    printf("unicode_ascii_data: %zu,\n", sizeof(PyASCIIObject));
+    return 0;
+}

@@ -71,32 +71,33 @@ impl Probes {
         if let Some(why) = self.failed.get(&id) {
             return Err(why.clone());
         }
-        if !self.attached.contains_key(&id) {
-            let attached = Runtime::inspect(path)
-                .map_err(|e| match e {
-                    RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
-                    e => Unprobed::Failed(e.to_string()),
-                })
-                .and_then(|rt| match bpf.attach_python(&rt) {
-                    Ok(links) => Ok(Attached { runtime: rt, links }),
-                    Err(e) => Err(Unprobed::Failed(format!(
-                        "attaching probes to {}: {e}",
-                        path.display()
-                    ))),
-                });
-            match attached {
-                Ok(a) => {
-                    tracing::info!(path = %path.display(), version = a.runtime.version.minor, table = a.runtime.table_found_by, "Python probes attached");
-                    self.attached.insert(id, a);
-                }
-                Err(why) => {
-                    tracing::debug!(?why, "interpreter not probed");
-                    self.failed.insert(id, why.clone());
-                    return Err(why);
-                }
+        let entry = match self.attached.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => return Ok(&e.into_mut().runtime),
+            std::collections::hash_map::Entry::Vacant(e) => e,
+        };
+        let attached = Runtime::inspect(path)
+            .map_err(|e| match e {
+                RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
+                e => Unprobed::Failed(e.to_string()),
+            })
+            .and_then(|rt| match bpf.attach_python(&rt) {
+                Ok(links) => Ok(Attached { runtime: rt, links }),
+                Err(e) => Err(Unprobed::Failed(format!(
+                    "attaching probes to {}: {e}",
+                    path.display()
+                ))),
+            });
+        match attached {
+            Ok(a) => {
+                tracing::info!(path = %path.display(), version = a.runtime.version.minor, table = a.runtime.table_found_by, "Python probes attached");
+                Ok(&entry.insert(a).runtime)
+            }
+            Err(why) => {
+                tracing::debug!(?why, "interpreter not probed");
+                self.failed.insert(id, why.clone());
+                Err(why)
             }
         }
-        Ok(&self.attached[&id].runtime)
     }
 
     pub fn is_attached(&self, path: &Path) -> bool {

@@ -78,7 +78,12 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
         let tstate: u64 = ctx.arg(0).ok_or(())?;
         // Recorded for every process: cheap, and a session that starts later finds it.
         let _ = PY_TSTATE.insert(&(pid_tgid as u32), &tstate, 0);
-        return Ok(());
+        // An exception thrown into a suspended generator or coroutine (throw(), close())
+        // resumes its frame without passing RESUME; profilers count that as a call too.
+        let throwflag: u64 = ctx.arg(2).ok_or(())?;
+        if throwflag as u32 == 0 {
+            return Ok(());
+        }
     }
     let mask = sessions(pid);
     if mask == 0 {

@@ -106,6 +106,10 @@ enum FormatArg {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix tools (and unlike Rust's default), die quietly when the reader of our
+    // output goes away; and a command launched below must not inherit an ignored SIGPIPE.
+    // SAFETY: setting a signal disposition before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),

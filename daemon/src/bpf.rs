@@ -59,7 +59,7 @@ pub struct Bpf {
     pub py_tstate: HashMap<MapData, u32, u64>,
     pub py_calls: HashMap<MapData, PyCallKey, u64>,
     py_codes: Option<RingBuf<MapData>>,
-    py_sessions: Array<MapData, SessionMask>,
+    py_sessions: Array<MapData, [SessionMask; 2]>,
     // Kept open: programs loaded later refer to every map by fd.
     _py_layouts: Array<MapData, PyLayout>,
     py_loaded: bool,
@@ -125,17 +125,14 @@ impl Bpf {
         })
     }
 
-    /// Sets which session slots count Python calls ([0]) and which of those count every process ([1]).
+    /// Sets which session slots count Python calls, and which of those count every process.
     pub fn set_python_sessions(
         &mut self,
         python: SessionMask,
         all: SessionMask,
     ) -> Result<(), BpfError> {
         self.py_sessions
-            .set(0, python, 0)
-            .map_err(map_err("PY_SESSIONS"))?;
-        self.py_sessions
-            .set(1, all, 0)
+            .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
     }
 

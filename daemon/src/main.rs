@@ -22,10 +22,28 @@ struct Args {
     /// Group whose members may use the socket besides root.
     #[arg(long)]
     group: Option<String>,
+    /// Print where Python call counting would probe this interpreter binary (libpython or
+    /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
+    #[arg(long, value_name = "PATH")]
+    show_python_probes: Option<PathBuf>,
 }
 
 fn main() {
     let args = Args::parse();
+    if let Some(path) = &args.show_python_probes {
+        match tracer_daemon::python::runtime::Runtime::inspect(path) {
+            Ok(rt) => {
+                for p in std::iter::once(&rt.eval_entry).chain(&rt.resume) {
+                    println!("{:#x} {}", p.file_offset, p.what);
+                }
+                return;
+            }
+            Err(e) => {
+                eprintln!("tracerd: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

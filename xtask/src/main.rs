@@ -1,5 +1,6 @@
 //! `cargo xtask …`: everything a developer or CI runs, as one Rust program.
 
+mod bench;
 mod proto;
 mod toolchain;
 
@@ -34,6 +35,11 @@ enum Task {
     Demo,
     /// The whole test suite: formatting, lints, generated code, unit and end-to-end tests (needs root).
     Test,
+    /// Benchmarks that print ratios measured side by side in one run (needs root and perf).
+    Bench {
+        #[arg(value_enum)]
+        which: bench::Which,
+    },
 }
 
 fn main() -> Result<()> {
@@ -43,6 +49,10 @@ fn main() -> Result<()> {
         Task::GenProto { check } => proto::generate(check),
         Task::Demo => demo(),
         Task::Test => test(),
+        Task::Bench { which } => {
+            build()?;
+            bench::run(which)
+        }
     }
 }
 
@@ -134,7 +144,7 @@ fn demo() -> Result<()> {
     result
 }
 
-fn wait_for_socket(socket: &Path, daemon: &mut std::process::Child) -> Result<()> {
+pub fn wait_for_socket(socket: &Path, daemon: &mut std::process::Child) -> Result<()> {
     for _ in 0..200 {
         if socket.exists() {
             return Ok(());

@@ -3,4 +3,5 @@
 pub mod discover;
 pub mod layout;
 pub mod memory;
+pub mod probe_point;
 pub mod runtime;

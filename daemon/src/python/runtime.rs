@@ -16,7 +16,10 @@ use object::{
     elf, Object, ObjectSection, ObjectSegment, ObjectSymbol, RelocationFlags, SectionKind,
 };
 
-use super::layout::{self, Version};
+use super::{
+    layout::{self, Version},
+    probe_point,
+};
 
 const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 
@@ -114,11 +117,21 @@ impl Runtime {
             };
             let table = table.ok_or_else(no_table)?;
             table_found_by = how;
+            let code = probe_point::Code {
+                regions: file
+                    .sections()
+                    .filter(|s| s.kind() == SectionKind::Text)
+                    .filter_map(|s| Some((s.address(), s.data().ok()?)))
+                    .collect(),
+            };
+            let mut joins = code.branch_targets();
+            joins.extend(table.iter().copied());
             for &(op, name) in version.resume_opcodes {
                 let handler = table[usize::from(op)];
+                let (at, how) = probe_point::choose(&code, handler, &joins);
                 resume.push(ProbePoint {
-                    file_offset: to_offset(handler).ok_or_else(no_table)?,
-                    what: format!("{name} handler"),
+                    file_offset: to_offset(at).ok_or_else(no_table)?,
+                    what: format!("{name} handler +{:#x}: {how}", at - handler),
                 });
             }
         }

@@ -19,18 +19,17 @@ use crate::{
     report::PyFunction,
 };
 
-struct Attached {
-    runtime: Runtime,
-    links: Vec<(&'static str, UProbeLinkId)>,
-}
+type FileId = (u64, u64);
 
-/// Interpreter binaries with probes attached, keyed by (device, inode) so that one file seen
+/// Interpreter binaries and their probes, keyed by (device, inode) so that one file seen
 /// through several paths is probed once.
 #[derive(Default)]
 pub struct Probes {
-    attached: HashMap<(u64, u64), Attached>,
-    /// Binaries that cannot be probed, and why (not retried).
-    failed: HashMap<(u64, u64), Unprobed>,
+    /// What inspecting each binary found. Kept for the daemon's life: a replaced binary is a
+    /// new inode.
+    inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
+    /// Probes attached now.
+    links: HashMap<FileId, Vec<(&'static str, UProbeLinkId)>>,
     /// Interpreter runtimes found on this machine at start.
     known: Vec<PathBuf>,
 }
@@ -68,44 +67,38 @@ impl Probes {
     /// Probes `path` (once). Returns the runtime, or why it cannot be probed.
     pub fn ensure(&mut self, bpf: &mut Bpf, path: &Path) -> Result<&Runtime, Unprobed> {
         let id = file_id(path).map_err(Unprobed::Failed)?;
-        if let Some(why) = self.failed.get(&id) {
-            return Err(why.clone());
-        }
-        let entry = match self.attached.entry(id) {
-            std::collections::hash_map::Entry::Occupied(e) => return Ok(&e.into_mut().runtime),
-            std::collections::hash_map::Entry::Vacant(e) => e,
-        };
-        let attached = Runtime::inspect(path)
-            .map_err(|e| match e {
-                RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
-                e => Unprobed::Failed(e.to_string()),
+        let rt = self
+            .inspected
+            .entry(id)
+            .or_insert_with(|| {
+                Runtime::inspect(path).map_err(|e| match e {
+                    RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
+                    e => Unprobed::Failed(e.to_string()),
+                })
             })
-            .and_then(|rt| match bpf.attach_python(&rt) {
-                Ok(links) => Ok(Attached { runtime: rt, links }),
-                Err(e) => Err(Unprobed::Failed(format!(
-                    "attaching probes to {}: {e}",
-                    path.display()
-                ))),
-            });
-        match attached {
-            Ok(a) => {
-                tracing::info!(path = %path.display(), version = a.runtime.version.minor, table = a.runtime.table_found_by, "Python probes attached");
-                Ok(&entry.insert(a).runtime)
-            }
-            Err(why) => {
-                tracing::debug!(?why, "interpreter not probed");
-                self.failed.insert(id, why.clone());
-                Err(why)
-            }
+            .as_ref()
+            .map_err(Clone::clone)?;
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {
+            let links = bpf.attach_python(rt).map_err(|e| {
+                Unprobed::Failed(format!("attaching probes to {}: {e}", path.display()))
+            })?;
+            tracing::info!(path = %path.display(), version = rt.version.minor, table = rt.table_found_by, "Python probes attached");
+            slot.insert(links);
         }
+        Ok(rt)
     }
 
     pub fn is_attached(&self, path: &Path) -> bool {
-        file_id(path).is_ok_and(|id| self.attached.contains_key(&id))
+        file_id(path).is_ok_and(|id| self.links.contains_key(&id))
     }
 
+    /// The runtime of an attached binary.
     pub fn runtime(&self, path: &Path) -> Option<&Runtime> {
-        self.attached.get(&file_id(path).ok()?).map(|a| &a.runtime)
+        let id = file_id(path).ok()?;
+        self.links
+            .contains_key(&id)
+            .then(|| self.inspected.get(&id)?.as_ref().ok())
+            .flatten()
     }
 
     /// Probes every interpreter found on the machine; returns what could not be probed.
@@ -119,10 +112,9 @@ impl Probes {
 
     /// Removes every probe (no session counts Python any more): processes stop paying for them.
     pub fn detach_all(&mut self, bpf: &mut Bpf) {
-        for (_, a) in self.attached.drain() {
-            bpf.detach_python(a.links);
+        for (_, links) in self.links.drain() {
+            bpf.detach_python(links);
         }
-        self.failed.clear();
     }
 
     /// Makes the probes see a running process's threads: those already inside the eval loop

@@ -32,20 +32,19 @@ static PY_CALLS: HashMap<PyCallKey, u64> = HashMap::with_max_entries(262_144, 0)
 #[map]
 static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 
-/// [0]: sessions counting Python calls. [1]: those of them that count every process.
+/// One entry: [sessions counting Python calls, those of them that count every process].
 #[map]
-static PY_SESSIONS: Array<SessionMask> = Array::with_max_entries(2, 0);
+static PY_SESSIONS: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
 
 /// `PyASCIIObject.state` bits: compact (5) and ascii (6), the same from 3.10 to 3.13.
 const COMPACT_ASCII: u32 = (1 << 5) | (1 << 6);
 
 /// The sessions that count this process's calls, if any.
 fn sessions(pid: u32) -> SessionMask {
-    let python = PY_SESSIONS.get(0).copied().unwrap_or(0);
+    let [python, all] = PY_SESSIONS.get(0).copied().unwrap_or([0, 0]);
     if python == 0 {
         return 0;
     }
-    let all = PY_SESSIONS.get(1).copied().unwrap_or(0);
     // SAFETY: map values are valid for the duration of the program.
     let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
     (followed | all) & python

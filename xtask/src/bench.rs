@@ -1,0 +1,349 @@
+//! `cargo xtask bench counting`: the cost of counting Python calls, measured side by side in
+//! one run on the same workloads: untraced, cProfile, a bare uprobe (perf counting hits of a
+//! tracefs uprobe at the very probe points tracer uses), and tracer.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::bin_dir;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Which {
+    Counting,
+}
+
+const RUNS: usize = 3;
+
+/// Workloads: (name, what one unit of work is, Python statement run N times).
+const WORKLOADS: &[(&str, &str)] = &[
+    ("fib", "recursive fib(25): 242,785 calls of a tiny function"),
+    ("work", "200,000 calls of a function doing ~2 µs of work"),
+];
+
+const SCRIPT: &str = r#"
+import sys, time
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+def unit(i):
+    s = 0
+    for j in range(60):
+        s += j * i
+    return s
+def work():
+    for i in range(200_000):
+        unit(i)
+def run(name):
+    if name == "fib":
+        fib(25)
+    else:
+        work()
+name, mode = sys.argv[1], sys.argv[2]
+if mode == "cprofile":
+    import cProfile
+    p = cProfile.Profile()
+    t = time.perf_counter(); p.enable(); run(name); p.disable(); t = time.perf_counter() - t
+else:
+    t = time.perf_counter(); run(name); t = time.perf_counter() - t
+print(f"SECONDS {t:.6f}")
+"#;
+
+fn seconds(out: &[u8]) -> Result<f64> {
+    let text = String::from_utf8_lossy(out);
+    text.lines()
+        .find_map(|l| l.strip_prefix("SECONDS "))
+        .context("workload printed no time")?
+        .trim()
+        .parse()
+        .context("bad time")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // utime, stime: fields 14 and 15 of stat, 12 and 13 after the command name.
+    f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+}
+
+pub fn run(which: Which) -> Result<()> {
+    match which {
+        Which::Counting => counting(),
+    }
+}
+
+fn counting() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("bench.py");
+    fs::write(&script, SCRIPT)?;
+    let python = python_executable()?;
+    let socket = dir.path().join("tracerd.sock");
+    let mut daemon = Command::new(bin_dir().join("tracerd"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .context("starting tracerd (benchmarks run as root)")?;
+    let result = (|| -> Result<()> {
+        crate::wait_for_socket(&socket, &mut daemon)?;
+        let bare = BareProbes::create(&python)?;
+        println!("python: {}  ({} runs each, median)", python.display(), RUNS);
+        println!(
+            "bare uprobe: perf counting a tracefs uprobe at each of tracer's probe points ({})",
+            bare.points.join(", ")
+        );
+        println!();
+        println!(
+            "{:<6} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>11} {:>11} {:>7} {:>10}",
+            "work",
+            "base s",
+            "cProf s",
+            "×",
+            "bare s",
+            "×",
+            "tracer s",
+            "×",
+            "bare ns/hit",
+            "tracer ns",
+            "vs bare",
+            "daemon ms"
+        );
+        for (name, what) in WORKLOADS {
+            let plain = |mode: &str| -> Result<f64> {
+                let out = Command::new(&python)
+                    .arg(&script)
+                    .args([*name, mode])
+                    .output()?;
+                seconds(&out.stdout)
+            };
+            let base = median((0..RUNS).map(|_| plain("plain")).collect::<Result<_>>()?);
+            let cprof = median(
+                (0..RUNS)
+                    .map(|_| plain("cprofile"))
+                    .collect::<Result<_>>()?,
+            );
+            let mut hits = 0;
+            let bare_t = median(
+                (0..RUNS)
+                    .map(|_| {
+                        let (t, h) = bare.run(&python, &script, name)?;
+                        hits = h;
+                        Ok(t)
+                    })
+                    .collect::<Result<_>>()?,
+            );
+            let mut calls = 0;
+            let mut daemon_ticks = Vec::new();
+            let traced = median(
+                (0..RUNS)
+                    .map(|_| {
+                        let before = cpu_ticks(daemon.id());
+                        let (t, c) = traced(&socket, &python, &script, name, dir.path())?;
+                        daemon_ticks.push((cpu_ticks(daemon.id()) - before) as f64);
+                        calls = c;
+                        Ok(t)
+                    })
+                    .collect::<Result<_>>()?,
+            );
+            let tick_ms = 1000.0 / clock_ticks();
+            let per_bare = (bare_t - base) / hits.max(1) as f64 * 1e9;
+            let per_call = (traced - base) / calls.max(1) as f64 * 1e9;
+            println!(
+                "{:<6} {:>9.3} {:>9.3} {:>7.1} {:>9.3} {:>7.1} {:>9.3} {:>7.1} {:>11.0} {:>11.0} {:>7.2} {:>10.0}",
+                name,
+                base,
+                cprof,
+                cprof / base,
+                bare_t,
+                bare_t / base,
+                traced,
+                traced / base,
+                per_bare,
+                per_call,
+                per_call / per_bare,
+                median(daemon_ticks) * tick_ms
+            );
+            println!("       {what}; tracer counted {calls} calls, the bare probes {hits} hits");
+        }
+        Ok(())
+    })();
+    let _ = Command::new("kill").arg(daemon.id().to_string()).status();
+    let _ = daemon.wait();
+    result
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// Appends one line to a tracefs control file.
+fn append(path: &Path, line: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    writeln!(fs::OpenOptions::new().append(true).open(path)?, "{line}")
+}
+
+fn python_executable() -> Result<PathBuf> {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()?;
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+/// One traced run: (workload seconds, Python calls tracer counted in total).
+fn traced(
+    socket: &Path,
+    python: &Path,
+    script: &Path,
+    name: &str,
+    dir: &Path,
+) -> Result<(f64, u64)> {
+    let report = dir.join("report.json");
+    let out = Command::new(bin_dir().join("tracerctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args([
+            "start",
+            "--mode=counting",
+            "--python",
+            "--format",
+            "json",
+            "-o",
+        ])
+        .arg(&report)
+        .arg("--")
+        .arg(python)
+        .arg(script)
+        .args([name, "plain"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        bail!("tracerctl failed");
+    }
+    let json: serde_json::Value = serde_json::from_str(&fs::read_to_string(&report)?)?;
+    let calls = json["python"]["functions"]
+        .as_array()
+        .map_or(0, |f| f.iter().filter_map(|f| f["ncalls"].as_u64()).sum());
+    Ok((seconds(&out.stdout)?, calls))
+}
+
+/// Plain tracefs uprobes at tracer's probe points, counted by `perf stat`: the floor any
+/// uprobe-based counter pays.
+struct BareProbes {
+    events: Vec<String>,
+    points: Vec<String>,
+}
+
+const GROUP: &str = "tracerbench";
+
+impl BareProbes {
+    fn create(python: &Path) -> Result<Self> {
+        // Start the interpreter to see which binary holds its eval loop.
+        let mut child = Command::new(python)
+            .args(["-c", "import time; time.sleep(2)"])
+            .spawn()?;
+        std::thread::sleep(Duration::from_millis(500));
+        let maps = fs::read_to_string(format!("/proc/{}/maps", child.id()))?;
+        let _ = child.kill();
+        let _ = child.wait();
+        let lib = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .find(|p| p.contains("/libpython3."));
+        let path = fs::canonicalize(lib.map_or(python, Path::new))?;
+        // tracerd says where it probes, so the baseline probes the very same instructions.
+        let out = Command::new(bin_dir().join("tracerd"))
+            .arg("--show-python-probes")
+            .arg(&path)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "tracerd --show-python-probes: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let probes: Vec<(u64, String)> = String::from_utf8(out.stdout)?
+            .lines()
+            .filter_map(|l| {
+                let (off, what) = l.split_once(' ')?;
+                Some((
+                    u64::from_str_radix(off.trim_start_matches("0x"), 16).ok()?,
+                    what.to_owned(),
+                ))
+            })
+            .collect();
+        let tracefs = Path::new("/sys/kernel/tracing");
+        if !tracefs.join("uprobe_events").exists() {
+            bail!("tracefs is not mounted at /sys/kernel/tracing");
+        }
+        Self::remove();
+        let mut events = Vec::new();
+        let mut points = Vec::new();
+        for (i, (offset, what)) in probes.into_iter().enumerate() {
+            let ev = format!("p{i}");
+            let def = format!("p:{GROUP}/{ev} {}:{offset:#x}", path.display());
+            append(&tracefs.join("uprobe_events"), &def)
+                .with_context(|| format!("defining {def}"))?;
+            events.push(format!("{GROUP}:{ev}"));
+            points.push(what);
+        }
+        Ok(Self { events, points })
+    }
+
+    fn run(&self, python: &Path, script: &Path, name: &str) -> Result<(f64, u64)> {
+        let out = Command::new("perf")
+            .args(["stat", "-x", ",", "-e", &self.events.join(","), "--"])
+            .arg(python)
+            .arg(script)
+            .args([name, "plain"])
+            .output()
+            .context("running perf stat (Debian package linux-perf)")?;
+        if !out.status.success() {
+            bail!("perf stat failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let hits = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter_map(|l| l.split(',').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+        Ok((seconds(&out.stdout)?, hits))
+    }
+
+    fn remove() {
+        let path = Path::new("/sys/kernel/tracing/uprobe_events");
+        if let Ok(defs) = fs::read_to_string(path) {
+            for line in defs.lines().filter(|l| l.contains(&format!("{GROUP}/"))) {
+                if let Some((_, name)) = line
+                    .split_whitespace()
+                    .next()
+                    .and_then(|n| n.split_once(':'))
+                {
+                    let _ = append(path, &format!("-:{name}"));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for BareProbes {
+    fn drop(&mut self) {
+        Self::remove();
+    }
+}

@@ -90,6 +90,9 @@ struct Output {
     /// Write the report to this file instead of standard output.
     #[arg(short = 'o', long = "output")]
     output: Option<PathBuf>,
+    /// Order of the Python functions: tottime, cumtime, ncalls, pcalls, filename, name, line, pid.
+    #[arg(long, default_value = "tottime")]
+    sort: String,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -103,6 +106,8 @@ enum ModeArg {
 enum FormatArg {
     Table,
     Json,
+    /// Python's pstats file (for pstats.Stats, snakeviz); use with -o.
+    Pstats,
 }
 
 fn main() -> ExitCode {
@@ -325,11 +330,13 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
     let format = match out.format {
         FormatArg::Table => ReportFormat::Table,
         FormatArg::Json => ReportFormat::Json,
+        FormatArg::Pstats => ReportFormat::Pstats,
     };
     let mut stream = client
         .get_report(GetReportRequest {
             id,
             format: format.into(),
+            sort: out.sort.clone(),
         })
         .await
         .map_err(status_err)?

@@ -15,7 +15,9 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader,
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
-use tracer_common::{globals, loss, ProcEvent, PyCallKey, PyLayout, SessionMask};
+use tracer_common::{
+    globals, loss, py_role, ProcEvent, PyCallKey, PyCallStats, PyLayout, SessionMask,
+};
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
 
@@ -57,7 +59,7 @@ pub struct Bpf {
     losses: PerCpuArray<MapData, u64>,
     events: Option<RingBuf<MapData>>,
     pub py_tstate: HashMap<MapData, u32, u64>,
-    pub py_calls: HashMap<MapData, PyCallKey, u64>,
+    pub py_calls: HashMap<MapData, PyCallKey, PyCallStats>,
     py_codes: Option<RingBuf<MapData>>,
     py_sessions: Array<MapData, [SessionMask; 2]>,
     // Kept open: programs loaded later refer to every map by fd.
@@ -147,9 +149,10 @@ impl Bpf {
         rt: &Runtime,
     ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
         const ENTRY: &str = "tracer_py_eval_entry";
-        const RESUME: &str = "tracer_py_resume";
+        const RETURN: &str = "tracer_py_eval_return";
+        const OPCODE: &str = "tracer_py_opcode";
         if !self.py_loaded {
-            for name in [ENTRY, RESUME] {
+            for name in [ENTRY, RETURN, OPCODE] {
                 self.uprobe(name)?.load().map_err(|e| BpfError::Program {
                     name,
                     source: Box::new(e),
@@ -157,14 +160,21 @@ impl Bpf {
             }
             self.py_loaded = true;
         }
-        let cookie = Some(u64::from(rt.version.index));
-        let points =
-            std::iter::once((ENTRY, &rt.eval_entry)).chain(rt.resume.iter().map(|p| (RESUME, p)));
+        let index = u64::from(rt.version.index);
+        let entry = index | (py_role::ENTRY << py_role::SHIFT);
+        let exit = index | (py_role::EXIT << py_role::SHIFT);
+        let mut points = vec![(ENTRY, &rt.eval_entry, entry)];
+        if rt.resume.is_empty() {
+            // 3.10: every frame is one call of the eval loop, left when it returns.
+            points.push((RETURN, &rt.eval_entry, exit));
+        }
+        points.extend(rt.resume.iter().map(|p| (OPCODE, p, entry)));
+        points.extend(rt.exit.iter().map(|p| (OPCODE, p, exit)));
         let mut links = Vec::new();
-        for (name, point) in points {
+        for (name, point, cookie) in points {
             let at = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(point.file_offset),
-                cookie,
+                cookie: Some(cookie),
             };
             match self
                 .uprobe(name)?
@@ -286,6 +296,8 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::PY_CODES_RINGBUF_FULL => "python_names_ringbuf_full",
         loss::PY_NO_THREAD_STATE => "python_thread_state_unknown",
         loss::PY_READ_FAILED => "python_memory_read_failed",
+        loss::PY_STACK_TOO_DEEP => "python_stack_too_deep_untimed",
+        loss::PY_EXIT_INFERRED => "python_exits_inferred",
         _ => "unknown",
     }
 }

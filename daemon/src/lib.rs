@@ -5,6 +5,7 @@ pub mod bpf;
 pub mod capabilities;
 pub mod daemon;
 pub mod error;
+pub mod export;
 pub mod perf;
 pub mod process;
 pub mod python;

@@ -33,7 +33,10 @@ fn main() {
     if let Some(path) = &args.show_python_probes {
         match tracer_daemon::python::runtime::Runtime::inspect(path) {
             Ok(rt) => {
-                for p in std::iter::once(&rt.eval_entry).chain(&rt.resume) {
+                for p in std::iter::once(&rt.eval_entry)
+                    .chain(&rt.resume)
+                    .chain(&rt.exit)
+                {
                     println!("{:#x} {}", p.file_offset, p.what);
                 }
                 return;

@@ -25,6 +25,9 @@ pub struct PythonReport {
     pub functions: Vec<PyFunction>,
     /// Code objects counted whose names could not be read.
     pub unknown_names: u64,
+    /// Frames left by an exception: their exit time is that of the thread's next probed
+    /// event, since no probe sees the unwind itself (3.11+). Machine-wide during the session.
+    pub inferred_exits: u64,
     /// What limits these numbers: interpreters that could not be probed, late attaches.
     pub warnings: Vec<String>,
 }
@@ -37,6 +40,12 @@ pub struct PyFunction {
     pub firstlineno: i32,
     /// Calls, counted as cProfile counts them: every start and every resume of the frame.
     pub ncalls: u64,
+    /// Calls that were not recursive (cProfile's primitive calls).
+    pub primitive_calls: u64,
+    /// Time in the function itself, callees excluded.
+    pub tottime_ns: u64,
+    /// Time in the function and its callees, once per outermost activation.
+    pub cumtime_ns: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -202,24 +211,61 @@ impl Report {
     }
 }
 
+/// Orders of the Python table, as `python -m cProfile -s KEY` spells them.
+pub const PY_SORTS: &[&str] = &[
+    "tottime", "cumtime", "ncalls", "pcalls", "filename", "name", "line", "pid",
+];
+
+/// Sorts functions by `key` (one of [`PY_SORTS`]), largest first for numbers.
+pub fn sort_functions(f: &mut [PyFunction], key: &str) {
+    let tie = |a: &PyFunction, b: &PyFunction| {
+        (&a.filename, a.firstlineno, &a.qualname).cmp(&(&b.filename, b.firstlineno, &b.qualname))
+    };
+    match key {
+        "cumtime" => f.sort_by(|a, b| b.cumtime_ns.cmp(&a.cumtime_ns).then_with(|| tie(a, b))),
+        "ncalls" => f.sort_by(|a, b| b.ncalls.cmp(&a.ncalls).then_with(|| tie(a, b))),
+        "pcalls" => f.sort_by(|a, b| {
+            b.primitive_calls
+                .cmp(&a.primitive_calls)
+                .then_with(|| tie(a, b))
+        }),
+        "filename" | "line" => f.sort_by(tie),
+        "name" => f.sort_by(|a, b| a.qualname.cmp(&b.qualname).then_with(|| tie(a, b))),
+        "pid" => f.sort_by(|a, b| a.pid.cmp(&b.pid).then_with(|| tie(a, b))),
+        _ => f.sort_by(|a, b| b.tottime_ns.cmp(&a.tottime_ns).then_with(|| tie(a, b))),
+    }
+}
+
 fn py_table(out: &mut String, py: &PythonReport) {
     let total: u64 = py.functions.iter().map(|f| f.ncalls).sum();
+    let primitive: u64 = py.functions.iter().map(|f| f.primitive_calls).sum();
     let _ = writeln!(
         out,
-        "\n Python calls: {} in {} functions\n",
+        "\n Python: {} function calls ({} primitive calls) in {} functions\n",
         group(total),
+        group(primitive),
         py.functions.len()
     );
     let _ = writeln!(
         out,
-        "{:>12}  {:>8}  filename:lineno(function)",
-        "ncalls", "pid"
+        "{:>16} {:>9} {:>9} {:>9} {:>9} {:>8}  filename:lineno(function)",
+        "ncalls", "tottime", "percall", "cumtime", "percall", "pid"
     );
+    let secs = |ns: u64| ns as f64 / 1e9;
     for f in &py.functions {
+        let ncalls = if f.primitive_calls == f.ncalls {
+            f.ncalls.to_string()
+        } else {
+            format!("{}/{}", f.ncalls, f.primitive_calls)
+        };
         let _ = writeln!(
             out,
-            "{:>12}  {:>8}  {}:{}({})",
-            group(f.ncalls),
+            "{:>16} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8}  {}:{}({})",
+            ncalls,
+            secs(f.tottime_ns),
+            secs(f.tottime_ns) / f.ncalls.max(1) as f64,
+            secs(f.cumtime_ns),
+            secs(f.cumtime_ns) / f.primitive_calls.max(1) as f64,
             f.pid,
             f.filename,
             f.firstlineno,
@@ -228,6 +274,13 @@ fn py_table(out: &mut String, py: &PythonReport) {
     }
     if py.unknown_names > 0 {
         let _ = writeln!(out, " {} code objects could not be named", py.unknown_names);
+    }
+    if py.inferred_exits > 0 {
+        let _ = writeln!(
+            out,
+            " {} frame exits by exception were timed at the thread's next Python event",
+            py.inferred_exits
+        );
     }
     for w in &py.warnings {
         let _ = writeln!(out, " warning: {w}");

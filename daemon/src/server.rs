@@ -128,13 +128,33 @@ impl Tracer for Service {
         let format = ReportFormat::try_from(req.get_ref().format).map_err(|_| {
             Status::invalid_argument(format!("unknown report format {}", req.get_ref().format))
         })?;
-        let report = self.sessions.report(id, who).await?;
-        let text = match format {
-            ReportFormat::Unspecified | ReportFormat::Table => report.to_table(),
-            ReportFormat::Json => report.to_json(),
+        let sort = match req.get_ref().sort.as_str() {
+            "" => "tottime",
+            s if crate::report::PY_SORTS.contains(&s) => s,
+            s => {
+                return Err(Status::invalid_argument(format!(
+                    "unknown sort key '{s}' (known: {})",
+                    crate::report::PY_SORTS.join(", ")
+                )))
+            }
         };
-        let chunks: Vec<Result<ReportChunk, Status>> = text
-            .into_bytes()
+        let mut report = self.sessions.report(id, who).await?;
+        if let Some(py) = report.python.as_mut() {
+            crate::report::sort_functions(&mut py.functions, sort);
+        }
+        let bytes = match format {
+            ReportFormat::Unspecified | ReportFormat::Table => report.to_table().into_bytes(),
+            ReportFormat::Json => report.to_json().into_bytes(),
+            ReportFormat::Pstats => match &report.python {
+                Some(py) => crate::export::pstats::encode(&py.functions),
+                None => {
+                    return Err(Status::failed_precondition(
+                        "pstats needs Python results: start the session with --python",
+                    ))
+                }
+            },
+        };
+        let chunks: Vec<Result<ReportChunk, Status>> = bytes
             .chunks(CHUNK)
             .map(|c| Ok(ReportChunk { data: c.to_vec() }))
             .collect();

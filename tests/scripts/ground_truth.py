@@ -5,7 +5,8 @@ usage: ground_truth.py cprofile|hook SCRIPT [ARGS...]
 cprofile: runs SCRIPT under cProfile (main thread, as `python -m cProfile` does).
 hook: counts the 'call' events of sys.setprofile in every thread (threading.setprofile),
       the events cProfile counts, for scripts that start threads.
-Prints {"line:name": ncalls} for the functions defined in SCRIPT, as JSON."""
+Prints {"line:name": [ncalls, primitive calls, tottime s, cumtime s]} for the functions
+defined in SCRIPT, as JSON (hook mode: primitive calls and times are null)."""
 import cProfile
 import json
 import os
@@ -29,7 +30,7 @@ def main():
             prof.disable()
         for (filename, line, name), (cc, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
             if os.path.abspath(filename) == script:
-                out[f"{line}:{name}"] = nc
+                out[f"{line}:{name}"] = [nc, cc, tt, ct]
     else:
         counts = Counter()
         lock = threading.Lock()
@@ -49,7 +50,7 @@ def main():
             threading.setprofile(None)
         for (filename, line, name), n in counts.items():
             if os.path.abspath(filename) == script:
-                out[f"{line}:{name}"] = n
+                out[f"{line}:{name}"] = [n, None, None, None]
     sys.stdout.flush()
     print("GROUND_TRUTH " + json.dumps(out, sort_keys=True))
 

@@ -1,5 +1,6 @@
-//! Python call counting, end to end: tracer's ncalls for every function of a workload must
-//! equal cProfile's (and, for threads, the profile hook's), on every interpreter here.
+//! Python call counting, end to end: tracer's ncalls and primitive calls for every function
+//! of a workload must equal cProfile's (and, for threads, the profile hook's), on every
+//! interpreter here; its tottime and cumtime must tell the same story as cProfile's.
 
 use std::{
     collections::BTreeMap,
@@ -37,8 +38,16 @@ fn interpreters() -> Vec<PathBuf> {
     out
 }
 
-/// {"line:name": ncalls} for the functions of `script`, from CPython's own profilers.
-fn ground_truth(python: &Path, mode: &str, script: &Path, args: &[&str]) -> BTreeMap<String, u64> {
+/// One function's numbers: ncalls, primitive calls, tottime s, cumtime s.
+type Stats = (u64, Option<u64>, Option<f64>, Option<f64>);
+
+/// {"line:name": stats} for the functions of `script`, from CPython's own profilers.
+fn ground_truth(
+    python: &Path,
+    mode: &str,
+    script: &Path,
+    args: &[&str],
+) -> BTreeMap<String, Stats> {
     let out = Command::new(python)
         .arg(tracer_tests::script("ground_truth.py"))
         .args([mode, script.to_str().unwrap()])
@@ -55,11 +64,24 @@ fn ground_truth(python: &Path, mode: &str, script: &Path, args: &[&str]) -> BTre
         .lines()
         .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
         .expect("ground truth line");
-    serde_json::from_str(json).unwrap()
+    let v: BTreeMap<String, Vec<Value>> = serde_json::from_str(json).unwrap();
+    v.into_iter()
+        .map(|(k, f)| {
+            (
+                k,
+                (
+                    f[0].as_u64().unwrap(),
+                    f[1].as_u64(),
+                    f[2].as_f64(),
+                    f[3].as_f64(),
+                ),
+            )
+        })
+        .collect()
 }
 
-/// tracer's counts for the functions of `script`, keyed like the ground truth.
-fn ours(report: &Value, script: &Path) -> BTreeMap<String, u64> {
+/// tracer's numbers for the functions of `script`, keyed like the ground truth.
+fn ours(report: &Value, script: &Path) -> BTreeMap<String, Stats> {
     let mut out = BTreeMap::new();
     for f in report["python"]["functions"]
         .as_array()
@@ -76,10 +98,25 @@ fn ours(report: &Value, script: &Path) -> BTreeMap<String, u64> {
             .next()
             .unwrap()
             .to_owned();
-        *out.entry(format!("{}:{name}", f["firstlineno"]))
-            .or_default() += f["ncalls"].as_u64().unwrap();
+        let secs = |k: &str| f[k].as_u64().unwrap() as f64 / 1e9;
+        let stats = (
+            f["ncalls"].as_u64().unwrap(),
+            f["primitive_calls"].as_u64(),
+            Some(secs("tottime_ns")),
+            Some(secs("cumtime_ns")),
+        );
+        let prev = out.insert(format!("{}:{name}", f["firstlineno"]), stats);
+        assert!(prev.is_none(), "one function per line and name: {f}");
     }
     out
+}
+
+fn calls(m: &BTreeMap<String, Stats>) -> BTreeMap<String, u64> {
+    m.iter().map(|(k, s)| (k.clone(), s.0)).collect()
+}
+
+fn calls_and_primitive(m: &BTreeMap<String, Stats>) -> BTreeMap<String, (u64, Option<u64>)> {
+    m.iter().map(|(k, s)| (k.clone(), (s.0, s.1))).collect()
 }
 
 fn run_counted(d: &Daemon, python: &Path, script: &Path, args: &[&str]) -> Value {
@@ -134,12 +171,19 @@ fn ncalls_equal_cprofiles_on_every_interpreter() {
     for py in &pythons {
         let truth = ground_truth(py, "cprofile", &wl, &[]);
         assert!(
-            truth.get("8:fib").is_some_and(|&n| n == 8361),
+            truth
+                .get("8:fib")
+                .is_some_and(|s| s.0 == 8361 && s.1 == Some(1)),
             "{py:?}: {truth:?}"
         );
         let report = run_counted(&d, py, &wl, &[]);
         check_losses(&report);
-        assert_eq!(ours(&report, &wl), truth, "{}", py.display());
+        assert_eq!(
+            calls_and_primitive(&ours(&report, &wl)),
+            calls_and_primitive(&truth),
+            "{}",
+            py.display()
+        );
         println!(
             "{}: {} functions agree with cProfile",
             py.display(),
@@ -156,11 +200,79 @@ fn threads_are_counted_like_the_profile_hook() {
     let d = Daemon::start();
     let wl = script("py_workload.py");
     for py in interpreters() {
-        let truth = ground_truth(&py, "hook", &wl, &["threads"]);
+        let truth = calls(&ground_truth(&py, "hook", &wl, &["threads"]));
         assert_eq!(truth.get("82:thread_work"), Some(&4), "{truth:?}");
         let report = run_counted(&d, &py, &wl, &["threads"]);
         check_losses(&report);
-        assert_eq!(ours(&report, &wl), truth, "{}", py.display());
+        assert_eq!(calls(&ours(&report, &wl)), truth, "{}", py.display());
+    }
+}
+
+#[test]
+fn tottime_and_cumtime_agree_with_cprofile() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("timing.py");
+    for py in interpreters() {
+        let truth = ground_truth(&py, "cprofile", &wl, &[]);
+        let report = run_counted(&d, &py, &wl, &[]);
+        check_losses(&report);
+        let got = ours(&report, &wl);
+        let t = |m: &BTreeMap<String, Stats>, k: &str| {
+            let s = m
+                .get(k)
+                .unwrap_or_else(|| panic!("{}: no {k} in {m:?}", py.display()));
+            (s.2.unwrap(), s.3.unwrap())
+        };
+        // Exact by construction: every nanosecond inside fib is some activation's own time.
+        let (tt, ct) = t(&got, "23:fib");
+        assert!(
+            (tt - ct).abs() < 1e-6,
+            "{}: fib tottime {tt} != cumtime {ct}",
+            py.display()
+        );
+        for (k, s) in &got {
+            assert!(
+                s.3.unwrap() + 1e-6 >= s.2.unwrap(),
+                "{}: {k} cumtime < tottime: {s:?}",
+                py.display()
+            );
+        }
+        // heavy spins four times as long as light: time goes to the right function. (A loose
+        // bound: this is about attribution, not speed, on a shared machine.)
+        let ratio = |m: &BTreeMap<String, Stats>| t(m, "11:heavy").1 / t(m, "15:light").1;
+        let (ours_r, theirs_r) = (ratio(&got), ratio(&truth));
+        assert!(
+            (2.0..8.0).contains(&ours_r),
+            "{}: heavy/light cumtime {ours_r:.2} (cProfile {theirs_r:.2})",
+            py.display()
+        );
+        // both's cumtime is heavy's plus light's.
+        let sum = t(&got, "11:heavy").1 + t(&got, "15:light").1;
+        let (_, both) = t(&got, "19:both");
+        assert!(
+            both >= sum && both < sum * 1.1,
+            "{}: both {both} vs heavy+light {sum}",
+            py.display()
+        );
+        // Within both(), spin's own time is nearly all of it, as cProfile says. (Not the whole
+        // run: fib's thousands of tiny calls carry each tool's own per-call overhead.)
+        let share = |m: &BTreeMap<String, Stats>| t(m, "4:spin").0 / t(m, "19:both").1;
+        assert!(
+            share(&got) > 0.9,
+            "{}: spin share {} (cProfile {})",
+            py.display(),
+            share(&got),
+            share(&truth)
+        );
+        println!(
+            "{}: heavy/light {ours_r:.2} (cProfile {theirs_r:.2}), spin share {:.2} ({:.2})",
+            py.display(),
+            share(&got),
+            share(&truth)
+        );
     }
 }
 
@@ -201,7 +313,7 @@ fn attaches_to_a_running_interpreter() {
         let report: Value =
             serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
         check_losses(&report);
-        let counts = ours(&report, &file);
+        let counts = calls(&ours(&report, &file));
         // fib(15) = 1973 calls, all after attach; `wait` was entered before and is never re-entered.
         assert_eq!(
             counts.get("2:fib"),
@@ -233,7 +345,10 @@ fn system_wide_sessions_pick_up_new_python_processes() {
     d.ok(&["stop", &id]);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let truth = ground_truth(&py, "cprofile", &wl, &[]);
-    assert_eq!(ours(&report, &wl), truth);
+    assert_eq!(
+        calls_and_primitive(&ours(&report, &wl)),
+        calls_and_primitive(&truth)
+    );
 }
 
 #[test]
@@ -252,4 +367,79 @@ fn a_process_that_is_not_python_is_refused() {
     ]);
     let line = tracer_tests::one_line_error(&out);
     assert!(line.contains("does not run CPython"), "{line}");
+}
+
+#[test]
+fn pstats_files_open_in_pstats_and_tables_sort() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = interpreters().into_iter().next() else {
+        println!("skipping: no CPython 3.10-3.13 found");
+        return;
+    };
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let report = run_counted(&d, &py, &wl, &[]);
+    let id = report["session"]["id"].as_str().unwrap();
+    let prof = d.dir.path().join("out.prof");
+    d.ok(&[
+        "report",
+        id,
+        "--format",
+        "pstats",
+        "-o",
+        prof.to_str().unwrap(),
+    ]);
+    // Python's own pstats reads the file; its calls are cProfile's.
+    let code = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
+                print(json.dumps({f'{k[1]}:{k[2]}': [v[1], v[0]] for k, v in s.items() if k[0] == sys.argv[2]}))";
+    let out = Command::new(&py)
+        .args(["-c", code])
+        .arg(&prof)
+        .arg(&wl)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let from_pstats: BTreeMap<String, (u64, Option<u64>)> =
+        serde_json::from_slice::<BTreeMap<String, Vec<u64>>>(&out.stdout)
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k, (v[0], Some(v[1]))))
+            .collect();
+    assert_eq!(
+        from_pstats,
+        calls_and_primitive(&ground_truth(&py, "cprofile", &wl, &[]))
+    );
+    // Tables sort like `python -m cProfile -s KEY`; an unknown key is refused.
+    let by_calls = d.ok(&["report", id, "--sort", "ncalls"]);
+    let first = by_calls
+        .lines()
+        .find(|l| l.contains("py_workload.py"))
+        .unwrap();
+    assert!(first.contains("(fib)"), "{first}");
+    let bad = d.run(&["report", id, "--sort", "bogus"]);
+    assert!(tracer_tests::one_line_error(&bad).contains("unknown sort key 'bogus'"));
+    let sleeper = ChildGuard::spawn(Command::new("sleep").arg("0.2"));
+    let plain = d.ok(&[
+        "start",
+        "--mode=counting",
+        "--events",
+        "task-clock",
+        "--pid",
+        &sleeper.pid().to_string(),
+        "--wait",
+        "--format",
+        "json",
+    ]);
+    let pid_id = serde_json::from_str::<Value>(&plain).unwrap()["session"]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let no_python = d.run(&["report", &pid_id, "--format", "pstats"]);
+    assert!(tracer_tests::one_line_error(&no_python).contains("start the session with --python"));
 }

@@ -21,6 +21,8 @@ pub struct Version {
     /// Opcodes whose handlers start or resume a frame: RESUME and its specialised and
     /// instrumented forms (the latter run while sys.monitoring or a profiler is active).
     pub resume_opcodes: &'static [(u8, &'static str)],
+    /// Opcodes whose handlers leave a frame: returns and yields, plain and instrumented.
+    pub exit_opcodes: &'static [(u8, &'static str)],
 }
 
 const fn probe(
@@ -28,7 +30,7 @@ const fn probe(
     tstate_cframe: u32,
     cframe_current_frame: u32,
     tstate_current_frame: u32,
-    frame_code: u32,
+    frame: (u32, u32),
     code: (u32, u32, u32),
     unicode_ascii_data: u32,
 ) -> PyLayout {
@@ -37,7 +39,9 @@ const fn probe(
         tstate_cframe,
         cframe_current_frame,
         tstate_current_frame,
-        frame_code,
+        frame_code: frame.0,
+        frame_previous: frame.1,
+        _pad: 0,
         code_filename: code.0,
         code_qualname: code.1,
         code_firstlineno: code.2,
@@ -51,37 +55,55 @@ pub const VERSIONS: &[Version] = &[
         minor: 10,
         index: 0,
         // co_name: 3.10 code objects have no qualname.
-        probe: probe(py_kind::EVAL_ARG_FRAME, 0, 0, 0, 32, (104, 112, 40), 48),
+        probe: probe(
+            py_kind::EVAL_ARG_FRAME,
+            0,
+            0,
+            0,
+            (32, 24),
+            (104, 112, 40),
+            48,
+        ),
         runtime_interpreters_head: 32,
         interp_threads_head: 8,
         tstate_next: 8,
         tstate_native_thread_id: None,
         resume_opcodes: &[],
+        exit_opcodes: &[],
     },
     Version {
         minor: 11,
         index: 1,
-        probe: probe(py_kind::CFRAME, 56, 8, 0, 32, (112, 128, 72), 48),
+        probe: probe(py_kind::CFRAME, 56, 8, 0, (32, 48), (112, 128, 72), 48),
         runtime_interpreters_head: 40,
         interp_threads_head: 16,
         tstate_next: 8,
         tstate_native_thread_id: Some(160),
         resume_opcodes: &[(151, "RESUME"), (150, "RESUME_QUICK")],
+        exit_opcodes: &[(83, "RETURN_VALUE"), (86, "YIELD_VALUE")],
     },
     Version {
         minor: 12,
         index: 2,
-        probe: probe(py_kind::CFRAME, 56, 0, 0, 0, (112, 128, 68), 40),
+        probe: probe(py_kind::CFRAME, 56, 0, 0, (0, 8), (112, 128, 68), 40),
         runtime_interpreters_head: 40,
         interp_threads_head: 72,
         tstate_next: 8,
         tstate_native_thread_id: Some(144),
         resume_opcodes: &[(151, "RESUME"), (240, "INSTRUMENTED_RESUME")],
+        exit_opcodes: &[
+            (83, "RETURN_VALUE"),
+            (121, "RETURN_CONST"),
+            (150, "YIELD_VALUE"),
+            (242, "INSTRUMENTED_RETURN_VALUE"),
+            (247, "INSTRUMENTED_RETURN_CONST"),
+            (243, "INSTRUMENTED_YIELD_VALUE"),
+        ],
     },
     Version {
         minor: 13,
         index: 3,
-        probe: probe(py_kind::CURRENT_FRAME, 0, 0, 72, 0, (112, 128, 68), 40),
+        probe: probe(py_kind::CURRENT_FRAME, 0, 0, 72, (0, 8), (112, 128, 68), 40),
         runtime_interpreters_head: 632,
         interp_threads_head: 7344,
         tstate_next: 8,
@@ -90,6 +112,14 @@ pub const VERSIONS: &[Version] = &[
             (149, "RESUME"),
             (207, "RESUME_CHECK"),
             (236, "INSTRUMENTED_RESUME"),
+        ],
+        exit_opcodes: &[
+            (36, "RETURN_VALUE"),
+            (103, "RETURN_CONST"),
+            (118, "YIELD_VALUE"),
+            (239, "INSTRUMENTED_RETURN_VALUE"),
+            (240, "INSTRUMENTED_RETURN_CONST"),
+            (241, "INSTRUMENTED_YIELD_VALUE"),
         ],
     },
 ];

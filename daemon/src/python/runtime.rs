@@ -51,6 +51,9 @@ pub struct Runtime {
     pub eval_entry: ProbePoint,
     /// Handlers of RESUME and friends (empty on 3.10, where every call enters the eval loop).
     pub resume: Vec<ProbePoint>,
+    /// Handlers of returns and yields (empty on 3.10, where every frame's exit is the eval
+    /// loop's return).
+    pub exit: Vec<ProbePoint>,
     /// Link-time address of `_PyRuntime`, for walking the thread list.
     pub runtime_symbol: Option<u64>,
     /// (vaddr, file offset, file size) of each loadable segment, to turn mappings into load biases.
@@ -108,7 +111,7 @@ impl Runtime {
             file_offset: to_offset(eval_addr).ok_or_else(no_table)?,
             what: EVAL_FRAME.into(),
         };
-        let (mut resume, mut table_found_by) = (Vec::new(), "not needed");
+        let (mut resume, mut exit, mut table_found_by) = (Vec::new(), Vec::new(), "not needed");
         if !version.resume_opcodes.is_empty() {
             let relocs = relative_relocations(&file);
             let (table, how) = match symbol(&file, |n| n.starts_with("opcode_targets")) {
@@ -126,13 +129,18 @@ impl Runtime {
             };
             let mut joins = code.branch_targets();
             joins.extend(table.iter().copied());
-            for &(op, name) in version.resume_opcodes {
-                let handler = table[usize::from(op)];
-                let (at, how) = probe_point::choose(&code, handler, &joins);
-                resume.push(ProbePoint {
-                    file_offset: to_offset(at).ok_or_else(no_table)?,
-                    what: format!("{name} handler +{:#x}: {how}", at - handler),
-                });
+            for (ops, points) in [
+                (version.resume_opcodes, &mut resume),
+                (version.exit_opcodes, &mut exit),
+            ] {
+                for &(op, name) in ops {
+                    let handler = table[usize::from(op)];
+                    let (at, how) = probe_point::choose(&code, handler, &joins);
+                    points.push(ProbePoint {
+                        file_offset: to_offset(at).ok_or_else(no_table)?,
+                        what: format!("{name} handler +{:#x}: {how}", at - handler),
+                    });
+                }
             }
         }
         Ok(Self {
@@ -140,6 +148,7 @@ impl Runtime {
             version,
             eval_entry,
             resume,
+            exit,
             runtime_symbol: symbol(&file, |n| n == "_PyRuntime").map(|(a, _)| a),
             segments,
             table_found_by,

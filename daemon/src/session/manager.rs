@@ -12,7 +12,8 @@ use tokio::{
     sync::{mpsc, oneshot, watch},
 };
 use tracer_common::{
-    ProcEvent, PyCodeEvent, MAX_TRACKED_SESSIONS, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
+    ProcEvent, PyCodeEvent, MAX_PY_SESSIONS, MAX_TRACKED_SESSIONS, PROC_EVENT_EXEC,
+    PROC_EVENT_EXIT, PROC_EVENT_FORK,
 };
 use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
 
@@ -352,7 +353,7 @@ impl Manager {
         })?;
 
         let slot = if pid.is_some() || python {
-            Some(self.take_slot()?)
+            Some(self.take_slot(python)?)
         } else {
             None
         };
@@ -447,7 +448,7 @@ impl Manager {
             // whichever it runs. One found later is probed then, with a warning (see sweep).
             Some(_) => {
                 for why in self.py.ensure_known(&mut self.bpf) {
-                    tracing::debug!(%why, "known interpreter not probed");
+                    tracing::debug!(%why, "known interpreter not probed (see capabilities)");
                 }
             }
             None => {
@@ -515,7 +516,7 @@ impl Manager {
     }
 
     /// Takes a session's Python counts out of the kernel map.
-    fn python_counts(&mut self, slot: u8) -> Vec<(u32, u64, u64, u64)> {
+    fn python_counts(&mut self, slot: u8) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
         let keys: Vec<tracer_common::PyCallKey> = self
             .bpf
             .py_calls
@@ -533,16 +534,29 @@ impl Manager {
         out
     }
 
-    fn take_slot(&mut self) -> Result<u8, Error> {
-        let free = (0..MAX_TRACKED_SESSIONS as u8)
-            .find(|i| self.used_slots & (1 << i) == 0)
-            .ok_or_else(|| {
+    /// A free session slot. Sessions counting Python calls need one of the lowest
+    /// `MAX_PY_SESSIONS`; the others take the highest free one, to leave those alone.
+    fn take_slot(&mut self, python: bool) -> Result<u8, Error> {
+        let free = |i: &u8| self.used_slots & (1 << i) == 0;
+        let found = if python {
+            (0..MAX_PY_SESSIONS as u8).find(free).ok_or_else(|| {
                 Error::ResourceExhausted(format!(
-                    "at most {MAX_TRACKED_SESSIONS} sessions may follow processes at once"
+                    "at most {MAX_PY_SESSIONS} sessions may count Python calls at once"
                 ))
-            })?;
-        self.used_slots |= 1 << free;
-        Ok(free)
+            })
+        } else {
+            (0..MAX_TRACKED_SESSIONS as u8)
+                .rev()
+                .find(free)
+                .ok_or_else(|| {
+                    Error::ResourceExhausted(format!(
+                        "at most {MAX_TRACKED_SESSIONS} sessions may follow processes at once"
+                    ))
+                })
+        };
+        let slot = found?;
+        self.used_slots |= 1 << slot;
+        Ok(slot)
     }
 
     fn free_slot(&mut self, slot: u8) {
@@ -632,6 +646,8 @@ impl Manager {
             let counts = self.python_counts(slot);
             let seen_interpreter = !py.checked.is_empty();
             let (functions, unknown_names) = py.functions(counts);
+            let inferred_exits = losses[tracer_common::loss::PY_EXIT_INFERRED as usize]
+                .saturating_sub(s.loss_base[tracer_common::loss::PY_EXIT_INFERRED as usize]);
             let mut warnings = py.warnings;
             if functions.is_empty() && !seen_interpreter {
                 warnings.push(
@@ -639,6 +655,7 @@ impl Manager {
                 );
             }
             report.python = Some(PythonReport {
+                inferred_exits,
                 functions,
                 unknown_names,
                 warnings,

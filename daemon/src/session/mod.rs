@@ -52,6 +52,8 @@ impl Session {
             return Vec::new();
         }
         (0..loss::COUNT)
+            // Not a loss: reported with the Python results.
+            .filter(|&i| i != loss::PY_EXIT_INFERRED)
             .filter_map(|i| {
                 let n = now[i as usize].saturating_sub(self.loss_base[i as usize]);
                 (n > 0).then(|| Loss {

@@ -8,7 +8,7 @@ use std::{
 };
 
 use aya::programs::uprobe::UProbeLinkId;
-use tracer_common::{PyCodeEvent, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD};
+use tracer_common::{PyCallStats, PyCodeEvent, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD};
 
 use crate::{
     bpf::Bpf,
@@ -177,47 +177,42 @@ impl PySession {
         self.names.insert((ev.pid, ev.code, ev.names), name);
     }
 
-    /// Names this session's counts. Code objects whose names never arrived are reported as unknown.
-    /// `counts`: (pid, code, names id, calls).
-    pub fn functions(&self, counts: Vec<(u32, u64, u64, u64)>) -> (Vec<PyFunction>, u64) {
+    /// Names this session's counts, sorted by tottime. Code objects whose names never
+    /// arrived are reported as unknown.
+    pub fn functions(&self, counts: Vec<(u32, u64, u64, PyCallStats)>) -> (Vec<PyFunction>, u64) {
         let mut unknown = 0;
         let mut out: Vec<PyFunction> = counts
             .into_iter()
-            .map(
-                |(pid, code, names, ncalls)| match self.names.get(&(pid, code, names)) {
-                    Some(n) => PyFunction {
-                        pid,
-                        qualname: if n.qualname.is_empty() {
-                            format!("[unreadable name: code object {code:#x}]")
-                        } else {
-                            n.qualname.clone()
-                        },
-                        filename: n.filename.clone(),
-                        firstlineno: n.firstlineno,
-                        ncalls,
-                    },
+            .map(|(pid, code, names, st)| {
+                let (qualname, filename, firstlineno) = match self.names.get(&(pid, code, names)) {
+                    Some(n) if n.qualname.is_empty() => (
+                        format!("[unreadable name: code object {code:#x}]"),
+                        n.filename.clone(),
+                        n.firstlineno,
+                    ),
+                    Some(n) => (n.qualname.clone(), n.filename.clone(), n.firstlineno),
                     None => {
                         unknown += 1;
-                        PyFunction {
-                            pid,
-                            qualname: format!("[unknown: code object {code:#x}]"),
-                            filename: String::new(),
-                            firstlineno: 0,
-                            ncalls,
-                        }
+                        (
+                            format!("[unknown: code object {code:#x}]"),
+                            String::new(),
+                            0,
+                        )
                     }
-                },
-            )
-            .collect();
-        out.sort_by(|a, b| {
-            b.ncalls.cmp(&a.ncalls).then_with(|| {
-                (&a.filename, a.firstlineno, &a.qualname).cmp(&(
-                    &b.filename,
-                    b.firstlineno,
-                    &b.qualname,
-                ))
+                };
+                PyFunction {
+                    pid,
+                    qualname,
+                    filename,
+                    firstlineno,
+                    ncalls: st.ncalls,
+                    primitive_calls: st.primitive,
+                    tottime_ns: st.tottime_ns,
+                    cumtime_ns: st.cumtime_ns,
+                }
             })
-        });
+            .collect();
+        crate::report::sort_functions(&mut out, "tottime");
         (out, unknown)
     }
 }

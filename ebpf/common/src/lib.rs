@@ -50,8 +50,13 @@ pub mod loss {
     pub const PY_NO_THREAD_STATE: u32 = 4;
     /// Reading the interpreter's memory (frame, code object) failed.
     pub const PY_READ_FAILED: u32 = 5;
+    /// A call deeper than `PY_STACK_DEPTH` on its thread: counted, but not timed.
+    pub const PY_STACK_TOO_DEEP: u32 = 6;
+    /// Not a loss: frames left by an exception, whose exit time is taken at the thread's
+    /// next probed event (no probe sees the unwind itself).
+    pub const PY_EXIT_INFERRED: u32 = 7;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 8;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -93,6 +98,9 @@ pub struct PyLayout {
     /// `co_qualname` (3.11+) or `co_name` (3.10, which has no qualname).
     pub code_qualname: u32,
     pub code_firstlineno: u32,
+    /// `_PyInterpreterFrame.previous` (3.11+).
+    pub frame_previous: u32,
+    pub _pad: u32,
     /// Offset of the `state` bitfield in `PyASCIIObject`.
     pub unicode_state: u32,
     /// `sizeof(PyASCIIObject)`: where a compact ASCII string's characters start.
@@ -116,6 +124,64 @@ pub struct PyCallKey {
 /// `PyCallKey::names` from the qualname and file name object addresses.
 pub const fn py_names_id(qualname: u64, filename: u64) -> u64 {
     qualname ^ filename.rotate_left(29)
+}
+
+/// Value of `PY_CALLS`: cProfile's numbers for one function.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyCallStats {
+    /// Starts and resumes of the function's frames.
+    pub ncalls: u64,
+    /// Those that were not recursive (no other activation of it on the thread's stack).
+    pub primitive: u64,
+    /// Time in the function itself, callees excluded.
+    pub tottime_ns: u64,
+    /// Time in the function and its callees, counted once per outermost activation.
+    pub cumtime_ns: u64,
+}
+
+/// Frames tracked per thread for timing; deeper calls are counted but not timed.
+pub const PY_STACK_DEPTH: usize = 96;
+
+/// Sessions that may count Python calls at once. They take the lowest session slots, so the
+/// probes' per-session loop stays short for the verifier.
+pub const MAX_PY_SESSIONS: u32 = 8;
+
+/// Frames left by an exception that one probe hit pops; more are popped at later hits.
+pub const PY_UNWIND_PER_EVENT: usize = 16;
+
+/// One active frame on a thread's shadow stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyStackEntry {
+    /// The interpreter frame's address (0 on 3.10, whose exits are matched by order).
+    pub frame: u64,
+    pub code: u64,
+    pub names: u64,
+    pub start_ns: u64,
+    /// Time spent in callees so far.
+    pub sub_ns: u64,
+    /// 1: no other activation of this function below it (cProfile adds cumtime then).
+    pub outermost: u64,
+}
+
+/// A thread's shadow stack of Python frames (value of `PY_STACKS`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PyStack {
+    pub depth: u64,
+    pub entries: [PyStackEntry; PY_STACK_DEPTH],
+}
+
+/// `PyLayout::kind` probes' roles, passed in the attach cookie above the layout index.
+pub mod py_role {
+    /// A frame starts or resumes (RESUME handlers; the eval-loop entry on 3.10).
+    pub const ENTRY: u64 = 0;
+    /// A frame returns or yields (RETURN_VALUE, RETURN_CONST, YIELD_VALUE handlers; the
+    /// eval loop's return on 3.10).
+    pub const EXIT: u64 = 1;
+    /// Bit position of the role in the cookie.
+    pub const SHIFT: u32 = 8;
 }
 
 pub const PY_QUALNAME_LEN: usize = 128;
@@ -149,13 +215,18 @@ mod pod {
     unsafe impl aya::Pod for super::PyLayout {}
     unsafe impl aya::Pod for super::PyCallKey {}
     unsafe impl aya::Pod for super::PyCodeEvent {}
+    unsafe impl aya::Pod for super::PyCallStats {}
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn python_types_have_no_hidden_padding() {
-        assert_eq!(core::mem::size_of::<super::PyLayout>(), 10 * 4);
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 12 * 4);
+        assert_eq!(
+            core::mem::size_of::<super::PyStack>(),
+            8 + 48 * super::PY_STACK_DEPTH
+        );
         assert_eq!(core::mem::size_of::<super::PyCallKey>(), 24);
         assert_eq!(
             core::mem::size_of::<super::PyCodeEvent>(),

@@ -5,15 +5,19 @@
 //! The attach cookie of every probe is the index of the interpreter's `PyLayout`.
 
 use aya_ebpf::{
-    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
-    macros::{map, uprobe},
-    maps::{Array, HashMap, LruHashMap, RingBuf},
-    programs::ProbeContext,
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes,
+    },
+    macros::{map, uprobe, uretprobe},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, py_names_id, PyCallKey, PyCodeEvent, PyLayout, SessionMask, PY_CODE_FILENAME_UNREAD,
-    PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX,
+    loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyLayout, PyStack, PyStackEntry,
+    SessionMask, MAX_PY_SESSIONS, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX, PY_STACK_DEPTH,
+    PY_UNWIND_PER_EVENT,
 };
 
 use crate::proc::{count_loss, TRACKED};
@@ -27,7 +31,15 @@ static PY_LAYOUTS: Array<PyLayout> = Array::with_max_entries(PY_LAYOUTS_MAX, 0);
 static PY_TSTATE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(65_536, 0);
 
 #[map]
-static PY_CALLS: HashMap<PyCallKey, u64> = HashMap::with_max_entries(262_144, 0);
+static PY_CALLS: HashMap<PyCallKey, PyCallStats> = HashMap::with_max_entries(262_144, 0);
+
+/// Thread id → its shadow stack of active Python frames, for tottime and cumtime.
+#[map]
+static PY_STACKS: LruHashMap<u32, PyStack> = LruHashMap::with_max_entries(8_192, 0);
+
+/// A zeroed stack to start a thread's from (too big for the BPF stack).
+#[map]
+static PY_EMPTY_STACK: PerCpuArray<PyStack> = PerCpuArray::with_max_entries(1, 0);
 
 #[map]
 static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
@@ -47,13 +59,14 @@ fn sessions(pid: u32) -> SessionMask {
     }
     // SAFETY: map values are valid for the duration of the program.
     let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
-    (followed | all) & python
+    (followed | all) & python & ((1 << MAX_PY_SESSIONS) - 1)
 }
 
-fn layout(ctx: &ProbeContext) -> Option<&'static PyLayout> {
+/// The probe's interpreter layout and role, from its attach cookie.
+fn cookie<C: EbpfContext>(ctx: &C) -> Option<(&'static PyLayout, u64)> {
     // SAFETY: plain helper call on this program's context.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
-    PY_LAYOUTS.get(cookie as u32)
+    Some((PY_LAYOUTS.get((cookie & 0xff) as u32)?, cookie >> py_role::SHIFT))
 }
 
 fn read<T>(addr: u64) -> Result<T, ()> {
@@ -61,8 +74,8 @@ fn read<T>(addr: u64) -> Result<T, ()> {
     unsafe { bpf_probe_read_user(addr as *const T) }.map_err(|_| count_loss(loss::PY_READ_FAILED))
 }
 
-/// `_PyEval_EvalFrameDefault` entry. 3.10: counts the frame's code. 3.11+: remembers the
-/// thread's state for the RESUME probes.
+/// `_PyEval_EvalFrameDefault` entry. 3.10: a frame starts. 3.11+: remembers the thread's
+/// state for the opcode probes, and catches frames resumed by a thrown exception.
 #[uprobe]
 pub fn tracer_py_eval_entry(ctx: ProbeContext) -> u32 {
     let _ = try_eval_entry(&ctx);
@@ -72,7 +85,7 @@ pub fn tracer_py_eval_entry(ctx: ProbeContext) -> u32 {
 fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let pid = (pid_tgid >> 32) as u32;
-    let Some(layout) = layout(ctx) else { return Ok(()) };
+    let Some((layout, _)) = cookie(ctx) else { return Ok(()) };
     if layout.kind != py_kind::EVAL_ARG_FRAME {
         let tstate: u64 = ctx.arg(0).ok_or(())?;
         // Recorded for every process: cheap, and a session that starts later finds it.
@@ -89,27 +102,37 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
         return Ok(());
     }
     let frame: u64 = ctx.arg(1).ok_or(())?;
-    let code: u64 = read(frame + u64::from(layout.frame_code))?;
-    count(mask, pid, code, layout);
-    Ok(())
+    enter(mask, pid, pid_tgid as u32, frame, layout)
 }
 
-/// A RESUME handler of the eval loop (3.11+): a frame starts or resumes, which is what
-/// cProfile counts as a call.
-#[uprobe]
-pub fn tracer_py_resume(ctx: ProbeContext) -> u32 {
-    let _ = try_resume(&ctx);
+/// 3.10: `_PyEval_EvalFrameDefault` returns, by `return`, `yield` or exception: the frame
+/// on top of the thread's stack is left.
+#[uretprobe]
+pub fn tracer_py_eval_return(_ctx: RetProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let mask = sessions((pid_tgid >> 32) as u32);
+    if mask != 0 {
+        leave(mask, (pid_tgid >> 32) as u32, pid_tgid as u32, 0);
+    }
     0
 }
 
-fn try_resume(ctx: &ProbeContext) -> Result<(), ()> {
+/// An opcode handler of the eval loop (3.11+): RESUME and friends (a frame starts or
+/// resumes: what cProfile counts as a call), or a return or yield (the frame is left).
+#[uprobe]
+pub fn tracer_py_opcode(ctx: ProbeContext) -> u32 {
+    let _ = try_opcode(&ctx);
+    0
+}
+
+fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let pid = (pid_tgid >> 32) as u32;
     let mask = sessions(pid);
     if mask == 0 {
         return Ok(());
     }
-    let layout = layout(ctx).ok_or(())?;
+    let (layout, role) = cookie(ctx).ok_or(())?;
     // SAFETY: map values are valid for the duration of the program.
     let Some(&tstate) = (unsafe { PY_TSTATE.get(&(pid_tgid as u32)) }) else {
         count_loss(loss::PY_NO_THREAD_STATE);
@@ -121,42 +144,219 @@ fn try_resume(ctx: &ProbeContext) -> Result<(), ()> {
     } else {
         read(tstate + u64::from(layout.tstate_current_frame))?
     };
+    if role == py_role::EXIT {
+        leave(mask, pid, pid_tgid as u32, frame);
+        return Ok(());
+    }
+    enter(mask, pid, pid_tgid as u32, frame, layout)
+}
+
+/// The thread's stack, created empty on first use.
+fn stack(tid: u32) -> Option<*mut PyStack> {
+    if let Some(s) = PY_STACKS.get_ptr_mut(&tid) {
+        return Some(s);
+    }
+    let empty = PY_EMPTY_STACK.get_ptr(0)?;
+    // SAFETY: a per-CPU map value, never written: all zeroes.
+    let _ = PY_STACKS.insert(&tid, unsafe { &*empty }, 1);
+    PY_STACKS.get_ptr_mut(&tid)
+}
+
+/// A frame starts or resumes: count the call, push it on the thread's stack.
+fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) -> Result<(), ()> {
     let code: u64 = read(frame + u64::from(layout.frame_code))?;
-    count(mask, pid, code, layout);
+    let qualname: u64 = read(code + u64::from(layout.code_qualname))?;
+    let filename: u64 = read(code + u64::from(layout.code_filename))?;
+    let names = py_names_id(qualname, filename);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut primitive = true;
+    if let Some(st) = stack(tid) {
+        // SAFETY: `st` points to this thread's map value; only this thread's probes write it.
+        let st = unsafe { &mut *st };
+        if layout.kind != py_kind::EVAL_ARG_FRAME {
+            // Frames above the caller were left by an exception: no probe saw them go.
+            let previous: u64 = read(frame + u64::from(layout.frame_previous)).unwrap_or(0);
+            unwind_to(st, mask, pid, previous, now);
+        }
+        for i in 0..PY_STACK_DEPTH {
+            if i as u64 >= st.depth {
+                break;
+            }
+            if let Some(e) = st.entries.get(opaque(i)) {
+                if e.code == code && e.names == names {
+                    primitive = false;
+                    break;
+                }
+            }
+        }
+        let depth = st.depth as usize;
+        match st.entries.get_mut(depth) {
+            Some(e) => {
+                *e = PyStackEntry { frame, code, names, start_ns: now, sub_ns: 0, outermost: u64::from(primitive) }
+            }
+            None => count_loss(loss::PY_STACK_TOO_DEEP),
+        }
+        st.depth += 1;
+    }
+    count(mask, pid, code, names, qualname, filename, layout, primitive);
     Ok(())
 }
 
-fn count(mut mask: SessionMask, pid: u32, code: u64, layout: &PyLayout) {
-    let Ok(qualname) = read::<u64>(code + u64::from(layout.code_qualname)) else { return };
-    let Ok(filename) = read::<u64>(code + u64::from(layout.code_filename)) else { return };
-    let names = py_names_id(qualname, filename);
+/// Pops frames above `previous` (when it is on the stack), their exit time inferred as now.
+fn unwind_to(st: &mut PyStack, mask: SessionMask, pid: u32, previous: u64, now: u64) {
+    let Some(target) = find(st, previous) else { return };
+    for _ in 0..PY_UNWIND_PER_EVENT {
+        if st.depth <= target + 1 {
+            break;
+        }
+        pop(st, mask, pid, now);
+        count_loss(loss::PY_EXIT_INFERRED);
+    }
+}
+
+/// Index of `frame` on the stack, topmost first.
+fn find(st: &PyStack, frame: u64) -> Option<u64> {
+    let top = st.depth.min(PY_STACK_DEPTH as u64);
+    for k in 0..PY_STACK_DEPTH as u64 {
+        if k >= top {
+            break;
+        }
+        let i = top - 1 - k;
+        if st.entries.get(opaque(i as usize)).is_some_and(|e| e.frame == frame) {
+            return Some(i);
+        }
+    }
+    None
+}
+
+/// A frame returns or yields. `frame` 0: the top one (3.10, where exits come in order).
+///
+/// Otherwise `frame` is the thread's current frame as the exit probe reads it: the leaving
+/// frame itself, or, where the handler has already switched to the caller before the
+/// probed instruction (3.12's YIELD_VALUE does), the caller. Frames above the leaving one
+/// were left by an exception since the last event: their exits are inferred.
+fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64) {
+    let Some(st) = PY_STACKS.get_ptr_mut(&tid) else { return };
+    // SAFETY: as in `enter`.
+    let st = unsafe { &mut *st };
+    if st.depth == 0 {
+        return;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    if frame != 0 && st.depth <= PY_STACK_DEPTH as u64 {
+        let top = st.entries.get(opaque(st.depth as usize - 1)).map_or(0, |e| e.frame);
+        if top != frame {
+            // Not on the stack: the caller is the eval loop's entry shim (3.12+ generators
+            // yielding to C), and the leaving frame is the top one.
+            let Some(i) = find(st, frame) else {
+                pop(st, mask, pid, now);
+                return;
+            };
+            // `frame` is the caller: the leaving frame is the one above it.
+            for _ in 0..PY_UNWIND_PER_EVENT {
+                if st.depth <= i + 2 {
+                    break;
+                }
+                pop(st, mask, pid, now);
+                count_loss(loss::PY_EXIT_INFERRED);
+            }
+            if st.depth > i + 2 {
+                // More left by exceptions than one hit unwinds: the rest go at later hits.
+                return;
+            }
+        }
+    }
+    pop(st, mask, pid, now);
+}
+
+/// Pops the top frame at `now`: its own time and, for an outermost activation, its cumulative time.
+fn pop(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64) {
+    if st.depth == 0 {
+        return;
+    }
+    st.depth -= 1;
+    let Some(&e) = st.entries.get(st.depth as usize) else { return };
+    let ct = now.saturating_sub(e.start_ns);
+    let tt = ct.saturating_sub(e.sub_ns);
+    if let Some(parent) = st.depth.checked_sub(1).and_then(|d| st.entries.get_mut(opaque(d as usize))) {
+        parent.sub_ns += ct;
+    }
+    let mut m = mask;
+    for _ in 0..MAX_PY_SESSIONS {
+        if m == 0 {
+            break;
+        }
+        let slot = m.trailing_zeros();
+        m &= m - 1;
+        let key = PyCallKey { slot, pid, code: e.code, names: e.names };
+        if let Some(s) = PY_CALLS.get_ptr_mut(&key) {
+            // SAFETY: a live map value.
+            unsafe {
+                add(&raw mut (*s).tottime_ns, tt);
+                if e.outermost != 0 {
+                    add(&raw mut (*s).cumtime_ns, ct);
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn count(
+    mut mask: SessionMask,
+    pid: u32,
+    code: u64,
+    names: u64,
+    qualname: u64,
+    filename: u64,
+    layout: &PyLayout,
+    primitive: bool,
+) {
+    let first = PyCallStats { ncalls: 1, primitive: u64::from(primitive), tottime_ns: 0, cumtime_ns: 0 };
     // One iteration per session following this process: almost always one.
-    for _ in 0..tracer_common::MAX_TRACKED_SESSIONS {
+    for _ in 0..MAX_PY_SESSIONS {
         if mask == 0 {
             return;
         }
         let slot = mask.trailing_zeros();
         mask &= mask - 1;
         let key = PyCallKey { slot, pid, code, names };
-        if let Some(n) = PY_CALLS.get_ptr_mut(&key) {
-            add(n);
+        if let Some(s) = PY_CALLS.get_ptr_mut(&key) {
+            bump(s, primitive);
             continue;
         }
         // BPF_NOEXIST: of two CPUs racing on a first call, one inserts and names it.
-        match PY_CALLS.insert(&key, &1, 1) {
+        match PY_CALLS.insert(&key, &first, 1) {
             Ok(()) => send_names(&key, qualname, filename, layout),
             Err(_) => match PY_CALLS.get_ptr_mut(&key) {
-                Some(n) => add(n),
+                Some(s) => bump(s, primitive),
                 None => count_loss(loss::PY_CALLS_FULL),
             },
         }
     }
 }
 
-/// Atomic increment (BPF_ATOMIC add): threads of one process call the same function on several CPUs.
-fn add(n: *mut u64) {
+fn bump(s: *mut PyCallStats, primitive: bool) {
+    // SAFETY: a live map value.
+    unsafe {
+        add(&raw mut (*s).ncalls, 1);
+        if primitive {
+            add(&raw mut (*s).primitive, 1);
+        }
+    }
+}
+
+/// Hides an index from the optimiser so that the bounds check on it stays in the code: the
+/// verifier needs to see it, and LLVM would otherwise fold it into the loop condition.
+#[inline(always)]
+fn opaque(i: usize) -> usize {
+    core::hint::black_box(i)
+}
+
+/// Atomic add (BPF_ATOMIC): threads of one process run the same function on several CPUs.
+fn add(n: *mut u64, v: u64) {
     // SAFETY: `n` points to a live map value.
-    unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(n, 1) };
+    unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(n, v) };
 }
 
 fn send_names(key: &PyCallKey, qualname: u64, filename: u64, layout: &PyLayout) {

@@ -168,6 +168,10 @@ pub struct GetReportRequest {
     pub id: ::prost::alloc::string::String,
     #[prost(enumeration = "ReportFormat", tag = "2")]
     pub format: i32,
+    /// Order of the Python functions, as `python -m cProfile -s` names it: tottime (default),
+    /// cumtime, ncalls, pcalls, filename, name, line, pid. Unknown: INVALID_ARGUMENT.
+    #[prost(string, tag = "3")]
+    pub sort: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -364,6 +368,9 @@ pub enum ReportFormat {
     Table = 1,
     /// One JSON document (see docs/REPORTS.md for the schema).
     Json = 2,
+    /// Python's pstats file (marshal), for pstats.Stats, snakeviz and friends: the Python
+    /// functions of a counting session with --python. FAILED_PRECONDITION without them.
+    Pstats = 3,
 }
 impl ReportFormat {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -375,6 +382,7 @@ impl ReportFormat {
             Self::Unspecified => "REPORT_FORMAT_UNSPECIFIED",
             Self::Table => "REPORT_FORMAT_TABLE",
             Self::Json => "REPORT_FORMAT_JSON",
+            Self::Pstats => "REPORT_FORMAT_PSTATS",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -383,6 +391,7 @@ impl ReportFormat {
             "REPORT_FORMAT_UNSPECIFIED" => Some(Self::Unspecified),
             "REPORT_FORMAT_TABLE" => Some(Self::Table),
             "REPORT_FORMAT_JSON" => Some(Self::Json),
+            "REPORT_FORMAT_PSTATS" => Some(Self::Pstats),
             _ => None,
         }
     }

@@ -1,0 +1,3 @@
+//! Report formats other than the built-in table and JSON.
+
+pub mod pstats;

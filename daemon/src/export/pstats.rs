@@ -6,10 +6,15 @@ use std::collections::BTreeMap;
 
 use crate::report::PyFunction;
 
+/// pstats' key: (filename, first line, function name).
+type Key = (String, i64, String);
+/// Primitive calls, calls, tottime ns, cumtime ns.
+type Totals = (u64, u64, u64, u64);
+
 /// The pstats bytes for these functions. Processes are merged (pstats has no pid), and
 /// functions are named by their `co_name`, as cProfile names them. Callers are not recorded.
 pub fn encode(functions: &[PyFunction]) -> Vec<u8> {
-    let mut merged: BTreeMap<(String, i64, String), (u64, u64, u64, u64)> = BTreeMap::new();
+    let mut merged: BTreeMap<Key, Totals> = BTreeMap::new();
     for f in functions {
         let name = f
             .qualname

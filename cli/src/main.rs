@@ -93,6 +93,9 @@ struct Output {
     /// Order of the Python functions: tottime, cumtime, ncalls, pcalls, filename, name, line, pid.
     #[arg(long, default_value = "tottime")]
     sort: String,
+    /// Table only: show at most this many Python functions (0: all).
+    #[arg(long, default_value_t = 0)]
+    limit: u32,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -337,6 +340,7 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
             id,
             format: format.into(),
             sort: out.sort.clone(),
+            limit: out.limit,
         })
         .await
         .map_err(status_err)?

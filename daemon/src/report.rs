@@ -133,6 +133,11 @@ impl Report {
 
     /// The terminal table, laid out like `perf stat`.
     pub fn to_table(&self) -> String {
+        self.to_table_limited(0)
+    }
+
+    /// The table, with at most `limit` Python functions (0: all).
+    pub fn to_table_limited(&self, limit: usize) -> String {
         let s = &self.session;
         let mut out = String::new();
         let launched = if s.launched { " (launched)" } else { "" };
@@ -189,7 +194,7 @@ impl Report {
             }
         }
         if let Some(py) = &self.python {
-            py_table(&mut out, py);
+            py_table(&mut out, py, limit);
         }
         let _ = writeln!(out);
         let _ = writeln!(
@@ -236,7 +241,7 @@ pub fn sort_functions(f: &mut [PyFunction], key: &str) {
     }
 }
 
-fn py_table(out: &mut String, py: &PythonReport) {
+fn py_table(out: &mut String, py: &PythonReport, limit: usize) {
     let total: u64 = py.functions.iter().map(|f| f.ncalls).sum();
     let primitive: u64 = py.functions.iter().map(|f| f.primitive_calls).sum();
     let _ = writeln!(
@@ -252,7 +257,12 @@ fn py_table(out: &mut String, py: &PythonReport) {
         "ncalls", "tottime", "percall", "cumtime", "percall", "pid"
     );
     let secs = |ns: u64| ns as f64 / 1e9;
-    for f in &py.functions {
+    let shown = if limit == 0 {
+        py.functions.len()
+    } else {
+        limit.min(py.functions.len())
+    };
+    for f in &py.functions[..shown] {
         let ncalls = if f.primitive_calls == f.ncalls {
             f.ncalls.to_string()
         } else {
@@ -270,6 +280,13 @@ fn py_table(out: &mut String, py: &PythonReport) {
             f.filename,
             f.firstlineno,
             f.qualname
+        );
+    }
+    if shown < py.functions.len() {
+        let _ = writeln!(
+            out,
+            "{:>16} more functions (--limit 0 shows all)",
+            py.functions.len() - shown
         );
     }
     if py.unknown_names > 0 {

@@ -142,8 +142,11 @@ impl Tracer for Service {
         if let Some(py) = report.python.as_mut() {
             crate::report::sort_functions(&mut py.functions, sort);
         }
+        let limit = req.get_ref().limit as usize;
         let bytes = match format {
-            ReportFormat::Unspecified | ReportFormat::Table => report.to_table().into_bytes(),
+            ReportFormat::Unspecified | ReportFormat::Table => {
+                report.to_table_limited(limit).into_bytes()
+            }
             ReportFormat::Json => report.to_json().into_bytes(),
             ReportFormat::Pstats => match &report.python {
                 Some(py) => crate::export::pstats::encode(&py.functions),

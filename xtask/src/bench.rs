@@ -100,14 +100,20 @@ fn counting() -> Result<()> {
     let result = (|| -> Result<()> {
         crate::wait_for_socket(&socket, &mut daemon)?;
         let bare = BareProbes::create(&python)?;
-        println!("python: {}  ({} runs each, median)", python.display(), RUNS);
+        println!(
+            "python: {}  ({} runs each, median; the workload's own time, start-up excluded)",
+            python.display(),
+            RUNS
+        );
+        println!("columns: seconds and slowdown (×) untraced, under cProfile, under bare uprobes, under tracer --python;");
+        println!("         ns per probe hit (bare vs tracer), ns per Python call (tracer vs cProfile), tracerd CPU per run");
         println!(
             "bare uprobe: perf counting a tracefs uprobe at each of tracer's probe points ({})",
             bare.points.join(", ")
         );
         println!();
         println!(
-            "{:<6} {:>9} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>11} {:>11} {:>7} {:>10}",
+            "{:<6} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>8} {:>7} {:>9} {:>10} {:>9}",
             "work",
             "base s",
             "cProf s",
@@ -116,9 +122,11 @@ fn counting() -> Result<()> {
             "×",
             "tracer s",
             "×",
-            "bare ns/hit",
-            "tracer ns",
+            "bare/hit",
+            "ours/hit",
             "vs bare",
+            "ours/call",
+            "cProf/call",
             "daemon ms"
         );
         for (name, what) in WORKLOADS {
@@ -159,10 +167,14 @@ fn counting() -> Result<()> {
                     .collect::<Result<_>>()?,
             );
             let tick_ms = 1000.0 / clock_ticks();
+            // Both hit the same probe points the same number of times (an entry and an exit
+            // per call): per hit, they compare directly.
             let per_bare = (bare_t - base) / hits.max(1) as f64 * 1e9;
+            let per_hit = (traced - base) / hits.max(1) as f64 * 1e9;
             let per_call = (traced - base) / calls.max(1) as f64 * 1e9;
+            let cprof_call = (cprof - base) / calls.max(1) as f64 * 1e9;
             println!(
-                "{:<6} {:>9.3} {:>9.3} {:>7.1} {:>9.3} {:>7.1} {:>9.3} {:>7.1} {:>11.0} {:>11.0} {:>7.2} {:>10.0}",
+                "{:<6} {:>8.3} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.0} {:>8.0} {:>7.2} {:>9.0} {:>10.0} {:>9.0}",
                 name,
                 base,
                 cprof,
@@ -172,8 +184,10 @@ fn counting() -> Result<()> {
                 traced,
                 traced / base,
                 per_bare,
+                per_hit,
+                per_hit / per_bare,
                 per_call,
-                per_call / per_bare,
+                cprof_call,
                 median(daemon_ticks) * tick_ms
             );
             println!("       {what}; tracer counted {calls} calls, the bare probes {hits} hits");

@@ -112,15 +112,18 @@ fn demo() -> Result<()> {
     let result = (|| {
         wait_for_socket(&socket, &mut daemon)?;
         let events = "task-clock,page-faults,context-switches,cycles";
-        println!("$ tracerctl start --mode=counting --events {events} -- python3 examples/app.py");
+        println!("$ tracerctl start --mode=counting --python --events {events} --limit 15 -- python3 examples/app.py");
         run(Command::new(bin.join("tracerctl"))
             .arg("--socket")
             .arg(&socket)
             .args([
                 "start",
                 "--mode=counting",
+                "--python",
                 "--events",
                 events,
+                "--limit",
+                "15",
                 "--",
                 "python3",
             ])

@@ -172,6 +172,9 @@ pub struct GetReportRequest {
     /// cumtime, ncalls, pcalls, filename, name, line, pid. Unknown: INVALID_ARGUMENT.
     #[prost(string, tag = "3")]
     pub sort: ::prost::alloc::string::String,
+    /// Table only: show at most this many Python functions (after sorting); 0: all.
+    #[prost(uint32, tag = "4")]
+    pub limit: u32,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

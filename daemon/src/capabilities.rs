@@ -32,10 +32,10 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             support: match python::runtime::Runtime::inspect(&i.runtime) {
                 Ok(rt) if rt.resume.is_empty() => "calls counted exactly (eval-loop entry)".into(),
                 Ok(rt) => format!(
-                    "calls counted exactly ({} handlers; opcode table by {})",
+                    "calls counted exactly (probes on {}; opcode table by {})",
                     rt.resume
                         .iter()
-                        .map(|p| p.what.trim_end_matches(" handler"))
+                        .map(|p| short_probe(&p.what))
                         .collect::<Vec<_>>()
                         .join(", "),
                     rt.table_found_by
@@ -60,5 +60,17 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(-100),
+    }
+}
+
+/// `RESUME handler +0x18: first emulated …` → `RESUME+0x18`, marking the
+/// probes the kernel must single-step since those cost ≈5× more per call.
+fn short_probe(what: &str) -> String {
+    let (place, how) = what.split_once(": ").unwrap_or((what, ""));
+    let place = place.replace(" handler +", "+");
+    if how.contains("single-stepped") {
+        format!("{place} (single-stepped)")
+    } else {
+        place
     }
 }

@@ -1,6 +1,6 @@
 /* Prints the CPython struct offsets tracer's BPF programs need, from the interpreter's own
- * (internal) headers. Built and run by `cargo xtask py-layouts` once per CPython version;
- * its output is pasted into daemon/src/python/layout.rs. */
+ * (internal) headers. Built and run by `cargo xtask py-layouts` for each installed CPython version;
+ * its output is what daemon/src/python/layout.rs holds. */
 #define Py_BUILD_CORE 1
 #include <Python.h>
 #include <stddef.h>

@@ -31,6 +31,9 @@ enum Task {
         #[arg(long)]
         check: bool,
     },
+    /// Print CPython struct offsets from each installed 3.10-3.13's own headers (gcc needed),
+    /// to check or extend daemon/src/python/layout.rs.
+    PyLayouts,
     /// The main job: build, start tracerd, profile examples/app.py in counting mode, print the report.
     Demo,
     /// The whole test suite: formatting, lints, generated code, unit and end-to-end tests (needs root).
@@ -48,6 +51,7 @@ fn main() -> Result<()> {
         Task::Build => build(),
         Task::GenProto { check } => proto::generate(check),
         Task::Demo => demo(),
+        Task::PyLayouts => py_layouts(),
         Task::Test => test(),
         Task::Bench { which } => {
             build()?;
@@ -193,4 +197,46 @@ fn test() -> Result<()> {
         ])
         .env("TRACER_BIN_DIR", bin_dir())
         .env("TRACER_TEST_PYTHON", venv.join("bin/python3")))
+}
+
+/// Compiles xtask/c/cpython_layout.c against every pyenv CPython 3.10-3.13 and runs it.
+fn py_layouts() -> Result<()> {
+    let out = Command::new("pyenv")
+        .arg("root")
+        .output()
+        .context("pyenv is needed to find interpreters' headers")?;
+    let versions = Path::new(String::from_utf8(out.stdout)?.trim()).join("versions");
+    let src = root().join("xtask/c/cpython_layout.c");
+    let dir = tempfile::tempdir()?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&versions)?
+        .filter_map(|e| Some(e.ok()?.path()))
+        .collect();
+    found.sort();
+    for prefix in found {
+        let name = prefix
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let Some(minor) = ["3.10.", "3.11.", "3.12.", "3.13."]
+            .iter()
+            .find(|m| name.starts_with(**m))
+        else {
+            continue;
+        };
+        let include = prefix
+            .join("include")
+            .join(format!("python{}", minor.trim_end_matches('.')));
+        let exe = dir.path().join(&name);
+        run(Command::new("gcc")
+            .arg("-I")
+            .arg(&include)
+            .arg("-I")
+            .arg(include.join("internal"))
+            .arg("-o")
+            .arg(&exe)
+            .arg(&src))?;
+        run(&mut Command::new(&exe))?;
+    }
+    Ok(())
 }

@@ -42,6 +42,11 @@ fn main() {
             cmd.env_remove(key.as_ref());
         }
     }
+    // BTF in the object: the verifier needs its function info for `bpf_loop` callbacks.
+    cmd.env(
+        "CARGO_TARGET_BPFEL_UNKNOWN_NONE_RUSTFLAGS",
+        "-C debuginfo=2 -C link-arg=--btf",
+    );
     let status = cmd
         .status()
         .unwrap_or_else(|e| panic!("running `rustup run nightly cargo`: {e}"));

@@ -63,6 +63,10 @@ struct StartArgs {
     /// Count calls of every Python function (CPython 3.10-3.13), as cProfile counts them.
     #[arg(long)]
     python: bool,
+    /// Count calls of native functions, like bcc's funccount: BINARY_OR_LIB:SYMBOL, e.g.
+    /// libc:malloc, 'libcuda:cuLaunchKernel*', ./app:parse (repeatable; * and ? glob).
+    #[arg(long = "uprobe", value_name = "BINARY_OR_LIB:SYMBOL")]
+    uprobes: Vec<String>,
     /// Stop after this long: 500ms, 30s, 5m, 1h (at most 24h).
     #[arg(long, value_parser = duration::parse_ms)]
     duration: Option<u64>,
@@ -93,7 +97,7 @@ struct Output {
     /// Order of the Python functions: tottime, cumtime, ncalls, pcalls, filename, name, line, pid.
     #[arg(long, default_value = "tottime")]
     sort: String,
-    /// Table only: show at most this many Python functions (0: all).
+    /// Table only: show at most this many Python functions and native rows (0: all).
     #[arg(long, default_value_t = 0)]
     limit: u32,
 }
@@ -248,6 +252,7 @@ async fn start(
         counting: Some(CountingOptions {
             python: args.python,
             events: args.events,
+            uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
         }),
     };
     let session = match client.start_session(req).await {
@@ -359,4 +364,18 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         }
     }
     Ok(())
+}
+
+/// A spec whose binary is a relative path (`./app:main`) names it from tracerctl's directory,
+/// not the daemon's.
+fn absolute_spec(spec: &str) -> String {
+    match spec.rsplit_once(':') {
+        Some((bin, sym)) if bin.contains('/') && !bin.starts_with('/') => {
+            match std::fs::canonicalize(bin) {
+                Ok(p) => format!("{}:{sym}", p.display()),
+                Err(_) => spec.to_owned(),
+            }
+        }
+        _ => spec.to_owned(),
+    }
 }

@@ -16,7 +16,8 @@ use aya::{
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
-    globals, loss, py_role, ProcEvent, PyCallKey, PyCallStats, PyLayout, SessionMask,
+    globals, loss, native_cookie, py_role, NativeCallKey, ProcEvent, PyCallKey, PyCallStats,
+    PyLayout, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -65,6 +66,8 @@ pub struct Bpf {
     // Kept open: programs loaded later refer to every map by fd.
     _py_layouts: Array<MapData, PyLayout>,
     py_loaded: bool,
+    native_calls: HashMap<MapData, NativeCallKey, u64>,
+    native_loaded: bool,
     // Owns the programs; attached links live as long as it does.
     ebpf: Ebpf,
 }
@@ -123,6 +126,8 @@ impl Bpf {
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
             _py_layouts: layouts,
             py_loaded: false,
+            native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
+            native_loaded: false,
             ebpf,
         })
     }
@@ -153,10 +158,16 @@ impl Bpf {
         const OPCODE: &str = "tracer_py_opcode";
         if !self.py_loaded {
             for name in [ENTRY, RETURN, OPCODE] {
-                self.uprobe(name)?.load().map_err(|e| BpfError::Program {
-                    name,
-                    source: Box::new(e),
-                })?;
+                // After a failed attempt some are loaded already: report the one that fails.
+                match self.uprobe(name)?.load() {
+                    Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+                    Err(e) => {
+                        return Err(BpfError::Program {
+                            name,
+                            source: Box::new(e),
+                        })
+                    }
+                }
             }
             self.py_loaded = true;
         }
@@ -199,6 +210,62 @@ impl Bpf {
                 let _ = p.detach(link);
             }
         }
+    }
+
+    /// Attaches a native-call counter for one session: `probe` numbers the function in the
+    /// session's report; `all`: count every process, not only those the session follows.
+    pub fn attach_native(
+        &mut self,
+        target: &crate::native::NativeTarget,
+        slot: u8,
+        all: bool,
+        probe: u32,
+    ) -> Result<UProbeLinkId, BpfError> {
+        const NAME: &str = "tracer_native_call";
+        let program_err = |e| BpfError::Program {
+            name: NAME,
+            source: Box::new(e),
+        };
+        if !self.native_loaded {
+            match self.uprobe(NAME)?.load() {
+                Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+                Err(e) => return Err(program_err(e)),
+            }
+            self.native_loaded = true;
+        }
+        let at = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(target.file_offset),
+            cookie: Some(native_cookie::make(slot, all, probe)),
+        };
+        self.uprobe(NAME)?
+            .attach(at, &target.binary, UProbeScope::AllProcesses)
+            .map_err(program_err)
+    }
+
+    pub fn detach_native(&mut self, links: Vec<UProbeLinkId>) {
+        if let Ok(p) = self.uprobe("tracer_native_call") {
+            for link in links {
+                let _ = p.detach(link);
+            }
+        }
+    }
+
+    /// Takes a session's native call counts out of the kernel map: (pid, probe, calls).
+    pub fn take_native_counts(&mut self, slot: u8) -> Vec<(u32, u32, u64)> {
+        let keys: Vec<NativeCallKey> = self
+            .native_calls
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == u32::from(slot))
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Ok(n) = self.native_calls.get(&k, 0) {
+                out.push((k.pid, k.probe, n));
+            }
+            let _ = self.native_calls.remove(&k);
+        }
+        out
     }
 
     fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe, BpfError> {
@@ -298,6 +365,8 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::PY_READ_FAILED => "python_memory_read_failed",
         loss::PY_STACK_TOO_DEEP => "python_stack_too_deep_untimed",
         loss::PY_EXIT_INFERRED => "python_exits_inferred",
+        loss::PY_THREADS_FULL => "python_threads_map_full_untimed",
+        loss::NATIVE_CALLS_FULL => "native_calls_map_full",
         _ => "unknown",
     }
 }

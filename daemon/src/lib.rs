@@ -6,6 +6,7 @@ pub mod capabilities;
 pub mod daemon;
 pub mod error;
 pub mod export;
+pub mod native;
 pub mod perf;
 pub mod process;
 pub mod python;

@@ -17,6 +17,33 @@ pub struct Report {
     /// Python calls per function (counting mode with `--python`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub python: Option<PythonReport>,
+    /// Native function calls (counting mode with `--uprobe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub native: Option<NativeReport>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NativeReport {
+    /// Every function probed, called or not.
+    pub probes: Vec<NativeProbe>,
+    /// Calls per process and function, most first; functions never called are absent.
+    pub calls: Vec<NativeCalls>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NativeProbe {
+    /// The `--uprobe` spec that matched it.
+    pub spec: String,
+    pub binary: String,
+    pub symbol: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NativeCalls {
+    pub pid: u32,
+    pub binary: String,
+    pub symbol: String,
+    pub calls: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -196,6 +223,9 @@ impl Report {
         if let Some(py) = &self.python {
             py_table(&mut out, py, limit);
         }
+        if let Some(native) = &self.native {
+            native_table(&mut out, native, limit);
+        }
         let _ = writeln!(out);
         let _ = writeln!(
             out,
@@ -213,6 +243,48 @@ impl Report {
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
         out
+    }
+}
+
+/// funccount's table: calls per function and process, most first.
+fn native_table(out: &mut String, native: &NativeReport, limit: usize) {
+    let _ = writeln!(
+        out,
+        "\n Native calls ({} functions probed):\n",
+        native.probes.len()
+    );
+    let _ = writeln!(out, "{:>14}  {:>8}  function (binary)", "calls", "pid");
+    let shown = if limit == 0 { usize::MAX } else { limit };
+    for c in native.calls.iter().take(shown) {
+        let file = c.binary.rsplit('/').next().unwrap_or(&c.binary);
+        let _ = writeln!(
+            out,
+            "{:>14}  {:>8}  {} ({file})",
+            group(c.calls),
+            c.pid,
+            c.symbol
+        );
+    }
+    if native.calls.len() > shown {
+        let _ = writeln!(
+            out,
+            "{:>14}  … {} more rows",
+            "",
+            native.calls.len() - shown
+        );
+    }
+    let called: std::collections::BTreeSet<(&str, &str)> = native
+        .calls
+        .iter()
+        .map(|c| (c.binary.as_str(), c.symbol.as_str()))
+        .collect();
+    let never = native
+        .probes
+        .iter()
+        .filter(|p| !called.contains(&(p.binary.as_str(), p.symbol.as_str())))
+        .count();
+    if never > 0 {
+        let _ = writeln!(out, " {never} probed functions were not called");
     }
 }
 

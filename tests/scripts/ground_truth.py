@@ -1,12 +1,15 @@
 """Ground truth for tracer's Python call counts, from CPython's own profilers.
 
-usage: ground_truth.py cprofile|hook SCRIPT [ARGS...]
+usage: ground_truth.py cprofile|cprofile-all|hook|hook-all SCRIPT [ARGS...]
 
 cprofile: runs SCRIPT under cProfile (main thread, as `python -m cProfile` does).
+cprofile-all: the same, for every Python function that ran (keyed "file:line:name").
 hook: counts the 'call' events of sys.setprofile in every thread (threading.setprofile),
       the events cProfile counts, for scripts that start threads.
+hook-all: the hook, for every Python function, left on until the atexit handlers have run.
 Prints {"line:name": [ncalls, primitive calls, tottime s, cumtime s]} for the functions
 defined in SCRIPT, as JSON (hook mode: primitive calls and times are null)."""
+import atexit
 import cProfile
 import json
 import os
@@ -21,7 +24,7 @@ def main():
     mode, script = sys.argv[1], os.path.abspath(sys.argv[2])
     sys.argv = [script] + sys.argv[3:]
     out = {}
-    if mode == "cprofile":
+    if mode in ("cprofile", "cprofile-all"):
         prof = cProfile.Profile()
         prof.enable()
         try:
@@ -29,7 +32,9 @@ def main():
         finally:
             prof.disable()
         for (filename, line, name), (cc, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
-            if os.path.abspath(filename) == script:
+            if mode == "cprofile-all" and not filename.startswith(("~", "<")):
+                out[f"{filename}:{line}:{name}"] = [nc, cc, tt, ct]
+            elif os.path.abspath(filename) == script:
                 out[f"{line}:{name}"] = [nc, cc, tt, ct]
     else:
         counts = Counter()
@@ -41,16 +46,28 @@ def main():
                 with lock:
                     counts[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
 
+        def report():
+            for (filename, line, name), n in list(counts.items()):
+                if mode == "hook-all" and not filename.startswith("<"):
+                    out[f"{filename}:{line}:{name}"] = [n, None, None, None]
+                elif os.path.abspath(filename) == script:
+                    out[f"{line}:{name}"] = [n, None, None, None]
+            print("GROUND_TRUTH " + json.dumps(out, sort_keys=True), flush=True)
+
         threading.setprofile(hook)
         sys.setprofile(hook)
+        if mode == "hook-all":
+            # Registered first, run last: the script's own atexit handlers are counted.
+            atexit.register(report)
+            runpy.run_path(script, run_name="__main__")
+            return
         try:
             runpy.run_path(script, run_name="__main__")
         finally:
             sys.setprofile(None)
             threading.setprofile(None)
-        for (filename, line, name), n in counts.items():
-            if os.path.abspath(filename) == script:
-                out[f"{line}:{name}"] = [n, None, None, None]
+        report()
+        return
     sys.stdout.flush()
     print("GROUND_TRUTH " + json.dumps(out, sort_keys=True))
 

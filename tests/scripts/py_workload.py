@@ -38,6 +38,11 @@ def fail(depth):
     return fail(depth - 1)
 
 
+def deep(n):
+    # Deeper than a small shadow stack: importing PyTorch nests over 100 frames.
+    return 0 if n == 0 else deep(n - 1) + 1
+
+
 def catch():
     caught = 0
     for _ in range(10):
@@ -100,6 +105,7 @@ def main():
     shapes = [Shape(i).scaled(2) for i in range(40)]
     total += sum(s.area for s in shapes)
     total += catch()
+    total += deep(200)
     total += asyncio.run(gather_all())
     total += comprehensions() + callbacks()
     if "threads" in sys.argv:

@@ -19,6 +19,7 @@ use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSess
 
 use super::{
     build_report, counting,
+    native::NativeSession,
     python::{Probes, PySession, Unprobed},
     Session,
 };
@@ -307,8 +308,8 @@ impl Manager {
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let options = req.counting.unwrap_or_default();
         let python = options.python;
-        // With --python, perf counters are only what was asked for.
-        let specs = if python && options.events.is_empty() {
+        // With --python or --uprobe, perf counters are only what was asked for.
+        let specs = if (python || !options.uprobes.is_empty()) && options.events.is_empty() {
             Vec::new()
         } else {
             counting::resolve(&options.events)?
@@ -352,7 +353,17 @@ impl Manager {
             reason: "no caller credentials".into(),
         })?;
 
-        let slot = if pid.is_some() || python {
+        // A launched target has not exec'd yet: its mappings are tracerctl's.
+        let maps_of = pid.filter(|_| !target.launched);
+        let mut natives = Vec::new();
+        for spec in &options.uprobes {
+            natives.extend(
+                crate::native::resolve(spec, maps_of)
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?,
+            );
+        }
+
+        let slot = if pid.is_some() || python || !natives.is_empty() {
             Some(self.take_slot(python)?)
         } else {
             None
@@ -387,6 +398,18 @@ impl Manager {
         } else {
             None
         };
+        let native = match slot.filter(|_| !natives.is_empty()) {
+            Some(slot) => {
+                match NativeSession::attach(&mut self.bpf, natives, slot, pid.is_none()) {
+                    Ok(n) => Some(n),
+                    Err(e) => {
+                        self.release(Some(slot));
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
 
         let id = new_id();
         let (ended, _) = watch::channel(false);
@@ -413,8 +436,9 @@ impl Manager {
             proc_events: 0,
             counting: Some(counting),
             python,
+            native,
             loss_base,
-            command: pid.and_then(process::comm),
+            command: pid.filter(|_| !target.launched).and_then(process::comm),
             ended,
             expiry,
         };
@@ -630,6 +654,10 @@ impl Manager {
         let mut info = s.info(&losses);
         // Close the counters before anything else can fail.
         s.counting = None;
+        let native = match (s.native.take(), s.slot) {
+            (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
+            _ => None,
+        };
         self.release(s.slot);
         info.state = if error.is_some() {
             SessionState::Failed
@@ -640,6 +668,7 @@ impl Manager {
         info.end_reason = reason.into();
         info.error = error.unwrap_or_default();
         let mut report = build_report(&info, s.followed, s.command.take());
+        report.native = native;
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.
             self.update_python_masks();
@@ -683,18 +712,26 @@ impl Manager {
                 continue;
             }
             s.proc_events += 1;
+            let is_target = s.target.kind == Some(target::Kind::Pid(ev.pid));
+            let comm = || {
+                let len = ev
+                    .comm
+                    .iter()
+                    .position(|&b| b == 0)
+                    .unwrap_or(ev.comm.len());
+                String::from_utf8_lossy(&ev.comm[..len]).into_owned()
+            };
+            // The target's name: what it exec'd (a launched target is tracerctl before), else
+            // what it was at exit. Exits come from the last thread, which may have another name.
+            if is_target
+                && (ev.kind == PROC_EVENT_EXEC
+                    || (ev.kind == PROC_EVENT_EXIT && s.command.is_none()))
+            {
+                s.command = Some(comm());
+            }
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => s.followed += 1,
                 PROC_EVENT_EXIT => {
-                    // A launched target's name is only known once it has exec'd.
-                    if s.target.kind == Some(target::Kind::Pid(ev.pid)) {
-                        let len = ev
-                            .comm
-                            .iter()
-                            .position(|&b| b == 0)
-                            .unwrap_or(ev.comm.len());
-                        s.command = Some(String::from_utf8_lossy(&ev.comm[..len]).into_owned());
-                    }
                     if s.live.remove(&ev.pid) {
                         s.exited += 1;
                     }

@@ -5,6 +5,7 @@
 
 pub mod counting;
 pub mod manager;
+pub mod native;
 pub mod python;
 
 use std::{collections::BTreeSet, time::Instant};
@@ -34,6 +35,8 @@ struct Session {
     counting: Option<counting::Counting>,
     /// Counting Python calls.
     python: Option<python::PySession>,
+    /// Counting native function calls.
+    native: Option<native::NativeSession>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
@@ -153,5 +156,6 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             command,
         },
         python: None,
+        native: None,
     }
 }

@@ -55,8 +55,13 @@ pub mod loss {
     /// Not a loss: frames left by an exception, whose exit time is taken at the thread's
     /// next probed event (no probe sees the unwind itself).
     pub const PY_EXIT_INFERRED: u32 = 7;
+    /// `PY_STACKS` was full: a thread's calls were counted, but not timed, and their
+    /// primitive calls not told apart.
+    pub const PY_THREADS_FULL: u32 = 8;
+    /// `NATIVE_CALLS` was full: a native function's calls in a new process were not counted.
+    pub const NATIVE_CALLS_FULL: u32 = 9;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 8;
+    pub const COUNT: u32 = 10;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -140,8 +145,13 @@ pub struct PyCallStats {
     pub cumtime_ns: u64,
 }
 
-/// Frames tracked per thread for timing; deeper calls are counted but not timed.
-pub const PY_STACK_DEPTH: usize = 96;
+/// Frames tracked per thread for timing; deeper calls are counted but not timed. Importing
+/// PyTorch nests well over 100 frames deep (six importlib frames per nested import).
+pub const PY_STACK_DEPTH: usize = 256;
+
+/// Threads with a shadow stack at once (entries are allocated on use and freed when the
+/// thread exits).
+pub const PY_THREADS_MAX: u32 = 16_384;
 
 /// Sessions that may count Python calls at once. They take the lowest session slots, so the
 /// probes' per-session loop stays short for the verifier.
@@ -216,6 +226,34 @@ mod pod {
     unsafe impl aya::Pod for super::PyCallKey {}
     unsafe impl aya::Pod for super::PyCodeEvent {}
     unsafe impl aya::Pod for super::PyCallStats {}
+    unsafe impl aya::Pod for super::NativeCallKey {}
+}
+
+/// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
+/// session. The value is the count (u64).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NativeCallKey {
+    pub slot: u32,
+    pub pid: u32,
+    /// The daemon's number for the probed function.
+    pub probe: u32,
+    pub _pad: u32,
+}
+
+/// Capacity of `NATIVE_CALLS`.
+pub const NATIVE_CALLS_MAX: u32 = 65_536;
+
+/// The attach cookie of a native-call probe: session slot, whether the session counts every
+/// process, and the probe's number.
+pub mod native_cookie {
+    pub const SLOT_SHIFT: u64 = 32;
+    pub const ALL: u64 = 1 << 31;
+    pub const PROBE_MASK: u64 = (1 << 31) - 1;
+
+    pub const fn make(slot: u8, all: bool, probe: u32) -> u64 {
+        ((slot as u64) << SLOT_SHIFT) | if all { ALL } else { 0 } | (probe as u64 & PROBE_MASK)
+    }
 }
 
 #[cfg(test)]

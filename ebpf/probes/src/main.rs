@@ -6,6 +6,7 @@
 #![feature(core_intrinsics)]
 
 mod proc;
+mod native;
 mod python;
 
 #[cfg(not(test))]

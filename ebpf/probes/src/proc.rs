@@ -109,6 +109,7 @@ pub fn tracer_process_exit(ctx: TracePointContext) -> u32 {
 fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    crate::python::forget_thread(tid);
     let group_dead = match global(&EXIT_GROUP_DEAD_OFFSET) {
         // Older kernels lack `group_dead`: take the leader's exit as the process's.
         u32::MAX => tgid == tid,

@@ -6,7 +6,7 @@
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_get_attach_cookie, bpf_loop, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes,
     },
     macros::{map, uprobe, uretprobe},
@@ -17,8 +17,12 @@ use aya_ebpf::{
 use tracer_common::{
     loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyLayout, PyStack, PyStackEntry,
     SessionMask, MAX_PY_SESSIONS, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX, PY_STACK_DEPTH,
-    PY_UNWIND_PER_EVENT,
+    PY_THREADS_MAX, PY_UNWIND_PER_EVENT,
 };
+
+const BPF_F_NO_PREALLOC: u32 = 1;
+
+use core::ffi::c_void;
 
 use crate::proc::{count_loss, TRACKED};
 
@@ -33,9 +37,10 @@ static PY_TSTATE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(65_536, 0)
 #[map]
 static PY_CALLS: HashMap<PyCallKey, PyCallStats> = HashMap::with_max_entries(262_144, 0);
 
-/// Thread id → its shadow stack of active Python frames, for tottime and cumtime.
+/// Thread id → its shadow stack of active Python frames, for tottime and cumtime. Not
+/// preallocated (a stack is 12 KiB): created at a thread's first call, removed at its exit.
 #[map]
-static PY_STACKS: LruHashMap<u32, PyStack> = LruHashMap::with_max_entries(8_192, 0);
+static PY_STACKS: HashMap<u32, PyStack> = HashMap::with_max_entries(PY_THREADS_MAX, BPF_F_NO_PREALLOC);
 
 /// A zeroed stack to start a thread's from (too big for the BPF stack).
 #[map]
@@ -158,8 +163,17 @@ fn stack(tid: u32) -> Option<*mut PyStack> {
     }
     let empty = PY_EMPTY_STACK.get_ptr(0)?;
     // SAFETY: a per-CPU map value, never written: all zeroes.
-    let _ = PY_STACKS.insert(&tid, unsafe { &*empty }, 1);
+    if PY_STACKS.insert(&tid, unsafe { &*empty }, 1).is_err() {
+        count_loss(loss::PY_THREADS_FULL);
+        return None;
+    }
     PY_STACKS.get_ptr_mut(&tid)
+}
+
+/// A thread exits: its stack and thread state go with it.
+pub(crate) fn forget_thread(tid: u32) {
+    let _ = PY_STACKS.remove(&tid);
+    let _ = PY_TSTATE.remove(&tid);
 }
 
 /// A frame starts or resumes: count the call, push it on the thread's stack.
@@ -178,17 +192,7 @@ fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) -
             let previous: u64 = read(frame + u64::from(layout.frame_previous)).unwrap_or(0);
             unwind_to(st, mask, pid, previous, now);
         }
-        for i in 0..PY_STACK_DEPTH {
-            if i as u64 >= st.depth {
-                break;
-            }
-            if let Some(e) = st.entries.get(opaque(i)) {
-                if e.code == code && e.names == names {
-                    primitive = false;
-                    break;
-                }
-            }
-        }
+        primitive = !on_stack(st, code, names);
         let depth = st.depth as usize;
         match st.entries.get_mut(depth) {
             Some(e) => {
@@ -214,19 +218,81 @@ fn unwind_to(st: &mut PyStack, mask: SessionMask, pid: u32, previous: u64, now: 
     }
 }
 
+/// A stack scan run by `bpf_loop`, so the verifier checks one iteration instead of
+/// `PY_STACK_DEPTH` unrolled ones (loading would take minutes).
+#[repr(C)]
+struct Scan {
+    st: *const PyStack,
+    top: u64,
+    frame: u64,
+    code: u64,
+    names: u64,
+    found: u64,
+}
+
+const NOT_FOUND: u64 = u64::MAX;
+
+impl Scan {
+    fn new(st: &PyStack) -> Self {
+        let top = st.depth.min(PY_STACK_DEPTH as u64);
+        Self { st, top, frame: 0, code: 0, names: 0, found: NOT_FOUND }
+    }
+
+    fn run(&mut self, step: extern "C" fn(u64, *mut c_void) -> i64) -> u64 {
+        // SAFETY: `step` only reads the stack through `self`, which outlives the call.
+        unsafe { bpf_loop(self.top as u32, step as *mut c_void, (self as *mut Self).cast(), 0) };
+        self.found
+    }
+}
+
+/// Topmost first: the entry of `Scan::frame`.
+#[inline(never)]
+extern "C" fn scan_frame(k: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Scan` that `Scan::run` passed.
+    let s = unsafe { &mut *ctx.cast::<Scan>() };
+    let i = s.top.wrapping_sub(k + 1);
+    // SAFETY: a map value that stays live for the program's run.
+    match unsafe { &*s.st }.entries.get(opaque(i as usize)) {
+        Some(e) if e.frame == s.frame => {
+            s.found = i;
+            1
+        }
+        Some(_) => 0,
+        None => 1,
+    }
+}
+
+/// Any entry of `Scan::code` (the same function further down: a recursive call).
+#[inline(never)]
+extern "C" fn scan_code(i: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: as in `scan_frame`.
+    let s = unsafe { &mut *ctx.cast::<Scan>() };
+    match unsafe { &*s.st }.entries.get(opaque(i as usize)) {
+        Some(e) if e.code == s.code && e.names == s.names => {
+            s.found = i;
+            1
+        }
+        Some(_) => 0,
+        None => 1,
+    }
+}
+
 /// Index of `frame` on the stack, topmost first.
 fn find(st: &PyStack, frame: u64) -> Option<u64> {
-    let top = st.depth.min(PY_STACK_DEPTH as u64);
-    for k in 0..PY_STACK_DEPTH as u64 {
-        if k >= top {
-            break;
-        }
-        let i = top - 1 - k;
-        if st.entries.get(opaque(i as usize)).is_some_and(|e| e.frame == frame) {
-            return Some(i);
-        }
+    let mut s = Scan::new(st);
+    s.frame = frame;
+    match s.run(scan_frame) {
+        NOT_FOUND => None,
+        i => Some(i),
     }
-    None
+}
+
+/// Whether an activation of the function is on the stack already.
+fn on_stack(st: &PyStack, code: u64, names: u64) -> bool {
+    let mut s = Scan::new(st);
+    s.code = code;
+    s.names = names;
+    s.run(scan_code) != NOT_FOUND
 }
 
 /// A frame returns or yields. `frame` 0: the top one (3.10, where exits come in order).
@@ -354,7 +420,7 @@ fn opaque(i: usize) -> usize {
 }
 
 /// Atomic add (BPF_ATOMIC): threads of one process run the same function on several CPUs.
-fn add(n: *mut u64, v: u64) {
+pub(crate) fn add(n: *mut u64, v: u64) {
     // SAFETY: `n` points to a live map value.
     unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(n, v) };
 }

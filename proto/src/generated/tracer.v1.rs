@@ -29,13 +29,20 @@ pub struct CountingOptions {
     /// perf event names, as `perf stat -e` spells them: task-clock, cpu-clock, page-faults,
     /// minor-faults, major-faults, context-switches, cpu-migrations, cycles, instructions,
     /// cache-references, cache-misses, branches, branch-misses. Empty: a default set, unless
-    /// `python` is set, when empty means no perf counters.
+    /// `python` or `uprobes` is set, when empty means no perf counters.
     #[prost(string, repeated, tag = "1")]
     pub events: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     /// Count calls of every Python function (CPython 3.10-3.13) in the target, exactly as
     /// cProfile counts them, with uprobes on the interpreter's eval loop.
     #[prost(bool, tag = "2")]
     pub python: bool,
+    /// Native functions whose calls to count, like bcc's funccount: "BINARY_OR_LIB:SYMBOL".
+    /// BINARY_OR_LIB is a path, or a name looked up in the target's mappings, the system
+    /// library directories and PATH ("c", "libc" and "libc.so.6" all name libc); SYMBOL may be
+    /// a glob pattern with * and ?. Each spec must match at least one function and at most
+    /// 1000: INVALID_ARGUMENT otherwise.
+    #[prost(string, repeated, tag = "3")]
+    pub uprobes: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

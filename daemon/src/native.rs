@@ -1,0 +1,360 @@
+//! Native functions to count (`--uprobe BINARY_OR_LIB:SYMBOL`): which file a spec names and
+//! which of its functions the symbol pattern matches, as file offsets to attach uprobes to.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
+
+/// Functions one spec may match: beyond this, a pattern is almost surely too broad (each
+/// probe costs every caller a trap).
+pub const MAX_PROBES_PER_SPEC: usize = 1000;
+
+/// Where libraries named without a path are looked for, after the target's own mappings.
+const LIB_DIRS: &[&str] = &[
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+    "/usr/local/lib",
+];
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NativeError {
+    #[error(
+        "--uprobe {0:?}: expected BINARY_OR_LIB:SYMBOL, e.g. libc:malloc or /usr/bin/app:'parse_*'"
+    )]
+    BadSpec(String),
+    #[error("--uprobe {spec:?}: no library or executable named {name:?} was found (looked in the target's mappings, the system library directories and PATH)")]
+    NotFound { spec: String, name: String },
+    #[error("--uprobe {spec:?}: reading {path}: {reason}")]
+    Read {
+        spec: String,
+        path: PathBuf,
+        reason: String,
+    },
+    #[error("--uprobe {spec:?}: no function in {path} matches {pattern:?}")]
+    NoMatch {
+        spec: String,
+        path: PathBuf,
+        pattern: String,
+    },
+    #[error("--uprobe {spec:?}: {count} functions in {path} match; at most {MAX_PROBES_PER_SPEC} per pattern")]
+    TooMany {
+        spec: String,
+        path: PathBuf,
+        count: usize,
+    },
+}
+
+/// One function to probe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NativeTarget {
+    /// The spec that asked for it, as given.
+    pub spec: String,
+    pub binary: PathBuf,
+    pub symbol: String,
+    pub file_offset: u64,
+}
+
+/// Resolves a spec into the functions it names. `pid`: a running target whose mappings are
+/// searched first for a library named without a path.
+pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, NativeError> {
+    let (name, pattern) = spec
+        .rsplit_once(':')
+        .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+        .ok_or_else(|| NativeError::BadSpec(spec.into()))?;
+    let binary = find_binary(name, pid).ok_or_else(|| NativeError::NotFound {
+        spec: spec.into(),
+        name: name.into(),
+    })?;
+    let read_err = |reason: String| NativeError::Read {
+        spec: spec.into(),
+        path: binary.clone(),
+        reason,
+    };
+    let data = fs::read(&binary).map_err(|e| read_err(e.to_string()))?;
+    let file = object::File::parse(&*data).map_err(|e| read_err(e.to_string()))?;
+    let functions = matching_functions(&file, pattern);
+    if functions.is_empty() {
+        return Err(NativeError::NoMatch {
+            spec: spec.into(),
+            path: binary,
+            pattern: pattern.into(),
+        });
+    }
+    if functions.len() > MAX_PROBES_PER_SPEC {
+        return Err(NativeError::TooMany {
+            spec: spec.into(),
+            path: binary,
+            count: functions.len(),
+        });
+    }
+    let segments: Vec<(u64, u64, u64)> = file
+        .segments()
+        .map(|s| {
+            let (off, size) = s.file_range();
+            (s.address(), off, size)
+        })
+        .collect();
+    functions
+        .into_iter()
+        .map(|(addr, symbol)| {
+            let file_offset = segments
+                .iter()
+                .find(|(va, _, size)| addr >= *va && addr < va + size)
+                .map(|(va, off, _)| addr - va + off)
+                .ok_or_else(|| {
+                    read_err(format!("{symbol} at {addr:#x} is in no loadable segment"))
+                })?;
+            Ok(NativeTarget {
+                spec: spec.into(),
+                binary: binary.clone(),
+                symbol,
+                file_offset,
+            })
+        })
+        .collect()
+}
+
+/// Defined functions whose name matches `pattern`, one per address (aliases such as
+/// `getpid`/`__getpid` are one function: the first matching name, exported ones first).
+fn matching_functions(file: &object::File, pattern: &str) -> BTreeMap<u64, String> {
+    let mut out = BTreeMap::new();
+    for sym in file.dynamic_symbols().chain(file.symbols()) {
+        if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        // Versioned names (`memcpy@@GLIBC_2.14`) match on the bare name.
+        let bare = name.split('@').next().unwrap_or(name);
+        if glob(pattern, bare) {
+            out.entry(sym.address()).or_insert_with(|| bare.to_owned());
+        }
+    }
+    out
+}
+
+/// `*` matches any run of characters, `?` any one; everything else itself.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut ni) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        match p.get(pi) {
+            Some('*') => {
+                star = Some((pi, ni));
+                pi += 1;
+            }
+            Some(&c) if c == '?' || c == n[ni] => {
+                pi += 1;
+                ni += 1;
+            }
+            _ => match star {
+                Some((sp, sn)) => {
+                    pi = sp + 1;
+                    ni = sn + 1;
+                    star = Some((sp, sn + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+/// Whether a file name is the library or executable `name` names: itself, or `libNAME.so…`
+/// / `NAME.so…` (so `c`, `libc` and `libc.so.6` all name libc).
+fn names(name: &str, file: &str) -> bool {
+    file == name
+        || [format!("lib{name}.so"), format!("{name}.so")]
+            .iter()
+            .any(|stem| file == stem || file.starts_with(&format!("{stem}.")))
+}
+
+fn find_binary(name: &str, pid: Option<u32>) -> Option<PathBuf> {
+    if name.contains('/') {
+        let p = PathBuf::from(name);
+        return p.is_file().then_some(p);
+    }
+    if let Some(p) = pid.and_then(|pid| in_mappings(name, pid)) {
+        return Some(p);
+    }
+    let dirs = pid
+        .map(ld_library_path)
+        .unwrap_or_default()
+        .into_iter()
+        .chain(LIB_DIRS.iter().map(PathBuf::from))
+        .chain(ld_so_conf_dirs(Path::new("/etc/ld.so.conf"), 0));
+    for dir in dirs {
+        if let Some(p) = in_dir(&dir, name) {
+            return Some(p);
+        }
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A file mapped by the process whose name `name` names, seen through /proc/PID/root.
+fn in_mappings(name: &str, pid: u32) -> Option<PathBuf> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.starts_with('/'))
+        .find(|p| names(name, p.rsplit('/').next().unwrap_or(p)))
+        .map(|p| PathBuf::from(format!("/proc/{pid}/root{p}")))
+}
+
+/// The target's LD_LIBRARY_PATH (a launched target has tracerctl's environment, which it
+/// keeps across its exec).
+fn ld_library_path(pid: u32) -> Vec<PathBuf> {
+    let env = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    env.split(|&b| b == 0)
+        .filter_map(|kv| kv.strip_prefix(b"LD_LIBRARY_PATH="))
+        .flat_map(|v| {
+            String::from_utf8_lossy(v)
+                .split(':')
+                .map(PathBuf::from)
+                .collect::<Vec<_>>()
+        })
+        .filter(|p| p.is_absolute())
+        .collect()
+}
+
+/// Directories the dynamic loader searches by /etc/ld.so.conf (GPU drivers often live in
+/// one of them), following its `include` lines.
+fn ld_so_conf_dirs(conf: &Path, depth: u32) -> Vec<PathBuf> {
+    let Ok(text) = fs::read_to_string(conf) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for line in text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+    {
+        if let Some(pattern) = line.strip_prefix("include").map(str::trim) {
+            if depth > 4 {
+                continue;
+            }
+            let (dir, file_glob) = pattern.rsplit_once('/').unwrap_or(("/etc", pattern));
+            let Ok(entries) = fs::read_dir(dir) else {
+                continue;
+            };
+            let mut files: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .filter(|e| glob(file_glob, &e.file_name().to_string_lossy()))
+                .map(|e| e.path())
+                .collect();
+            files.sort();
+            for f in files {
+                out.extend(ld_so_conf_dirs(&f, depth + 1));
+            }
+        } else if line.starts_with('/') {
+            out.push(PathBuf::from(line));
+        }
+    }
+    out
+}
+
+/// Not a linker script such as the development `libc.so`.
+fn is_elf(p: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    fs::File::open(p)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok_and(|()| magic == *b"\x7fELF")
+}
+
+/// The ELF file in `dir` that `name` names; the shortest name wins.
+fn in_dir(dir: &Path, name: &str) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = fs::read_dir(dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .filter(|e| names(name, &e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .filter(|p| is_elf(p))
+        .collect();
+    found.sort_by_key(|p| (p.as_os_str().len(), p.clone()));
+    found.into_iter().next()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob("getpid", "getpid"));
+        assert!(!glob("getpid", "getppid"));
+        assert!(glob("get*id", "getppid"));
+        assert!(glob("get*id", "getid"));
+        assert!(!glob("get*id", "getpids"));
+        assert!(glob("cu*Launch*", "cuLaunchKernelEx"));
+        assert!(glob("?etpid", "getpid"));
+        assert!(glob("*", "x"));
+        assert!(glob("a*b*c", "aXbYbZc"));
+        assert!(!glob("a*b*c", "aXbYbZ"));
+    }
+
+    #[test]
+    fn ld_so_conf_includes_are_followed() {
+        let dir = std::env::temp_dir().join(format!("tracer-ldconf-{}", std::process::id()));
+        fs::create_dir_all(dir.join("d")).unwrap();
+        fs::write(
+            dir.join("ld.so.conf"),
+            format!("# comment\ninclude {}/d/*.conf\n/opt/a\n", dir.display()),
+        )
+        .unwrap();
+        fs::write(
+            dir.join("d/10-gpu.conf"),
+            "/usr/local/nvidia/lib64 # driver\n",
+        )
+        .unwrap();
+        fs::write(dir.join("d/skip.txt"), "/nope\n").unwrap();
+        let dirs = ld_so_conf_dirs(&dir.join("ld.so.conf"), 0);
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            dirs,
+            [
+                PathBuf::from("/usr/local/nvidia/lib64"),
+                PathBuf::from("/opt/a")
+            ]
+        );
+    }
+
+    #[test]
+    fn library_names() {
+        assert!(names("c", "libc.so.6"));
+        assert!(names("libc", "libc.so.6"));
+        assert!(names("libc.so.6", "libc.so.6"));
+        assert!(!names("c", "libcrypt.so.1"));
+        assert!(names("cuda", "libcuda.so.1"));
+        assert!(!names("cuda", "libcudart.so.13"));
+    }
+
+    #[test]
+    fn libc_getpid_resolves_to_one_function() {
+        let t = resolve("libc:getpid", None).expect("libc on this machine");
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(t[0].symbol, "getpid");
+        assert!(t[0].binary.to_string_lossy().contains("libc.so"));
+        assert!(matches!(
+            resolve("libc:no_such_function_here", None),
+            Err(NativeError::NoMatch { .. })
+        ));
+        assert!(matches!(
+            resolve("libnothere:f", None),
+            Err(NativeError::NotFound { .. })
+        ));
+        assert!(matches!(
+            resolve("getpid", None),
+            Err(NativeError::BadSpec(_))
+        ));
+    }
+}

@@ -1,0 +1,90 @@
+//! Counting mode's native source: one session's uprobes on native functions, and its report.
+
+use aya::programs::uprobe::UProbeLinkId;
+
+use crate::{
+    bpf::Bpf,
+    error::Error,
+    native::NativeTarget,
+    report::{NativeCalls, NativeProbe, NativeReport},
+};
+
+pub struct NativeSession {
+    targets: Vec<NativeTarget>,
+    links: Vec<UProbeLinkId>,
+}
+
+/// Shown without the /proc/PID/root prefix the daemon reads a target's files through.
+fn display_path(p: &std::path::Path) -> String {
+    let s = p.to_string_lossy();
+    match s
+        .strip_prefix("/proc/")
+        .and_then(|r| r.split_once("/root/"))
+    {
+        Some((pid, rest)) if pid.bytes().all(|b| b.is_ascii_digit()) => format!("/{rest}"),
+        _ => s.into_owned(),
+    }
+}
+
+impl NativeSession {
+    /// Attaches a counter to every target for session `slot`; all or nothing.
+    pub fn attach(
+        bpf: &mut Bpf,
+        targets: Vec<NativeTarget>,
+        slot: u8,
+        all: bool,
+    ) -> Result<Self, Error> {
+        let mut links = Vec::with_capacity(targets.len());
+        for (i, t) in targets.iter().enumerate() {
+            let probe = u32::try_from(i).unwrap_or(u32::MAX);
+            match bpf.attach_native(t, slot, all, probe) {
+                Ok(link) => links.push(link),
+                Err(e) => {
+                    bpf.detach_native(links);
+                    return Err(Error::FailedPrecondition(format!(
+                        "attaching a uprobe to {} in {}: {e}",
+                        t.symbol,
+                        display_path(&t.binary)
+                    )));
+                }
+            }
+        }
+        Ok(Self { targets, links })
+    }
+
+    /// Detaches the probes, then takes the session's counts out of the kernel.
+    pub fn finish(self, bpf: &mut Bpf, slot: u8) -> NativeReport {
+        bpf.detach_native(self.links);
+        let mut calls: Vec<NativeCalls> = bpf
+            .take_native_counts(slot)
+            .into_iter()
+            .filter_map(|(pid, probe, calls)| {
+                let t = self.targets.get(usize::try_from(probe).ok()?)?;
+                Some(NativeCalls {
+                    pid,
+                    binary: display_path(&t.binary),
+                    symbol: t.symbol.clone(),
+                    calls,
+                })
+            })
+            .collect();
+        calls.sort_by(|a, b| {
+            b.calls
+                .cmp(&a.calls)
+                .then_with(|| a.symbol.cmp(&b.symbol))
+                .then(a.pid.cmp(&b.pid))
+        });
+        NativeReport {
+            probes: self
+                .targets
+                .iter()
+                .map(|t| NativeProbe {
+                    spec: t.spec.clone(),
+                    binary: display_path(&t.binary),
+                    symbol: t.symbol.clone(),
+                })
+                .collect(),
+            calls,
+        }
+    }
+}

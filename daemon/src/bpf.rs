@@ -17,7 +17,7 @@ use aya::{
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
     globals, loss, native_cookie, py_role, NativeCallKey, ProcEvent, PyCallKey, PyCallStats,
-    PyLayout, SessionMask,
+    PyEdgeKey, PyLayout, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -61,6 +61,7 @@ pub struct Bpf {
     events: Option<RingBuf<MapData>>,
     pub py_tstate: HashMap<MapData, u32, u64>,
     pub py_calls: HashMap<MapData, PyCallKey, PyCallStats>,
+    pub py_edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
     py_codes: Option<RingBuf<MapData>>,
     py_sessions: Array<MapData, [SessionMask; 2]>,
     // Kept open: programs loaded later refer to every map by fd.
@@ -122,6 +123,7 @@ impl Bpf {
             events: Some(take(&mut ebpf, "PROC_EVENTS")?),
             py_tstate: take(&mut ebpf, "PY_TSTATE")?,
             py_calls: take(&mut ebpf, "PY_CALLS")?,
+            py_edges: take(&mut ebpf, "PY_EDGES")?,
             py_codes: Some(take(&mut ebpf, "PY_CODES")?),
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
             _py_layouts: layouts,
@@ -367,6 +369,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::PY_EXIT_INFERRED => "python_exits_inferred",
         loss::PY_THREADS_FULL => "python_threads_map_full_untimed",
         loss::NATIVE_CALLS_FULL => "native_calls_map_full",
+        loss::PY_EDGES_FULL => "python_callers_map_full",
         _ => "unknown",
     }
 }

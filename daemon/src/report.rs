@@ -73,6 +73,23 @@ pub struct PyFunction {
     pub tottime_ns: u64,
     /// Time in the function and its callees, once per outermost activation.
     pub cumtime_ns: u64,
+    /// The Python functions that called it, with the numbers of those calls (pstats'
+    /// callers). C functions in between (`sorted`, `map`) are not seen: the caller is the
+    /// nearest Python frame.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub callers: Vec<PyCaller>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PyCaller {
+    pub qualname: String,
+    pub filename: String,
+    pub firstlineno: i32,
+    pub ncalls: u64,
+    /// Calls while this caller → callee pair was not already active further down.
+    pub primitive_calls: u64,
+    pub tottime_ns: u64,
+    pub cumtime_ns: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

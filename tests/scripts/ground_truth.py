@@ -1,9 +1,11 @@
 """Ground truth for tracer's Python call counts, from CPython's own profilers.
 
-usage: ground_truth.py cprofile|cprofile-all|hook|hook-all SCRIPT [ARGS...]
+usage: ground_truth.py cprofile|cprofile-all|cprofile-callers|hook|hook-all SCRIPT [ARGS...]
 
 cprofile: runs SCRIPT under cProfile (main thread, as `python -m cProfile` does).
 cprofile-all: the same, for every Python function that ran (keyed "file:line:name").
+cprofile-callers: for the functions defined in SCRIPT, their callers as cProfile records
+      them: {"line:name": {"file:line:name": [ncalls, primitive calls]}} (file "~" for C).
 hook: counts the 'call' events of sys.setprofile in every thread (threading.setprofile),
       the events cProfile counts, for scripts that start threads.
 hook-all: the hook, for every Python function, left on until the atexit handlers have run.
@@ -24,7 +26,7 @@ def main():
     mode, script = sys.argv[1], os.path.abspath(sys.argv[2])
     sys.argv = [script] + sys.argv[3:]
     out = {}
-    if mode in ("cprofile", "cprofile-all"):
+    if mode in ("cprofile", "cprofile-all", "cprofile-callers"):
         prof = cProfile.Profile()
         prof.enable()
         try:
@@ -32,7 +34,11 @@ def main():
         finally:
             prof.disable()
         for (filename, line, name), (cc, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
-            if mode == "cprofile-all" and not filename.startswith(("~", "<")):
+            if mode == "cprofile-callers":
+                if os.path.abspath(filename) == script:
+                    out[f"{line}:{name}"] = {
+                        f"{f}:{l}:{n}": [v[0], v[1]] for (f, l, n), v in callers.items()}
+            elif mode == "cprofile-all" and not filename.startswith(("~", "<")):
                 out[f"{filename}:{line}:{name}"] = [nc, cc, tt, ct]
             elif os.path.abspath(filename) == script:
                 out[f"{line}:{name}"] = [nc, cc, tt, ct]

@@ -370,6 +370,82 @@ fn a_process_that_is_not_python_is_refused() {
     assert!(line.contains("does not run CPython"), "{line}");
 }
 
+/// {"line:name": {"file:line:name": [ncalls, primitive calls]}}: each function's callers.
+type Callers = BTreeMap<String, BTreeMap<String, Vec<u64>>>;
+
+fn python_json(py: &Path, code: &str, args: &[&Path]) -> Value {
+    let out = Command::new(py)
+        .args(["-c", code])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_json::from_str(text.lines().last().unwrap_or_default()).unwrap()
+}
+
+#[test]
+fn pstats_callers_agree_with_cprofile() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let read = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
+                print(json.dumps({f'{k[1]}:{k[2]}': {f'{c[0]}:{c[1]}:{c[2]}': list(v[:2]) \
+                for c, v in s[k][4].items()} for k in s if k[0] == sys.argv[2]}))";
+    for py in interpreters() {
+        let out = Command::new(&py)
+            .arg(script("ground_truth.py"))
+            .args(["cprofile-callers", wl.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        let truth: Callers = serde_json::from_str(
+            text.lines()
+                .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
+                .unwrap(),
+        )
+        .unwrap();
+        let report = run_counted(&d, &py, &wl, &[]);
+        let id = report["session"]["id"].as_str().unwrap();
+        let prof = d.dir.path().join("callers.prof");
+        d.ok(&[
+            "report",
+            id,
+            "--format",
+            "pstats",
+            "-o",
+            prof.to_str().unwrap(),
+        ]);
+        let ours: Callers = serde_json::from_value(python_json(&py, read, &[&prof, &wl])).unwrap();
+        // tracer sees Python frames only: compare the functions that cProfile says only
+        // Python functions called (not sorted(), sum(), next(), a C event loop…).
+        let mut compared = 0;
+        for (f, callers) in &truth {
+            if callers.keys().any(|c| c.starts_with("~:")) {
+                continue;
+            }
+            compared += 1;
+            assert_eq!(
+                ours.get(f),
+                Some(callers),
+                "{}: callers of {f}",
+                py.display()
+            );
+        }
+        assert!(
+            compared >= 10,
+            "{}: only {compared} functions compared",
+            py.display()
+        );
+    }
+}
+
 #[test]
 fn pstats_files_open_in_pstats_and_tables_sort() {
     if !root_or_skip() {

@@ -11,40 +11,74 @@ type Key = (String, i64, String);
 /// Primitive calls, calls, tottime ns, cumtime ns.
 type Totals = (u64, u64, u64, u64);
 
-/// The pstats bytes for these functions. Processes are merged (pstats has no pid), and
-/// functions are named by their `co_name`, as cProfile names them. Callers are not recorded.
+/// pstats names functions by `co_name`; tracer reports qualnames.
+fn key(qualname: &str, filename: &str, firstlineno: i32) -> Key {
+    let name = qualname.rsplit('.').next().unwrap_or(qualname).to_owned();
+    (filename.to_owned(), i64::from(firstlineno), name)
+}
+
+fn add(t: &mut Totals, cc: u64, nc: u64, tt: u64, ct: u64) {
+    t.0 += cc;
+    t.1 += nc;
+    t.2 += tt;
+    t.3 += ct;
+}
+
+fn count(out: &mut Vec<u8>, n: u64) {
+    int(out, i64::try_from(n).unwrap_or(i64::MAX));
+}
+
+/// The pstats bytes for these functions and their callers. Processes are merged (pstats
+/// has no pid), and functions are named by their `co_name`, as cProfile names them.
 pub fn encode(functions: &[PyFunction]) -> Vec<u8> {
-    let mut merged: BTreeMap<Key, Totals> = BTreeMap::new();
+    let mut merged: BTreeMap<Key, (Totals, BTreeMap<Key, Totals>)> = BTreeMap::new();
     for f in functions {
-        let name = f
-            .qualname
-            .rsplit('.')
-            .next()
-            .unwrap_or(&f.qualname)
-            .to_owned();
         let e = merged
-            .entry((f.filename.clone(), i64::from(f.firstlineno), name))
+            .entry(key(&f.qualname, &f.filename, f.firstlineno))
             .or_default();
-        e.0 += f.primitive_calls;
-        e.1 += f.ncalls;
-        e.2 += f.tottime_ns;
-        e.3 += f.cumtime_ns;
+        add(
+            &mut e.0,
+            f.primitive_calls,
+            f.ncalls,
+            f.tottime_ns,
+            f.cumtime_ns,
+        );
+        for c in &f.callers {
+            let t =
+                e.1.entry(key(&c.qualname, &c.filename, c.firstlineno))
+                    .or_default();
+            add(t, c.primitive_calls, c.ncalls, c.tottime_ns, c.cumtime_ns);
+        }
     }
     let mut out = vec![b'{'];
-    for ((file, line, name), (cc, nc, tt, ct)) in merged {
-        tuple(&mut out, 3);
-        string(&mut out, &file);
-        int(&mut out, line);
-        string(&mut out, &name);
+    for (k, ((cc, nc, tt, ct), callers)) in merged {
+        key_tuple(&mut out, &k);
         tuple(&mut out, 5);
-        int(&mut out, i64::try_from(cc).unwrap_or(i64::MAX));
-        int(&mut out, i64::try_from(nc).unwrap_or(i64::MAX));
+        count(&mut out, cc);
+        count(&mut out, nc);
         float(&mut out, tt as f64 / 1e9);
         float(&mut out, ct as f64 / 1e9);
-        out.extend_from_slice(b"{0"); // callers: an empty dict
+        out.push(b'{');
+        for (from, (cc, nc, tt, ct)) in callers {
+            key_tuple(&mut out, &from);
+            // cProfile writes a caller's numbers ncalls first, unlike the function's own.
+            tuple(&mut out, 4);
+            count(&mut out, nc);
+            count(&mut out, cc);
+            float(&mut out, tt as f64 / 1e9);
+            float(&mut out, ct as f64 / 1e9);
+        }
+        out.push(b'0');
     }
     out.push(b'0');
     out
+}
+
+fn key_tuple(out: &mut Vec<u8>, (file, line, name): &Key) {
+    tuple(out, 3);
+    string(out, file);
+    int(out, *line);
+    string(out, name);
 }
 
 fn tuple(out: &mut Vec<u8>, n: u8) {
@@ -109,10 +143,19 @@ mod tests {
             primitive_calls: 1,
             tottime_ns: 1_500_000,
             cumtime_ns: 3_000_000_000_000,
+            callers: vec![crate::report::PyCaller {
+                qualname: "main".into(),
+                filename: "/x/app.py".into(),
+                firstlineno: 1,
+                ncalls: 3,
+                primitive_calls: 2,
+                tottime_ns: 1_000_000,
+                cumtime_ns: 2_000_000,
+            }],
         };
         let file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(file.path(), encode(&[f])).unwrap();
-        let code = "import pstats,sys; s=pstats.Stats(sys.argv[1]).stats; print(s[('/x/app.py',7,'area')][:4])";
+        let code = "import pstats,sys; s=pstats.Stats(sys.argv[1]).stats; v=s[('/x/app.py',7,'area')]; print(v[:4], v[4])";
         let Ok(out) = std::process::Command::new("python3")
             .args(["-c", code])
             .arg(file.path())
@@ -128,7 +171,7 @@ mod tests {
         );
         assert_eq!(
             String::from_utf8_lossy(&out.stdout).trim(),
-            "(1, 21891, 0.0015, 3000.0)"
+            "(1, 21891, 0.0015, 3000.0) {('/x/app.py', 1, 'main'): (3, 2, 0.001, 0.002)}"
         );
     }
 }

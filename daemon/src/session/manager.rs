@@ -539,6 +539,28 @@ impl Manager {
         }
     }
 
+    /// Takes a session's calls per (caller, callee) out of the kernel map.
+    fn python_edges(
+        &mut self,
+        slot: u8,
+    ) -> Vec<(tracer_common::PyEdgeKey, tracer_common::PyCallStats)> {
+        let keys: Vec<tracer_common::PyEdgeKey> = self
+            .bpf
+            .py_edges
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == u32::from(slot))
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Ok(n) = self.bpf.py_edges.get(&k, 0) {
+                out.push((k, n));
+            }
+            let _ = self.bpf.py_edges.remove(&k);
+        }
+        out
+    }
+
     /// Takes a session's Python counts out of the kernel map.
     fn python_counts(&mut self, slot: u8) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
         let keys: Vec<tracer_common::PyCallKey> = self
@@ -673,8 +695,9 @@ impl Manager {
             // Stop counting for this slot before reading it out.
             self.update_python_masks();
             let counts = self.python_counts(slot);
+            let edges = self.python_edges(slot);
             let seen_interpreter = !py.checked.is_empty();
-            let (functions, unknown_names) = py.functions(counts);
+            let (functions, unknown_names) = py.functions(counts, edges);
             let inferred_exits = losses[tracer_common::loss::PY_EXIT_INFERRED as usize]
                 .saturating_sub(s.loss_base[tracer_common::loss::PY_EXIT_INFERRED as usize]);
             let mut warnings = py.warnings;

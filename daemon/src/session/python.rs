@@ -8,7 +8,9 @@ use std::{
 };
 
 use aya::programs::uprobe::UProbeLinkId;
-use tracer_common::{PyCallStats, PyCodeEvent, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD};
+use tracer_common::{
+    PyCallStats, PyCodeEvent, PyEdgeKey, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD,
+};
 
 use crate::{
     bpf::Bpf,
@@ -16,7 +18,7 @@ use crate::{
         memory::{self, Mapped},
         runtime::{Runtime, RuntimeError},
     },
-    report::PyFunction,
+    report::{PyCaller, PyFunction},
 };
 
 type FileId = (u64, u64);
@@ -177,9 +179,38 @@ impl PySession {
         self.names.insert((ev.pid, ev.code, ev.names), name);
     }
 
-    /// Names this session's counts, sorted by tottime. Code objects whose names never
-    /// arrived are reported as unknown.
-    pub fn functions(&self, counts: Vec<(u32, u64, u64, PyCallStats)>) -> (Vec<PyFunction>, u64) {
+    /// Names this session's counts, sorted by tottime, with their callers. Code objects whose
+    /// names never arrived are reported as unknown.
+    pub fn functions(
+        &self,
+        counts: Vec<(u32, u64, u64, PyCallStats)>,
+        edges: Vec<(PyEdgeKey, PyCallStats)>,
+    ) -> (Vec<PyFunction>, u64) {
+        let mut callers: HashMap<(u32, u64, u64), Vec<PyCaller>> = HashMap::new();
+        for (k, st) in edges {
+            let (qualname, filename, firstlineno) =
+                match self.names.get(&(k.pid, k.caller_code, k.caller_names)) {
+                    Some(n) => (n.qualname.clone(), n.filename.clone(), n.firstlineno),
+                    // Entered before the session attached: never counted, so never named.
+                    None => (
+                        format!("[unknown: code object {:#x}]", k.caller_code),
+                        String::new(),
+                        0,
+                    ),
+                };
+            callers
+                .entry((k.pid, k.code, k.names))
+                .or_default()
+                .push(PyCaller {
+                    qualname,
+                    filename,
+                    firstlineno,
+                    ncalls: st.ncalls,
+                    primitive_calls: st.primitive,
+                    tottime_ns: st.tottime_ns,
+                    cumtime_ns: st.cumtime_ns,
+                });
+        }
         let mut unknown = 0;
         let mut out: Vec<PyFunction> = counts
             .into_iter()
@@ -200,7 +231,14 @@ impl PySession {
                         )
                     }
                 };
+                let mut callers = callers.remove(&(pid, code, names)).unwrap_or_default();
+                callers.sort_by(|a, b| {
+                    b.ncalls
+                        .cmp(&a.ncalls)
+                        .then_with(|| a.qualname.cmp(&b.qualname))
+                });
                 PyFunction {
+                    callers,
                     pid,
                     qualname,
                     filename,

@@ -60,8 +60,10 @@ pub mod loss {
     pub const PY_THREADS_FULL: u32 = 8;
     /// `NATIVE_CALLS` was full: a native function's calls in a new process were not counted.
     pub const NATIVE_CALLS_FULL: u32 = 9;
+    /// `PY_EDGES` was full: a call's caller was not recorded (pstats callers only).
+    pub const PY_EDGES_FULL: u32 = 10;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 11;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -103,9 +105,10 @@ pub struct PyLayout {
     /// `co_qualname` (3.11+) or `co_name` (3.10, which has no qualname).
     pub code_qualname: u32,
     pub code_firstlineno: u32,
-    /// `_PyInterpreterFrame.previous` (3.11+).
+    /// The caller's frame: `_PyInterpreterFrame.previous` (3.11+), `PyFrameObject.f_back` (3.10).
     pub frame_previous: u32,
-    pub _pad: u32,
+    /// `_PyInterpreterFrame.owner` (3.12+; 0: no such field).
+    pub frame_owner: u32,
     /// Offset of the `state` bitfield in `PyASCIIObject`.
     pub unicode_state: u32,
     /// `sizeof(PyASCIIObject)`: where a compact ASCII string's characters start.
@@ -125,6 +128,22 @@ pub struct PyCallKey {
     pub code: u64,
     pub names: u64,
 }
+
+/// Key of `PY_EDGES`: calls of one function from one calling Python function, in one
+/// process, for one session (pstats' callers). The value is a `PyCallStats` for those calls.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PyEdgeKey {
+    pub slot: u32,
+    pub pid: u32,
+    pub code: u64,
+    pub names: u64,
+    pub caller_code: u64,
+    pub caller_names: u64,
+}
+
+/// Capacity of `PY_EDGES` (caller → callee pairs, all sessions together).
+pub const PY_EDGES_MAX: u32 = 262_144;
 
 /// `PyCallKey::names` from the qualname and file name object addresses.
 pub const fn py_names_id(qualname: u64, filename: u64) -> u64 {
@@ -164,7 +183,7 @@ pub const PY_UNWIND_PER_EVENT: usize = 16;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyStackEntry {
-    /// The interpreter frame's address (0 on 3.10, whose exits are matched by order).
+    /// The interpreter frame's address (`PyFrameObject *` on 3.10).
     pub frame: u64,
     pub code: u64,
     pub names: u64,
@@ -173,6 +192,12 @@ pub struct PyStackEntry {
     pub sub_ns: u64,
     /// 1: no other activation of this function below it (cProfile adds cumtime then).
     pub outermost: u64,
+    /// 1: its caller did not call it further down the stack either (the same for the
+    /// caller → callee pair: cProfile's callers entries).
+    pub edge_outermost: u64,
+    /// 1: stands for an interpreter frame no probe enters (3.13's cleanup frame under
+    /// `__init__`), carrying its caller's identity: counted for nobody.
+    pub pseudo: u64,
 }
 
 /// A thread's shadow stack of Python frames (value of `PY_STACKS`).
@@ -227,6 +252,7 @@ mod pod {
     unsafe impl aya::Pod for super::PyCodeEvent {}
     unsafe impl aya::Pod for super::PyCallStats {}
     unsafe impl aya::Pod for super::NativeCallKey {}
+    unsafe impl aya::Pod for super::PyEdgeKey {}
 }
 
 /// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
@@ -263,9 +289,10 @@ mod tests {
         assert_eq!(core::mem::size_of::<super::PyLayout>(), 12 * 4);
         assert_eq!(
             core::mem::size_of::<super::PyStack>(),
-            8 + 48 * super::PY_STACK_DEPTH
+            8 + 64 * super::PY_STACK_DEPTH
         );
         assert_eq!(core::mem::size_of::<super::PyCallKey>(), 24);
+        assert_eq!(core::mem::size_of::<super::PyEdgeKey>(), 40);
         assert_eq!(
             core::mem::size_of::<super::PyCodeEvent>(),
             4 + 4 + 8 + 8 + 4 + 4 + super::PY_QUALNAME_LEN + super::PY_FILENAME_LEN

@@ -15,7 +15,8 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyLayout, PyStack, PyStackEntry,
+    loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyEdgeKey, PyLayout, PyStack,
+    PyStackEntry, PY_EDGES_MAX,
     SessionMask, MAX_PY_SESSIONS, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX, PY_STACK_DEPTH,
     PY_THREADS_MAX, PY_UNWIND_PER_EVENT,
 };
@@ -38,13 +39,18 @@ static PY_TSTATE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(65_536, 0)
 static PY_CALLS: HashMap<PyCallKey, PyCallStats> = HashMap::with_max_entries(262_144, 0);
 
 /// Thread id → its shadow stack of active Python frames, for tottime and cumtime. Not
-/// preallocated (a stack is 12 KiB): created at a thread's first call, removed at its exit.
+/// preallocated (a stack is 14 KiB): created at a thread's first call, removed at its exit.
 #[map]
 static PY_STACKS: HashMap<u32, PyStack> = HashMap::with_max_entries(PY_THREADS_MAX, BPF_F_NO_PREALLOC);
 
 /// A zeroed stack to start a thread's from (too big for the BPF stack).
 #[map]
 static PY_EMPTY_STACK: PerCpuArray<PyStack> = PerCpuArray::with_max_entries(1, 0);
+
+/// Calls per (session, process, function, calling function): pstats' callers. Allocated
+/// on use: most pairs are never seen.
+#[map]
+static PY_EDGES: HashMap<PyEdgeKey, PyCallStats> = HashMap::with_max_entries(PY_EDGES_MAX, BPF_F_NO_PREALLOC);
 
 #[map]
 static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
@@ -91,10 +97,10 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let pid = (pid_tgid >> 32) as u32;
     let Some((layout, _)) = cookie(ctx) else { return Ok(()) };
+    let tstate: u64 = ctx.arg(0).ok_or(())?;
+    // Recorded for every process: cheap, and a session that starts later finds it.
+    let _ = PY_TSTATE.insert(&(pid_tgid as u32), &tstate, 0);
     if layout.kind != py_kind::EVAL_ARG_FRAME {
-        let tstate: u64 = ctx.arg(0).ok_or(())?;
-        // Recorded for every process: cheap, and a session that starts later finds it.
-        let _ = PY_TSTATE.insert(&(pid_tgid as u32), &tstate, 0);
         // An exception thrown into a suspended generator or coroutine (throw(), close())
         // resumes its frame without passing RESUME; profilers count that as a call too.
         let throwflag: u64 = ctx.arg(2).ok_or(())?;
@@ -107,17 +113,45 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
         return Ok(());
     }
     let frame: u64 = ctx.arg(1).ok_or(())?;
-    enter(mask, pid, pid_tgid as u32, frame, layout)
+    // 3.11+ (a throw): the frame's `previous` is only linked inside the eval loop, so the
+    // caller is the frame current now.
+    let caller = match layout.kind {
+        py_kind::EVAL_ARG_FRAME => None,
+        _ => Some(current_frame(tstate, layout)?),
+    };
+    enter(mask, pid, pid_tgid as u32, frame, layout, caller)
 }
 
-/// 3.10: `_PyEval_EvalFrameDefault` returns, by `return`, `yield` or exception: the frame
-/// on top of the thread's stack is left.
+/// 3.10: `_PyEval_EvalFrameDefault` returns, by `return`, `yield` or exception. The thread
+/// state's frame is the caller's again, so frames above the caller are left. (The kernel
+/// runs at most 64 nested uretprobes per thread: deeper frames return unseen, and are
+/// popped here or at the next entry, their exits inferred.)
 #[uretprobe]
-pub fn tracer_py_eval_return(_ctx: RetProbeContext) -> u32 {
+pub fn tracer_py_eval_return(ctx: RetProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let mask = sessions((pid_tgid >> 32) as u32);
-    if mask != 0 {
-        leave(mask, (pid_tgid >> 32) as u32, pid_tgid as u32, 0);
+    let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    let mask = sessions(pid);
+    if mask == 0 {
+        return 0;
+    }
+    // SAFETY: map values are valid for the duration of the program.
+    let tstate = unsafe { PY_TSTATE.get(&tid) }.copied();
+    let Some((layout, _)) = cookie(&ctx) else { return 0 };
+    let caller = tstate.and_then(|ts| read::<u64>(ts + u64::from(layout.tstate_current_frame)).ok());
+    match caller {
+        // The thread's bottom frame returned: everything above it went unseen.
+        Some(0) => {
+            if let Some(st) = PY_STACKS.get_ptr_mut(&tid) {
+                // SAFETY: this thread's map value; only its own probes write it.
+                let st = unsafe { &mut *st };
+                let now = unsafe { bpf_ktime_get_ns() };
+                pop_inferred_to(st, mask, pid, now, 1);
+                pop(st, mask, pid, now);
+            }
+        }
+        Some(caller) => leave(mask, pid, tid, caller, layout),
+        // Thread state unknown: frames leave in order.
+        None => leave(mask, pid, tid, 0, layout),
     }
     0
 }
@@ -143,17 +177,22 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
         count_loss(loss::PY_NO_THREAD_STATE);
         return Ok(());
     };
-    let frame: u64 = if layout.kind == py_kind::CFRAME {
-        let cframe: u64 = read(tstate + u64::from(layout.tstate_cframe))?;
-        read(cframe + u64::from(layout.cframe_current_frame))?
-    } else {
-        read(tstate + u64::from(layout.tstate_current_frame))?
-    };
+    let frame = current_frame(tstate, layout)?;
     if role == py_role::EXIT {
-        leave(mask, pid, pid_tgid as u32, frame);
+        leave(mask, pid, pid_tgid as u32, frame, layout);
         return Ok(());
     }
-    enter(mask, pid, pid_tgid as u32, frame, layout)
+    enter(mask, pid, pid_tgid as u32, frame, layout, None)
+}
+
+/// The thread's current interpreter frame (3.11+).
+fn current_frame(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
+    if layout.kind == py_kind::CFRAME {
+        let cframe: u64 = read(tstate + u64::from(layout.tstate_cframe))?;
+        read(cframe + u64::from(layout.cframe_current_frame))
+    } else {
+        read(tstate + u64::from(layout.tstate_current_frame))
+    }
 }
 
 /// The thread's stack, created empty on first use.
@@ -177,7 +216,10 @@ pub(crate) fn forget_thread(tid: u32) {
 }
 
 /// A frame starts or resumes: count the call, push it on the thread's stack.
-fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) -> Result<(), ()> {
+/// `caller`: the calling frame where `frame`'s own link to it cannot be read yet.
+/// (Inlined: BPF functions take at most five arguments.)
+#[inline(always)]
+fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout, caller: Option<u64>) -> Result<(), ()> {
     let code: u64 = read(frame + u64::from(layout.frame_code))?;
     let qualname: u64 = read(code + u64::from(layout.code_qualname))?;
     let filename: u64 = read(code + u64::from(layout.code_filename))?;
@@ -187,16 +229,30 @@ fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) -
     if let Some(st) = stack(tid) {
         // SAFETY: `st` points to this thread's map value; only this thread's probes write it.
         let st = unsafe { &mut *st };
-        if layout.kind != py_kind::EVAL_ARG_FRAME {
-            // Frames above the caller were left by an exception: no probe saw them go.
-            let previous: u64 = read(frame + u64::from(layout.frame_previous)).unwrap_or(0);
-            unwind_to(st, mask, pid, previous, now);
+        // Frames above the caller were left by an exception (or, on 3.10, past the kernel's
+        // uretprobe nesting limit): no probe saw them go.
+        match caller {
+            Some(0) => pop_inferred_to(st, mask, pid, now, 0),
+            Some(c) => {
+                unwind_to(st, mask, pid, c, now);
+            }
+            None => reconcile(st, mask, pid, frame, layout, now),
         }
-        primitive = !on_stack(st, code, names);
+        let (below, pair_below) = on_stack(st, code, names);
+        primitive = !below;
         let depth = st.depth as usize;
         match st.entries.get_mut(depth) {
             Some(e) => {
-                *e = PyStackEntry { frame, code, names, start_ns: now, sub_ns: 0, outermost: u64::from(primitive) }
+                *e = PyStackEntry {
+                    frame,
+                    code,
+                    names,
+                    start_ns: now,
+                    sub_ns: 0,
+                    outermost: u64::from(primitive),
+                    edge_outermost: u64::from(!pair_below),
+                    pseudo: 0,
+                }
             }
             None => count_loss(loss::PY_STACK_TOO_DEEP),
         }
@@ -206,16 +262,84 @@ fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) -
     Ok(())
 }
 
-/// Pops frames above `previous` (when it is on the stack), their exit time inferred as now.
-fn unwind_to(st: &mut PyStack, mask: SessionMask, pid: u32, previous: u64, now: u64) {
-    let Some(target) = find(st, previous) else { return };
-    for _ in 0..PY_UNWIND_PER_EVENT {
-        if st.depth <= target + 1 {
-            break;
-        }
-        pop(st, mask, pid, now);
-        count_loss(loss::PY_EXIT_INFERRED);
+/// Makes the stack end with the new frame's caller before it is pushed: frames above it
+/// were left unseen.
+#[inline(always)]
+fn reconcile(st: &mut PyStack, mask: SessionMask, pid: u32, frame: u64, layout: &PyLayout, now: u64) {
+    let prev = u64::from(layout.frame_previous);
+    let Ok(previous) = read::<u64>(frame + prev) else { return };
+    if previous == 0 {
+        // The thread's bottom frame: whatever is on the stack is stale.
+        pop_inferred_to(st, mask, pid, now, 0);
+        return;
     }
+    if unwind_to(st, mask, pid, previous, now) {
+        return;
+    }
+    // 3.12+: `previous` is a frame no probe entered: the eval loop's entry frame (on the C
+    // stack) for a frame called from C, or 3.13's cleanup frame under `__init__`. The Python
+    // caller is its previous.
+    let Ok(caller) = read::<u64>(previous + prev) else { return };
+    if caller == 0 {
+        pop_inferred_to(st, mask, pid, now, 0);
+        return;
+    }
+    if !unwind_to(st, mask, pid, caller, now) || layout.frame_owner == 0 {
+        return;
+    }
+    // An interpreter frame (not the C stack's) returns through the exit probes: stand in
+    // for it, so that its return is not taken for its caller's.
+    const FRAME_OWNED_BY_CSTACK: u8 = 3;
+    if read::<u8>(previous + u64::from(layout.frame_owner)).unwrap_or(FRAME_OWNED_BY_CSTACK) == FRAME_OWNED_BY_CSTACK {
+        return;
+    }
+    let depth = st.depth as usize;
+    let Some(top) = depth.checked_sub(1).and_then(|d| st.entries.get(opaque(d))).copied() else { return };
+    if let Some(e) = st.entries.get_mut(opaque(depth)) {
+        *e = PyStackEntry { frame: previous, start_ns: now, sub_ns: 0, pseudo: 1, ..top };
+        st.depth += 1;
+    }
+}
+
+/// Pops frames above `previous` (when it is on the stack), their exit time inferred as now.
+/// Returns whether `previous` was on the stack.
+fn unwind_to(st: &mut PyStack, mask: SessionMask, pid: u32, previous: u64, now: u64) -> bool {
+    let Some(target) = find(st, previous) else { return false };
+    pop_inferred_to(st, mask, pid, now, target + 1);
+    true
+}
+
+/// Pops frames left unseen (by an exception, or past 3.10's uretprobe nesting limit) until
+/// `depth` remain, at most `PY_UNWIND_PER_EVENT` of them; the rest go at later events.
+fn pop_inferred_to(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64, depth: u64) {
+    let mut u = Unwind { st, mask, pid, now, depth };
+    // SAFETY: the callback only touches the stack through `u`, which outlives the call.
+    unsafe {
+        bpf_loop(PY_UNWIND_PER_EVENT as u32, unwind_step as *mut c_void, (&raw mut u).cast(), 0);
+    }
+}
+
+/// `pop_inferred_to` run by `bpf_loop`: `pop` is verified once, not once per unrolled step.
+#[repr(C)]
+struct Unwind {
+    st: *mut PyStack,
+    mask: SessionMask,
+    pid: u32,
+    now: u64,
+    depth: u64,
+}
+
+#[inline(never)]
+extern "C" fn unwind_step(_: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Unwind` that `pop_inferred_to` passed; `st` a live map value.
+    let u = unsafe { &mut *ctx.cast::<Unwind>() };
+    let st = unsafe { &mut *u.st };
+    if st.depth <= u.depth {
+        return 1;
+    }
+    pop(st, u.mask, u.pid, u.now);
+    count_loss(loss::PY_EXIT_INFERRED);
+    0
 }
 
 /// A stack scan run by `bpf_loop`, so the verifier checks one iteration instead of
@@ -227,7 +351,11 @@ struct Scan {
     frame: u64,
     code: u64,
     names: u64,
+    /// The would-be caller (the top entry), for `scan_code`'s pair search.
+    caller_code: u64,
+    caller_names: u64,
     found: u64,
+    pair_found: u64,
 }
 
 const NOT_FOUND: u64 = u64::MAX;
@@ -235,7 +363,7 @@ const NOT_FOUND: u64 = u64::MAX;
 impl Scan {
     fn new(st: &PyStack) -> Self {
         let top = st.depth.min(PY_STACK_DEPTH as u64);
-        Self { st, top, frame: 0, code: 0, names: 0, found: NOT_FOUND }
+        Self { st, top, frame: 0, code: 0, names: 0, caller_code: 0, caller_names: 0, found: NOT_FOUND, pair_found: 0 }
     }
 
     fn run(&mut self, step: extern "C" fn(u64, *mut c_void) -> i64) -> u64 {
@@ -262,19 +390,24 @@ extern "C" fn scan_frame(k: u64, ctx: *mut c_void) -> i64 {
     }
 }
 
-/// Any entry of `Scan::code` (the same function further down: a recursive call).
+/// Any entry of `Scan::code` (the same function further down: a recursive call), and any
+/// of it called by `Scan::caller_code` (the same pair further down).
 #[inline(never)]
 extern "C" fn scan_code(i: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: as in `scan_frame`.
     let s = unsafe { &mut *ctx.cast::<Scan>() };
-    match unsafe { &*s.st }.entries.get(opaque(i as usize)) {
-        Some(e) if e.code == s.code && e.names == s.names => {
-            s.found = i;
-            1
-        }
-        Some(_) => 0,
-        None => 1,
+    let st = unsafe { &*s.st };
+    let Some(e) = st.entries.get(opaque(i as usize)) else { return 1 };
+    if e.code != s.code || e.names != s.names || e.pseudo != 0 {
+        return 0;
     }
+    s.found = i;
+    let caller = i.checked_sub(1).and_then(|c| st.entries.get(opaque(c as usize)));
+    if caller.is_some_and(|c| c.code == s.caller_code && c.names == s.caller_names) {
+        s.pair_found = 1;
+        return 1;
+    }
+    0
 }
 
 /// Index of `frame` on the stack, topmost first.
@@ -287,12 +420,18 @@ fn find(st: &PyStack, frame: u64) -> Option<u64> {
     }
 }
 
-/// Whether an activation of the function is on the stack already.
-fn on_stack(st: &PyStack, code: u64, names: u64) -> bool {
+/// Whether an activation of the function is on the stack already, and whether one called
+/// by the function on top (its caller now) is.
+fn on_stack(st: &PyStack, code: u64, names: u64) -> (bool, bool) {
     let mut s = Scan::new(st);
     s.code = code;
     s.names = names;
-    s.run(scan_code) != NOT_FOUND
+    if let Some(top) = s.top.checked_sub(1).and_then(|t| st.entries.get(opaque(t as usize))) {
+        s.caller_code = top.code;
+        s.caller_names = top.names;
+    }
+    let found = s.run(scan_code) != NOT_FOUND;
+    (found, s.pair_found != 0)
 }
 
 /// A frame returns or yields. `frame` 0: the top one (3.10, where exits come in order).
@@ -301,7 +440,7 @@ fn on_stack(st: &PyStack, code: u64, names: u64) -> bool {
 /// frame itself, or, where the handler has already switched to the caller before the
 /// probed instruction (3.12's YIELD_VALUE does), the caller. Frames above the leaving one
 /// were left by an exception since the last event: their exits are inferred.
-fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64) {
+fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) {
     let Some(st) = PY_STACKS.get_ptr_mut(&tid) else { return };
     // SAFETY: as in `enter`.
     let st = unsafe { &mut *st };
@@ -312,20 +451,20 @@ fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64) {
     if frame != 0 && st.depth <= PY_STACK_DEPTH as u64 {
         let top = st.entries.get(opaque(st.depth as usize - 1)).map_or(0, |e| e.frame);
         if top != frame {
-            // Not on the stack: the caller is the eval loop's entry shim (3.12+ generators
-            // yielding to C), and the leaving frame is the top one.
             let Some(i) = find(st, frame) else {
+                // Not on the stack, and called by the top one: a frame no probe entered
+                // returns (3.13's cleanup shim after `__init__`): none of ours leaves.
+                let previous: u64 = read(frame + u64::from(layout.frame_previous)).unwrap_or(0);
+                if previous == top {
+                    return;
+                }
+                // Otherwise it is the eval loop's entry shim (3.12+ generators yielding to
+                // C): the leaving frame is the top one.
                 pop(st, mask, pid, now);
                 return;
             };
             // `frame` is the caller: the leaving frame is the one above it.
-            for _ in 0..PY_UNWIND_PER_EVENT {
-                if st.depth <= i + 2 {
-                    break;
-                }
-                pop(st, mask, pid, now);
-                count_loss(loss::PY_EXIT_INFERRED);
-            }
+            pop_inferred_to(st, mask, pid, now, i + 2);
             if st.depth > i + 2 {
                 // More left by exceptions than one hit unwinds: the rest go at later hits.
                 return;
@@ -344,8 +483,13 @@ fn pop(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64) {
     let Some(&e) = st.entries.get(st.depth as usize) else { return };
     let ct = now.saturating_sub(e.start_ns);
     let tt = ct.saturating_sub(e.sub_ns);
+    let mut caller = None;
     if let Some(parent) = st.depth.checked_sub(1).and_then(|d| st.entries.get_mut(opaque(d as usize))) {
         parent.sub_ns += ct;
+        caller = Some((parent.code, parent.names));
+    }
+    if e.pseudo != 0 {
+        return;
     }
     let mut m = mask;
     for _ in 0..MAX_PY_SESSIONS {
@@ -364,10 +508,40 @@ fn pop(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64) {
                 }
             }
         }
+        if let Some((caller_code, caller_names)) = caller {
+            let edge = PyEdgeKey { slot, pid, code: e.code, names: e.names, caller_code, caller_names };
+            add_edge(&edge, &e, tt, ct);
+        }
     }
 }
 
+/// One call of `e` from its caller ended: pstats' callers entry, counted as lsprof counts
+/// its sub-entries (cumtime only when the pair is not active further down).
+fn add_edge(key: &PyEdgeKey, e: &PyStackEntry, tt: u64, ct: u64) {
+    let outer = e.edge_outermost != 0;
+    let first = PyCallStats { ncalls: 1, primitive: u64::from(outer), tottime_ns: tt, cumtime_ns: if outer { ct } else { 0 } };
+    for _ in 0..2 {
+        if let Some(s) = PY_EDGES.get_ptr_mut(key) {
+            bump(s, outer);
+            // SAFETY: a live map value.
+            unsafe {
+                add(&raw mut (*s).tottime_ns, tt);
+                if outer {
+                    add(&raw mut (*s).cumtime_ns, ct);
+                }
+            }
+            return;
+        }
+        // BPF_NOEXIST: another CPU may insert the same pair meanwhile; then add to it.
+        if PY_EDGES.insert(key, &first, 1).is_ok() {
+            return;
+        }
+    }
+    count_loss(loss::PY_EDGES_FULL);
+}
+
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn count(
     mut mask: SessionMask,
     pid: u32,

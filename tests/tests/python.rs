@@ -520,3 +520,83 @@ fn pstats_files_open_in_pstats_and_tables_sort() {
     let no_python = d.run(&["report", &pid_id, "--format", "pstats"]);
     assert!(tracer_tests::one_line_error(&no_python).contains("start the session with --python"));
 }
+
+#[test]
+fn snakeviz_draws_the_call_graph() {
+    if !root_or_skip() {
+        return;
+    }
+    // `cargo xtask test` installs snakeviz into the test venv and names its python here.
+    let Some(viz_py) = std::env::var_os("TRACER_TEST_PYTHON") else {
+        panic!("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`");
+    };
+    let py = interpreters()
+        .into_iter()
+        .next()
+        .expect("a CPython 3.10-3.13");
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let prof = d.dir.path().join("viz.prof");
+    let out = d
+        .ctl()
+        .args([
+            "start",
+            "--mode=counting",
+            "--python",
+            "--format",
+            "pstats",
+            "-o",
+        ])
+        .arg(&prof)
+        .arg("--")
+        .arg(&py)
+        .arg(&wl)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = python_json(
+        Path::new(&viz_py),
+        &std::fs::read_to_string(script("snakeviz_check.py")).unwrap(),
+        &[&prof, &wl],
+    );
+    assert!(v["rows"].as_u64().unwrap() > 20, "{v}");
+    assert_eq!(v["page_names_fib"], true, "snakeviz's page: {v}");
+    let children = |name: &str| -> Vec<String> {
+        let (_, c) = v["children"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| k.ends_with(&format!("({name})")))
+            .unwrap_or_else(|| panic!("{name} missing from snakeviz's graph: {v}"));
+        c.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .unwrap()
+                    .split('(')
+                    .nth(1)
+                    .unwrap()
+                    .trim_end_matches(')')
+                    .to_owned()
+            })
+            .collect()
+    };
+    assert_eq!(children("fib"), ["fib"]);
+    for callee in ["fib", "catch", "deep", "callbacks"] {
+        assert!(
+            children("main").iter().any(|c| c == callee),
+            "main → {callee}: {v}"
+        );
+    }
+    for callee in ["double", "key_of", "<lambda>"] {
+        assert!(
+            children("callbacks").iter().any(|c| c == callee),
+            "callbacks → {callee}: {v}"
+        );
+    }
+}

@@ -52,12 +52,13 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
         "grpcio-reflection",
         "grpcio-health-checking",
         "protobuf",
+        "snakeviz",
     ];
     if !python.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
     let ok = Command::new(&python)
-        .args(["-c", "import grpc, grpc_reflection, grpc_health"])
+        .args(["-c", "import grpc, grpc_reflection, grpc_health, snakeviz"])
         .status()
         .is_ok_and(|s| s.success());
     if !ok {

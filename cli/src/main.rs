@@ -12,8 +12,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tracer_proto::{
     target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode,
-    ReportFormat, SessionInfo, SessionRef, SessionState, StartSessionRequest, Target,
-    WatchSessionRequest,
+    ReportFormat, SamplingOptions, SessionInfo, SessionRef, SessionState, StartSessionRequest,
+    Target, WatchSessionRequest,
 };
 
 /// Control tracerd: start profiling sessions, follow them, fetch their reports.
@@ -63,6 +63,9 @@ struct StartArgs {
     /// Count calls of every Python function (CPython 3.10-3.13), as cProfile counts them.
     #[arg(long)]
     python: bool,
+    /// Sampling: samples per second on each CPU (default 99).
+    #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
+    frequency: Option<u64>,
     /// Count calls of native functions, like bcc's funccount: BINARY_OR_LIB:SYMBOL, e.g.
     /// libc:malloc, 'libcuda:cuLaunchKernel*', ./app:parse (repeatable; * and ? glob).
     #[arg(long = "uprobe", value_name = "BINARY_OR_LIB:SYMBOL")]
@@ -100,6 +103,15 @@ struct Output {
     /// Table only: show at most this many Python functions and native rows (0: all).
     #[arg(long, default_value_t = 0)]
     limit: u32,
+    /// Sampling reports: only the stacks of this process (repeatable).
+    #[arg(long = "filter-pid", value_name = "PID")]
+    filter_pids: Vec<u32>,
+    /// Sampling reports: only the stacks of this thread (repeatable).
+    #[arg(long = "filter-tid", value_name = "TID")]
+    filter_tids: Vec<u32>,
+    /// Sampling reports: only the stacks of processes with this name (comm).
+    #[arg(long = "filter-comm", value_name = "NAME")]
+    filter_comm: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -115,6 +127,14 @@ enum FormatArg {
     Json,
     /// Python's pstats file (for pstats.Stats, snakeviz); use with -o.
     Pstats,
+    /// Sampling: folded stacks (flamegraph.pl, inferno, speedscope).
+    Folded,
+    /// Sampling: gzipped pprof protobuf (go tool pprof, Pyroscope, Parca); use with -o.
+    Pprof,
+    /// Sampling: speedscope JSON.
+    Speedscope,
+    /// Sampling: an SVG flame graph.
+    Svg,
 }
 
 fn main() -> ExitCode {
@@ -254,6 +274,9 @@ async fn start(
             events: args.events,
             uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
         }),
+        sampling: args
+            .frequency
+            .map(|hz| SamplingOptions { frequency_hz: hz }),
     };
     let session = match client.start_session(req).await {
         Ok(s) => s.into_inner(),
@@ -339,6 +362,10 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Table => ReportFormat::Table,
         FormatArg::Json => ReportFormat::Json,
         FormatArg::Pstats => ReportFormat::Pstats,
+        FormatArg::Folded => ReportFormat::Folded,
+        FormatArg::Pprof => ReportFormat::Pprof,
+        FormatArg::Speedscope => ReportFormat::Speedscope,
+        FormatArg::Svg => ReportFormat::Svg,
     };
     let mut stream = client
         .get_report(GetReportRequest {
@@ -346,6 +373,9 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
             format: format.into(),
             sort: out.sort.clone(),
             limit: out.limit,
+            pids: out.filter_pids.clone(),
+            tids: out.filter_tids.clone(),
+            comm: out.filter_comm.clone().unwrap_or_default(),
         })
         .await
         .map_err(status_err)?

@@ -7,17 +7,17 @@
 use std::{fs, path::Path};
 
 use aya::{
-    maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
-        TracePoint, UProbe,
+        PerfEvent, TracePoint, UProbe,
     },
     Ebpf, EbpfError, EbpfLoader,
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
     globals, loss, native_cookie, py_role, NativeCallKey, ProcEvent, PyCallKey, PyCallStats,
-    PyEdgeKey, PyLayout, SessionMask,
+    PyEdgeKey, PyLayout, PySampleProc, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -69,6 +69,8 @@ pub struct Bpf {
     py_loaded: bool,
     native_calls: HashMap<MapData, NativeCallKey, u64>,
     native_loaded: bool,
+    /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
+    pub fsbase_error: Option<String>,
     // Owns the programs; attached links live as long as it does.
     ebpf: Ebpf,
 }
@@ -92,7 +94,12 @@ impl Bpf {
         let pid_off = newtask.offset("pid").unwrap_or(8);
         let flags_off = newtask.offset("clone_flags").unwrap_or(32);
         let group_dead_off = exit.offset("group_dead").unwrap_or(u32::MAX);
+        let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
+            Ok(off) => (off, None),
+            Err(e) => (u32::MAX, Some(e.to_string())),
+        };
         let mut ebpf = EbpfLoader::new()
+            .override_global(globals::TASK_FSBASE_OFFSET, &fsbase_off, true)
             .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
             .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
             .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
@@ -130,6 +137,7 @@ impl Bpf {
             py_loaded: false,
             native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
             native_loaded: false,
+            fsbase_error,
             ebpf,
         })
     }
@@ -143,6 +151,37 @@ impl Bpf {
         self.py_sessions
             .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// The maps the sampling program fills, for the sampling worker; taken once.
+    pub fn take_sampling(&mut self) -> Result<crate::session::sampling::SamplingMaps, BpfError> {
+        Ok(crate::session::sampling::SamplingMaps {
+            samples: take(&mut self.ebpf, "SAMPLES")?,
+            kernel_stacks: take::<StackTraceMap<MapData>>(&mut self.ebpf, "SAMPLE_KSTACKS")?,
+            python_procs: take::<HashMap<MapData, u32, PySampleProc>>(
+                &mut self.ebpf,
+                "PY_SAMPLE_PROCS",
+            )?,
+        })
+    }
+
+    /// The sampling program, loaded on first use, for `sampler::Sampler` to attach.
+    pub fn sample_program(&mut self) -> Result<&PerfEvent, BpfError> {
+        const NAME: &str = "tracer_sample";
+        let err = |e| BpfError::Program {
+            name: NAME,
+            source: Box::new(e),
+        };
+        let prog: &mut PerfEvent = self
+            .ebpf
+            .program_mut(NAME)
+            .expect("tracer_sample in object")
+            .try_into()
+            .map_err(err)?;
+        match prog.load() {
+            Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => Ok(prog),
+            Err(e) => Err(err(e)),
+        }
     }
 
     /// The ring buffer of first-seen code objects; taken once by its reader.
@@ -370,6 +409,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::PY_THREADS_FULL => "python_threads_map_full_untimed",
         loss::NATIVE_CALLS_FULL => "native_calls_map_full",
         loss::PY_EDGES_FULL => "python_callers_map_full",
+        loss::SAMPLES_RINGBUF_FULL => "samples_ringbuf_full",
         _ => "unknown",
     }
 }

@@ -24,6 +24,8 @@ pub enum Error {
     #[error(transparent)]
     Bpf(#[from] crate::bpf::BpfError),
     #[error(transparent)]
+    Sampler(#[from] crate::sampler::SamplerError),
+    #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{context}: {source}")]
     Io {
@@ -53,6 +55,9 @@ impl Error {
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::ShuttingDown => Code::Unavailable,
             Error::Bpf(_) | Error::Store(_) | Error::Io { .. } => Code::Internal,
+            // Perf events refused: a limit of the machine (perf_event_paranoid, the
+            // maximum sample rate), not a bug of the daemon.
+            Error::Sampler(_) => Code::FailedPrecondition,
         }
     }
 }

@@ -2,15 +2,22 @@
 
 pub mod access;
 pub mod bpf;
+pub mod btf;
 pub mod capabilities;
 pub mod daemon;
 pub mod error;
 pub mod export;
 pub mod native;
 pub mod perf;
+pub mod plt;
 pub mod process;
+pub mod profile;
 pub mod python;
 pub mod report;
+pub mod sampler;
 pub mod server;
 pub mod session;
+pub mod stacks;
 pub mod store;
+pub mod symbolize;
+pub mod unwind;

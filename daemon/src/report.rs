@@ -20,6 +20,9 @@ pub struct Report {
     /// Native function calls (counting mode with `--uprobe`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub native: Option<NativeReport>,
+    /// Stack samples (sampling mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<crate::profile::Profile>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -242,6 +245,9 @@ impl Report {
         }
         if let Some(native) = &self.native {
             native_table(&mut out, native, limit);
+        }
+        if let Some(profile) = &self.profile {
+            profile.table(&mut out, limit);
         }
         let _ = writeln!(out);
         let _ = writeln!(

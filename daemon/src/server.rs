@@ -143,6 +143,10 @@ impl Tracer for Service {
             crate::report::sort_functions(&mut py.functions, sort);
         }
         let limit = req.get_ref().limit as usize;
+        if let Some(p) = report.profile.as_mut() {
+            let r = req.get_ref();
+            p.retain(&r.pids, &r.tids, &r.comm);
+        }
         let bytes = match format {
             ReportFormat::Unspecified | ReportFormat::Table => {
                 report.to_table_limited(limit).into_bytes()
@@ -156,6 +160,25 @@ impl Tracer for Service {
                     ))
                 }
             },
+            ReportFormat::Folded
+            | ReportFormat::Pprof
+            | ReportFormat::Speedscope
+            | ReportFormat::Svg => {
+                let Some(p) = &report.profile else {
+                    return Err(Status::failed_precondition(
+                        "folded, pprof, speedscope and svg are for sampling sessions; this one has no stack samples",
+                    ));
+                };
+                let title = format!("tracer {} ({})", report.session.id, report.session.target);
+                match format {
+                    ReportFormat::Folded => crate::export::folded::folded(p).into_bytes(),
+                    ReportFormat::Pprof => crate::export::pprof::pprof(p),
+                    ReportFormat::Speedscope => {
+                        crate::export::speedscope::speedscope(p, &title).into_bytes()
+                    }
+                    _ => crate::export::svg::svg(p, &title).into_bytes(),
+                }
+            }
         };
         let chunks: Vec<Result<ReportChunk, Status>> = bytes
             .chunks(CHUNK)

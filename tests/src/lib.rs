@@ -268,3 +268,30 @@ pub fn wait_until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// CPython 3.10-3.13 on this machine: pyenv's builds (shared libpython, full symbols) and the
+/// distribution's python3.11 (interpreter in the executable, dynamic symbols only).
+pub fn interpreters() -> Vec<PathBuf> {
+    let root = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pyenv")));
+    let mut out = Vec::new();
+    if let Some(Ok(dirs)) = root.map(|r| std::fs::read_dir(r.join("versions"))) {
+        for d in dirs.filter_map(Result::ok) {
+            let name = d.file_name().to_string_lossy().into_owned();
+            for minor in 10..=13 {
+                if name.starts_with(&format!("3.{minor}.")) && !name.contains('t') {
+                    let exe = d.path().join(format!("bin/python3.{minor}"));
+                    if exe.exists() {
+                        out.push(exe);
+                    }
+                }
+            }
+        }
+    }
+    if Path::new("/usr/bin/python3.11").exists() {
+        out.push("/usr/bin/python3.11".into());
+    }
+    out.sort();
+    out
+}

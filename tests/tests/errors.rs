@@ -75,8 +75,8 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
         ),
         (&["start", "--mode=counting"], "a target is required"),
         (
-            &["start", "--mode=sampling", "--pid", &pid],
-            "sampling mode is not available",
+            &["start", "--mode=tracing", "--pid", &pid],
+            "tracing mode is not available",
         ),
         (
             &["status", "nosuchsession"],

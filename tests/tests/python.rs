@@ -2,41 +2,10 @@
 //! of a workload must equal cProfile's (and, for threads, the profile hook's), on every
 //! interpreter here; its tottime and cumtime must tell the same story as cProfile's.
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{collections::BTreeMap, path::Path, process::Command};
 
 use serde_json::Value;
-use tracer_tests::{root_or_skip, script, wait_until, ChildGuard, Daemon};
-
-/// CPython 3.10-3.13 on this machine: pyenv's builds (shared libpython, full symbols) and the
-/// distribution's python3.11 (interpreter in the executable, dynamic symbols only).
-fn interpreters() -> Vec<PathBuf> {
-    let root = std::env::var_os("PYENV_ROOT")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pyenv")));
-    let mut out = Vec::new();
-    if let Some(Ok(dirs)) = root.map(|r| std::fs::read_dir(r.join("versions"))) {
-        for d in dirs.filter_map(Result::ok) {
-            let name = d.file_name().to_string_lossy().into_owned();
-            for minor in 10..=13 {
-                if name.starts_with(&format!("3.{minor}.")) && !name.contains('t') {
-                    let exe = d.path().join(format!("bin/python3.{minor}"));
-                    if exe.exists() {
-                        out.push(exe);
-                    }
-                }
-            }
-        }
-    }
-    if Path::new("/usr/bin/python3.11").exists() {
-        out.push("/usr/bin/python3.11".into());
-    }
-    out.sort();
-    out
-}
+use tracer_tests::{interpreters, root_or_skip, script, wait_until, ChildGuard, Daemon};
 
 /// One function's numbers: ncalls, primitive calls, tottime s, cumtime s.
 type Stats = (u64, Option<u64>, Option<f64>, Option<f64>);

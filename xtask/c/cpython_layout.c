@@ -48,6 +48,25 @@ int main(void) {
     printf("code_qualname: %zu,\n", offsetof(PyCodeObject, co_qualname));
 #endif
     printf("code_firstlineno: %zu,\n", offsetof(PyCodeObject, co_firstlineno));
+    /* Sampling: the current instruction, the line table, entry frames, thread ids. */
+#if PY_VERSION_HEX >= 0x030D0000
+    printf("iframe_instr_ptr: %zu,\n", offsetof(_PyInterpreterFrame, instr_ptr));
+#elif PY_VERSION_HEX >= 0x030B0000
+    printf("iframe_prev_instr: %zu,\n", offsetof(_PyInterpreterFrame, prev_instr));
+#else
+    printf("frame_lasti: %zu,\n", offsetof(PyFrameObject, f_lasti));
+#endif
+#if PY_VERSION_HEX >= 0x030C0000
+    printf("iframe_owner: %zu,\n", offsetof(_PyInterpreterFrame, owner));
+#elif PY_VERSION_HEX >= 0x030B0000
+    printf("iframe_is_entry: %zu,\n", offsetof(_PyInterpreterFrame, is_entry));
+#endif
+#if PY_VERSION_HEX >= 0x030B0000
+    printf("code_adaptive: %zu,\n", offsetof(PyCodeObject, co_code_adaptive));
+#endif
+    printf("code_linetable: %zu,\n", offsetof(PyCodeObject, co_linetable));
+    printf("tstate_thread_id: %zu,\n", offsetof(PyThreadState, thread_id));
+    printf("bytes_data: %zu,\n", offsetof(PyBytesObject, ob_sval));
     printf("unicode_length: %zu,\n", offsetof(PyASCIIObject, length));
     printf("unicode_state: %zu,\n", offsetof(PyASCIIObject, state));
     printf("unicode_ascii_data: %zu,\n", sizeof(PyASCIIObject));

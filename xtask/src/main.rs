@@ -132,6 +132,42 @@ fn demo() -> Result<()> {
                 "python3",
             ])
             .arg(root().join("examples/app.py")))?;
+        // Sampling: where the time goes, Python and native frames in one stack.
+        println!("\n$ tracerctl start --mode=sampling --frequency 999 --limit 15 -- python3 examples/app.py");
+        let out = Command::new(bin.join("tracerctl"))
+            .arg("--socket")
+            .arg(&socket)
+            .args([
+                "start",
+                "--mode=sampling",
+                "--frequency",
+                "999",
+                "--limit",
+                "15",
+                "--",
+                "python3",
+            ])
+            .arg(root().join("examples/app.py"))
+            .output()
+            .context("running tracerctl")?;
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        if !out.status.success() {
+            bail!("sampling failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let id = text
+            .lines()
+            .find_map(|l| l.strip_prefix("session "))
+            .and_then(|l| l.split_whitespace().next())
+            .context("no session id in tracerctl's report")?
+            .to_owned();
+        let svg = root().join("target").join("demo-flame.svg");
+        run(Command::new(bin.join("tracerctl"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["report", &id, "--format", "svg", "-o"])
+            .arg(&svg))?;
+        println!("flame graph: {}", svg.display());
         // The same command under perf stat, for comparison, where perf is installed.
         if Command::new("perf")
             .arg("--version")
@@ -178,6 +214,7 @@ fn test() -> Result<()> {
         "warnings",
     ]))?;
     let venv = toolchain::python_test_env()?;
+    toolchain::ensure_go()?;
     run(cargo().args([
         "build",
         "--release",

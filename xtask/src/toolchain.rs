@@ -43,7 +43,29 @@ pub fn setup() -> Result<()> {
     Ok(())
 }
 
-/// A virtualenv under target/ with the third-party Python clients the tests use as ground truth.
+/// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), from Debian's packages.
+pub fn ensure_go() -> Result<()> {
+    if Command::new("go")
+        .arg("version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Ok(());
+    }
+    let install = || {
+        run(Command::new("apt-get")
+            .args(["install", "-y", "-q", "golang-go"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))
+    };
+    // A fresh machine may have no package lists yet.
+    install().or_else(|_| {
+        run(Command::new("apt-get").args(["update", "-q"]))?;
+        install()
+    })
+}
+
+/// A virtualenv under target/ with the third-party Python tools the tests use as ground truth
+/// (gRPC clients, snakeviz, py-spy).
 pub fn python_test_env() -> Result<std::path::PathBuf> {
     let venv = crate::root().join("target").join("test-venv");
     let python = venv.join("bin/python3");
@@ -53,14 +75,16 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
         "grpcio-health-checking",
         "protobuf",
         "snakeviz",
+        "py-spy",
     ];
     if !python.exists() {
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
-    let ok = Command::new(&python)
-        .args(["-c", "import grpc, grpc_reflection, grpc_health, snakeviz"])
-        .status()
-        .is_ok_and(|s| s.success());
+    let ok = venv.join("bin/py-spy").exists()
+        && Command::new(&python)
+            .args(["-c", "import grpc, grpc_reflection, grpc_health, snakeviz"])
+            .status()
+            .is_ok_and(|s| s.success());
     if !ok {
         run(Command::new(&python)
             .args(["-m", "pip", "install", "--quiet"])

@@ -1,3 +1,7 @@
 //! Report formats other than the built-in table and JSON.
 
+pub mod folded;
+pub mod pprof;
 pub mod pstats;
+pub mod speedscope;
+pub mod svg;

@@ -2,6 +2,7 @@
 
 pub mod discover;
 pub mod layout;
+pub mod linetable;
 pub mod memory;
 pub mod probe_point;
 pub mod runtime;

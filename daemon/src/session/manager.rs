@@ -132,6 +132,7 @@ pub struct Manager {
     store: Store,
     bpf: Bpf,
     py: Probes,
+    sampling: super::sampling::Sampling,
     used_slots: u64,
     tx: mpsc::Sender<Command>,
 }
@@ -164,6 +165,7 @@ impl Manager {
         // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd.
         let codes = unsafe { AsyncFd::register(ring) }
             .map_err(|e| Error::io("reading BPF Python names", e.into()))?;
+        let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?);
         let manager = Manager {
             running: HashMap::new(),
             finished,
@@ -171,6 +173,7 @@ impl Manager {
             store,
             bpf,
             py: Probes::new(interpreters),
+            sampling,
             used_slots: 0,
             tx: tx.clone(),
         };
@@ -281,14 +284,16 @@ impl Manager {
                     "a mode is required: counting, sampling or tracing".into(),
                 ))
             }
-            Mode::Counting => {}
-            Mode::Sampling | Mode::Tracing => {
+            Mode::Counting | Mode::Sampling => {}
+            Mode::Tracing => {
                 return Err(Error::Unimplemented(format!(
-                    "{} mode is not available in this tracerd yet; counting mode is",
+                    "{} mode is not available in this tracerd yet; counting and sampling are",
                     super::mode_name(req.mode)
                 )))
             }
         }
+        let sampling = mode == Mode::Sampling;
+        let frequency = sampling_frequency(sampling, &req)?;
         let duration_ms = match req.duration_ms {
             None => 0,
             Some(0) => {
@@ -309,11 +314,12 @@ impl Manager {
         let options = req.counting.unwrap_or_default();
         let python = options.python;
         // With --python or --uprobe, perf counters are only what was asked for.
-        let specs = if (python || !options.uprobes.is_empty()) && options.events.is_empty() {
-            Vec::new()
-        } else {
-            counting::resolve(&options.events)?
-        };
+        let specs =
+            if sampling || (python || !options.uprobes.is_empty()) && options.events.is_empty() {
+                Vec::new()
+            } else {
+                counting::resolve(&options.events)?
+            };
         if self.running.len() >= MAX_RUNNING {
             return Err(Error::ResourceExhausted(format!(
                 "{MAX_RUNNING} sessions are running already"
@@ -363,7 +369,7 @@ impl Manager {
             );
         }
 
-        let slot = if pid.is_some() || python || !natives.is_empty() {
+        let slot = if sampling || pid.is_some() || python || !natives.is_empty() {
             Some(self.take_slot(python)?)
         } else {
             None
@@ -375,12 +381,23 @@ impl Manager {
             }
         }
         let loss_base = self.bpf.losses();
-        let counting = match counting::Counting::open(&specs, &scope, pid) {
-            Ok(c) => c,
-            Err(e) => {
+        let counting = match (sampling, counting::Counting::open(&specs, &scope, pid)) {
+            (true, _) => None,
+            (false, Ok(c)) => Some(c),
+            (false, Err(e)) => {
                 self.release(slot);
                 return Err(e);
             }
+        };
+        let sampler = match (frequency, slot) {
+            (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    self.release(Some(slot));
+                    return Err(e);
+                }
+            },
+            _ => None,
         };
         // Followed first, checked after: an exit from here on arrives as an event.
         if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
@@ -434,9 +451,10 @@ impl Manager {
             followed: u32::from(pid.is_some()),
             exited: 0,
             proc_events: 0,
-            counting: Some(counting),
+            counting,
             python,
             native,
+            sampler,
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
             ended,
@@ -447,6 +465,20 @@ impl Manager {
         self.running.insert(id, session);
         self.update_python_masks();
         Ok(info)
+    }
+
+    /// Starts a sampling session's perf events and its histogram.
+    fn start_sampler(
+        &mut self,
+        slot: u8,
+        pid: Option<u32>,
+        hz: u64,
+    ) -> Result<crate::sampler::Sampler, Error> {
+        let program = self.bpf.sample_program()?;
+        let sampler = crate::sampler::Sampler::start(program, slot, pid.is_none(), hz)?;
+        let pids = pid.map_or_else(all_pids, |p| vec![p]);
+        self.sampling.add(slot, hz, sampler.event, &pids);
+        Ok(sampler)
     }
 
     /// Probes what a Python-counting session needs before it starts counting.
@@ -676,6 +708,14 @@ impl Manager {
         let mut info = s.info(&losses);
         // Close the counters before anything else can fail.
         s.counting = None;
+        // Stop sampling, then name what was sampled.
+        let profile = match (s.sampler.take(), s.slot) {
+            (Some(sampler), Some(slot)) => {
+                drop(sampler);
+                self.sampling.finish(slot)
+            }
+            _ => None,
+        };
         let native = match (s.native.take(), s.slot) {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
@@ -691,6 +731,7 @@ impl Manager {
         info.error = error.unwrap_or_default();
         let mut report = build_report(&info, s.followed, s.command.take());
         report.native = native;
+        report.profile = profile;
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.
             self.update_python_masks();
@@ -729,6 +770,7 @@ impl Manager {
     fn on_proc_event(&mut self, ev: ProcEvent) {
         let mut ended = Vec::new();
         let mut execs = Vec::new();
+        let mut exited_sampled = false;
         for s in self.running.values_mut().filter(|s| s.follows_pid()) {
             let Some(slot) = s.slot else { continue };
             if ev.sessions & (1 << slot) == 0 {
@@ -755,6 +797,9 @@ impl Manager {
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => s.followed += 1,
                 PROC_EVENT_EXIT => {
+                    if s.sampler.is_some() {
+                        exited_sampled = true;
+                    }
                     if s.live.remove(&ev.pid) {
                         s.exited += 1;
                     }
@@ -768,6 +813,9 @@ impl Manager {
         }
         for id in execs {
             self.check_session_process(&id, ev.pid);
+        }
+        if exited_sampled {
+            self.sampling.exited(ev.pid);
         }
         for id in ended {
             self.finish(&id, EndReason::TargetExited, None);
@@ -832,6 +880,39 @@ impl Manager {
         }
     }
 }
+
+/// The sampling frequency of a sampling session (None for other modes), checking that each
+/// mode gets only its own options.
+fn sampling_frequency(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
+    let asked = req.sampling.as_ref().map_or(0, |s| s.frequency_hz);
+    if !sampling {
+        if asked != 0 {
+            return Err(Error::InvalidArgument(
+                "a sampling frequency is for sampling sessions (--mode=sampling)".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    if let Some(c) = &req.counting {
+        if c.python || !c.uprobes.is_empty() || !c.events.is_empty() {
+            return Err(Error::InvalidArgument(
+                "--python, --uprobe and --events are counting-mode options; sampling mode records stacks of every thread, Python frames included".into(),
+            ));
+        }
+    }
+    match asked {
+        0 => Ok(Some(DEFAULT_FREQUENCY)),
+        hz if hz > crate::sampler::MAX_FREQUENCY => Err(Error::InvalidArgument(format!(
+            "frequency {hz} Hz is above the {} Hz tracer allows",
+            crate::sampler::MAX_FREQUENCY
+        ))),
+        hz => Ok(Some(hz)),
+    }
+}
+
+/// Samples per second on each CPU unless asked otherwise: perf's and py-spy's habit of an odd
+/// rate, so that sampling does not beat in step with periodic work.
+const DEFAULT_FREQUENCY: u64 = 99;
 
 /// Identity of the executable a process runs now (changes on exec).
 fn exe_id(pid: u32) -> (u64, u64) {

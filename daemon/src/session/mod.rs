@@ -7,6 +7,7 @@ pub mod counting;
 pub mod manager;
 pub mod native;
 pub mod python;
+pub mod sampling;
 
 use std::{collections::BTreeSet, time::Instant};
 
@@ -37,6 +38,8 @@ struct Session {
     python: Option<python::PySession>,
     /// Counting native function calls.
     native: Option<native::NativeSession>,
+    /// Sampling mode: the perf events driving the sampling program.
+    sampler: Option<crate::sampler::Sampler>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
@@ -157,5 +160,6 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
         },
         python: None,
         native: None,
+        profile: None,
     }
 }

@@ -62,8 +62,10 @@ pub mod loss {
     pub const NATIVE_CALLS_FULL: u32 = 9;
     /// `PY_EDGES` was full: a call's caller was not recorded (pstats callers only).
     pub const PY_EDGES_FULL: u32 = 10;
+    /// The `SAMPLES` ring buffer was full: a stack sample was dropped.
+    pub const SAMPLES_RINGBUF_FULL: u32 = 11;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 11;
+    pub const COUNT: u32 = 12;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -75,6 +77,9 @@ pub mod globals {
     pub const NEWTASK_PID_OFFSET: &str = "NEWTASK_PID_OFFSET";
     pub const NEWTASK_CLONE_FLAGS_OFFSET: &str = "NEWTASK_CLONE_FLAGS_OFFSET";
     pub const EXIT_GROUP_DEAD_OFFSET: &str = "EXIT_GROUP_DEAD_OFFSET";
+    /// `task_struct.thread.fsbase`, from the kernel's BTF: `pthread_self()` of the sampled
+    /// thread, which CPython 3.10 stores as its thread id.
+    pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
 }
 
 /// How a probe finds the running code object; `PyLayout::kind`.
@@ -113,6 +118,17 @@ pub struct PyLayout {
     pub unicode_state: u32,
     /// `sizeof(PyASCIIObject)`: where a compact ASCII string's characters start.
     pub unicode_ascii_data: u32,
+    /// Sampling: the frame's current instruction (`f_lasti`, an int, on 3.10;
+    /// `prev_instr` on 3.11-3.12; `instr_ptr` on 3.13).
+    pub frame_instr: u32,
+    /// Sampling: `_PyInterpreterFrame.is_entry` (3.11 only; 0: no such field).
+    pub frame_is_entry: u32,
+    /// Sampling: the thread id a thread state is matched on: `native_thread_id` (3.11+,
+    /// the kernel's tid) or `thread_id` (3.10: `pthread_self()`, matched on fsbase).
+    pub tstate_thread_id: u32,
+    pub runtime_interpreters_head: u32,
+    pub interp_threads_head: u32,
+    pub tstate_next: u32,
 }
 
 /// Key of `PY_CALLS`: one session's count of calls of one code object in one process.
@@ -243,6 +259,100 @@ pub struct PyCodeEvent {
     pub filename: [u8; PY_FILENAME_LEN],
 }
 
+/// Python frames read per sample; deeper frames are cut (the sample says so).
+pub const SAMPLE_PY_DEPTH: usize = 128;
+/// Bytes of the sampled thread's user stack copied for unwinding in user space, from the
+/// start of the page holding its stack pointer (no frame pointers in distribution builds).
+pub const SAMPLE_STACK_BYTES: usize = 16_384;
+
+/// `PySampleFrame::code` bits above any user address: this frame was the first of its
+/// run of the eval loop (3.10: every frame; 3.11: `is_entry`).
+pub const PY_FRAME_ENTRY: u64 = 1 << 63;
+/// `PySampleFrame::code` bit: a 3.12+ frame owned by the C stack, a shim marking the start
+/// of an eval-loop run (it is not a Python function).
+pub const PY_FRAME_SHIM: u64 = 1 << 62;
+
+/// One Python frame of a sample: its code object and its current instruction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PySampleFrame {
+    /// Code object address, with `PY_FRAME_ENTRY`/`PY_FRAME_SHIM` flags.
+    pub code: u64,
+    /// 3.10: `f_lasti` (instruction index, sign-extended); 3.11+: address of the instruction.
+    pub instr: u64,
+}
+
+/// `SampleEvent::flags`.
+pub mod sample_flag {
+    /// The process is a known Python process and its thread state was found.
+    pub const PYTHON: u32 = 1;
+    /// The Python chain was longer than `SAMPLE_PY_DEPTH`.
+    pub const PY_TRUNCATED: u32 = 2;
+    /// A Python process, but this thread has no thread state (a native thread).
+    pub const PY_NO_THREAD: u32 = 4;
+    /// Reading the interpreter's memory failed mid-chain.
+    pub const PY_READ_FAILED: u32 = 8;
+    /// The daemon has not yet told the probe whether this process runs Python.
+    pub const PY_UNKNOWN_PROCESS: u32 = 16;
+    /// The sample interrupted kernel code.
+    pub const KERNEL_MODE: u32 = 32;
+}
+
+/// One stack sample, sent on the `SAMPLES` ring buffer. Kernel stacks are aggregated in a
+/// stack map (`kernel_stack` is its id); user stacks travel as a stack copy, unwound by the
+/// daemon with the binaries' unwind tables.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SampleEvent {
+    /// The session the sample is for.
+    pub slot: u32,
+    pub cpu: u32,
+    pub pid: u32,
+    pub tid: u32,
+    pub ktime_ns: u64,
+    /// Id in `SAMPLE_KSTACKS`, or negative: no kernel stack (user mode) or an error.
+    pub kernel_stack: i64,
+    /// User registers at the sample.
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Address of `stack[0]` (the page of `sp`) and how many bytes were copied.
+    pub stack_base: u64,
+    pub stack_len: u32,
+    pub flags: u32,
+    pub py_depth: u32,
+    pub _pad: u32,
+    pub comm: [u8; 16],
+    /// Innermost first.
+    pub py: [PySampleFrame; SAMPLE_PY_DEPTH],
+    pub stack: [u8; SAMPLE_STACK_BYTES],
+}
+
+/// Value of `PY_SAMPLE_PROCS`: how to read a process's Python stacks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PySampleProc {
+    /// Address of `_PyRuntime` in the process.
+    pub runtime: u64,
+    /// Index into `PY_LAYOUTS`, or `PY_SAMPLE_NOT_PYTHON`.
+    pub layout: u32,
+    pub _pad: u32,
+}
+
+/// `PySampleProc::layout`: the daemon looked, and the process does not run a known CPython.
+pub const PY_SAMPLE_NOT_PYTHON: u32 = u32::MAX;
+
+/// The attach cookie of a sampling perf event: the session slot, and whether it samples
+/// every process.
+pub mod sample_cookie {
+    pub const ALL: u64 = 1 << 8;
+    pub const SLOT_MASK: u64 = 0xff;
+
+    pub const fn make(slot: u8, all: bool) -> u64 {
+        slot as u64 | if all { ALL } else { 0 }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY (all): repr(C), Copy, every field an integer or byte array, no implicit padding.
@@ -253,6 +363,7 @@ mod pod {
     unsafe impl aya::Pod for super::PyCallStats {}
     unsafe impl aya::Pod for super::NativeCallKey {}
     unsafe impl aya::Pod for super::PyEdgeKey {}
+    unsafe impl aya::Pod for super::PySampleProc {}
 }
 
 /// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
@@ -286,7 +397,11 @@ pub mod native_cookie {
 mod tests {
     #[test]
     fn python_types_have_no_hidden_padding() {
-        assert_eq!(core::mem::size_of::<super::PyLayout>(), 12 * 4);
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 18 * 4);
+        assert_eq!(
+            core::mem::size_of::<super::SampleEvent>(),
+            4 * 4 + 8 * 6 + 4 * 4 + 16 + 16 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES
+        );
         assert_eq!(
             core::mem::size_of::<super::PyStack>(),
             8 + 64 * super::PY_STACK_DEPTH

@@ -8,6 +8,7 @@
 mod proc;
 mod native;
 mod python;
+mod sample;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -36,7 +36,7 @@ static EXIT_GROUP_DEAD_OFFSET: u32 = u32::MAX;
 
 const CLONE_THREAD: u64 = 0x0001_0000;
 
-fn global(v: &u32) -> u32 {
+pub(crate) fn global(v: &u32) -> u32 {
     // SAFETY: reading a plain static; volatile so the loader's patched value is used, not the default.
     unsafe { core::ptr::read_volatile(v) }
 }
@@ -119,6 +119,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
     if !group_dead {
         return Ok(());
     }
+    crate::sample::forget_process(tgid);
     // SAFETY: see try_task_newtask.
     let Some(&sessions) = (unsafe { TRACKED.get(&tgid) }) else {
         return Ok(());
@@ -142,6 +143,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
 #[tracepoint]
 pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    crate::sample::forget_process(tgid);
     // SAFETY: see try_task_newtask.
     if let Some(&sessions) = unsafe { TRACKED.get(&tgid) } {
         emit(ProcEvent {

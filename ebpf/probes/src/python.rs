@@ -185,6 +185,22 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
     enter(mask, pid, pid_tgid as u32, frame, layout, None)
 }
 
+/// Layout `index` of `PY_LAYOUTS` (for the sampler).
+pub(crate) fn layout(index: u32) -> Option<&'static PyLayout> {
+    PY_LAYOUTS.get(index)
+}
+
+/// The thread's current frame, without counting a failed read as a loss (the sampler
+/// reports its own failures). 3.10: `tstate->frame`.
+pub(crate) fn current_frame_quiet(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
+    let read = |a: u64| unsafe { bpf_probe_read_user(a as *const u64) }.map_err(|_| ());
+    if layout.kind == py_kind::CFRAME {
+        read(read(tstate + u64::from(layout.tstate_cframe))? + u64::from(layout.cframe_current_frame))
+    } else {
+        read(tstate + u64::from(layout.tstate_current_frame))
+    }
+}
+
 /// The thread's current interpreter frame (3.11+).
 fn current_frame(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
     if layout.kind == py_kind::CFRAME {

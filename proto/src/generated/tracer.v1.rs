@@ -57,6 +57,16 @@ pub struct StartSessionRequest {
     pub duration_ms: ::core::option::Option<u64>,
     #[prost(message, optional, tag = "4")]
     pub counting: ::core::option::Option<CountingOptions>,
+    /// Sampling mode only.
+    #[prost(message, optional, tag = "5")]
+    pub sampling: ::core::option::Option<SamplingOptions>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SamplingOptions {
+    /// Samples per second on each CPU, 1 to 10000. 0: the default, 99 Hz.
+    #[prost(uint64, tag = "1")]
+    pub frequency_hz: u64,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -182,6 +192,14 @@ pub struct GetReportRequest {
     /// Table only: show at most this many Python functions (after sorting); 0: all.
     #[prost(uint32, tag = "4")]
     pub limit: u32,
+    /// Sampling sessions: keep only the stacks of these processes, threads, or processes
+    /// whose name (comm) is this; empty: no filter. Filters combine with AND.
+    #[prost(uint32, repeated, tag = "5")]
+    pub pids: ::prost::alloc::vec::Vec<u32>,
+    #[prost(uint32, repeated, tag = "6")]
+    pub tids: ::prost::alloc::vec::Vec<u32>,
+    #[prost(string, tag = "7")]
+    pub comm: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -381,6 +399,15 @@ pub enum ReportFormat {
     /// Python's pstats file (marshal), for pstats.Stats, snakeviz and friends: the Python
     /// functions of a counting session with --python. FAILED_PRECONDITION without them.
     Pstats = 3,
+    /// The formats below are for sampling sessions (FAILED_PRECONDITION otherwise).
+    /// Folded stacks, one line per stack (flamegraph.pl, inferno, speedscope read them).
+    Folded = 4,
+    /// pprof's protobuf, gzipped (go tool pprof, Pyroscope, Parca).
+    Pprof = 5,
+    /// speedscope's JSON file format.
+    Speedscope = 6,
+    /// A self-contained SVG flame graph.
+    Svg = 7,
 }
 impl ReportFormat {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -393,6 +420,10 @@ impl ReportFormat {
             Self::Table => "REPORT_FORMAT_TABLE",
             Self::Json => "REPORT_FORMAT_JSON",
             Self::Pstats => "REPORT_FORMAT_PSTATS",
+            Self::Folded => "REPORT_FORMAT_FOLDED",
+            Self::Pprof => "REPORT_FORMAT_PPROF",
+            Self::Speedscope => "REPORT_FORMAT_SPEEDSCOPE",
+            Self::Svg => "REPORT_FORMAT_SVG",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -402,6 +433,10 @@ impl ReportFormat {
             "REPORT_FORMAT_TABLE" => Some(Self::Table),
             "REPORT_FORMAT_JSON" => Some(Self::Json),
             "REPORT_FORMAT_PSTATS" => Some(Self::Pstats),
+            "REPORT_FORMAT_FOLDED" => Some(Self::Folded),
+            "REPORT_FORMAT_PPROF" => Some(Self::Pprof),
+            "REPORT_FORMAT_SPEEDSCOPE" => Some(Self::Speedscope),
+            "REPORT_FORMAT_SVG" => Some(Self::Svg),
             _ => None,
         }
     }

@@ -4,19 +4,15 @@
 
 use std::{
     fs,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
     time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
 
+use super::{clock_ticks, median, python_executable, seconds, Daemon};
 use crate::bin_dir;
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum Which {
-    Counting,
-}
 
 const RUNS: usize = 3;
 
@@ -53,173 +49,113 @@ else:
 print(f"SECONDS {t:.6f}")
 "#;
 
-fn seconds(out: &[u8]) -> Result<f64> {
-    let text = String::from_utf8_lossy(out);
-    text.lines()
-        .find_map(|l| l.strip_prefix("SECONDS "))
-        .context("workload printed no time")?
-        .trim()
-        .parse()
-        .context("bad time")
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // utime, stime: fields 14 and 15 of stat, 12 and 13 after the command name.
-    f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
-        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
-}
-
-pub fn run(which: Which) -> Result<()> {
-    match which {
-        Which::Counting => counting(),
-    }
-}
-
-fn counting() -> Result<()> {
+pub(super) fn run() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("bench.py");
     fs::write(&script, SCRIPT)?;
     let python = python_executable()?;
-    let socket = dir.path().join("tracerd.sock");
-    let mut daemon = Command::new(bin_dir().join("tracerd"))
-        .arg("--socket")
-        .arg(&socket)
-        .arg("--state-dir")
-        .arg(dir.path().join("state"))
-        .env("RUST_LOG", "warn")
-        .spawn()
-        .context("starting tracerd (benchmarks run as root)")?;
-    let result = (|| -> Result<()> {
-        crate::wait_for_socket(&socket, &mut daemon)?;
-        let bare = BareProbes::create(&python)?;
-        println!(
-            "python: {}  ({} runs each, median; the workload's own time, start-up excluded)",
-            python.display(),
-            RUNS
+    let daemon = Daemon::start(dir.path())?;
+    let socket = &daemon.socket;
+    let bare = BareProbes::create(&python)?;
+    println!(
+        "python: {}  ({} runs each, median; the workload's own time, start-up excluded)",
+        python.display(),
+        RUNS
+    );
+    println!("columns: seconds and slowdown (×) untraced, under cProfile, under bare uprobes, under tracer --python;");
+    println!("         ns per probe hit (bare vs tracer), ns per Python call (tracer vs cProfile), tracerd CPU per run");
+    println!(
+        "bare uprobe: perf counting a tracefs uprobe at each of tracer's probe points ({})",
+        bare.points.join(", ")
+    );
+    println!();
+    println!(
+        "{:<6} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>8} {:>7} {:>9} {:>10} {:>9}",
+        "work",
+        "base s",
+        "cProf s",
+        "×",
+        "bare s",
+        "×",
+        "tracer s",
+        "×",
+        "bare/hit",
+        "ours/hit",
+        "vs bare",
+        "ours/call",
+        "cProf/call",
+        "daemon ms"
+    );
+    for (name, what) in WORKLOADS {
+        let plain = |mode: &str| -> Result<f64> {
+            let out = Command::new(&python)
+                .arg(&script)
+                .args([*name, mode])
+                .output()?;
+            seconds(&out.stdout)
+        };
+        let base = median((0..RUNS).map(|_| plain("plain")).collect::<Result<_>>()?);
+        let cprof = median(
+            (0..RUNS)
+                .map(|_| plain("cprofile"))
+                .collect::<Result<_>>()?,
         );
-        println!("columns: seconds and slowdown (×) untraced, under cProfile, under bare uprobes, under tracer --python;");
-        println!("         ns per probe hit (bare vs tracer), ns per Python call (tracer vs cProfile), tracerd CPU per run");
-        println!(
-            "bare uprobe: perf counting a tracefs uprobe at each of tracer's probe points ({})",
-            bare.points.join(", ")
+        let mut hits = 0;
+        let bare_t = median(
+            (0..RUNS)
+                .map(|_| {
+                    let (t, h) = bare.run(&python, &script, name)?;
+                    hits = h;
+                    Ok(t)
+                })
+                .collect::<Result<_>>()?,
         );
-        println!();
-        println!(
-            "{:<6} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>8} {:>8} {:>7} {:>9} {:>10} {:>9}",
-            "work",
-            "base s",
-            "cProf s",
-            "×",
-            "bare s",
-            "×",
-            "tracer s",
-            "×",
-            "bare/hit",
-            "ours/hit",
-            "vs bare",
-            "ours/call",
-            "cProf/call",
-            "daemon ms"
+        let mut calls = 0;
+        let mut daemon_ticks = Vec::new();
+        let traced = median(
+            (0..RUNS)
+                .map(|_| {
+                    let before = daemon.cpu_ticks();
+                    let (t, c) = traced(socket, &python, &script, name, dir.path())?;
+                    daemon_ticks.push((daemon.cpu_ticks() - before) as f64);
+                    calls = c;
+                    Ok(t)
+                })
+                .collect::<Result<_>>()?,
         );
-        for (name, what) in WORKLOADS {
-            let plain = |mode: &str| -> Result<f64> {
-                let out = Command::new(&python)
-                    .arg(&script)
-                    .args([*name, mode])
-                    .output()?;
-                seconds(&out.stdout)
-            };
-            let base = median((0..RUNS).map(|_| plain("plain")).collect::<Result<_>>()?);
-            let cprof = median(
-                (0..RUNS)
-                    .map(|_| plain("cprofile"))
-                    .collect::<Result<_>>()?,
-            );
-            let mut hits = 0;
-            let bare_t = median(
-                (0..RUNS)
-                    .map(|_| {
-                        let (t, h) = bare.run(&python, &script, name)?;
-                        hits = h;
-                        Ok(t)
-                    })
-                    .collect::<Result<_>>()?,
-            );
-            let mut calls = 0;
-            let mut daemon_ticks = Vec::new();
-            let traced = median(
-                (0..RUNS)
-                    .map(|_| {
-                        let before = cpu_ticks(daemon.id());
-                        let (t, c) = traced(&socket, &python, &script, name, dir.path())?;
-                        daemon_ticks.push((cpu_ticks(daemon.id()) - before) as f64);
-                        calls = c;
-                        Ok(t)
-                    })
-                    .collect::<Result<_>>()?,
-            );
-            let tick_ms = 1000.0 / clock_ticks();
-            // Both hit the same probe points the same number of times (an entry and an exit
-            // per call): per hit, they compare directly.
-            let per_bare = (bare_t - base) / hits.max(1) as f64 * 1e9;
-            let per_hit = (traced - base) / hits.max(1) as f64 * 1e9;
-            let per_call = (traced - base) / calls.max(1) as f64 * 1e9;
-            let cprof_call = (cprof - base) / calls.max(1) as f64 * 1e9;
-            println!(
-                "{:<6} {:>8.3} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.0} {:>8.0} {:>7.2} {:>9.0} {:>10.0} {:>9.0}",
-                name,
-                base,
-                cprof,
-                cprof / base,
-                bare_t,
-                bare_t / base,
-                traced,
-                traced / base,
-                per_bare,
-                per_hit,
-                per_hit / per_bare,
-                per_call,
-                cprof_call,
-                median(daemon_ticks) * tick_ms
-            );
-            println!("       {what}; tracer counted {calls} calls, the bare probes {hits} hits");
-        }
-        Ok(())
-    })();
-    let _ = Command::new("kill").arg(daemon.id().to_string()).status();
-    let _ = daemon.wait();
-    result
-}
-
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
+        let tick_ms = 1000.0 / clock_ticks();
+        // Both hit the same probe points the same number of times (an entry and an exit
+        // per call): per hit, they compare directly.
+        let per_bare = (bare_t - base) / hits.max(1) as f64 * 1e9;
+        let per_hit = (traced - base) / hits.max(1) as f64 * 1e9;
+        let per_call = (traced - base) / calls.max(1) as f64 * 1e9;
+        let cprof_call = (cprof - base) / calls.max(1) as f64 * 1e9;
+        println!(
+            "{:<6} {:>8.3} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.0} {:>8.0} {:>7.2} {:>9.0} {:>10.0} {:>9.0}",
+            name,
+            base,
+            cprof,
+            cprof / base,
+            bare_t,
+            bare_t / base,
+            traced,
+            traced / base,
+            per_bare,
+            per_hit,
+            per_hit / per_bare,
+            per_call,
+            cprof_call,
+            median(daemon_ticks) * tick_ms
+        );
+        println!("       {what}; tracer counted {calls} calls, the bare probes {hits} hits");
     }
+    Ok(())
 }
 
 /// Appends one line to a tracefs control file.
 fn append(path: &Path, line: &str) -> std::io::Result<()> {
     use std::io::Write;
     writeln!(fs::OpenOptions::new().append(true).open(path)?, "{line}")
-}
-
-fn python_executable() -> Result<PathBuf> {
-    let out = Command::new("python3")
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()?;
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
 
 /// One traced run: (workload seconds, Python calls tracer counted in total).

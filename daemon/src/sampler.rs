@@ -1,0 +1,194 @@
+//! The perf events that drive sampling: one per online CPU for each sampling session, at the
+//! session's frequency, each running `tracer_sample` with the session's slot in the attach
+//! cookie (aya's perf-event attach takes no cookie, so the link is created here).
+
+use std::{
+    fs, io,
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+};
+
+use perf_event_open_sys as sys;
+use tracer_common::sample_cookie;
+
+/// Highest frequency a session may ask for; the kernel's own limit
+/// (kernel.perf_event_max_sample_rate) may be lower.
+pub const MAX_FREQUENCY: u64 = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SamplerError {
+    #[error("opening the {event} sampling event on CPU {cpu}: {source}")]
+    Open {
+        event: &'static str,
+        cpu: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("attaching the sampling program on CPU {cpu}: {source}")]
+    Attach {
+        cpu: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading the online CPUs: {0}")]
+    Cpus(#[source] io::Error),
+}
+
+/// A session's sampling events; dropping it stops sampling.
+pub struct Sampler {
+    /// What is sampled: `cycles` where the machine has a PMU, else `cpu-clock`.
+    pub event: &'static str,
+    // Links before events: closing a link detaches the program.
+    _links: Vec<OwnedFd>,
+    _events: Vec<OwnedFd>,
+}
+
+impl Sampler {
+    pub fn start(
+        program: &aya::programs::PerfEvent,
+        slot: u8,
+        all: bool,
+        frequency: u64,
+    ) -> Result<Self, SamplerError> {
+        let prog_fd = program
+            .fd()
+            .map_err(|e| SamplerError::Attach {
+                cpu: 0,
+                source: io::Error::other(e),
+            })?
+            .as_fd()
+            .as_raw_fd();
+        let cpus = online_cpus().map_err(SamplerError::Cpus)?;
+        // cycles where a PMU exists; cpu-clock (a timer) everywhere.
+        let event = match open(sys::bindings::PERF_TYPE_HARDWARE, 0, cpus[0], frequency) {
+            Ok(fd) => {
+                drop(fd);
+                "cycles"
+            }
+            Err(_) => "cpu-clock",
+        };
+        let (type_, config) = if event == "cycles" {
+            (sys::bindings::PERF_TYPE_HARDWARE, 0)
+        } else {
+            (
+                sys::bindings::PERF_TYPE_SOFTWARE,
+                u64::from(sys::bindings::PERF_COUNT_SW_CPU_CLOCK),
+            )
+        };
+        let cookie = sample_cookie::make(slot, all);
+        let (mut links, mut events) = (Vec::new(), Vec::new());
+        for cpu in cpus {
+            let fd = open(type_, config, cpu, frequency).map_err(|source| SamplerError::Open {
+                event,
+                cpu,
+                source,
+            })?;
+            let link = link(prog_fd, fd.as_raw_fd(), cookie)
+                .map_err(|source| SamplerError::Attach { cpu, source })?;
+            // SAFETY: ioctl on a perf event fd we own.
+            if unsafe { sys::ioctls::ENABLE(fd.as_raw_fd(), 0) } != 0 {
+                return Err(SamplerError::Attach {
+                    cpu,
+                    source: io::Error::last_os_error(),
+                });
+            }
+            links.push(link);
+            events.push(fd);
+        }
+        Ok(Self {
+            event,
+            _links: links,
+            _events: events,
+        })
+    }
+}
+
+/// A disabled, frequency-driven sampling event for every task on one CPU.
+fn open(type_: u32, config: u64, cpu: u32, frequency: u64) -> io::Result<OwnedFd> {
+    let mut attr = sys::bindings::perf_event_attr::default();
+    attr.type_ = type_;
+    attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
+    attr.config = config;
+    attr.__bindgen_anon_1.sample_freq = frequency;
+    attr.set_freq(1);
+    attr.set_disabled(1);
+    // SAFETY: a valid attr; pid -1 with a cpu: every task on that CPU.
+    let fd = unsafe {
+        sys::perf_event_open(
+            &mut attr,
+            -1,
+            cpu as i32,
+            -1,
+            sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `BPF_LINK_CREATE` for a perf event, with a BPF cookie.
+fn link(prog_fd: i32, perf_fd: i32, cookie: u64) -> io::Result<OwnedFd> {
+    /// The head of `union bpf_attr` as `BPF_LINK_CREATE` reads it for perf events.
+    #[repr(C)]
+    #[derive(Default)]
+    struct LinkCreate {
+        prog_fd: u32,
+        target_fd: u32,
+        attach_type: u32,
+        flags: u32,
+        bpf_cookie: u64,
+        _rest: [u64; 12],
+    }
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    const BPF_PERF_EVENT: u32 = 41;
+    let attr = LinkCreate {
+        prog_fd: prog_fd as u32,
+        target_fd: perf_fd as u32,
+        attach_type: BPF_PERF_EVENT,
+        bpf_cookie: cookie,
+        ..Default::default()
+    };
+    // SAFETY: the bpf syscall reads `size` bytes of a zero-padded attr.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &attr as *const LinkCreate,
+            std::mem::size_of::<LinkCreate>() as u32,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `/sys/devices/system/cpu/online`: ranges like `0-3,6`.
+fn online_cpus() -> io::Result<Vec<u32>> {
+    parse_cpus(&fs::read_to_string("/sys/devices/system/cpu/online")?)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad CPU list"))
+}
+
+fn parse_cpus(text: &str) -> Option<Vec<u32>> {
+    let mut out = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?),
+            None => out.push(part.parse().ok()?),
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpu_lists_parse() {
+        assert_eq!(super::parse_cpus("0-3,6\n"), Some(vec![0, 1, 2, 3, 6]));
+        assert_eq!(super::parse_cpus("0"), Some(vec![0]));
+        assert_eq!(super::parse_cpus(""), None);
+    }
+}

@@ -1,0 +1,351 @@
+//! Sampling sessions' data path. A worker thread drains the `SAMPLES` ring buffer every
+//! few milliseconds — while the sampled processes are alive, so their memory and binaries
+//! can still be read — turns each sample into a named stack ([`crate::stacks`]) and counts
+//! it in its session's histogram. The manager adds a session when its perf events start
+//! and takes its [`Profile`] when they stop.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    os::unix::fs::MetadataExt,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    thread,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use aya::maps::{HashMap as BpfHashMap, MapData, RingBuf, StackTraceMap};
+use tracer_common::{sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON};
+
+use crate::{
+    profile::{Frame, Mapping, Profile, Stack, Unwinding},
+    python::{layout::Version, memory, runtime::Runtime},
+    stacks::Resolver,
+    unwind::End,
+};
+
+/// How often the worker drains the ring buffer.
+const DRAIN_EVERY: Duration = Duration::from_millis(20);
+
+/// The maps the sampling program fills, taken out of the BPF object.
+pub struct SamplingMaps {
+    pub samples: RingBuf<MapData>,
+    pub kernel_stacks: StackTraceMap<MapData>,
+    pub python_procs: BpfHashMap<MapData, u32, PySampleProc>,
+}
+
+/// One session's histogram.
+struct Histogram {
+    frequency_hz: u64,
+    event: &'static str,
+    started: Instant,
+    start_unix_ns: u64,
+    stacks: HashMap<(u32, u32, Vec<u32>), u64>,
+    comms: HashMap<u32, String>,
+    unwinding: Unwinding,
+    failed: BTreeMap<String, u64>,
+}
+
+struct State {
+    maps: SamplingMaps,
+    resolver: Resolver,
+    sessions: HashMap<u32, Histogram>,
+    /// pid → its CPython version, None for processes that run none.
+    versions: HashMap<u32, Option<&'static Version>>,
+    /// Interpreter binaries by (device, inode): `_PyRuntime`'s address and the load segments.
+    runtimes: HashMap<(u64, u64), Option<Arc<Runtime>>>,
+    kernel_stacks: HashMap<u32, Vec<u64>>,
+}
+
+pub struct Sampling {
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+    worker: Option<thread::JoinHandle<()>>,
+}
+
+impl Sampling {
+    pub fn spawn(maps: SamplingMaps) -> Self {
+        let state = Arc::new(Mutex::new(State {
+            maps,
+            resolver: Resolver::new(),
+            sessions: HashMap::new(),
+            versions: HashMap::new(),
+            runtimes: HashMap::new(),
+            kernel_stacks: HashMap::new(),
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (state, stop) = (state.clone(), stop.clone());
+            thread::Builder::new()
+                .name("tracer-sampling".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        state.lock().expect("sampling state").drain();
+                        thread::sleep(DRAIN_EVERY);
+                    }
+                })
+                .expect("spawning the sampling worker")
+        };
+        Self {
+            state,
+            stop,
+            worker: Some(worker),
+        }
+    }
+
+    /// Starts a histogram for `slot`. `pids`: processes to look at now (the target, or
+    /// every process for `--all`), so that their first samples already have Python frames.
+    pub fn add(&self, slot: u8, frequency_hz: u64, event: &'static str, pids: &[u32]) {
+        let mut st = self.state.lock().expect("sampling state");
+        for &pid in pids {
+            st.check_process(pid);
+        }
+        st.sessions.insert(
+            u32::from(slot),
+            Histogram {
+                frequency_hz,
+                event,
+                started: Instant::now(),
+                start_unix_ns: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64),
+                stacks: HashMap::new(),
+                comms: HashMap::new(),
+                unwinding: Unwinding::default(),
+                failed: BTreeMap::new(),
+            },
+        );
+    }
+
+    /// Ends `slot`'s histogram (its perf events must be closed already) and names it.
+    pub fn finish(&self, slot: u8) -> Option<Profile> {
+        let mut st = self.state.lock().expect("sampling state");
+        st.drain();
+        let h = st.sessions.remove(&u32::from(slot))?;
+        let profile = st.profile(h);
+        if st.sessions.is_empty() {
+            st.forget_kernel_stacks();
+        }
+        Some(profile)
+    }
+
+    /// A process exited: what was per process goes (its samples are already counted).
+    pub fn exited(&self, pid: u32) {
+        let mut st = self.state.lock().expect("sampling state");
+        st.drain();
+        st.versions.remove(&pid);
+        st.resolver.forget(pid);
+    }
+}
+
+impl Drop for Sampling {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl State {
+    fn drain(&mut self) {
+        let mut checked = HashSet::new();
+        loop {
+            let ev = {
+                let Some(item) = self.maps.samples.next() else {
+                    break;
+                };
+                if item.len() < std::mem::size_of::<SampleEvent>() {
+                    continue;
+                }
+                // SAFETY: written as a SampleEvent by the BPF side; read unaligned, boxed
+                // (18 KiB).
+                let mut b: Box<std::mem::MaybeUninit<SampleEvent>> = Box::new_uninit();
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        item.as_ptr(),
+                        b.as_mut_ptr().cast::<u8>(),
+                        std::mem::size_of::<SampleEvent>(),
+                    );
+                    b.assume_init()
+                }
+            };
+            if ev.flags & sample_flag::PY_UNKNOWN_PROCESS != 0 && checked.insert(ev.pid) {
+                self.check_process(ev.pid);
+            }
+            self.count(&ev);
+        }
+    }
+
+    fn count(&mut self, ev: &SampleEvent) {
+        if !self.sessions.contains_key(&ev.slot) {
+            // A sample of a session that just ended.
+            return;
+        }
+        let kernel = match u32::try_from(ev.kernel_stack) {
+            Ok(id) => self.kernel_stack(id),
+            Err(_) => Vec::new(),
+        };
+        let version = self.versions.get(&ev.pid).copied().flatten();
+        let outcome = self.resolver.resolve(ev, &kernel, version);
+        let comm = {
+            let h = &self.sessions[&ev.slot];
+            h.comms.get(&ev.pid).cloned()
+        }
+        .unwrap_or_else(|| process_comm(ev.pid, &ev.comm));
+        let root = self.resolver.process_frame(&comm, ev.pid);
+        let h = self.sessions.get_mut(&ev.slot).expect("checked above");
+        h.comms.entry(ev.pid).or_insert(comm);
+        let mut frames = Vec::with_capacity(outcome.frames.len() + 1);
+        frames.push(root);
+        frames.extend(outcome.frames);
+        *h.stacks.entry((ev.pid, ev.tid, frames)).or_default() += 1;
+        h.unwinding.samples += 1;
+        match outcome.end {
+            End::Root => h.unwinding.reached_root += 1,
+            other => *h.failed.entry(end_reason(&other)).or_default() += 1,
+        }
+        if outcome.python {
+            h.unwinding.python_samples += 1;
+        }
+        if outcome.python_complete {
+            h.unwinding.python_complete += 1;
+        }
+    }
+
+    fn kernel_stack(&mut self, id: u32) -> Vec<u64> {
+        if let Some(s) = self.kernel_stacks.get(&id) {
+            return s.clone();
+        }
+        let ips: Vec<u64> = self
+            .maps
+            .kernel_stacks
+            .get(&id, 0)
+            .map(|s| s.frames().iter().map(|f| f.ip).collect())
+            .unwrap_or_default();
+        self.kernel_stacks.insert(id, ips.clone());
+        ips
+    }
+
+    /// Stack ids are deduplicated by the kernel and reused across sessions; once no
+    /// session samples, the map is emptied so it cannot fill up over the daemon's life.
+    fn forget_kernel_stacks(&mut self) {
+        for id in std::mem::take(&mut self.kernel_stacks).into_keys() {
+            let _ = self.maps.kernel_stacks.remove(&id);
+        }
+    }
+
+    /// Tells the probe how to read `pid`'s Python stacks, or that it runs no known CPython.
+    fn check_process(&mut self, pid: u32) {
+        let found = memory::runtime_of(pid).and_then(|mapped| {
+            let key = std::fs::metadata(&mapped.path)
+                .map(|m| (m.dev(), m.ino()))
+                .ok()?;
+            let rt = self
+                .runtimes
+                .entry(key)
+                .or_insert_with(|| match Runtime::inspect(&mapped.path) {
+                    Ok(rt) => Some(Arc::new(rt)),
+                    Err(e) => {
+                        tracing::debug!(%e, "not sampling Python frames of this interpreter");
+                        None
+                    }
+                })
+                .clone()?;
+            let runtime = rt
+                .runtime_symbol?
+                .wrapping_add(rt.load_bias(mapped.start, mapped.file_offset)?);
+            Some((runtime, rt.version))
+        });
+        let entry = match found {
+            Some((runtime, v)) => PySampleProc {
+                runtime,
+                layout: v.index,
+                _pad: 0,
+            },
+            None => PySampleProc {
+                runtime: 0,
+                layout: PY_SAMPLE_NOT_PYTHON,
+                _pad: 0,
+            },
+        };
+        if let Err(e) = self.maps.python_procs.insert(pid, entry, 0) {
+            tracing::warn!(%e, pid, "PY_SAMPLE_PROCS is full: this process's Python frames are not read");
+        }
+        self.versions.insert(pid, found.map(|(_, v)| v));
+    }
+
+    fn profile(&mut self, h: Histogram) -> Profile {
+        // Only the binaries this profile's frames point into, renumbered.
+        let mut mappings: Vec<Mapping> = Vec::new();
+        let mut renumber: HashMap<usize, usize> = HashMap::new();
+        let mut stacks: Vec<Stack> = h
+            .stacks
+            .into_iter()
+            .map(|((pid, tid, ids), count)| {
+                let frames = ids
+                    .iter()
+                    .map(|&id| {
+                        let mut f: Frame = self.resolver.frame(id).clone();
+                        if let Some(m) = f.mapping {
+                            let n = *renumber.entry(m).or_insert_with(|| {
+                                mappings.push(self.resolver.mapping(m).clone());
+                                mappings.len() - 1
+                            });
+                            f.mapping = Some(n);
+                        }
+                        f
+                    })
+                    .collect();
+                Stack {
+                    pid,
+                    tid,
+                    comm: h.comms.get(&pid).cloned().unwrap_or_default(),
+                    frames,
+                    count,
+                }
+            })
+            .collect();
+        stacks.sort_by(|a, b| {
+            b.count
+                .cmp(&a.count)
+                .then_with(|| a.frames.len().cmp(&b.frames.len()))
+        });
+        let mut unwinding = h.unwinding;
+        unwinding.failed = h.failed.into_iter().collect();
+        unwinding.notes = self.resolver.notes.iter().cloned().collect();
+        let period_ns = 1_000_000_000 / h.frequency_hz.max(1);
+        Profile {
+            event: h.event.into(),
+            frequency_hz: h.frequency_hz,
+            period_ns,
+            start_unix_ns: h.start_unix_ns,
+            duration_ns: h.started.elapsed().as_nanos() as u64,
+            stacks,
+            mappings,
+            unwinding,
+        }
+    }
+}
+
+/// The process's name (not the sampled thread's, which threads may rename).
+fn process_comm(pid: u32, thread_comm: &[u8; 16]) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim_end().to_owned())
+        .unwrap_or_else(|_| {
+            let len = thread_comm.iter().position(|&b| b == 0).unwrap_or(16);
+            String::from_utf8_lossy(&thread_comm[..len]).into_owned()
+        })
+}
+
+fn end_reason(end: &End) -> String {
+    match end {
+        End::Root => "reached the root".into(),
+        End::StackCopyExhausted => "stack deeper than the copy taken at the sample".into(),
+        End::NoUnwindInfo(path) => format!("code without unwind entries in {path}"),
+        End::UnmappedAddress(_) => "an address outside any mapping".into(),
+        End::BadFrame => "an unwind rule not supported, or a corrupt frame".into(),
+        End::MaxFrames => "more frames than tracer unwinds".into(),
+    }
+}

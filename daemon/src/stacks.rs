@@ -1,0 +1,461 @@
+//! From a raw sample to a named stack: unwind the user stack copy, name native and kernel
+//! frames, read Python frames' names and lines from the process, and put the Python frames
+//! in place of the interpreter's eval-loop frames that run them.
+//!
+//! Frames are interned: a sample becomes a list of small ids, and each distinct frame is
+//! named once (per binary and offset, per code object and instruction).
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    os::unix::fs::MetadataExt,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use tracer_common::{
+    sample_flag, PySampleFrame, SampleEvent, PY_FRAME_ENTRY, PY_FRAME_SHIM, SAMPLE_PY_DEPTH,
+};
+
+use crate::{
+    profile::{Frame, FrameKind, Mapping},
+    python::{layout::Version, linetable, memory},
+    symbolize::Symbolizer,
+    unwind::{End, ProcMaps, Regs, Unwinder},
+};
+
+/// Native frames unwound per sample at most.
+const MAX_NATIVE_FRAMES: usize = 256;
+/// How long a process's memory map is trusted before it is read again on a miss.
+const MAPS_TTL: Duration = Duration::from_millis(200);
+
+/// A Python code object's names, read from the process once.
+struct Code {
+    /// The qualname object's address when read: a freed code object's address may be
+    /// reused by another function, whose qualname differs.
+    qualname_obj: u64,
+    qualname: String,
+    filename: String,
+    firstlineno: u32,
+    linetable: Vec<u8>,
+}
+
+/// How a sample was unwound, for the profile's unwinding statistics.
+pub struct Outcome {
+    /// Root first.
+    pub frames: Vec<u32>,
+    pub end: End,
+    pub python: bool,
+    /// The Python chain was read whole (not cut, no failed read).
+    pub python_complete: bool,
+}
+
+#[derive(Default)]
+pub struct Resolver {
+    unwinder: Unwinder,
+    symbolizer: Symbolizer,
+    maps: HashMap<u32, (ProcMaps, Instant)>,
+    /// Binaries by (device, inode): display path, path to open, build id.
+    binaries: Vec<Mapping>,
+    binary_paths: Vec<PathBuf>,
+    /// PLT stubs of each binary, read on first use.
+    plts: HashMap<usize, crate::plt::Plt>,
+    binary_ids: HashMap<(u64, u64, String), usize>,
+    native: HashMap<(usize, u64), u32>,
+    kernel: HashMap<u64, u32>,
+    frames: Vec<Frame>,
+    frame_ids: HashMap<Frame, u32>,
+    /// Frames that are the interpreter's eval loop, where Python frames go.
+    eval_frames: BTreeSet<u32>,
+    codes: HashMap<(u32, u64), Code>,
+    python_frames: HashMap<(u32, u64, u64, u64), u32>,
+    pub notes: BTreeSet<String>,
+}
+
+impl Resolver {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn frame(&self, id: u32) -> &Frame {
+        &self.frames[id as usize]
+    }
+
+    pub fn mapping(&self, index: usize) -> &Mapping {
+        &self.binaries[index]
+    }
+
+    /// Forgets what is per process (its maps and code objects) once it is gone.
+    pub fn forget(&mut self, pid: u32) {
+        self.maps.remove(&pid);
+        self.codes.retain(|(p, _), _| *p != pid);
+        self.python_frames.retain(|(p, ..), _| *p != pid);
+    }
+
+    fn intern(&mut self, frame: Frame) -> u32 {
+        if let Some(&id) = self.frame_ids.get(&frame) {
+            return id;
+        }
+        let id = self.frames.len() as u32;
+        self.frames.push(frame.clone());
+        self.frame_ids.insert(frame, id);
+        id
+    }
+
+    /// The process's root frame: `comm (pid N)`.
+    pub fn process_frame(&mut self, comm: &str, pid: u32) -> u32 {
+        self.intern(Frame {
+            kind: FrameKind::Process,
+            name: format!("{comm} (pid {pid})"),
+            ..Frame::default()
+        })
+    }
+
+    /// A sample's frames, root first, without the process frame. `kernel` holds the kernel
+    /// stack's addresses, leaf first.
+    pub fn resolve(
+        &mut self,
+        ev: &SampleEvent,
+        kernel: &[u64],
+        version: Option<&'static Version>,
+    ) -> Outcome {
+        let pid = ev.pid;
+        let (native, end) = self.native(ev);
+        let mut python = Vec::new();
+        let is_python = ev.flags & sample_flag::PYTHON != 0;
+        if let Some(v) = version.filter(|_| is_python) {
+            let depth = (ev.py_depth as usize).min(SAMPLE_PY_DEPTH);
+            python = self.python(pid, &ev.py[..depth], v);
+        }
+        let mut frames = merge(&native, &python);
+        for &addr in kernel.iter().rev() {
+            let id = self.kernel_frame(addr);
+            frames.push(id);
+        }
+        Outcome {
+            frames,
+            end,
+            python: is_python,
+            python_complete: is_python
+                && ev.flags & (sample_flag::PY_TRUNCATED | sample_flag::PY_READ_FAILED) == 0,
+        }
+    }
+
+    /// The user stack, leaf first, each frame with whether it is the eval loop.
+    fn native(&mut self, ev: &SampleEvent) -> (Vec<(u32, bool)>, End) {
+        let pid = ev.pid;
+        if ev.ip == 0 || ev.sp < ev.stack_base {
+            // A kernel thread: no user stack.
+            return (Vec::new(), End::Root);
+        }
+        let len = (ev.stack_len as usize).min(ev.stack.len());
+        let skip = ((ev.sp - ev.stack_base) as usize).min(len);
+        let regs = Regs {
+            ip: ev.ip,
+            sp: ev.sp,
+            bp: ev.bp,
+        };
+        let stack = &ev.stack[skip..len];
+        let mut unwound = match self.unwind(pid, regs, stack) {
+            Some(u) => u,
+            None => return (Vec::new(), End::UnmappedAddress(ev.ip)),
+        };
+        if let End::UnmappedAddress(_) = unwound.end {
+            // The map may be stale (a library loaded since): read it again once.
+            self.maps.remove(&pid);
+            if let Some(u) = self.unwind(pid, regs, stack) {
+                unwound = u;
+            }
+        }
+        if let End::NoUnwindInfo(path) = &unwound.end {
+            self.notes.insert(format!(
+                "{path}: code without unwind entries (stubs, JIT code or a stripped table) ends some stacks"
+            ));
+        }
+        let mut out = Vec::with_capacity(unwound.frames.len());
+        for (i, &addr) in unwound.frames.iter().enumerate() {
+            // Return addresses point after the call: name the call itself.
+            let lookup = if i == 0 { addr } else { addr.saturating_sub(1) };
+            let id = self.native_frame(pid, lookup);
+            out.push((id, self.eval_frames.contains(&id)));
+        }
+        (out, unwound.end)
+    }
+
+    fn unwind(&mut self, pid: u32, regs: Regs, stack: &[u8]) -> Option<crate::unwind::Unwound> {
+        self.maps_of(pid, regs.ip)?;
+        // Out and back in: the unwinder and the maps both live in self.
+        let (maps, at) = self.maps.remove(&pid)?;
+        let unwound = self
+            .unwinder
+            .unwind(pid, &maps, regs, stack, MAX_NATIVE_FRAMES);
+        self.maps.insert(pid, (maps, at));
+        Some(unwound)
+    }
+
+    fn maps_of(&mut self, pid: u32, addr: u64) -> Option<&ProcMaps> {
+        let fresh = self
+            .maps
+            .get(&pid)
+            .is_some_and(|(m, at)| m.find(addr).is_some() || at.elapsed() < MAPS_TTL);
+        if !fresh {
+            let maps = ProcMaps::read(pid).ok()?;
+            self.maps.insert(pid, (maps, Instant::now()));
+        }
+        self.maps.get(&pid).map(|(m, _)| m)
+    }
+
+    fn native_frame(&mut self, pid: u32, addr: u64) -> u32 {
+        let entry = self
+            .maps
+            .get(&pid)
+            .and_then(|(m, _)| m.find(addr))
+            .map(|e| (e.path.clone(), e.inode, e.start, e.offset));
+        let Some((path, inode, start, offset)) = entry else {
+            return self.intern(Frame {
+                kind: FrameKind::Native,
+                name: format!("[unknown] 0x{addr:x}"),
+                address: addr,
+                ..Frame::default()
+            });
+        };
+        let binary = self.binary(pid, &path, inode);
+        let file_offset = addr - start + offset;
+        if let Some(&id) = self.native.get(&(binary, file_offset)) {
+            return id;
+        }
+        let open = self.binary_paths[binary].clone();
+        let plt = self
+            .plts
+            .entry(binary)
+            .or_insert_with(|| {
+                std::fs::read(&open)
+                    .map(|d| crate::plt::Plt::read(&d))
+                    .unwrap_or_default()
+            })
+            .name(file_offset)
+            .map(|n| crate::symbolize::Sym {
+                name: n.to_owned(),
+                file: None,
+                line: None,
+            });
+        let sym = plt.or_else(|| self.symbolizer.user(&open, &[file_offset]).pop().flatten());
+        let base = path.rsplit('/').next().unwrap_or(&path).to_owned();
+        let frame = match sym {
+            Some(s) => Frame {
+                kind: FrameKind::Native,
+                name: s.name,
+                file: s.file,
+                line: s.line,
+                mapping: Some(binary),
+                address: file_offset,
+            },
+            None => Frame {
+                kind: FrameKind::Native,
+                // perf's habit: an unnamed address is shown as its binary, so that the
+                // stripped functions of one library add up in one place.
+                name: format!("[{base}]"),
+                mapping: Some(binary),
+                address: file_offset,
+                ..Frame::default()
+            },
+        };
+        let eval = frame.name.starts_with("_PyEval_EvalFrameDefault");
+        let id = self.intern(frame);
+        if eval {
+            self.eval_frames.insert(id);
+        }
+        self.native.insert((binary, file_offset), id);
+        id
+    }
+
+    /// A binary's index, by identity; opened through the process's root so that processes
+    /// in containers are read from their own files.
+    fn binary(&mut self, pid: u32, path: &str, inode: u64) -> usize {
+        let open = PathBuf::from(format!("/proc/{pid}/root{path}"));
+        let dev = std::fs::metadata(&open).map_or(0, |m| m.dev());
+        let key = (dev, inode, path.to_owned());
+        if let Some(&i) = self.binary_ids.get(&key) {
+            return i;
+        }
+        let build_id = self.symbolizer.build_id(&open).unwrap_or_default();
+        let i = self.binaries.len();
+        self.binaries.push(Mapping {
+            path: path.to_owned(),
+            build_id,
+        });
+        self.binary_paths.push(open);
+        self.binary_ids.insert(key, i);
+        i
+    }
+
+    fn kernel_frame(&mut self, addr: u64) -> u32 {
+        if let Some(&id) = self.kernel.get(&addr) {
+            return id;
+        }
+        let sym = self.symbolizer.kernel(&[addr]).pop().flatten();
+        let id = self.intern(Frame {
+            kind: FrameKind::Kernel,
+            name: sym.map_or_else(|| format!("0x{addr:x}"), |s| s.name),
+            address: addr,
+            ..Frame::default()
+        });
+        self.kernel.insert(addr, id);
+        id
+    }
+
+    /// The Python frames, leaf first, each with whether it starts a run of the eval loop.
+    fn python(&mut self, pid: u32, raw: &[PySampleFrame], v: &'static Version) -> Vec<(u32, bool)> {
+        let mut out: Vec<(u32, bool)> = Vec::with_capacity(raw.len());
+        for f in raw {
+            if f.code & PY_FRAME_SHIM != 0 {
+                // 3.12+: the shim below a run: the frame above it started the run.
+                if let Some(last) = out.last_mut() {
+                    last.1 = true;
+                }
+                continue;
+            }
+            let entry = f.code & PY_FRAME_ENTRY != 0;
+            let code = f.code & !(PY_FRAME_ENTRY | PY_FRAME_SHIM);
+            let id = self.python_frame(pid, code, f.instr, v);
+            out.push((id, entry));
+        }
+        out
+    }
+
+    fn python_frame(&mut self, pid: u32, code: u64, instr: u64, v: &'static Version) -> u32 {
+        let qualname_obj =
+            memory::read_u64(pid, code + u64::from(v.probe.code_qualname)).unwrap_or(0);
+        if let Some(&id) = self.python_frames.get(&(pid, code, qualname_obj, instr)) {
+            return id;
+        }
+        let known = self
+            .codes
+            .get(&(pid, code))
+            .is_some_and(|c| c.qualname_obj == qualname_obj && qualname_obj != 0);
+        if !known {
+            match read_code(pid, code, qualname_obj, v) {
+                Some(c) => {
+                    self.codes.insert((pid, code), c);
+                }
+                None => {
+                    self.notes.insert(
+                        "some Python frames could not be named (their process had exited or changed)"
+                            .into(),
+                    );
+                    return self.intern(Frame {
+                        kind: FrameKind::Python,
+                        name: format!("[unknown code 0x{code:x}]"),
+                        ..Frame::default()
+                    });
+                }
+            }
+        }
+        let c = &self.codes[&(pid, code)];
+        let line = instruction_offset(v, code, instr)
+            .and_then(|off| linetable::line_for(v.minor, &c.linetable, c.firstlineno, off))
+            .unwrap_or(c.firstlineno);
+        let frame = Frame {
+            kind: FrameKind::Python,
+            name: c.qualname.clone(),
+            file: Some(c.filename.clone()),
+            line: Some(line),
+            ..Frame::default()
+        };
+        let id = self.intern(frame);
+        self.python_frames
+            .insert((pid, code, qualname_obj, instr), id);
+        id
+    }
+}
+
+/// Byte offset of the frame's instruction in its code, or None before the first one (a
+/// frame being set up), which is then shown at the function's first line.
+fn instruction_offset(v: &Version, code: u64, instr: u64) -> Option<u32> {
+    if v.minor == 10 {
+        // f_lasti: an instruction index; -1 before the first.
+        let lasti = instr as i64;
+        return (lasti >= 0).then(|| (lasti as u32).saturating_mul(2));
+    }
+    let first = code + v.code_adaptive;
+    let off = instr.checked_sub(first)?;
+    u32::try_from(off).ok()
+}
+
+fn read_code(pid: u32, code: u64, qualname_obj: u64, v: &Version) -> Option<Code> {
+    let (qualname, filename) = memory::code_names(pid, code, v).ok()?;
+    let mut first = [0u8; 4];
+    memory::read(pid, code + u64::from(v.probe.code_firstlineno), &mut first).ok()?;
+    let firstlineno = u32::try_from(i32::from_le_bytes(first)).unwrap_or(0);
+    let table = memory::read_u64(pid, code + v.code_linetable).ok()?;
+    // A bytes object: ob_size at 16, data at 32.
+    let size = memory::read_u64(pid, table + 16).ok()?;
+    let mut linetable = vec![0u8; usize::try_from(size.min(1 << 20)).ok()?];
+    memory::read(pid, table + 32, &mut linetable).ok()?;
+    Some(Code {
+        qualname_obj,
+        qualname,
+        filename,
+        firstlineno,
+        linetable,
+    })
+}
+
+/// Puts the Python frames in place of the eval-loop frames that run them. Both lists are
+/// leaf first; `python` frames flagged `true` start a run of one eval-loop call (its
+/// outermost frame). The k-th eval-loop frame from the leaf runs the k-th run. Runs left
+/// over (native unwinding stopped short) go at the root; the result is root first.
+pub fn merge(native: &[(u32, bool)], python: &[(u32, bool)]) -> Vec<u32> {
+    let mut runs: Vec<&[(u32, bool)]> = Vec::new();
+    let mut start = 0;
+    for (i, &(_, entry)) in python.iter().enumerate() {
+        if entry {
+            runs.push(&python[start..=i]);
+            start = i + 1;
+        }
+    }
+    if start < python.len() {
+        runs.push(&python[start..]);
+    }
+    let mut runs = runs.into_iter();
+    let mut leaf_first = Vec::with_capacity(native.len() + python.len());
+    for &(id, eval) in native {
+        match eval.then(|| runs.next()).flatten() {
+            Some(run) => leaf_first.extend(run.iter().map(|&(f, _)| f)),
+            None => leaf_first.push(id),
+        }
+    }
+    for run in runs {
+        leaf_first.extend(run.iter().map(|&(f, _)| f));
+    }
+    leaf_first.reverse();
+    leaf_first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge;
+
+    #[test]
+    fn python_runs_replace_eval_frames_in_order() {
+        // Native, leaf first: leaf(1) eval(2) call(3) eval(4) main(5).
+        let native = [(1, false), (2, true), (3, false), (4, true), (5, false)];
+        // Python, leaf first: c(10) b(11, starts run) a(12, starts run).
+        let python = [(10, false), (11, true), (12, true)];
+        assert_eq!(merge(&native, &python), vec![5, 12, 3, 11, 10, 1]);
+    }
+
+    #[test]
+    fn runs_without_eval_frames_go_at_the_root() {
+        // Unwinding stopped in the first eval frame's caller.
+        let native = [(1, false), (2, true), (3, false)];
+        let python = [(10, true), (11, true), (12, true)];
+        assert_eq!(merge(&native, &python), vec![12, 11, 3, 10, 1]);
+    }
+
+    #[test]
+    fn extra_eval_frames_stay_native() {
+        let native = [(2, true), (4, true)];
+        let python = [(10, false), (11, false)];
+        assert_eq!(merge(&native, &python), vec![4, 11, 10]);
+    }
+}

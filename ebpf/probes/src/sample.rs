@@ -1,0 +1,286 @@
+//! Sampling: a perf event interrupts each CPU at a frequency and this program records where
+//! the interrupted thread is: its kernel stack (aggregated in a stack map), its user
+//! registers and a copy of the top of its user stack (unwound by the daemon with unwind
+//! tables: distribution builds have no frame pointers), and, for Python threads, the chain
+//! of interpreter frames read from the thread's own state.
+//!
+//! The attach cookie carries the session slot and whether it samples every process.
+
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::BPF_F_USER_STACK,
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
+        bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_kernel,
+        bpf_probe_read_user, bpf_task_pt_regs, generated as gen,
+    },
+    macros::{map, perf_event},
+    maps::{HashMap, RingBuf, StackTrace},
+    programs::{tracing::StackIdContext, PerfEventContext},
+    EbpfContext,
+};
+use tracer_common::{
+    loss, py_kind, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc, SampleEvent,
+    PY_FRAME_ENTRY, PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
+};
+
+use crate::proc::{count_loss, TRACKED};
+
+/// 32 MiB: ≈ 1,700 samples of ≈ 18.5 KiB, a second of 999 Hz on both CPUs of a small machine.
+#[map]
+static SAMPLES: RingBuf = RingBuf::with_byte_size(32 * 1024 * 1024, 0);
+
+/// Kernel stacks, deduplicated by the kernel itself.
+#[map]
+static SAMPLE_KSTACKS: StackTrace = StackTrace::with_max_entries(16_384, 0);
+
+/// Process id → how to read its Python stacks (or that it runs no known CPython). Filled
+/// by the daemon when a process is first sampled; removed at exec and exit.
+#[map]
+static PY_SAMPLE_PROCS: HashMap<u32, PySampleProc> = HashMap::with_max_entries(65_536, 0);
+
+/// `task_struct.thread.fsbase`, patched in by the loader from the kernel's BTF.
+#[no_mangle]
+static TASK_FSBASE_OFFSET: u32 = u32::MAX;
+
+const PAGE: usize = 4096;
+/// `pt_regs` on x86-64: where the interrupted ip, cs and sp are, and rbp.
+const REGS_BP: usize = 32;
+const REGS_IP: usize = 128;
+const REGS_CS: usize = 136;
+const REGS_SP: usize = 152;
+/// `_PyInterpreterFrame.owner` value of 3.12+'s entry shims.
+const FRAME_OWNED_BY_CSTACK: u8 = 3;
+
+#[perf_event]
+pub fn tracer_sample(ctx: PerfEventContext) -> u32 {
+    let _ = try_sample(&ctx);
+    0
+}
+
+fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
+    // SAFETY: plain helper call on this program's context.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let slot = (cookie & sample_cookie::SLOT_MASK) as u32;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    if pid == 0 {
+        // The idle task: not a process anyone profiles.
+        return Ok(());
+    }
+    if cookie & sample_cookie::ALL == 0 {
+        // SAFETY: map values are valid for the duration of the program.
+        let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
+        if followed & (1 << slot) == 0 {
+            return Ok(());
+        }
+    }
+    let Some(mut entry) = SAMPLES.reserve::<SampleEvent>(0) else {
+        count_loss(loss::SAMPLES_RINGBUF_FULL);
+        return Ok(());
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: `ev` points at the reserved record, ours until submitted; fields are written
+    // one by one so that the 18 KiB record never lands on the 512-byte BPF stack.
+    unsafe {
+        (*ev).slot = slot;
+        (*ev).cpu = bpf_get_smp_processor_id();
+        (*ev).pid = pid;
+        (*ev).tid = tid;
+        (*ev).ktime_ns = bpf_ktime_get_ns();
+        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        (*ev).flags = 0;
+        (*ev).py_depth = 0;
+        (*ev)._pad = 0;
+        let interrupted = ctx.as_ptr() as *const u8;
+        let cs: u64 = bpf_probe_read_kernel(interrupted.add(REGS_CS) as *const u64).unwrap_or(3);
+        (*ev).kernel_stack = if cs & 3 == 0 {
+            (*ev).flags |= sample_flag::KERNEL_MODE;
+            ctx.get_stackid(&SAMPLE_KSTACKS, 0).map(|id| id as i64).unwrap_or_else(|e| e as i64)
+        } else {
+            -1
+        };
+        user_stack(ev);
+        python(ev, pid, tid);
+    }
+    // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
+    let _ = BPF_F_USER_STACK;
+    entry.submit(0);
+    Ok(())
+}
+
+/// The thread's user registers (saved at its entry to the kernel, whatever the interrupt
+/// hit) and the stack pages from the one holding its stack pointer up.
+unsafe fn user_stack(ev: *mut SampleEvent) {
+    // SAFETY (whole body): reads go through probe-read helpers, which fail cleanly.
+    unsafe {
+        let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;
+        let reg = |off: usize| bpf_probe_read_kernel(regs.add(off) as *const u64).unwrap_or(0);
+        let (ip, sp) = (reg(REGS_IP), reg(REGS_SP));
+        (*ev).ip = ip;
+        (*ev).sp = sp;
+        (*ev).bp = reg(REGS_BP);
+        let base = sp & !(PAGE as u64 - 1);
+        (*ev).stack_base = base;
+        (*ev).stack_len = 0;
+        if sp == 0 {
+            return;
+        }
+        // Page by page: the stack ends somewhere above, and a read across its end fails whole.
+        let dst = (*ev).stack.as_mut_ptr();
+        for page in 0..SAMPLE_STACK_BYTES / PAGE {
+            let off = page * PAGE;
+            let r = gen::bpf_probe_read_user(
+                dst.add(off) as *mut c_void,
+                PAGE as u32,
+                (base + off as u64) as *const c_void,
+            );
+            if r != 0 {
+                break;
+            }
+            (*ev).stack_len = (off + PAGE) as u32;
+        }
+    }
+}
+
+fn read<T>(addr: u64) -> Option<T> {
+    // SAFETY: bpf_probe_read_user copes with any address; a bad one is an error, not a fault.
+    unsafe { bpf_probe_read_user(addr as *const T) }.ok()
+}
+
+/// The Python frames of the sampled thread, if its process runs a known CPython.
+unsafe fn python(ev: *mut SampleEvent, pid: u32, tid: u32) {
+    // SAFETY: map values are valid for the duration of the program.
+    let Some(proc) = (unsafe { PY_SAMPLE_PROCS.get(&pid) }).copied() else {
+        // SAFETY: `ev` is the reserved record.
+        unsafe { (*ev).flags |= sample_flag::PY_UNKNOWN_PROCESS };
+        return;
+    };
+    if proc.layout == PY_SAMPLE_NOT_PYTHON {
+        return;
+    }
+    let Some(layout) = crate::python::layout(proc.layout) else { return };
+    let want = if layout.kind == py_kind::EVAL_ARG_FRAME {
+        // 3.10 knows its threads by pthread_self(), which is the thread's fs base.
+        let off = crate::proc::global(&TASK_FSBASE_OFFSET);
+        if off == u32::MAX {
+            return;
+        }
+        // SAFETY: a kernel read at an offset from this kernel's BTF.
+        match unsafe { bpf_probe_read_kernel((bpf_get_current_task() + u64::from(off)) as *const u64) } {
+            Ok(v) => v,
+            Err(_) => return,
+        }
+    } else {
+        u64::from(tid)
+    };
+    let Some(tstate) = thread_state(proc.runtime, layout, want) else {
+        // SAFETY: `ev` is the reserved record.
+        unsafe { (*ev).flags |= sample_flag::PY_NO_THREAD };
+        return;
+    };
+    let Ok(frame) = crate::python::current_frame_quiet(tstate, layout) else {
+        // SAFETY: as above.
+        unsafe { (*ev).flags |= sample_flag::PY_READ_FAILED };
+        return;
+    };
+    let mut walk = Walk { ev, layout, frame, depth: 0, failed: false };
+    // SAFETY: `walk_step` only touches `walk`, which outlives the call.
+    unsafe {
+        bpf_loop(SAMPLE_PY_DEPTH as u32, walk_step as *mut c_void, (&mut walk as *mut Walk).cast(), 0);
+        (*ev).py_depth = walk.depth;
+        (*ev).flags |= sample_flag::PYTHON;
+        if walk.failed {
+            (*ev).flags |= sample_flag::PY_READ_FAILED;
+        } else if walk.frame != 0 {
+            (*ev).flags |= sample_flag::PY_TRUNCATED;
+        }
+    }
+}
+
+struct Find {
+    layout: *const PyLayout,
+    tstate: u64,
+    want: u64,
+    found: u64,
+}
+
+/// The thread state whose thread id is `want`, from the main interpreter's thread list.
+fn thread_state(runtime: u64, layout: &PyLayout, want: u64) -> Option<u64> {
+    let interp: u64 = read(runtime + u64::from(layout.runtime_interpreters_head))?;
+    let tstate: u64 = read(interp + u64::from(layout.interp_threads_head))?;
+    let mut find = Find { layout, tstate, want, found: 0 };
+    // SAFETY: `find_step` only touches `find`, which outlives the call.
+    unsafe { bpf_loop(1024, find_step as *mut c_void, (&mut find as *mut Find).cast(), 0) };
+    (find.found != 0).then_some(find.found)
+}
+
+#[inline(never)]
+extern "C" fn find_step(_: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Find` that `thread_state` passed; the layout is a map value.
+    let f = unsafe { &mut *ctx.cast::<Find>() };
+    let l = unsafe { &*f.layout };
+    if f.tstate == 0 {
+        return 1;
+    }
+    match read::<u64>(f.tstate + u64::from(l.tstate_thread_id)) {
+        Some(id) if id == f.want => {
+            f.found = f.tstate;
+            return 1;
+        }
+        Some(_) => {}
+        None => return 1,
+    }
+    f.tstate = read(f.tstate + u64::from(l.tstate_next)).unwrap_or(0);
+    0
+}
+
+struct Walk {
+    ev: *mut SampleEvent,
+    layout: *const PyLayout,
+    frame: u64,
+    depth: u32,
+    failed: bool,
+}
+
+/// One frame: its code object, current instruction and run-start flags, then its caller.
+#[inline(never)]
+extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Walk` that `python` passed; the layout is a map value.
+    let w = unsafe { &mut *ctx.cast::<Walk>() };
+    let l = unsafe { &*w.layout };
+    if w.frame == 0 {
+        return 1;
+    }
+    let Some(code) = read::<u64>(w.frame + u64::from(l.frame_code)) else {
+        w.failed = true;
+        return 1;
+    };
+    let (instr, mut flags) = if l.kind == py_kind::EVAL_ARG_FRAME {
+        let lasti = read::<i32>(w.frame + u64::from(l.frame_instr)).unwrap_or(-1);
+        (lasti as i64 as u64, PY_FRAME_ENTRY)
+    } else {
+        (read::<u64>(w.frame + u64::from(l.frame_instr)).unwrap_or(0), 0)
+    };
+    if l.frame_is_entry != 0 && read::<u8>(w.frame + u64::from(l.frame_is_entry)).unwrap_or(0) != 0 {
+        flags |= PY_FRAME_ENTRY;
+    }
+    if l.frame_owner != 0 && read::<u8>(w.frame + u64::from(l.frame_owner)) == Some(FRAME_OWNED_BY_CSTACK) {
+        flags |= PY_FRAME_SHIM;
+    }
+    let i = (w.depth as usize) & (SAMPLE_PY_DEPTH - 1);
+    // SAFETY: `ev` is the reserved record; `i` is masked into the array.
+    unsafe { (*w.ev).py[i] = PySampleFrame { code: code | flags, instr } };
+    w.depth += 1;
+    w.frame = read(w.frame + u64::from(l.frame_previous)).unwrap_or(0);
+    if w.depth as usize >= SAMPLE_PY_DEPTH {
+        return 1;
+    }
+    0
+}
+
+/// A process exec'd or exited: the daemon must look at it afresh.
+pub(crate) fn forget_process(pid: u32) {
+    let _ = PY_SAMPLE_PROCS.remove(&pid);
+}

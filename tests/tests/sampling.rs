@@ -1,0 +1,445 @@
+//! Sampling mode, end to end: stacks of real Python processes, with Python and native frames
+//! together, checked against py-spy's samples of the same workloads and parsed back by
+//! `go tool pprof`.
+
+use std::{collections::BTreeMap, path::Path, path::PathBuf, process::Command};
+
+use tracer_tests::{interpreters, one_line_error, root_or_skip, script, ChildGuard, Daemon};
+
+/// Folded stacks: (frames root first, count).
+type Folded = Vec<(Vec<String>, u64)>;
+
+fn parse_folded(text: &str) -> Folded {
+    text.lines()
+        .filter_map(|l| {
+            let (stack, n) = l.rsplit_once(' ')?;
+            Some((
+                stack.split(';').map(str::to_owned).collect(),
+                n.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// A Python frame's function name: `qualname (file:line)` → `qualname`.
+fn function(frame: &str) -> &str {
+    frame.split(" (").next().unwrap_or(frame)
+}
+
+/// Samples whose stack holds `name` (once per stack, however deep it recurses).
+fn samples_in(f: &Folded, name: &str) -> u64 {
+    f.iter()
+        .filter(|(s, _)| s.iter().any(|fr| function(fr) == name))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// Each function's share of the samples taken under `main`, in percent.
+fn shares(f: &Folded, names: &[&str]) -> BTreeMap<String, f64> {
+    let main = samples_in(f, "main").max(1) as f64;
+    names
+        .iter()
+        .map(|n| (n.to_string(), 100.0 * samples_in(f, n) as f64 / main))
+        .collect()
+}
+
+/// py-spy from PyPI, installed by `cargo xtask test` in the test virtualenv.
+fn py_spy() -> PathBuf {
+    let venv_python = std::env::var_os("TRACER_TEST_PYTHON")
+        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`");
+    let p = Path::new(&venv_python).with_file_name("py-spy");
+    assert!(
+        p.exists(),
+        "{} is missing: run the suite with `cargo xtask test`",
+        p.display()
+    );
+    p
+}
+
+/// tracer's folded stacks for `python script args` run under a sampling session.
+fn tracer_folded(d: &Daemon, python: &Path, script: &Path, args: &[&str], hz: &str) -> Folded {
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd: Vec<&str> = vec![
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        hz,
+        "--format",
+        "folded",
+        "-o",
+        out.path().to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        script.to_str().unwrap(),
+    ];
+    cmd.extend(args);
+    d.ok(&cmd);
+    parse_folded(&std::fs::read_to_string(out.path()).unwrap())
+}
+
+#[test]
+fn shares_agree_with_py_spy_on_every_interpreter() {
+    if !root_or_skip() {
+        return;
+    }
+    let py_spy = py_spy();
+    let d = Daemon::start();
+    let workload = script("sample_workload.py");
+    let names = ["heavy", "medium", "light", "spin"];
+    for python in interpreters() {
+        let ours = tracer_folded(&d, &python, &workload, &["3"], "499");
+        let raw = tempfile::NamedTempFile::new().unwrap();
+        let status = Command::new(&py_spy)
+            .args([
+                "record",
+                "--rate",
+                "499",
+                "--format",
+                "raw",
+                "--nonblocking",
+                "-o",
+            ])
+            .arg(raw.path())
+            .arg("--")
+            .arg(&python)
+            .arg(&workload)
+            .arg("3")
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "py-spy failed on {}: {}",
+            python.display(),
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let theirs = parse_folded(&std::fs::read_to_string(raw.path()).unwrap());
+        let (a, b) = (shares(&ours, &names), shares(&theirs, &names));
+        println!(
+            "{}: tracer {a:.1?}\n{}  py-spy {b:.1?}",
+            python.display(),
+            " ".repeat(python.as_os_str().len())
+        );
+        assert!(
+            samples_in(&ours, "main") > 500,
+            "{}: too few samples: {ours:?}",
+            python.display()
+        );
+        for n in names {
+            assert!(
+                (a[n] - b[n]).abs() <= 6.0,
+                "{}: {n} has {:.1}% of tracer's samples under main, {:.1}% of py-spy's",
+                python.display(),
+                a[n],
+                b[n]
+            );
+        }
+        // Python frames carry the line running: spin's samples are on its loop lines.
+        let spin_lines: u64 = ours
+            .iter()
+            .filter_map(|(s, n)| {
+                let leaf_py = s.iter().rev().find(|f| f.starts_with("spin ("))?;
+                (leaf_py.ends_with("sample_workload.py:12)")
+                    || leaf_py.ends_with("sample_workload.py:13)"))
+                .then_some(*n)
+            })
+            .sum();
+        let spin = samples_in(&ours, "spin");
+        assert!(
+            spin_lines * 10 >= spin * 9,
+            "{}: only {spin_lines} of spin's {spin} samples are on its loop lines 12-13",
+            python.display()
+        );
+        // Python frames replace the eval loop's: main sits under <module>, not under a
+        // bare _PyEval_EvalFrameDefault.
+        let nested = ours
+            .iter()
+            .filter(|(s, _)| {
+                let i = s.iter().position(|f| function(f) == "main");
+                i.is_some_and(|i| s[..i].iter().any(|f| function(f) == "<module>"))
+            })
+            .map(|(_, n)| n)
+            .sum::<u64>();
+        assert!(
+            nested * 10 >= samples_in(&ours, "main") * 9,
+            "{}: main not under <module>",
+            python.display()
+        );
+    }
+}
+
+#[test]
+fn native_frames_sit_under_the_python_caller() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    for python in interpreters() {
+        let ours = tracer_folded(&d, &python, &script("sample_native.py"), &["2"], "299");
+        let total = samples_in(&ours, "compress_loop");
+        // zlib's deflate (libz, or zlib linked into the interpreter) below compress_loop.
+        let under: u64 = ours
+            .iter()
+            .filter(|(s, _)| {
+                s.iter()
+                    .position(|f| function(f) == "compress_loop")
+                    .is_some_and(|i| s[i + 1..].iter().any(|f| f.starts_with("deflate")))
+            })
+            .map(|(_, n)| n)
+            .sum();
+        println!(
+            "{}: {under} of {total} compress_loop samples are in deflate",
+            python.display()
+        );
+        assert!(
+            total > 200,
+            "{}: too few samples: {ours:?}",
+            python.display()
+        );
+        assert!(
+            under * 10 >= total * 7,
+            "{}: only {under} of {total} samples under compress_loop reach deflate",
+            python.display()
+        );
+    }
+}
+
+#[test]
+fn every_busy_thread_is_sampled() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = tracer_tests::python();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--format",
+        "json",
+        "-o",
+        out.path().to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        script("sample_threads.py").to_str().unwrap(),
+        "2",
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+    let stacks = report["profile"]["stacks"].as_array().unwrap();
+    for worker in ["worker_a", "worker_b", "worker_c"] {
+        let tids: std::collections::BTreeSet<u64> = stacks
+            .iter()
+            .filter(|s| {
+                s["frames"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|f| f["name"] == worker && f["kind"] == "python")
+            })
+            .map(|s| s["tid"].as_u64().unwrap())
+            .collect();
+        let n: u64 = stacks
+            .iter()
+            .filter(|s| {
+                s["frames"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|f| f["name"] == worker)
+            })
+            .map(|s| s["count"].as_u64().unwrap())
+            .sum();
+        assert_eq!(tids.len(), 1, "{worker} runs on one thread: {tids:?}");
+        assert!(n >= 20, "{worker}: {n} samples");
+    }
+}
+
+#[test]
+fn all_processes_get_root_frames_and_pprof_parses() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = tracer_tests::python();
+    let target = ChildGuard::spawn(
+        Command::new(&python)
+            .arg(script("sample_workload.py"))
+            .arg("30"),
+    );
+    let pid = target.pid();
+    let id = d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--all",
+        "--duration",
+        "2s",
+        "--wait",
+        "--format",
+        "json",
+        "-o",
+        "/dev/null",
+    ]);
+    let _ = id;
+    let list = d.ok(&["list"]);
+    let id = list
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let folded = parse_folded(&d.ok(&["report", &id, "--format", "folded"]));
+    let root = format!("(pid {pid})");
+    let ours: u64 = folded
+        .iter()
+        .filter(|(s, _)| s[0].ends_with(&root))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        ours >= 50,
+        "pid {pid} has {ours} samples in an --all session"
+    );
+    // Filters keep one process.
+    let only = parse_folded(&d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "folded",
+        "--filter-pid",
+        &pid.to_string(),
+    ]));
+    assert!(only.iter().all(|(s, _)| s[0].ends_with(&root)) && !only.is_empty());
+
+    let Ok(go) = Command::new("go").arg("version").output() else {
+        println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
+        return;
+    };
+    assert!(go.status.success());
+    let file = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "pprof",
+        "-o",
+        file.path().to_str().unwrap(),
+    ]);
+    let raw = Command::new("go")
+        .args(["tool", "pprof", "-raw"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    assert!(
+        raw.status.success(),
+        "go tool pprof -raw: {}",
+        String::from_utf8_lossy(&raw.stderr)
+    );
+    let top = Command::new("go")
+        .args([
+            "tool",
+            "pprof",
+            "-top",
+            "-nodecount=200",
+            "-tagfocus",
+            &format!("pid={pid}"),
+        ])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    let top = String::from_utf8_lossy(&top.stdout);
+    for f in ["heavy", "spin", "main"] {
+        assert!(
+            top.lines().any(|l| l.split_whitespace().last() == Some(f)),
+            "{f} missing from pprof -top:\n{top}"
+        );
+    }
+}
+
+#[test]
+fn attaches_to_a_running_process_and_refuses_bad_requests() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = tracer_tests::python();
+    let target = ChildGuard::spawn(
+        Command::new(&python)
+            .arg(script("sample_workload.py"))
+            .arg("30"),
+    );
+    let pid = target.pid().to_string();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let folded = parse_folded(&d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--pid",
+        &pid,
+        "--duration",
+        "2s",
+        "--wait",
+        "--format",
+        "folded",
+    ]));
+    assert!(samples_in(&folded, "heavy") > 30, "{folded:?}");
+    assert!(samples_in(&folded, "main") > 100, "{folded:?}");
+
+    let err = |args: &[&str]| {
+        let out = d.run(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        one_line_error(&out)
+    };
+    let e = err(&[
+        "start",
+        "--mode=counting",
+        "--frequency",
+        "99",
+        "--pid",
+        &pid,
+    ]);
+    assert!(e.contains("for sampling sessions"), "{e}");
+    let e = err(&["start", "--mode=sampling", "--python", "--pid", &pid]);
+    assert!(e.contains("counting-mode options"), "{e}");
+    let e = err(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "20000",
+        "--pid",
+        &pid,
+    ]);
+    assert!(e.contains("20000 Hz"), "{e}");
+    let e = err(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "0",
+        "--pid",
+        &pid,
+    ]);
+    assert!(e.contains("0"), "{e}");
+    // A counting session has no stacks to draw.
+    let id = d.ok(&[
+        "start",
+        "--mode=counting",
+        "--pid",
+        &pid,
+        "--duration",
+        "200ms",
+        "--wait",
+        "--format",
+        "json",
+        "-o",
+        "/dev/null",
+    ]);
+    let _ = id;
+    let list = d.ok(&["list"]);
+    let counting = list
+        .lines()
+        .find(|l| l.contains("counting"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+    let e = err(&["report", &counting, "--format", "svg"]);
+    assert!(e.contains("for sampling sessions"), "{e}");
+}

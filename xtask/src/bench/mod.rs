@@ -1,0 +1,117 @@
+//! `cargo xtask bench …`: benchmarks that measure tracer side by side with other tools in one
+//! run, on the same workloads, and print ratios.
+//!
+//! - `counting` (counting.rs): the cost of counting Python calls, against cProfile and bare
+//!   uprobes;
+//! - `sampling` (sampling.rs): the slowdown of a program sampled at 99 and 999 Hz, against
+//!   py-spy and perf.
+
+mod counting;
+mod sampling;
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Child, Command},
+};
+
+use anyhow::{Context, Result};
+
+use crate::bin_dir;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Which {
+    Counting,
+    Sampling,
+}
+
+pub fn run(which: Which) -> Result<()> {
+    match which {
+        Which::Counting => counting::run(),
+        Which::Sampling => sampling::run(),
+    }
+}
+
+/// The time a workload printed for its own work (`SECONDS x.xxxxxx`).
+fn seconds(out: &[u8]) -> Result<f64> {
+    let text = String::from_utf8_lossy(out);
+    text.lines()
+        .find_map(|l| l.strip_prefix("SECONDS "))
+        .context("workload printed no time")?
+        .trim()
+        .parse()
+        .context("bad time")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // utime, stime: fields 14 and 15 of stat, 12 and 13 after the command name.
+    f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// The interpreter `python3` runs (through pyenv's shim, where there is one), so that every
+/// tool runs the very same binary.
+fn python_executable() -> Result<PathBuf> {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()?;
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+/// A tracerd serving a socket in `dir`, stopped with SIGTERM when dropped.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path) -> Result<Self> {
+        let socket = dir.join("tracerd.sock");
+        let child = Command::new(bin_dir().join("tracerd"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .context("starting tracerd (benchmarks run as root)")?;
+        let mut daemon = Self { child, socket };
+        crate::wait_for_socket(&daemon.socket, &mut daemon.child)?;
+        Ok(daemon)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The daemon's CPU time so far, in clock ticks.
+    fn cpu_ticks(&self) -> u64 {
+        cpu_ticks(self.pid())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg(self.pid().to_string()).status();
+        let _ = self.child.wait();
+    }
+}

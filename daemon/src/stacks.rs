@@ -7,8 +7,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    os::unix::fs::MetadataExt,
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -56,7 +55,8 @@ pub struct Resolver {
     maps: HashMap<u32, (ProcMaps, Instant)>,
     /// Binaries by (device, inode): display path, path to open, build id.
     binaries: Vec<Mapping>,
-    binary_paths: Vec<PathBuf>,
+    /// A path that opened each binary last (processes come and go).
+    opened: HashMap<usize, PathBuf>,
     /// PLT stubs of each binary, read on first use.
     plts: HashMap<usize, crate::plt::Plt>,
     binary_ids: HashMap<(u64, u64, String), usize>,
@@ -68,6 +68,7 @@ pub struct Resolver {
     eval_frames: BTreeSet<u32>,
     codes: HashMap<(u32, u64), Code>,
     python_frames: HashMap<(u32, u64, u64, u64), u32>,
+    /// What limited the last sample's stack, for its session's report (taken after each).
     pub notes: BTreeSet<String>,
 }
 
@@ -209,8 +210,8 @@ impl Resolver {
             .maps
             .get(&pid)
             .and_then(|(m, _)| m.find(addr))
-            .map(|e| (e.path.clone(), e.inode, e.start, e.offset));
-        let Some((path, inode, start, offset)) = entry else {
+            .map(|e| (e.path.clone(), e.dev, e.inode, e.start, e.offset));
+        let Some((path, dev, inode, start, offset)) = entry else {
             return self.intern(Frame {
                 kind: FrameKind::Native,
                 name: format!("[unknown] 0x{addr:x}"),
@@ -218,12 +219,12 @@ impl Resolver {
                 ..Frame::default()
             });
         };
-        let binary = self.binary(pid, &path, inode);
+        let binary = self.binary(pid, &path, dev, inode);
         let file_offset = addr - start + offset;
         if let Some(&id) = self.native.get(&(binary, file_offset)) {
             return id;
         }
-        let open = self.binary_paths[binary].clone();
+        let open = self.open_path(pid, binary, &path);
         let plt = self
             .plts
             .entry(binary)
@@ -238,7 +239,16 @@ impl Resolver {
                 file: None,
                 line: None,
             });
-        let sym = plt.or_else(|| self.symbolizer.user(&open, &[file_offset]).pop().flatten());
+        let sym = plt
+            .or_else(|| self.symbolizer.user(&open, &[file_offset]).pop().flatten())
+            .or_else(|| {
+                // A process that is exiting may still look alive but no longer resolve its
+                // root: try the daemon's own view of the path.
+                let plain = Path::new(&path);
+                (open != plain)
+                    .then(|| self.symbolizer.user(plain, &[file_offset]).pop().flatten())
+                    .flatten()
+            });
         let base = path.rsplit('/').next().unwrap_or(&path).to_owned();
         let frame = match sym {
             Some(s) => Frame {
@@ -268,24 +278,41 @@ impl Resolver {
         id
     }
 
-    /// A binary's index, by identity; opened through the process's root so that processes
-    /// in containers are read from their own files.
-    fn binary(&mut self, pid: u32, path: &str, inode: u64) -> usize {
-        let open = PathBuf::from(format!("/proc/{pid}/root{path}"));
-        let dev = std::fs::metadata(&open).map_or(0, |m| m.dev());
-        let key = (dev, inode, path.to_owned());
+    /// A binary's index, by its identity in the process's maps (device, inode, path), which
+    /// stays known after the process exits.
+    fn binary(&mut self, pid: u32, path: &str, (major, minor): (u32, u32), inode: u64) -> usize {
+        let key = (
+            (u64::from(major) << 32) | u64::from(minor),
+            inode,
+            path.to_owned(),
+        );
         if let Some(&i) = self.binary_ids.get(&key) {
             return i;
         }
-        let build_id = self.symbolizer.build_id(&open).unwrap_or_default();
         let i = self.binaries.len();
+        self.binary_ids.insert(key, i);
+        let open = self.open_path(pid, i, path);
+        let build_id = self.symbolizer.build_id(&open).unwrap_or_default();
         self.binaries.push(Mapping {
             path: path.to_owned(),
             build_id,
         });
-        self.binary_paths.push(open);
-        self.binary_ids.insert(key, i);
         i
+    }
+
+    /// Where to read a binary: through this process's root (its own files, in a container
+    /// too); once it has exited, through the root of a process seen mapping it before, or
+    /// this daemon's own view of the path.
+    fn open_path(&mut self, pid: u32, binary: usize, path: &str) -> PathBuf {
+        let own = PathBuf::from(format!("/proc/{pid}/root{path}"));
+        if own.exists() {
+            self.opened.insert(binary, own.clone());
+            return own;
+        }
+        match self.opened.get(&binary) {
+            Some(p) if p.exists() => p.clone(),
+            _ => PathBuf::from(path),
+        }
     }
 
     fn kernel_frame(&mut self, addr: u64) -> u32 {

@@ -443,3 +443,81 @@ fn attaches_to_a_running_process_and_refuses_bad_requests() {
     let e = err(&["report", &counting, "--format", "svg"]);
     assert!(e.contains("for sampling sessions"), "{e}");
 }
+
+#[test]
+fn later_sessions_name_frames_of_binaries_seen_before() {
+    if !root_or_skip() {
+        return;
+    }
+    // A pyenv build: libpython is shared and keeps its full symbol table, so every address
+    // in it has a name.
+    let Some(python) = interpreters()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("/versions/"))
+    else {
+        println!("skipping: no pyenv CPython with a shared libpython");
+        return;
+    };
+    let d = Daemon::start();
+    // The first process maps libpython and exits; the second one's new addresses in the same
+    // binary must still be named.
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "999",
+        "--format",
+        "json",
+        "-o",
+        "/dev/null",
+        "--",
+        python.to_str().unwrap(),
+        "-c",
+        "pass",
+    ]);
+    let out = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "499",
+        "--format",
+        "json",
+        "-o",
+        out.path().to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        script("sample_workload.py").to_str().unwrap(),
+        "1",
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+    let p = &report["profile"];
+    let libpython: Vec<u64> = p["mappings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m["path"].as_str().unwrap().contains("libpython"))
+        .map(|(i, _)| i as u64)
+        .collect();
+    assert!(!libpython.is_empty(), "no libpython mapping: {p}");
+    let (mut named, mut unnamed) = (0, Vec::new());
+    for s in p["stacks"].as_array().unwrap() {
+        for f in s["frames"].as_array().unwrap() {
+            if f["mapping"]
+                .as_u64()
+                .is_some_and(|m| libpython.contains(&m))
+            {
+                match f["name"].as_str().unwrap() {
+                    n if n.starts_with('[') => unnamed.push(f.clone()),
+                    _ => named += 1,
+                }
+            }
+        }
+    }
+    assert!(
+        named > 100 && unnamed.is_empty(),
+        "{named} named, unnamed: {unnamed:?}"
+    );
+}

@@ -45,6 +45,7 @@ struct Histogram {
     comms: HashMap<u32, String>,
     unwinding: Unwinding,
     failed: BTreeMap<String, u64>,
+    notes: std::collections::BTreeSet<String>,
 }
 
 struct State {
@@ -114,6 +115,7 @@ impl Sampling {
                 comms: HashMap::new(),
                 unwinding: Unwinding::default(),
                 failed: BTreeMap::new(),
+                notes: Default::default(),
             },
         );
     }
@@ -196,6 +198,7 @@ impl State {
         .unwrap_or_else(|| process_comm(ev.pid, &ev.comm));
         let root = self.resolver.process_frame(&comm, ev.pid);
         let h = self.sessions.get_mut(&ev.slot).expect("checked above");
+        h.notes.append(&mut self.resolver.notes);
         h.comms.entry(ev.pid).or_insert(comm);
         let mut frames = Vec::with_capacity(outcome.frames.len() + 1);
         frames.push(root);
@@ -314,7 +317,7 @@ impl State {
         });
         let mut unwinding = h.unwinding;
         unwinding.failed = h.failed.into_iter().collect();
-        unwinding.notes = self.resolver.notes.iter().cloned().collect();
+        unwinding.notes = h.notes.into_iter().collect();
         let period_ns = 1_000_000_000 / h.frequency_hz.max(1);
         Profile {
             event: h.event.into(),
@@ -342,7 +345,12 @@ fn process_comm(pid: u32, thread_comm: &[u8; 16]) -> String {
 fn end_reason(end: &End) -> String {
     match end {
         End::Root => "reached the root".into(),
-        End::StackCopyExhausted => "stack deeper than the copy taken at the sample".into(),
+        // Seen here mostly for samples taken while the kernel handled a page fault: only the
+        // stack pointer's page could be read then.
+        End::StackCopyExhausted => {
+            "the stack copy ended first (deeper than 16 KiB, or pages unreadable at the sample)"
+                .into()
+        }
         End::NoUnwindInfo(path) => format!("code without unwind entries in {path}"),
         End::UnmappedAddress(_) => "an address outside any mapping".into(),
         End::BadFrame => "an unwind rule not supported, or a corrupt frame".into(),

@@ -29,9 +29,9 @@ const MAPS_TTL: Duration = Duration::from_millis(200);
 
 /// A Python code object's names, read from the process once.
 struct Code {
-    /// The qualname object's address when read: a freed code object's address may be
-    /// reused by another function, whose qualname differs.
-    qualname_obj: u64,
+    /// `py_names_id` of its qualname and file name objects: a freed code object's address
+    /// is reused by other functions, which the probe's reading of the same tells apart.
+    names: u64,
     qualname: String,
     filename: String,
     firstlineno: u32,
@@ -343,35 +343,40 @@ impl Resolver {
             }
             let entry = f.code & PY_FRAME_ENTRY != 0;
             let code = f.code & !(PY_FRAME_ENTRY | PY_FRAME_SHIM);
-            let id = self.python_frame(pid, code, f.instr, v);
+            let id = self.python_frame(pid, code, f.instr, f.names, v);
             out.push((id, entry));
         }
         out
     }
 
-    fn python_frame(&mut self, pid: u32, code: u64, instr: u64, v: &'static Version) -> u32 {
-        let qualname_obj =
-            memory::read_u64(pid, code + u64::from(v.probe.code_qualname)).unwrap_or(0);
-        if let Some(&id) = self.python_frames.get(&(pid, code, qualname_obj, instr)) {
+    fn python_frame(
+        &mut self,
+        pid: u32,
+        code: u64,
+        instr: u64,
+        names: u64,
+        v: &'static Version,
+    ) -> u32 {
+        if let Some(&id) = self.python_frames.get(&(pid, code, names, instr)) {
             return id;
         }
         let known = self
             .codes
             .get(&(pid, code))
-            .is_some_and(|c| c.qualname_obj == qualname_obj && qualname_obj != 0);
+            .is_some_and(|c| c.names == names);
         if !known {
-            match read_code(pid, code, qualname_obj, v) {
+            match read_code(pid, code, v).filter(|c| c.names == names) {
                 Some(c) => {
                     self.codes.insert((pid, code), c);
                 }
                 None => {
                     self.notes.insert(
-                        "some Python frames could not be named (their process had exited or changed)"
+                        "some Python frames could not be named: their code objects were freed, or their process exited, before tracer read them"
                             .into(),
                     );
                     return self.intern(Frame {
                         kind: FrameKind::Python,
-                        name: format!("[unknown code 0x{code:x}]"),
+                        name: "[unknown]".into(),
                         ..Frame::default()
                     });
                 }
@@ -389,8 +394,7 @@ impl Resolver {
             ..Frame::default()
         };
         let id = self.intern(frame);
-        self.python_frames
-            .insert((pid, code, qualname_obj, instr), id);
+        self.python_frames.insert((pid, code, names, instr), id);
         id
     }
 }
@@ -408,7 +412,9 @@ fn instruction_offset(v: &Version, code: u64, instr: u64) -> Option<u32> {
     u32::try_from(off).ok()
 }
 
-fn read_code(pid: u32, code: u64, qualname_obj: u64, v: &Version) -> Option<Code> {
+fn read_code(pid: u32, code: u64, v: &Version) -> Option<Code> {
+    let qualname_obj = memory::read_u64(pid, code + u64::from(v.probe.code_qualname)).ok()?;
+    let filename_obj = memory::read_u64(pid, code + u64::from(v.probe.code_filename)).ok()?;
     let (qualname, filename) = memory::code_names(pid, code, v).ok()?;
     let mut first = [0u8; 4];
     memory::read(pid, code + u64::from(v.probe.code_firstlineno), &mut first).ok()?;
@@ -419,7 +425,7 @@ fn read_code(pid: u32, code: u64, qualname_obj: u64, v: &Version) -> Option<Code
     let mut linetable = vec![0u8; usize::try_from(size.min(1 << 20)).ok()?];
     memory::read(pid, table + 32, &mut linetable).ok()?;
     Some(Code {
-        qualname_obj,
+        names: tracer_common::py_names_id(qualname_obj, filename_obj),
         qualname,
         filename,
         firstlineno,

@@ -521,3 +521,63 @@ fn later_sessions_name_frames_of_binaries_seen_before() {
         "{named} named, unnamed: {unnamed:?}"
     );
 }
+
+#[test]
+fn short_lived_processes_keep_their_python_frames() {
+    if !root_or_skip() {
+        return;
+    }
+    // examples/app.py runs for 30-150 ms: the daemon must read each process (its maps, its
+    // interpreter, its code objects) while it still exists.
+    let d = Daemon::start();
+    let app = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/app.py");
+    for python in interpreters() {
+        // The first process of an interpreter in a daemon's life pays for reading its binaries'
+        // symbols and unwind tables (hundreds of ms for a libpython with DWARF); then a
+        // second one, which must lose nothing to its short life.
+        let mut args = vec![
+            "start",
+            "--mode=sampling",
+            "--format",
+            "json",
+            "-o",
+            "/dev/null",
+            "--",
+        ];
+        args.extend([python.to_str().unwrap(), app.to_str().unwrap()]);
+        d.ok(&args);
+        let out = tempfile::NamedTempFile::new().unwrap();
+        d.ok(&[
+            "start",
+            "--mode=sampling",
+            "--frequency",
+            "999",
+            "--format",
+            "json",
+            "-o",
+            out.path().to_str().unwrap(),
+            "--",
+            python.to_str().unwrap(),
+            app.to_str().unwrap(),
+        ]);
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+        let u = &report["profile"]["unwinding"];
+        let (samples, python_samples) = (
+            u["samples"].as_u64().unwrap(),
+            u["python_samples"].as_u64().unwrap(),
+        );
+        println!(
+            "{}: {python_samples} of {samples} samples with Python frames: {u}",
+            python.display()
+        );
+        assert!(samples >= 10, "{}: {u}", python.display());
+        assert!(python_samples * 2 >= samples, "{}: {u}", python.display());
+        let root = u["reached_root"].as_u64().unwrap();
+        assert!(
+            root * 2 >= samples,
+            "{}: native stacks: {u}",
+            python.display()
+        );
+    }
+}

@@ -116,7 +116,8 @@ pub fn read_str(pid: u32, obj: u64, v: &Version) -> io::Result<String> {
         state & (1 << 5) != 0,
         state & (1 << 6) != 0,
     );
-    if !compact || length > 4096 {
+    // kind 1, 2 or 4 bytes per character; anything else is not a str (a stale pointer).
+    if !compact || length > 4096 || !matches!(kind, 1 | 2 | 4) && !ascii {
         return Err(io::ErrorKind::Unsupported.into());
     }
     // Non-ASCII compact strings are PyCompactUnicodeObject: utf8_length and utf8 pointer
@@ -134,11 +135,11 @@ pub fn read_str(pid: u32, obj: u64, v: &Version) -> io::Result<String> {
     Ok(match width {
         1 => buf.iter().map(|&b| char::from(b)).collect(),
         2 => buf
-            .chunks(2)
+            .chunks_exact(2)
             .filter_map(|c| char::from_u32(u32::from(u16::from_le_bytes([c[0], c[1]]))))
             .collect(),
         _ => buf
-            .chunks(4)
+            .chunks_exact(4)
             .filter_map(|c| char::from_u32(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
             .collect(),
     })

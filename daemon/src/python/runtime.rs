@@ -74,6 +74,16 @@ pub fn minor_from_name(path: &Path) -> Option<u32> {
 
 impl Runtime {
     pub fn inspect(path: &Path) -> Result<Self, RuntimeError> {
+        Self::inspect_with(path, true)
+    }
+
+    /// What reading its stacks needs (version, `_PyRuntime`, segments), without looking for
+    /// the opcode handlers to probe: quick enough for a process sampled for the first time.
+    pub fn inspect_layout(path: &Path) -> Result<Self, RuntimeError> {
+        Self::inspect_with(path, false)
+    }
+
+    fn inspect_with(path: &Path, probes: bool) -> Result<Self, RuntimeError> {
         let read_err = |reason: String| RuntimeError::Read {
             path: path.to_owned(),
             reason,
@@ -112,7 +122,7 @@ impl Runtime {
             what: EVAL_FRAME.into(),
         };
         let (mut resume, mut exit, mut table_found_by) = (Vec::new(), Vec::new(), "not needed");
-        if !version.resume_opcodes.is_empty() {
+        if probes && !version.resume_opcodes.is_empty() {
             let relocs = relative_relocations(&file);
             let (table, how) = match symbol(&file, |n| n.starts_with("opcode_targets")) {
                 Some((addr, 2048)) => (read_table(&file, &relocs, addr), "symbol"),

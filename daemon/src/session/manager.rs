@@ -165,7 +165,7 @@ impl Manager {
         // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd.
         let codes = unsafe { AsyncFd::register(ring) }
             .map_err(|e| Error::io("reading BPF Python names", e.into()))?;
-        let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?);
+        let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?, interpreters.clone());
         let manager = Manager {
             running: HashMap::new(),
             finished,

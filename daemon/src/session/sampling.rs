@@ -5,7 +5,7 @@
 //! and takes its [`Profile`] when they stop.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, HashMap},
     os::unix::fs::MetadataExt,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -15,17 +15,23 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use std::os::fd::AsRawFd;
+
 use aya::maps::{HashMap as BpfHashMap, MapData, RingBuf, StackTraceMap};
 use tracer_common::{sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON};
 
 use crate::{
     profile::{Frame, Mapping, Profile, Stack, Unwinding},
-    python::{layout::Version, memory, runtime::Runtime},
+    python::{
+        layout::Version,
+        memory,
+        runtime::{Runtime, RuntimeError},
+    },
     stacks::Resolver,
     unwind::End,
 };
 
-/// How often the worker drains the ring buffer.
+/// How long the worker waits for samples before it looks for a stop request.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 
 /// The maps the sampling program fills, taken out of the BPF object.
@@ -54,8 +60,8 @@ struct State {
     sessions: HashMap<u32, Histogram>,
     /// pid → its CPython version, None for processes that run none.
     versions: HashMap<u32, Option<&'static Version>>,
-    /// Interpreter binaries by (device, inode): `_PyRuntime`'s address and the load segments.
-    runtimes: HashMap<(u64, u64), Option<Arc<Runtime>>>,
+    /// Interpreter binaries by (device, inode); the error says whether to look again later.
+    runtimes: HashMap<(u64, u64), Result<Arc<Runtime>, bool>>,
     kernel_stacks: HashMap<u32, Vec<u64>>,
 }
 
@@ -66,7 +72,9 @@ pub struct Sampling {
 }
 
 impl Sampling {
-    pub fn spawn(maps: SamplingMaps) -> Self {
+    /// `interpreters`: the Python runtime binaries on this machine, read ahead so that the
+    /// first samples of a short-lived process already find its interpreter known.
+    pub fn spawn(maps: SamplingMaps, interpreters: Vec<std::path::PathBuf>) -> Self {
         let state = Arc::new(Mutex::new(State {
             maps,
             resolver: Resolver::new(),
@@ -75,15 +83,38 @@ impl Sampling {
             runtimes: HashMap::new(),
             kernel_stacks: HashMap::new(),
         }));
+        let started = Instant::now();
+        for path in &interpreters {
+            lock(&state).runtime(path);
+        }
+        tracing::debug!(elapsed = ?started.elapsed(), "interpreters read for sampling");
         let stop = Arc::new(AtomicBool::new(false));
         let worker = {
             let (state, stop) = (state.clone(), stop.clone());
             thread::Builder::new()
                 .name("tracer-sampling".into())
                 .spawn(move || {
+                    let fd = lock(&state).maps.samples.as_raw_fd();
                     while !stop.load(Ordering::Relaxed) {
-                        state.lock().expect("sampling state").drain();
-                        thread::sleep(DRAIN_EVERY);
+                        // Woken by the first sample: short-lived processes must be read
+                        // (maps, code objects) while they still exist.
+                        let mut pfd = libc::pollfd {
+                            fd,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        };
+                        // SAFETY: one valid pollfd; the ring buffer's fd outlives the loop.
+                        unsafe { libc::poll(&mut pfd, 1, DRAIN_EVERY.as_millis() as i32) };
+                        // A bug met by one sample must not stop sampling for good.
+                        let drained =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                lock(&state).drain()
+                            }));
+                        if drained.is_err() {
+                            tracing::error!(
+                                "the sampling worker hit a bug; samples in flight were dropped"
+                            );
+                        }
                     }
                 })
                 .expect("spawning the sampling worker")
@@ -98,9 +129,9 @@ impl Sampling {
     /// Starts a histogram for `slot`. `pids`: processes to look at now (the target, or
     /// every process for `--all`), so that their first samples already have Python frames.
     pub fn add(&self, slot: u8, frequency_hz: u64, event: &'static str, pids: &[u32]) {
-        let mut st = self.state.lock().expect("sampling state");
+        let mut st = lock(&self.state);
         for &pid in pids {
-            st.check_process(pid);
+            let _ = st.check_process(pid);
         }
         st.sessions.insert(
             u32::from(slot),
@@ -122,7 +153,7 @@ impl Sampling {
 
     /// Ends `slot`'s histogram (its perf events must be closed already) and names it.
     pub fn finish(&self, slot: u8) -> Option<Profile> {
-        let mut st = self.state.lock().expect("sampling state");
+        let mut st = lock(&self.state);
         st.drain();
         let h = st.sessions.remove(&u32::from(slot))?;
         let profile = st.profile(h);
@@ -134,7 +165,7 @@ impl Sampling {
 
     /// A process exited: what was per process goes (its samples are already counted).
     pub fn exited(&self, pid: u32) {
-        let mut st = self.state.lock().expect("sampling state");
+        let mut st = lock(&self.state);
         st.drain();
         st.versions.remove(&pid);
         st.resolver.forget(pid);
@@ -152,7 +183,9 @@ impl Drop for Sampling {
 
 impl State {
     fn drain(&mut self) {
-        let mut checked = HashSet::new();
+        // pid → when it was last looked at in this batch: once for a definite answer; a
+        // process whose libpython is not mapped yet again every millisecond.
+        let mut checked: HashMap<u32, Option<Instant>> = HashMap::new();
         loop {
             let ev = {
                 let Some(item) = self.maps.samples.next() else {
@@ -173,8 +206,16 @@ impl State {
                     b.assume_init()
                 }
             };
-            if ev.flags & sample_flag::PY_UNKNOWN_PROCESS != 0 && checked.insert(ev.pid) {
-                self.check_process(ev.pid);
+            if ev.flags & sample_flag::PY_UNKNOWN_PROCESS != 0 {
+                let due = match checked.get(&ev.pid) {
+                    None => true,
+                    Some(None) => false,
+                    Some(Some(at)) => at.elapsed() >= Duration::from_millis(1),
+                };
+                if due {
+                    let later = self.check_process(ev.pid);
+                    checked.insert(ev.pid, later.then(Instant::now));
+                }
             }
             self.count(&ev);
         }
@@ -240,43 +281,78 @@ impl State {
     }
 
     /// Tells the probe how to read `pid`'s Python stacks, or that it runs no known CPython.
-    fn check_process(&mut self, pid: u32) {
-        let found = memory::runtime_of(pid).and_then(|mapped| {
-            let key = std::fs::metadata(&mapped.path)
-                .map(|m| (m.dev(), m.ino()))
-                .ok()?;
-            let rt = self
-                .runtimes
-                .entry(key)
-                .or_insert_with(|| match Runtime::inspect(&mapped.path) {
-                    Ok(rt) => Some(Arc::new(rt)),
-                    Err(e) => {
-                        tracing::debug!(%e, "not sampling Python frames of this interpreter");
-                        None
-                    }
-                })
-                .clone()?;
-            let runtime = rt
-                .runtime_symbol?
-                .wrapping_add(rt.load_bias(mapped.start, mapped.file_offset)?);
-            Some((runtime, rt.version))
-        });
+    /// Called for a process's first samples, and again after each exec (the exec
+    /// tracepoint removes the process's entry), so what was read of its old program goes.
+    /// True when the answer may change without an exec (libpython not mapped yet).
+    fn check_process(&mut self, pid: u32) -> bool {
+        self.resolver.forget(pid);
+        let found = self.python_runtime(pid);
         let entry = match found {
-            Some((runtime, v)) => PySampleProc {
-                runtime,
-                layout: v.index,
-                _pad: 0,
-            },
-            None => PySampleProc {
-                runtime: 0,
-                layout: PY_SAMPLE_NOT_PYTHON,
-                _pad: 0,
-            },
+            Lookup::Python(runtime, v) => {
+                self.versions.insert(pid, Some(v));
+                PySampleProc {
+                    runtime,
+                    layout: v.index,
+                    _pad: 0,
+                }
+            }
+            Lookup::NotYet => {
+                // A python executable whose libpython is not loaded yet: its samples stay
+                // "unknown process" and it is looked at again.
+                self.versions.remove(&pid);
+                return true;
+            }
+            Lookup::NotPython => {
+                self.versions.insert(pid, None);
+                PySampleProc {
+                    runtime: 0,
+                    layout: PY_SAMPLE_NOT_PYTHON,
+                    _pad: 0,
+                }
+            }
         };
         if let Err(e) = self.maps.python_procs.insert(pid, entry, 0) {
             tracing::warn!(%e, pid, "PY_SAMPLE_PROCS is full: this process's Python frames are not read");
         }
-        self.versions.insert(pid, found.map(|(_, v)| v));
+        false
+    }
+
+    /// An interpreter binary's layout, read once per (device, inode); the error says
+    /// whether to look again later. None: the file cannot be read now.
+    fn runtime(&mut self, path: &std::path::Path) -> Option<Result<Arc<Runtime>, bool>> {
+        let key = std::fs::metadata(path).map(|m| (m.dev(), m.ino())).ok()?;
+        let rt = self
+            .runtimes
+            .entry(key)
+            .or_insert_with(|| match Runtime::inspect_layout(path) {
+                Ok(rt) => Ok(Arc::new(rt)),
+                Err(e) => {
+                    tracing::debug!(%e, "not sampling Python frames of this interpreter");
+                    // An executable without the eval loop links libpython, mapped later.
+                    Err(matches!(e, RuntimeError::NoEvalLoop { .. }))
+                }
+            });
+        Some(rt.clone())
+    }
+
+    fn python_runtime(&mut self, pid: u32) -> Lookup {
+        let Some(mapped) = memory::runtime_of(pid) else {
+            return Lookup::NotPython;
+        };
+        let Some(rt) = self.runtime(&mapped.path) else {
+            return Lookup::NotYet;
+        };
+        match rt {
+            Ok(rt) => match (
+                rt.runtime_symbol,
+                rt.load_bias(mapped.start, mapped.file_offset),
+            ) {
+                (Some(sym), Some(bias)) => Lookup::Python(sym.wrapping_add(bias), rt.version),
+                _ => Lookup::NotPython,
+            },
+            Err(true) => Lookup::NotYet,
+            Err(false) => Lookup::NotPython,
+        }
     }
 
     fn profile(&mut self, h: Histogram) -> Profile {
@@ -330,6 +406,20 @@ impl State {
             unwinding,
         }
     }
+}
+
+/// The state, also after a panic elsewhere left the lock poisoned.
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+enum Lookup {
+    /// `_PyRuntime`'s address and the version.
+    Python(u64, &'static Version),
+    NotYet,
+    NotPython,
 }
 
 /// The process's name (not the sampled thread's, which threads may rename).

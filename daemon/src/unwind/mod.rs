@@ -97,9 +97,11 @@ enum Key {
 enum Cached {
     Loaded(Arc<Binary>),
     /// Parsing failed (no `.eh_frame`, not x86-64): final. Opening failed (a process gone, no
-    /// access): retried after `retry_at`, but not on every sample.
+    /// access): retried after `retry_at`, but not on every sample — at once for another
+    /// process, since the one that failed may just have exited.
     Failed {
         retry_at: Option<Instant>,
+        pid: u32,
     },
 }
 
@@ -279,8 +281,11 @@ impl Unwinder {
         };
         match self.binaries.get(&key) {
             Some(Cached::Loaded(b)) => return Some(b.clone()),
-            Some(Cached::Failed { retry_at: None }) => return None,
-            Some(Cached::Failed { retry_at: Some(at) }) if Instant::now() < *at => return None,
+            Some(Cached::Failed { retry_at: None, .. }) => return None,
+            Some(Cached::Failed {
+                retry_at: Some(at),
+                pid: failed,
+            }) if Instant::now() < *at && *failed == pid => return None,
             _ => {}
         }
         if self.binaries.len() >= MAX_BINARIES {
@@ -300,11 +305,17 @@ impl Unwinder {
                     path = %entry.path, pid, error = %e, "cannot read binary for unwinding"
                 );
                 let retry_at = Some(Instant::now() + OPEN_RETRY);
-                (Cached::Failed { retry_at }, None)
+                (Cached::Failed { retry_at, pid }, None)
             }
             Err(LoadError::Format(e)) => {
                 tracing::debug!(path = %entry.path, error = %e, "no usable unwind info");
-                (Cached::Failed { retry_at: None }, None)
+                (
+                    Cached::Failed {
+                        retry_at: None,
+                        pid,
+                    },
+                    None,
+                )
             }
         };
         self.binaries.insert(key, cached);
@@ -688,7 +699,20 @@ fn open_mapped(pid: u32, entry: &MapEntry) -> io::Result<File> {
     }
     let file = match File::open(format!("/proc/{pid}/root{}", entry.path)) {
         Ok(f) => f,
-        Err(e) => return via_map_files().map_err(|_| e),
+        // The process may have exited before its samples were unwound: then the daemon's own
+        // view of the path, checked against the mapped inode.
+        Err(e) => {
+            return via_map_files()
+                .or_else(|_| -> io::Result<File> {
+                    let f = File::open(&entry.path)?;
+                    if f.metadata()?.ino() == entry.inode {
+                        Ok(f)
+                    } else {
+                        Err(io::ErrorKind::NotFound.into())
+                    }
+                })
+                .map_err(|_| e)
+        }
     };
     // A different inode at the path means the mapped file was replaced. Overlay filesystems
     // may report other numbers for the same file, so the path is still the last resort.

@@ -280,6 +280,10 @@ pub struct PySampleFrame {
     pub code: u64,
     /// 3.10: `f_lasti` (instruction index, sign-extended); 3.11+: address of the instruction.
     pub instr: u64,
+    /// `py_names_id` of the code object's qualname and file name objects when sampled: the
+    /// daemon names the frame only if the code object still has them (a freed code object's
+    /// address is soon reused by another one).
+    pub names: u64,
 }
 
 /// `SampleEvent::flags`.
@@ -400,7 +404,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<super::PyLayout>(), 18 * 4);
         assert_eq!(
             core::mem::size_of::<super::SampleEvent>(),
-            4 * 4 + 8 * 6 + 4 * 4 + 16 + 16 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES
+            4 * 4 + 8 * 6 + 4 * 4 + 16 + 24 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES
         );
         assert_eq!(
             core::mem::size_of::<super::PyStack>(),

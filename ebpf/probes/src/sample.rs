@@ -21,7 +21,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc, SampleEvent,
+    loss, py_kind, py_names_id, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc, SampleEvent,
     PY_FRAME_ENTRY, PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
 };
 
@@ -269,9 +269,17 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
     if l.frame_owner != 0 && read::<u8>(w.frame + u64::from(l.frame_owner)) == Some(FRAME_OWNED_BY_CSTACK) {
         flags |= PY_FRAME_SHIM;
     }
+    let qualname = read::<u64>(code + u64::from(l.code_qualname)).unwrap_or(0);
+    let filename = read::<u64>(code + u64::from(l.code_filename)).unwrap_or(0);
     let i = (w.depth as usize) & (SAMPLE_PY_DEPTH - 1);
     // SAFETY: `ev` is the reserved record; `i` is masked into the array.
-    unsafe { (*w.ev).py[i] = PySampleFrame { code: code | flags, instr } };
+    unsafe {
+        (*w.ev).py[i] = PySampleFrame {
+            code: code | flags,
+            instr,
+            names: py_names_id(qualname, filename),
+        }
+    };
     w.depth += 1;
     w.frame = read(w.frame + u64::from(l.frame_previous)).unwrap_or(0);
     if w.depth as usize >= SAMPLE_PY_DEPTH {

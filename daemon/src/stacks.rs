@@ -7,7 +7,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -38,14 +38,36 @@ struct Code {
     linetable: Vec<u8>,
 }
 
-/// How a sample was unwound, for the profile's unwinding statistics.
-pub struct Outcome {
-    /// Root first.
-    pub frames: Vec<u32>,
+/// A sample's stack as captured, before native and kernel frames are named: what must be
+/// read while the process lives (its maps, stack, code objects) is in it; naming, the slow
+/// part, waits for the report.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RawStack {
+    /// (binary, file offset), leaf first; binary `UNMAPPED` keeps the address.
+    pub native: Vec<(u32, u64)>,
+    /// Python frame ids, leaf first, with whether each starts a run of the eval loop.
+    pub python: Vec<(u32, bool)>,
+    /// Kernel addresses, leaf first.
+    pub kernel: Vec<u64>,
+}
+
+/// `RawStack::native` binary of an address outside every mapping.
+const UNMAPPED: u32 = u32::MAX;
+
+/// A captured sample, and how it was unwound (for the unwinding statistics).
+pub struct Captured {
+    pub raw: RawStack,
     pub end: End,
     pub python: bool,
     /// The Python chain was read whole (not cut, no failed read).
     pub python_complete: bool,
+}
+
+/// A binary seen in a sampled process, kept open so that it can be named after the
+/// process is gone (also in a container, whose root dies with it).
+struct Binary {
+    mapping: Mapping,
+    file: Option<std::fs::File>,
 }
 
 #[derive(Default)]
@@ -53,14 +75,9 @@ pub struct Resolver {
     unwinder: Unwinder,
     symbolizer: Symbolizer,
     maps: HashMap<u32, (ProcMaps, Instant)>,
-    /// Binaries by (device, inode): display path, path to open, build id.
-    binaries: Vec<Mapping>,
-    /// A path that opened each binary last (processes come and go).
-    opened: HashMap<usize, PathBuf>,
-    /// PLT stubs of each binary, read on first use.
-    plts: HashMap<usize, crate::plt::Plt>,
-    binary_ids: HashMap<(u64, u64, String), usize>,
-    native: HashMap<(usize, u64), u32>,
+    binaries: Vec<Binary>,
+    binary_ids: HashMap<(u64, u64, String), u32>,
+    native: HashMap<(u32, u64), u32>,
     kernel: HashMap<u64, u32>,
     frames: Vec<Frame>,
     frame_ids: HashMap<Frame, u32>,
@@ -82,7 +99,7 @@ impl Resolver {
     }
 
     pub fn mapping(&self, index: usize) -> &Mapping {
-        &self.binaries[index]
+        &self.binaries[index].mapping
     }
 
     /// Forgets what is per process (its maps and code objects) once it is gone.
@@ -111,29 +128,27 @@ impl Resolver {
         })
     }
 
-    /// A sample's frames, root first, without the process frame. `kernel` holds the kernel
-    /// stack's addresses, leaf first.
-    pub fn resolve(
+    /// Captures a sample: unwinds its user stack and names its Python frames, while the
+    /// process lives. `kernel` holds the kernel stack's addresses, leaf first.
+    pub fn capture(
         &mut self,
         ev: &SampleEvent,
-        kernel: &[u64],
+        kernel: Vec<u64>,
         version: Option<&'static Version>,
-    ) -> Outcome {
-        let pid = ev.pid;
+    ) -> Captured {
         let (native, end) = self.native(ev);
         let mut python = Vec::new();
         let is_python = ev.flags & sample_flag::PYTHON != 0;
         if let Some(v) = version.filter(|_| is_python) {
             let depth = (ev.py_depth as usize).min(SAMPLE_PY_DEPTH);
-            python = self.python(pid, &ev.py[..depth], v);
+            python = self.python(ev.pid, &ev.py[..depth], v);
         }
-        let mut frames = merge(&native, &python);
-        for &addr in kernel.iter().rev() {
-            let id = self.kernel_frame(addr);
-            frames.push(id);
-        }
-        Outcome {
-            frames,
+        Captured {
+            raw: RawStack {
+                native,
+                python,
+                kernel,
+            },
             end,
             python: is_python,
             python_complete: is_python
@@ -141,8 +156,128 @@ impl Resolver {
         }
     }
 
-    /// The user stack, leaf first, each frame with whether it is the eval loop.
-    fn native(&mut self, ev: &SampleEvent) -> (Vec<(u32, bool)>, End) {
+    /// A captured stack's frames, root first, without the process frame: Python frames in
+    /// place of the eval-loop frames. Its native and kernel frames must have been named
+    /// (`name_all`).
+    pub fn frames(&mut self, raw: &RawStack) -> Vec<u32> {
+        let native: Vec<(u32, bool)> = raw
+            .native
+            .iter()
+            .map(|&(b, off)| {
+                let id = match self.native.get(&(b, off)) {
+                    Some(&id) => id,
+                    None => self.intern(Frame {
+                        kind: FrameKind::Native,
+                        name: format!("[unknown] 0x{off:x}"),
+                        address: off,
+                        ..Frame::default()
+                    }),
+                };
+                (id, self.eval_frames.contains(&id))
+            })
+            .collect();
+        let mut frames = merge(&native, &raw.python);
+        for &addr in raw.kernel.iter().rev() {
+            let id = self.kernel.get(&addr).copied().unwrap_or_else(|| {
+                self.intern(Frame {
+                    kind: FrameKind::Kernel,
+                    name: format!("0x{addr:x}"),
+                    address: addr,
+                    ..Frame::default()
+                })
+            });
+            frames.push(id);
+        }
+        frames
+    }
+
+    /// Names every native and kernel address of these stacks not named before: one
+    /// symbolizer call per binary.
+    pub fn name_all<'a>(&mut self, raws: impl Iterator<Item = &'a RawStack>) {
+        let mut natives: HashMap<u32, BTreeSet<u64>> = HashMap::new();
+        let mut kernel = BTreeSet::new();
+        for raw in raws {
+            for &(b, off) in &raw.native {
+                if b != UNMAPPED && !self.native.contains_key(&(b, off)) {
+                    natives.entry(b).or_default().insert(off);
+                }
+            }
+            kernel.extend(raw.kernel.iter().filter(|a| !self.kernel.contains_key(a)));
+        }
+        for (b, offsets) in natives {
+            self.name_binary(b, offsets.into_iter().collect());
+        }
+        let kernel: Vec<u64> = kernel.into_iter().collect();
+        let syms = self.symbolizer.kernel(&kernel);
+        for (addr, sym) in kernel.into_iter().zip(syms) {
+            let id = self.intern(Frame {
+                kind: FrameKind::Kernel,
+                name: sym.map_or_else(|| format!("0x{addr:x}"), |s| s.name),
+                address: addr,
+                ..Frame::default()
+            });
+            self.kernel.insert(addr, id);
+        }
+    }
+
+    fn name_binary(&mut self, b: u32, offsets: Vec<u64>) {
+        let path = self.read_path(b);
+        let plt = std::fs::read(&path)
+            .map(|d| crate::plt::Plt::read(&d))
+            .unwrap_or_default();
+        let syms = self.symbolizer.user(&path, &offsets);
+        let display = self.binaries[b as usize].mapping.path.clone();
+        let base = display.rsplit('/').next().unwrap_or(&display).to_owned();
+        for (off, sym) in offsets.into_iter().zip(syms) {
+            let sym = plt
+                .name(off)
+                .map(|n| crate::symbolize::Sym {
+                    name: n.to_owned(),
+                    file: None,
+                    line: None,
+                })
+                .or(sym);
+            let frame = match sym {
+                Some(s) => Frame {
+                    kind: FrameKind::Native,
+                    name: s.name,
+                    file: s.file,
+                    line: s.line,
+                    mapping: Some(b as usize),
+                    address: off,
+                },
+                None => Frame {
+                    kind: FrameKind::Native,
+                    // perf's habit: an unnamed address is shown as its binary, so that the
+                    // stripped functions of one library add up in one place.
+                    name: format!("[{base}]"),
+                    mapping: Some(b as usize),
+                    address: off,
+                    ..Frame::default()
+                },
+            };
+            let eval = frame.name.starts_with("_PyEval_EvalFrameDefault");
+            let id = self.intern(frame);
+            if eval {
+                self.eval_frames.insert(id);
+            }
+            self.native.insert((b, off), id);
+        }
+    }
+
+    /// Where the daemon reads a binary: the file it opened while a process mapped it, or
+    /// (if that failed) its own view of the path.
+    fn read_path(&self, b: u32) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        let bin = &self.binaries[b as usize];
+        match &bin.file {
+            Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
+            None => PathBuf::from(&bin.mapping.path),
+        }
+    }
+
+    /// The user stack, leaf first, as (binary, file offset).
+    fn native(&mut self, ev: &SampleEvent) -> (Vec<(u32, u64)>, End) {
         let pid = ev.pid;
         if ev.ip == 0 || ev.sp < ev.stack_base {
             // A kernel thread: no user stack.
@@ -176,8 +311,7 @@ impl Resolver {
         for (i, &addr) in unwound.frames.iter().enumerate() {
             // Return addresses point after the call: name the call itself.
             let lookup = if i == 0 { addr } else { addr.saturating_sub(1) };
-            let id = self.native_frame(pid, lookup);
-            out.push((id, self.eval_frames.contains(&id)));
+            out.push(self.native_ref(pid, lookup));
         }
         (out, unwound.end)
     }
@@ -205,82 +339,22 @@ impl Resolver {
         self.maps.get(&pid).map(|(m, _)| m)
     }
 
-    fn native_frame(&mut self, pid: u32, addr: u64) -> u32 {
+    fn native_ref(&mut self, pid: u32, addr: u64) -> (u32, u64) {
         let entry = self
             .maps
             .get(&pid)
             .and_then(|(m, _)| m.find(addr))
             .map(|e| (e.path.clone(), e.dev, e.inode, e.start, e.offset));
         let Some((path, dev, inode, start, offset)) = entry else {
-            return self.intern(Frame {
-                kind: FrameKind::Native,
-                name: format!("[unknown] 0x{addr:x}"),
-                address: addr,
-                ..Frame::default()
-            });
+            return (UNMAPPED, addr);
         };
-        let binary = self.binary(pid, &path, dev, inode);
-        let file_offset = addr - start + offset;
-        if let Some(&id) = self.native.get(&(binary, file_offset)) {
-            return id;
-        }
-        let open = self.open_path(pid, binary, &path);
-        let plt = self
-            .plts
-            .entry(binary)
-            .or_insert_with(|| {
-                std::fs::read(&open)
-                    .map(|d| crate::plt::Plt::read(&d))
-                    .unwrap_or_default()
-            })
-            .name(file_offset)
-            .map(|n| crate::symbolize::Sym {
-                name: n.to_owned(),
-                file: None,
-                line: None,
-            });
-        let sym = plt
-            .or_else(|| self.symbolizer.user(&open, &[file_offset]).pop().flatten())
-            .or_else(|| {
-                // A process that is exiting may still look alive but no longer resolve its
-                // root: try the daemon's own view of the path.
-                let plain = Path::new(&path);
-                (open != plain)
-                    .then(|| self.symbolizer.user(plain, &[file_offset]).pop().flatten())
-                    .flatten()
-            });
-        let base = path.rsplit('/').next().unwrap_or(&path).to_owned();
-        let frame = match sym {
-            Some(s) => Frame {
-                kind: FrameKind::Native,
-                name: s.name,
-                file: s.file,
-                line: s.line,
-                mapping: Some(binary),
-                address: file_offset,
-            },
-            None => Frame {
-                kind: FrameKind::Native,
-                // perf's habit: an unnamed address is shown as its binary, so that the
-                // stripped functions of one library add up in one place.
-                name: format!("[{base}]"),
-                mapping: Some(binary),
-                address: file_offset,
-                ..Frame::default()
-            },
-        };
-        let eval = frame.name.starts_with("_PyEval_EvalFrameDefault");
-        let id = self.intern(frame);
-        if eval {
-            self.eval_frames.insert(id);
-        }
-        self.native.insert((binary, file_offset), id);
-        id
+        (self.binary(pid, &path, dev, inode), addr - start + offset)
     }
 
-    /// A binary's index, by its identity in the process's maps (device, inode, path), which
-    /// stays known after the process exits.
-    fn binary(&mut self, pid: u32, path: &str, (major, minor): (u32, u32), inode: u64) -> usize {
+    /// A binary's index, by its identity in the process's maps (device, inode, path). It is
+    /// opened now, through the process's root, so that it can be read once the process is
+    /// gone.
+    fn binary(&mut self, pid: u32, path: &str, (major, minor): (u32, u32), inode: u64) -> u32 {
         let key = (
             (u64::from(major) << 32) | u64::from(minor),
             inode,
@@ -289,45 +363,22 @@ impl Resolver {
         if let Some(&i) = self.binary_ids.get(&key) {
             return i;
         }
-        let i = self.binaries.len();
+        let i = self.binaries.len() as u32;
         self.binary_ids.insert(key, i);
-        let open = self.open_path(pid, i, path);
-        let build_id = self.symbolizer.build_id(&open).unwrap_or_default();
-        self.binaries.push(Mapping {
-            path: path.to_owned(),
-            build_id,
+        let file = std::fs::File::open(format!("/proc/{pid}/root{path}"))
+            .or_else(|_| std::fs::File::open(path))
+            .ok();
+        self.binaries.push(Binary {
+            mapping: Mapping {
+                path: path.to_owned(),
+                build_id: String::new(),
+            },
+            file,
         });
+        let read = self.read_path(i);
+        self.binaries[i as usize].mapping.build_id =
+            self.symbolizer.build_id(&read).unwrap_or_default();
         i
-    }
-
-    /// Where to read a binary: through this process's root (its own files, in a container
-    /// too); once it has exited, through the root of a process seen mapping it before, or
-    /// this daemon's own view of the path.
-    fn open_path(&mut self, pid: u32, binary: usize, path: &str) -> PathBuf {
-        let own = PathBuf::from(format!("/proc/{pid}/root{path}"));
-        if own.exists() {
-            self.opened.insert(binary, own.clone());
-            return own;
-        }
-        match self.opened.get(&binary) {
-            Some(p) if p.exists() => p.clone(),
-            _ => PathBuf::from(path),
-        }
-    }
-
-    fn kernel_frame(&mut self, addr: u64) -> u32 {
-        if let Some(&id) = self.kernel.get(&addr) {
-            return id;
-        }
-        let sym = self.symbolizer.kernel(&[addr]).pop().flatten();
-        let id = self.intern(Frame {
-            kind: FrameKind::Kernel,
-            name: sym.map_or_else(|| format!("0x{addr:x}"), |s| s.name),
-            address: addr,
-            ..Frame::default()
-        });
-        self.kernel.insert(addr, id);
-        id
     }
 
     /// The Python frames, leaf first, each with whether it starts a run of the eval loop.

@@ -532,20 +532,6 @@ fn short_lived_processes_keep_their_python_frames() {
     let d = Daemon::start();
     let app = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/app.py");
     for python in interpreters() {
-        // The first process of an interpreter in a daemon's life pays for reading its binaries'
-        // symbols and unwind tables (hundreds of ms for a libpython with DWARF); then a
-        // second one, which must lose nothing to its short life.
-        let mut args = vec![
-            "start",
-            "--mode=sampling",
-            "--format",
-            "json",
-            "-o",
-            "/dev/null",
-            "--",
-        ];
-        args.extend([python.to_str().unwrap(), app.to_str().unwrap()]);
-        d.ok(&args);
         let out = tempfile::NamedTempFile::new().unwrap();
         d.ok(&[
             "start",

@@ -27,7 +27,7 @@ use crate::{
         memory,
         runtime::{Runtime, RuntimeError},
     },
-    stacks::Resolver,
+    stacks::{RawStack, Resolver},
     unwind::End,
 };
 
@@ -47,7 +47,8 @@ struct Histogram {
     event: &'static str,
     started: Instant,
     start_unix_ns: u64,
-    stacks: HashMap<(u32, u32, Vec<u32>), u64>,
+    /// (pid, tid, process frame, stack as captured) → samples.
+    stacks: HashMap<(u32, u32, u32, RawStack), u64>,
     comms: HashMap<u32, String>,
     unwinding: Unwinding,
     failed: BTreeMap<String, u64>,
@@ -231,7 +232,7 @@ impl State {
             Err(_) => Vec::new(),
         };
         let version = self.versions.get(&ev.pid).copied().flatten();
-        let outcome = self.resolver.resolve(ev, &kernel, version);
+        let outcome = self.resolver.capture(ev, kernel, version);
         let comm = {
             let h = &self.sessions[&ev.slot];
             h.comms.get(&ev.pid).cloned()
@@ -241,10 +242,9 @@ impl State {
         let h = self.sessions.get_mut(&ev.slot).expect("checked above");
         h.notes.append(&mut self.resolver.notes);
         h.comms.entry(ev.pid).or_insert(comm);
-        let mut frames = Vec::with_capacity(outcome.frames.len() + 1);
-        frames.push(root);
-        frames.extend(outcome.frames);
-        *h.stacks.entry((ev.pid, ev.tid, frames)).or_default() += 1;
+        *h.stacks
+            .entry((ev.pid, ev.tid, root, outcome.raw))
+            .or_default() += 1;
         h.unwinding.samples += 1;
         match outcome.end {
             End::Root => h.unwinding.reached_root += 1,
@@ -356,11 +356,18 @@ impl State {
     }
 
     fn profile(&mut self, h: Histogram) -> Profile {
+        // Naming, once per distinct address, now that sampling is over.
+        self.resolver.name_all(h.stacks.keys().map(|k| &k.3));
+        let mut named: HashMap<(u32, u32, Vec<u32>), u64> = HashMap::new();
+        for ((pid, tid, root, raw), count) in &h.stacks {
+            let mut ids = vec![*root];
+            ids.extend(self.resolver.frames(raw));
+            *named.entry((*pid, *tid, ids)).or_default() += count;
+        }
         // Only the binaries this profile's frames point into, renumbered.
         let mut mappings: Vec<Mapping> = Vec::new();
         let mut renumber: HashMap<usize, usize> = HashMap::new();
-        let mut stacks: Vec<Stack> = h
-            .stacks
+        let mut stacks: Vec<Stack> = named
             .into_iter()
             .map(|((pid, tid, ids), count)| {
                 let frames = ids

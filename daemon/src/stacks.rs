@@ -102,6 +102,21 @@ impl Resolver {
         &self.binaries[index].mapping
     }
 
+    /// Forgets what was read of processes that are gone (an `--all` session sees many).
+    pub fn forget_exited(&mut self) {
+        let pids: BTreeSet<u32> = self
+            .maps
+            .keys()
+            .copied()
+            .chain(self.codes.keys().map(|k| k.0))
+            .collect();
+        for pid in pids {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                self.forget(pid);
+            }
+        }
+    }
+
     /// Forgets what is per process (its maps and code objects) once it is gone.
     pub fn forget(&mut self, pid: u32) {
         self.maps.remove(&pid);

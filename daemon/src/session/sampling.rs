@@ -161,6 +161,9 @@ impl Sampling {
         if st.sessions.is_empty() {
             st.forget_kernel_stacks();
         }
+        st.resolver.forget_exited();
+        st.versions
+            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
         Some(profile)
     }
 

@@ -3,7 +3,7 @@
 //! cookie (aya's perf-event attach takes no cookie, so the link is created here).
 
 use std::{
-    fs, io,
+    io,
     os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
 };
 
@@ -19,13 +19,13 @@ pub enum SamplerError {
     #[error("opening the {event} sampling event on CPU {cpu}: {source}")]
     Open {
         event: &'static str,
-        cpu: u32,
+        cpu: usize,
         #[source]
         source: io::Error,
     },
     #[error("attaching the sampling program on CPU {cpu}: {source}")]
     Attach {
-        cpu: u32,
+        cpu: usize,
         #[source]
         source: io::Error,
     },
@@ -57,19 +57,22 @@ impl Sampler {
             })?
             .as_fd()
             .as_raw_fd();
-        let cpus = online_cpus().map_err(SamplerError::Cpus)?;
-        // cycles where a PMU exists; cpu-clock (a timer) everywhere.
-        let event = match open(sys::bindings::PERF_TYPE_HARDWARE, 0, cpus[0], frequency) {
-            Ok(fd) => {
-                drop(fd);
-                "cycles"
-            }
-            Err(_) => "cpu-clock",
+        let cpus = crate::perf::online_cpus().map_err(SamplerError::Cpus)?;
+        let Some(&first_cpu) = cpus.first() else {
+            return Err(SamplerError::Cpus(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "no online CPU",
+            )));
         };
-        let (type_, config) = if event == "cycles" {
-            (sys::bindings::PERF_TYPE_HARDWARE, 0)
+        // cycles where a PMU exists; cpu-clock (a timer) everywhere. The first CPU's event
+        // tells, and is kept.
+        let hardware = sys::bindings::PERF_TYPE_HARDWARE;
+        let mut first = open(hardware, 0, first_cpu, frequency).ok();
+        let (event, type_, config) = if first.is_some() {
+            ("cycles", hardware, 0)
         } else {
             (
+                "cpu-clock",
                 sys::bindings::PERF_TYPE_SOFTWARE,
                 u64::from(sys::bindings::PERF_COUNT_SW_CPU_CLOCK),
             )
@@ -77,11 +80,11 @@ impl Sampler {
         let cookie = sample_cookie::make(slot, all);
         let (mut links, mut events) = (Vec::new(), Vec::new());
         for cpu in cpus {
-            let fd = open(type_, config, cpu, frequency).map_err(|source| SamplerError::Open {
-                event,
-                cpu,
-                source,
-            })?;
+            let fd = match first.take() {
+                Some(fd) => fd,
+                None => open(type_, config, cpu, frequency)
+                    .map_err(|source| SamplerError::Open { event, cpu, source })?,
+            };
             let link = link(prog_fd, fd.as_raw_fd(), cookie)
                 .map_err(|source| SamplerError::Attach { cpu, source })?;
             // SAFETY: ioctl on a perf event fd we own.
@@ -103,7 +106,7 @@ impl Sampler {
 }
 
 /// A disabled, frequency-driven sampling event for every task on one CPU.
-fn open(type_: u32, config: u64, cpu: u32, frequency: u64) -> io::Result<OwnedFd> {
+fn open(type_: u32, config: u64, cpu: usize, frequency: u64) -> io::Result<OwnedFd> {
     let mut attr = sys::bindings::perf_event_attr::default();
     attr.type_ = type_;
     attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
@@ -164,31 +167,4 @@ fn link(prog_fd: i32, perf_fd: i32, cookie: u64) -> io::Result<OwnedFd> {
     }
     // SAFETY: a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// `/sys/devices/system/cpu/online`: ranges like `0-3,6`.
-fn online_cpus() -> io::Result<Vec<u32>> {
-    parse_cpus(&fs::read_to_string("/sys/devices/system/cpu/online")?)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad CPU list"))
-}
-
-fn parse_cpus(text: &str) -> Option<Vec<u32>> {
-    let mut out = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => out.extend(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?),
-            None => out.push(part.parse().ok()?),
-        }
-    }
-    (!out.is_empty()).then_some(out)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn cpu_lists_parse() {
-        assert_eq!(super::parse_cpus("0-3,6\n"), Some(vec![0, 1, 2, 3, 6]));
-        assert_eq!(super::parse_cpus("0"), Some(vec![0]));
-        assert_eq!(super::parse_cpus(""), None);
-    }
 }

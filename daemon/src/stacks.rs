@@ -111,7 +111,7 @@ impl Resolver {
             .chain(self.codes.keys().map(|k| k.0))
             .collect();
         for pid in pids {
-            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            if !crate::process::alive(pid) {
                 self.forget(pid);
             }
         }

@@ -185,6 +185,18 @@ impl Daemon {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// The id of the session `tracerctl list` shows first (the newest), or of the newest
+    /// one whose row contains `filter`.
+    pub fn newest_session(&self, filter: &str) -> String {
+        let list = self.ok(&["list"]);
+        list.lines()
+            .skip(1)
+            .find(|l| l.contains(filter))
+            .and_then(|l| l.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no session matching '{filter}' in:\n{list}"))
+            .to_owned()
+    }
+
     /// Runs tracerctl as another user.
     pub fn run_as(&self, uid: u32, gid: u32, args: &[&str], ctl: &Path) -> Output {
         let mut cmd = Command::new(ctl);

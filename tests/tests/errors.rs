@@ -239,15 +239,7 @@ fn a_client_killed_mid_stream_harms_nothing() {
     std::thread::sleep(Duration::from_millis(300));
     watcher.0.kill().unwrap();
     watcher.0.wait().unwrap();
-    let list = d.ok(&["list"]);
-    let id = list
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let id = d.newest_session("");
     // The session goes on, and another one works alongside it.
     assert!(d.ok(&["status", &id]).contains("state:     running"));
     let report = d.ok(&[

@@ -56,25 +56,35 @@ fn py_spy() -> PathBuf {
     p
 }
 
-/// tracer's folded stacks for `python script args` run under a sampling session.
-fn tracer_folded(d: &Daemon, python: &Path, script: &Path, args: &[&str], hz: &str) -> Folded {
+/// The report, in `format`, of a sampling session at `hz` of `command` run under tracer.
+fn sampled(d: &Daemon, hz: &str, format: &str, command: &[&str]) -> String {
     let out = tempfile::NamedTempFile::new().unwrap();
-    let mut cmd: Vec<&str> = vec![
+    let mut args = vec![
         "start",
         "--mode=sampling",
         "--frequency",
         hz,
         "--format",
-        "folded",
+        format,
         "-o",
         out.path().to_str().unwrap(),
         "--",
-        python.to_str().unwrap(),
-        script.to_str().unwrap(),
     ];
-    cmd.extend(args);
-    d.ok(&cmd);
-    parse_folded(&std::fs::read_to_string(out.path()).unwrap())
+    args.extend(command);
+    d.ok(&args);
+    std::fs::read_to_string(out.path()).unwrap()
+}
+
+/// tracer's folded stacks for `python script args` run under a sampling session.
+fn tracer_folded(d: &Daemon, python: &Path, script: &Path, args: &[&str], hz: &str) -> Folded {
+    let mut command = vec![python.to_str().unwrap(), script.to_str().unwrap()];
+    command.extend(args);
+    parse_folded(&sampled(d, hz, "folded", &command))
+}
+
+/// tracer's JSON report of a sampling session of `command`.
+fn tracer_json(d: &Daemon, hz: &str, command: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&sampled(d, hz, "json", command)).unwrap()
 }
 
 #[test]
@@ -210,21 +220,15 @@ fn every_busy_thread_is_sampled() {
     }
     let d = Daemon::start();
     let python = tracer_tests::python();
-    let out = tempfile::NamedTempFile::new().unwrap();
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--format",
-        "json",
-        "-o",
-        out.path().to_str().unwrap(),
-        "--",
-        python.to_str().unwrap(),
-        script("sample_threads.py").to_str().unwrap(),
-        "2",
-    ]);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+    let report = tracer_json(
+        &d,
+        "99",
+        &[
+            python.to_str().unwrap(),
+            script("sample_threads.py").to_str().unwrap(),
+            "2",
+        ],
+    );
     let stacks = report["profile"]["stacks"].as_array().unwrap();
     for worker in ["worker_a", "worker_b", "worker_c"] {
         let tids: std::collections::BTreeSet<u64> = stacks
@@ -267,7 +271,7 @@ fn all_processes_get_root_frames_and_pprof_parses() {
             .arg("30"),
     );
     let pid = target.pid();
-    let id = d.ok(&[
+    d.ok(&[
         "start",
         "--mode=sampling",
         "--all",
@@ -279,16 +283,7 @@ fn all_processes_get_root_frames_and_pprof_parses() {
         "-o",
         "/dev/null",
     ]);
-    let _ = id;
-    let list = d.ok(&["list"]);
-    let id = list
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_owned();
+    let id = d.newest_session("");
     let folded = parse_folded(&d.ok(&["report", &id, "--format", "folded"]));
     let root = format!("(pid {pid})");
     let ours: u64 = folded
@@ -419,7 +414,7 @@ fn attaches_to_a_running_process_and_refuses_bad_requests() {
     ]);
     assert!(e.contains("0"), "{e}");
     // A counting session has no stacks to draw.
-    let id = d.ok(&[
+    d.ok(&[
         "start",
         "--mode=counting",
         "--pid",
@@ -432,14 +427,7 @@ fn attaches_to_a_running_process_and_refuses_bad_requests() {
         "-o",
         "/dev/null",
     ]);
-    let _ = id;
-    let list = d.ok(&["list"]);
-    let counting = list
-        .lines()
-        .find(|l| l.contains("counting"))
-        .and_then(|l| l.split_whitespace().next())
-        .unwrap()
-        .to_owned();
+    let counting = d.newest_session("counting");
     let e = err(&["report", &counting, "--format", "svg"]);
     assert!(e.contains("for sampling sessions"), "{e}");
 }
@@ -461,37 +449,16 @@ fn later_sessions_name_frames_of_binaries_seen_before() {
     let d = Daemon::start();
     // The first process maps libpython and exits; the second one's new addresses in the same
     // binary must still be named.
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--frequency",
-        "999",
-        "--format",
-        "json",
-        "-o",
-        "/dev/null",
-        "--",
-        python.to_str().unwrap(),
-        "-c",
-        "pass",
-    ]);
-    let out = tempfile::NamedTempFile::new().unwrap();
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--frequency",
+    tracer_json(&d, "999", &[python.to_str().unwrap(), "-c", "pass"]);
+    let report = tracer_json(
+        &d,
         "499",
-        "--format",
-        "json",
-        "-o",
-        out.path().to_str().unwrap(),
-        "--",
-        python.to_str().unwrap(),
-        script("sample_workload.py").to_str().unwrap(),
-        "1",
-    ]);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+        &[
+            python.to_str().unwrap(),
+            script("sample_workload.py").to_str().unwrap(),
+            "1",
+        ],
+    );
     let p = &report["profile"];
     let libpython: Vec<u64> = p["mappings"]
         .as_array()
@@ -532,22 +499,11 @@ fn short_lived_processes_keep_their_python_frames() {
     let d = Daemon::start();
     let app = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/app.py");
     for python in interpreters() {
-        let out = tempfile::NamedTempFile::new().unwrap();
-        d.ok(&[
-            "start",
-            "--mode=sampling",
-            "--frequency",
+        let report = tracer_json(
+            &d,
             "999",
-            "--format",
-            "json",
-            "-o",
-            out.path().to_str().unwrap(),
-            "--",
-            python.to_str().unwrap(),
-            app.to_str().unwrap(),
-        ]);
-        let report: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+            &[python.to_str().unwrap(), app.to_str().unwrap()],
+        );
         let u = &report["profile"]["unwinding"];
         let (samples, python_samples) = (
             u["samples"].as_u64().unwrap(),

@@ -381,14 +381,22 @@ impl Manager {
             }
         }
         let loss_base = self.bpf.losses();
-        let counting = match (sampling, counting::Counting::open(&specs, &scope, pid)) {
-            (true, _) => None,
-            (false, Ok(c)) => Some(c),
-            (false, Err(e)) => {
+        // Sampling sessions count nothing.
+        let counting = match (!sampling)
+            .then(|| counting::Counting::open(&specs, &scope, pid))
+            .transpose()
+        {
+            Ok(c) => c,
+            Err(e) => {
                 self.release(slot);
                 return Err(e);
             }
         };
+        // Followed first, checked after: an exit from here on arrives as an event.
+        if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
+            self.release(slot);
+            return Err(Error::NoSuchProcess { pid });
+        }
         let sampler = match (frequency, slot) {
             (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz) {
                 Ok(s) => Some(s),
@@ -399,11 +407,6 @@ impl Manager {
             },
             _ => None,
         };
-        // Followed first, checked after: an exit from here on arrives as an event.
-        if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
-            self.release(slot);
-            return Err(Error::NoSuchProcess { pid });
-        }
         let python = if python {
             match self.start_python(pid, target.launched) {
                 Ok(py) => Some(py),

@@ -162,8 +162,7 @@ impl Sampling {
             st.forget_kernel_stacks();
         }
         st.resolver.forget_exited();
-        st.versions
-            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
+        st.versions.retain(|&pid, _| crate::process::alive(pid));
         Some(profile)
     }
 
@@ -434,12 +433,10 @@ enum Lookup {
 
 /// The process's name (not the sampled thread's, which threads may rename).
 fn process_comm(pid: u32, thread_comm: &[u8; 16]) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm"))
-        .map(|s| s.trim_end().to_owned())
-        .unwrap_or_else(|_| {
-            let len = thread_comm.iter().position(|&b| b == 0).unwrap_or(16);
-            String::from_utf8_lossy(&thread_comm[..len]).into_owned()
-        })
+    crate::process::comm(pid).unwrap_or_else(|| {
+        let len = thread_comm.iter().position(|&b| b == 0).unwrap_or(16);
+        String::from_utf8_lossy(&thread_comm[..len]).into_owned()
+    })
 }
 
 fn end_reason(end: &End) -> String {

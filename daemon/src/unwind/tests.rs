@@ -13,6 +13,27 @@ use std::{
 
 use super::*;
 
+/// The instruction pointer, stack pointer and frame pointer where the macro stands.
+macro_rules! regs_here {
+    () => {{
+        let (ip, sp, bp): (u64, u64, u64);
+        // SAFETY: only reads registers.
+        #[allow(unused_unsafe)]
+        unsafe {
+            asm!(
+                "lea {ip}, [rip]",
+                "mov {sp}, rsp",
+                "mov {bp}, rbp",
+                ip = out(reg) ip,
+                sp = out(reg) sp,
+                bp = out(reg) bp,
+                options(nomem, nostack, preserves_flags),
+            );
+        }
+        Regs { ip, sp, bp }
+    }};
+}
+
 /// Registers and stack bytes captured inside a function, as the BPF program would.
 struct Capture {
     regs: Regs,
@@ -39,19 +60,7 @@ fn mapping_end(addr: u64) -> u64 {
 fn unwind_test_chain_c(max_copy: usize) -> Capture {
     let here = 0u8;
     let top = mapping_end(&here as *const u8 as u64);
-    let (ip, sp, bp): (u64, u64, u64);
-    // SAFETY: only reads registers.
-    unsafe {
-        asm!(
-            "lea {ip}, [rip]",
-            "mov {sp}, rsp",
-            "mov {bp}, rbp",
-            ip = out(reg) ip,
-            sp = out(reg) sp,
-            bp = out(reg) bp,
-            options(nomem, nostack, preserves_flags),
-        );
-    }
+    let Regs { ip, sp, bp } = regs_here!();
     let len = max_copy.min((top - sp) as usize);
     let mut stack = vec![0u8; len];
     // SAFETY: [sp, top) is this thread's mapped stack; the frames above sp are live and
@@ -408,17 +417,7 @@ extern "C" fn on_sigprof(_: libc::c_int, _: *mut libc::siginfo_t, ctx: *mut libc
     unsafe {
         let regs = if IN_HANDLER.load(Ordering::Relaxed) {
             // Sampled here instead: the walk must cross the kernel's signal frame.
-            let (ip, sp, bp): (u64, u64, u64);
-            asm!(
-                "lea {ip}, [rip]",
-                "mov {sp}, rsp",
-                "mov {bp}, rbp",
-                ip = out(reg) ip,
-                sp = out(reg) sp,
-                bp = out(reg) bp,
-                options(nomem, nostack, preserves_flags),
-            );
-            Regs { ip, sp, bp }
+            regs_here!()
         } else {
             let gregs = &(*(ctx as *const libc::ucontext_t)).uc_mcontext.gregs;
             Regs {

@@ -193,18 +193,19 @@ pub(crate) fn layout(index: u32) -> Option<&'static PyLayout> {
 /// The thread's current frame, without counting a failed read as a loss (the sampler
 /// reports its own failures). 3.10: `tstate->frame`.
 pub(crate) fn current_frame_quiet(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
-    let read = |a: u64| unsafe { bpf_probe_read_user(a as *const u64) }.map_err(|_| ());
-    if layout.kind == py_kind::CFRAME {
-        read(read(tstate + u64::from(layout.tstate_cframe))? + u64::from(layout.cframe_current_frame))
-    } else {
-        read(tstate + u64::from(layout.tstate_current_frame))
-    }
+    // SAFETY: as in `read`.
+    frame_of(tstate, layout, |a| unsafe { bpf_probe_read_user(a as *const u64) }.map_err(|_| ()))
 }
 
 /// The thread's current interpreter frame (3.11+).
 fn current_frame(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
+    frame_of(tstate, layout, read)
+}
+
+#[inline(always)]
+fn frame_of(tstate: u64, layout: &PyLayout, read: impl Fn(u64) -> Result<u64, ()>) -> Result<u64, ()> {
     if layout.kind == py_kind::CFRAME {
-        let cframe: u64 = read(tstate + u64::from(layout.tstate_cframe))?;
+        let cframe = read(tstate + u64::from(layout.tstate_cframe))?;
         read(cframe + u64::from(layout.cframe_current_frame))
     } else {
         read(tstate + u64::from(layout.tstate_current_frame))

@@ -13,7 +13,7 @@ use tokio_stream::StreamExt;
 use tracer_proto::{
     target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode,
     ReportFormat, SamplingOptions, SessionInfo, SessionRef, SessionState, StartSessionRequest,
-    Target, WatchSessionRequest,
+    StreamEventsRequest, Target, TracingOptions, WatchSessionRequest,
 };
 
 /// Control tracerd: start profiling sessions, follow them, fetch their reports.
@@ -50,6 +50,8 @@ enum Command {
     },
     /// What this machine and daemon can do.
     Capabilities,
+    /// Print a running tracing session's events as they are recorded, until it ends.
+    Watch { id: String },
 }
 
 #[derive(Args)]
@@ -70,6 +72,15 @@ struct StartArgs {
     /// libc:malloc, 'libcuda:cuLaunchKernel*', ./app:parse (repeatable; * and ? glob).
     #[arg(long = "uprobe", value_name = "BINARY_OR_LIB:SYMBOL")]
     uprobes: Vec<String>,
+    /// Tracing: MiB of events kept in memory before they go to the trace file (default 64).
+    #[arg(long, value_name = "MIB")]
+    buffer_mb: Option<u32>,
+    /// Tracing: the trace file's size limit in MiB (default 4096); events past it are lost.
+    #[arg(long, value_name = "MIB")]
+    max_file_mb: Option<u32>,
+    /// Tracing: period of the perf counter readings (--events), e.g. 10ms, 1s (default 100ms).
+    #[arg(long, value_parser = duration::parse_ms)]
+    interval: Option<u64>,
     /// Stop after this long: 500ms, 30s, 5m, 1h (at most 24h).
     #[arg(long, value_parser = duration::parse_ms)]
     duration: Option<u64>,
@@ -135,6 +146,10 @@ enum FormatArg {
     Speedscope,
     /// Sampling: an SVG flame graph.
     Svg,
+    /// Tracing: Chrome trace event JSON (Perfetto UI, chrome://tracing).
+    Chrome,
+    /// Tracing: Perfetto's protobuf trace (Perfetto UI, trace_processor); use with -o.
+    Perfetto,
 }
 
 fn main() -> ExitCode {
@@ -232,6 +247,34 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
             report(&mut client, id, &out).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Watch { id } => {
+            let mut stream = client
+                .stream_events(StreamEventsRequest { id: id.clone() })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            // Events recorded from here on are shown; said on stderr so scripts can wait for it.
+            eprintln!("tracerctl: watching session {id}");
+            let mut missed = 0;
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            while let Some(batch) = stream.next().await {
+                let batch = batch.map_err(status_err)?;
+                use std::io::Write;
+                for e in &batch.events {
+                    // A closed pipe (`| head`) ends the watch quietly.
+                    if writeln!(out, "{}", render::event(e)).is_err() {
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                }
+                let _ = out.flush();
+                missed = batch.missed;
+            }
+            drop(out);
+            if missed > 0 {
+                eprintln!("tracerctl: {missed} events went by faster than this terminal could print them (the trace has them all)");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Capabilities => {
             let c = client
                 .get_capabilities(GetCapabilitiesRequest {})
@@ -277,6 +320,16 @@ async fn start(
         sampling: args
             .frequency
             .map(|hz| SamplingOptions { frequency_hz: hz }),
+        tracing: (args.buffer_mb.is_some()
+            || args.max_file_mb.is_some()
+            || args.interval.is_some())
+        .then(|| TracingOptions {
+            buffer_mb: args.buffer_mb.unwrap_or(0),
+            max_file_mb: args.max_file_mb.unwrap_or(0),
+            counter_interval_ms: args
+                .interval
+                .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
+        }),
     };
     let session = match client.start_session(req).await {
         Ok(s) => s.into_inner(),
@@ -366,6 +419,8 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Pprof => ReportFormat::Pprof,
         FormatArg::Speedscope => ReportFormat::Speedscope,
         FormatArg::Svg => ReportFormat::Svg,
+        FormatArg::Chrome => ReportFormat::Chrome,
+        FormatArg::Perfetto => ReportFormat::Perfetto,
     };
     let mut stream = client
         .get_report(GetReportRequest {

@@ -83,6 +83,14 @@ pub fn status(s: &SessionInfo) -> String {
         s.live_processes, s.exited_processes
     );
     let _ = writeln!(out, "events:    {}", s.events);
+    if s.mode == tracer_proto::Mode::Tracing as i32 {
+        let _ = writeln!(
+            out,
+            "trace:     {} events, {:.1} MiB",
+            s.trace_events,
+            s.trace_bytes as f64 / (1u64 << 20) as f64
+        );
+    }
     let losses = if s.losses.is_empty() {
         "none".to_owned()
     } else {
@@ -115,12 +123,17 @@ pub fn status(s: &SessionInfo) -> String {
 /// One line for a terminal's live progress.
 pub fn progress(s: &SessionInfo) -> String {
     let lost: u64 = s.losses.iter().map(|l| l.count).sum();
+    let events = if s.mode == tracer_proto::Mode::Tracing as i32 {
+        s.trace_events
+    } else {
+        s.events
+    };
     format!(
         "[tracer {}] {} elapsed · {} processes · {} events · {} lost",
         s.id,
         secs(s.elapsed_ms),
         s.live_processes,
-        s.events,
+        events,
         lost
     )
 }
@@ -165,4 +178,33 @@ pub fn capabilities(c: &Capabilities) -> String {
         );
     }
     out
+}
+
+/// One line per live event, as `tracerctl watch` prints them.
+pub fn event(e: &tracer_proto::TraceEvent) -> String {
+    use tracer_proto::trace_event::Kind;
+    let at = format!(
+        "{}.{:06}",
+        e.start_ns / 1_000_000_000,
+        e.start_ns / 1000 % 1_000_000
+    );
+    match e.kind() {
+        Kind::PythonCall => format!(
+            "{at} {:>7}/{:<7} py     {} ({}:{}) {:.3} ms{}",
+            e.pid,
+            e.tid,
+            e.name,
+            e.file,
+            e.line,
+            e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6,
+            if e.exit_inferred {
+                " [exit inferred]"
+            } else {
+                ""
+            }
+        ),
+        Kind::NativeCall => format!("{at} {:>7}/{:<7} native {}", e.pid, e.tid, e.name),
+        Kind::Counter => format!("{at} {:>7}         counter {} = {}", e.pid, e.name, e.value),
+        Kind::Unspecified => format!("{at} {:>7}/{:<7} ?", e.pid, e.tid),
+    }
 }

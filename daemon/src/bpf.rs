@@ -17,7 +17,7 @@ use aya::{
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
     globals, loss, native_cookie, py_role, NativeCallKey, ProcEvent, PyCallKey, PyCallStats,
-    PyEdgeKey, PyLayout, PySampleProc, SessionMask,
+    PyEdgeKey, PyLayout, PySampleProc, PyStack, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -64,6 +64,9 @@ pub struct Bpf {
     pub py_edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
     py_codes: Option<RingBuf<MapData>>,
     py_sessions: Array<MapData, [SessionMask; 2]>,
+    /// Threads' shadow stacks of Python frames, read when a tracing session ends.
+    pub py_stacks: HashMap<MapData, u32, PyStack>,
+    trace_sessions: Array<MapData, SessionMask>,
     // Kept open: programs loaded later refer to every map by fd.
     _py_layouts: Array<MapData, PyLayout>,
     py_loaded: bool,
@@ -87,7 +90,8 @@ fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
 }
 
 impl Bpf {
-    pub fn load() -> Result<Self, BpfError> {
+    /// `trace_ring_bytes`: size of the tracing ring buffer (a power of two, at least a page).
+    pub fn load(trace_ring_bytes: u32) -> Result<Self, BpfError> {
         ensure_tracefs()?;
         let newtask = TracepointFormat::read("task", "task_newtask");
         let exit = TracepointFormat::read("sched", "sched_process_exit");
@@ -99,6 +103,7 @@ impl Bpf {
             Err(e) => (u32::MAX, Some(e.to_string())),
         };
         let mut ebpf = EbpfLoader::new()
+            .map_max_entries("TRACE_EVENTS", trace_ring_bytes)
             .override_global(globals::TASK_FSBASE_OFFSET, &fsbase_off, true)
             .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
             .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
@@ -133,6 +138,8 @@ impl Bpf {
             py_edges: take(&mut ebpf, "PY_EDGES")?,
             py_codes: Some(take(&mut ebpf, "PY_CODES")?),
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
+            py_stacks: take(&mut ebpf, "PY_STACKS")?,
+            trace_sessions: take(&mut ebpf, "TRACE_SESSIONS")?,
             _py_layouts: layouts,
             py_loaded: false,
             native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
@@ -151,6 +158,21 @@ impl Bpf {
         self.py_sessions
             .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// Sets which session slots are tracing (their probes emit events).
+    pub fn set_tracing_sessions(&mut self, mask: SessionMask) -> Result<(), BpfError> {
+        self.trace_sessions
+            .set(0, mask, 0)
+            .map_err(map_err("TRACE_SESSIONS"))
+    }
+
+    /// The maps trace events come through, for the tracing worker; taken once.
+    pub fn take_tracing(&mut self) -> Result<crate::session::tracing::TracingMaps, BpfError> {
+        Ok(crate::session::tracing::TracingMaps {
+            events: take(&mut self.ebpf, "TRACE_EVENTS")?,
+            drops: take(&mut self.ebpf, "TRACE_DROPS")?,
+        })
     }
 
     /// The maps the sampling program fills, for the sampling worker; taken once.
@@ -190,9 +212,12 @@ impl Bpf {
     }
 
     /// Attaches the Python probes to one interpreter binary, for every process that maps it.
+    /// `path`: where the binary is reachable now (the runtime may have been inspected through
+    /// a process that has exited since, and its `/proc/PID/root` path with it).
     pub fn attach_python(
         &mut self,
         rt: &Runtime,
+        path: &Path,
     ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
         const ENTRY: &str = "tracer_py_eval_entry";
         const RETURN: &str = "tracer_py_eval_return";
@@ -230,7 +255,7 @@ impl Bpf {
             };
             match self
                 .uprobe(name)?
-                .attach(at, &rt.path, UProbeScope::AllProcesses)
+                .attach(at, path, UProbeScope::AllProcesses)
             {
                 Ok(link) => links.push((name, link)),
                 Err(e) => {
@@ -410,6 +435,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::NATIVE_CALLS_FULL => "native_calls_map_full",
         loss::PY_EDGES_FULL => "python_callers_map_full",
         loss::SAMPLES_RINGBUF_FULL => "samples_ringbuf_full",
+        loss::TRACE_RINGBUF_FULL => "trace_ringbuf_full",
         _ => "unknown",
     }
 }

@@ -55,7 +55,11 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
         hardware_counters,
         perf_events,
         interpreters,
-        modes: vec![Mode::Counting.into(), Mode::Sampling.into()],
+        modes: vec![
+            Mode::Counting.into(),
+            Mode::Sampling.into(),
+            Mode::Tracing.into(),
+        ],
         perf_event_paranoid: std::fs::read_to_string("/proc/sys/kernel/perf_event_paranoid")
             .ok()
             .and_then(|s| s.trim().parse().ok())

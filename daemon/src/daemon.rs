@@ -25,7 +25,12 @@ pub struct Config {
     pub listen: Option<String>,
     /// Group allowed to use the socket besides root.
     pub group: Option<String>,
+    /// Size of the kernel ring buffer tracing events pass through, in MiB (a power of two):
+    /// what absorbs bursts while the daemon catches up.
+    pub trace_ring_mb: u32,
 }
+
+pub const DEFAULT_TRACE_RING_MB: u32 = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -39,6 +44,8 @@ pub enum DaemonError {
     },
     #[error("no group named '{0}'")]
     NoSuchGroup(String),
+    #[error("--trace-ring-mb wants a power of two from 1 to 1024, got {0}")]
+    BadTraceRing(u32),
     #[error("--listen wants tcp://HOST:PORT, got '{0}'")]
     BadListen(String),
     #[error("cannot listen on {addr}: {source}")]
@@ -65,7 +72,11 @@ pub async fn run(
     let tcp = config.listen.as_deref().map(parse_listen).transpose()?;
     claim_socket(&config.socket)?;
     let store = Store::open(&config.state_dir)?;
-    let bpf = Bpf::load()?;
+    let ring_mb = config.trace_ring_mb;
+    if !ring_mb.is_power_of_two() || ring_mb > 1024 {
+        return Err(DaemonError::BadTraceRing(ring_mb));
+    }
+    let bpf = Bpf::load(ring_mb << 20)?;
     let gid = config
         .group
         .as_deref()
@@ -95,7 +106,8 @@ pub async fn run(
         .map(|i| i.runtime_path.clone().into())
         .collect();
     let caps = Arc::new(caps);
-    let (sessions, manager_task) = Manager::spawn(store, bpf, interpreters)?;
+    let (sessions, manager_task) =
+        Manager::spawn(store, bpf, interpreters, config.state_dir.join("traces"))?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;

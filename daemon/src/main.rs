@@ -22,6 +22,10 @@ struct Args {
     /// Group whose members may use the socket besides root.
     #[arg(long)]
     group: Option<String>,
+    /// Size of the kernel ring buffer that tracing events pass through, in MiB (a power of
+    /// two): it absorbs bursts while tracerd catches up; past it, events are counted lost.
+    #[arg(long, default_value_t = daemon::DEFAULT_TRACE_RING_MB)]
+    trace_ring_mb: u32,
     /// Print where Python call counting would probe this interpreter binary (libpython or
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
     #[arg(long, value_name = "PATH")]
@@ -58,6 +62,7 @@ fn main() {
         state_dir: args.state_dir,
         listen: args.listen,
         group: args.group,
+        trace_ring_mb: args.trace_ring_mb,
     };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     if let Err(e) = rt.block_on(daemon::run(config, shutdown_signal())) {

@@ -39,6 +39,17 @@ pub fn threads(pid: u32) -> io::Result<Vec<u32>> {
     Ok(tids)
 }
 
+/// The process a thread belongs to.
+pub fn tgid(tid: u32) -> Option<u32> {
+    fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The command name of `pid`, for reports.
 pub fn comm(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/comm"))

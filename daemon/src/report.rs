@@ -23,6 +23,10 @@ pub struct Report {
     /// Stack samples (sampling mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<crate::profile::Profile>,
+    /// Every event, with its time (tracing mode): a summary and the names; the events are in
+    /// the trace file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<crate::trace::Trace>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -208,6 +212,30 @@ impl Report {
         );
         if let Some(err) = &s.error {
             let _ = writeln!(out, "error: {err}");
+        }
+        if let Some(t) = &self.trace {
+            let _ = writeln!(
+                out,
+                "\n Trace: {} events ({} Python calls, {} native calls, {} counter readings) over {}",
+                group(t.events),
+                group(t.python_calls),
+                group(t.native_calls),
+                group(t.counter_readings),
+                seconds(t.end_ns.saturating_sub(t.start_ns) / 1_000_000)
+            );
+            if t.exits_inferred + t.unfinished > 0 {
+                let _ = writeln!(
+                    out,
+                    " {} calls left by an exception (exit time inferred), {} still running at the end",
+                    group(t.exits_inferred),
+                    group(t.unfinished)
+                );
+            }
+            let _ = writeln!(
+                out,
+                " Timeline: tracerctl report {} --format chrome -o trace.json (or --format perfetto)",
+                s.id
+            );
         }
         if !self.counters.is_empty() {
             let _ = writeln!(out, "\n Performance counter stats:\n");

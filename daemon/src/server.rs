@@ -6,9 +6,9 @@ use tokio::sync::mpsc;
 use tokio_stream::{wrappers::ReceiverStream, Stream};
 use tonic::{transport::server::UdsConnectInfo, Request, Response, Status};
 use tracer_proto::{
-    tracer_server::Tracer, Capabilities, GetCapabilitiesRequest, GetReportRequest,
+    tracer_server::Tracer, Capabilities, EventBatch, GetCapabilitiesRequest, GetReportRequest,
     ListSessionsRequest, ListSessionsResponse, ReportChunk, ReportFormat, SessionInfo, SessionRef,
-    SessionState, StartSessionRequest, WatchSessionRequest,
+    SessionState, StartSessionRequest, StreamEventsRequest, WatchSessionRequest,
 };
 
 use crate::{access::Caller, session::manager::Handle};
@@ -147,6 +147,17 @@ impl Tracer for Service {
             let r = req.get_ref();
             p.retain(&r.pids, &r.tids, &r.comm);
         }
+        if matches!(format, ReportFormat::Chrome | ReportFormat::Perfetto) {
+            let Some(trace) = report.trace.take() else {
+                return Err(Status::failed_precondition(
+                    "chrome and perfetto are for tracing sessions; this one recorded no trace",
+                ));
+            };
+            return Ok(Response::new(stream_export(move |w| match format {
+                ReportFormat::Chrome => crate::export::chrome::write(&trace, w),
+                _ => crate::export::perfetto::write(&trace, w),
+            })));
+        }
         let bytes = match format {
             ReportFormat::Unspecified | ReportFormat::Table => {
                 report.to_table_limited(limit).into_bytes()
@@ -160,6 +171,7 @@ impl Tracer for Service {
                     ))
                 }
             },
+            ReportFormat::Chrome | ReportFormat::Perfetto => unreachable!("streamed above"),
             ReportFormat::Folded
             | ReportFormat::Pprof
             | ReportFormat::Speedscope
@@ -187,10 +199,75 @@ impl Tracer for Service {
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
+    type StreamEventsStream = Stream2<EventBatch>;
+
+    async fn stream_events(
+        &self,
+        req: Request<StreamEventsRequest>,
+    ) -> Result<Response<Self::StreamEventsStream>, Status> {
+        let who = caller(&req);
+        let id = id_of(&req.get_ref().id)?;
+        let sub = self.sessions.subscribe(id, who).await?;
+        Ok(Response::new(crate::live::stream(sub)))
+    }
+
     async fn get_capabilities(
         &self,
         _req: Request<GetCapabilitiesRequest>,
     ) -> Result<Response<Capabilities>, Status> {
         Ok(Response::new((*self.capabilities).clone()))
+    }
+}
+
+/// Runs an exporter on a blocking thread, streaming what it writes in chunks: a large trace
+/// is never held whole in memory, and a client that stops reading stops the export.
+fn stream_export(
+    export: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()> + Send + 'static,
+) -> Stream2<ReportChunk> {
+    let (tx, rx) = mpsc::channel(8);
+    tokio::task::spawn_blocking(move || {
+        let mut w = ChunkWriter {
+            tx: tx.clone(),
+            buf: Vec::with_capacity(CHUNK),
+        };
+        let result = export(&mut w).and_then(|()| w.send());
+        if let Err(e) = result {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                let _ =
+                    tx.blocking_send(Err(Status::internal(format!("exporting the trace: {e}"))));
+            }
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<ReportChunk, Status>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        self.tx
+            .blocking_send(Ok(ReportChunk { data }))
+            .map_err(|_| std::io::ErrorKind::BrokenPipe.into())
+    }
+}
+
+impl std::io::Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.send()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }

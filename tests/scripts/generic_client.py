@@ -51,7 +51,8 @@ def main():
         "zero_duration": call("StartSession", {"mode": "MODE_COUNTING", "target": {"pid": 1}, "durationMs": "0"})[1],
         "no_such_pid": call("StartSession", {"mode": "MODE_COUNTING", "target": {"pid": 999999999}})[1],
         "bad_event": call("StartSession", {"mode": "MODE_COUNTING", "target": {"all": True}, "counting": {"events": ["bogus"]}})[1],
-        "tracing": call("StartSession", {"mode": "MODE_TRACING", "target": {"all": True}})[1],
+        "tracing_options_elsewhere": call("StartSession", {"mode": "MODE_COUNTING", "target": {"all": True}, "tracing": {"bufferMb": 8}})[1],
+        "huge_trace_buffer": call("StartSession", {"mode": "MODE_TRACING", "target": {"all": True}, "tracing": {"bufferMb": 100000}})[1],
         "bad_frequency": call("StartSession", {"mode": "MODE_SAMPLING", "target": {"all": True}, "sampling": {"frequencyHz": "20000"}})[1],
         "no_session": call("GetSession", {"id": "nope"})[1],
     }

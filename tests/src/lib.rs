@@ -3,6 +3,8 @@
 //!
 //! The binaries come from `TRACER_BIN_DIR` (set by `cargo xtask test`), else `target/release`.
 
+pub mod timeline;
+
 use std::{
     os::unix::{fs::PermissionsExt, process::CommandExt},
     path::{Path, PathBuf},
@@ -78,9 +80,12 @@ impl Drop for ChildGuard {
     }
 }
 
+#[derive(Default)]
 pub struct DaemonOptions {
     pub group: Option<String>,
     pub state_dir: Option<PathBuf>,
+    /// More tracerd arguments.
+    pub args: Vec<String>,
 }
 
 /// A running tracerd; SIGTERM and reaped on drop.
@@ -89,14 +94,12 @@ pub struct Daemon {
     pub socket: PathBuf,
     pub state_dir: PathBuf,
     child: Option<Child>,
+    args: Vec<String>,
 }
 
 impl Daemon {
     pub fn start() -> Self {
-        Self::start_with(DaemonOptions {
-            group: None,
-            state_dir: None,
-        })
+        Self::start_with(DaemonOptions::default())
     }
 
     pub fn start_with(opts: DaemonOptions) -> Self {
@@ -110,6 +113,7 @@ impl Daemon {
             socket,
             state_dir,
             child: None,
+            args: opts.args,
         };
         d.spawn(opts.group.as_deref());
         d
@@ -121,6 +125,7 @@ impl Daemon {
             .arg(&self.socket)
             .arg("--state-dir")
             .arg(&self.state_dir)
+            .args(&self.args)
             .env("RUST_LOG", "warn");
         if let Some(g) = group {
             cmd.args(["--group", g]);
@@ -144,6 +149,11 @@ impl Daemon {
     pub fn restart(&mut self) {
         self.stop();
         self.spawn(None);
+    }
+
+    /// tracerd's pid, to signal it.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("tracerd running").id()
     }
 
     pub fn stop(&mut self) {

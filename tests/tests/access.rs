@@ -59,7 +59,7 @@ fn the_socket_and_the_callers_uid_decide() {
     };
     let d = Daemon::start_with(DaemonOptions {
         group: Some(GROUP.into()),
-        state_dir: None,
+        ..DaemonOptions::default()
     });
     let ctl = public_ctl(&d);
     let meta = std::fs::metadata(&d.socket).unwrap();

@@ -75,8 +75,30 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
         ),
         (&["start", "--mode=counting"], "a target is required"),
         (
-            &["start", "--mode=tracing", "--pid", &pid],
-            "tracing mode is not available",
+            &[
+                "start",
+                "--mode=counting",
+                "--buffer-mb",
+                "8",
+                "--pid",
+                &pid,
+            ],
+            "are for tracing sessions",
+        ),
+        (
+            &[
+                "start",
+                "--mode=tracing",
+                "--buffer-mb",
+                "99999",
+                "--pid",
+                &pid,
+            ],
+            "over the 4096 MiB allowed",
+        ),
+        (
+            &["watch", "nosuchsession"],
+            "no session with id 'nosuchsession'",
         ),
         (
             &["status", "nosuchsession"],

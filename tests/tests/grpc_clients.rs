@@ -61,6 +61,7 @@ fn reflection_and_health_serve_generic_clients() {
             "ListSessions",
             "StartSession",
             "StopSession",
+            "StreamEvents",
             "WatchSession"
         ]
     );
@@ -74,7 +75,11 @@ fn reflection_and_health_serve_generic_clients() {
     assert_eq!(codes["zero_duration"][0], "INVALID_ARGUMENT", "{codes}");
     assert_eq!(codes["no_such_pid"][0], "NOT_FOUND", "{codes}");
     assert_eq!(codes["bad_event"][0], "INVALID_ARGUMENT", "{codes}");
-    assert_eq!(codes["tracing"][0], "UNIMPLEMENTED", "{codes}");
+    assert_eq!(
+        codes["tracing_options_elsewhere"][0], "INVALID_ARGUMENT",
+        "{codes}"
+    );
+    assert_eq!(codes["huge_trace_buffer"][0], "INVALID_ARGUMENT", "{codes}");
     assert_eq!(codes["bad_frequency"][0], "INVALID_ARGUMENT", "{codes}");
     assert_eq!(codes["no_session"][0], "NOT_FOUND", "{codes}");
     assert_eq!(

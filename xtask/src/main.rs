@@ -154,13 +154,7 @@ fn demo() -> Result<()> {
         if !out.status.success() {
             bail!("sampling failed: {}", String::from_utf8_lossy(&out.stderr));
         }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let id = text
-            .lines()
-            .find_map(|l| l.strip_prefix("session "))
-            .and_then(|l| l.split_whitespace().next())
-            .context("no session id in tracerctl's report")?
-            .to_owned();
+        let id = session_id(&out.stdout)?;
         let svg = root().join("target").join("demo-flame.svg");
         run(Command::new(bin.join("tracerctl"))
             .arg("--socket")
@@ -168,6 +162,27 @@ fn demo() -> Result<()> {
             .args(["report", &id, "--format", "svg", "-o"])
             .arg(&svg))?;
         println!("flame graph: {}", svg.display());
+        // Tracing: every call with its time, as a timeline for Perfetto UI.
+        println!("\n$ tracerctl start --mode=tracing --limit 5 -- python3 examples/app.py");
+        let out = Command::new(bin.join("tracerctl"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["start", "--mode=tracing", "--limit", "5", "--", "python3"])
+            .arg(root().join("examples/app.py"))
+            .output()
+            .context("running tracerctl")?;
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        if !out.status.success() {
+            bail!("tracing failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let id = session_id(&out.stdout)?;
+        let trace = root().join("target").join("demo-trace.pftrace");
+        run(Command::new(bin.join("tracerctl"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["report", &id, "--format", "perfetto", "-o"])
+            .arg(&trace))?;
+        println!("timeline (open in ui.perfetto.dev): {}", trace.display());
         // The same command under perf stat, for comparison, where perf is installed.
         if Command::new("perf")
             .arg("--version")
@@ -185,6 +200,16 @@ fn demo() -> Result<()> {
     let _ = Command::new("kill").arg(daemon.id().to_string()).status();
     let _ = daemon.wait();
     result
+}
+
+/// The session id in the first line of a report table (`session ID · …`).
+fn session_id(report: &[u8]) -> Result<String> {
+    Ok(String::from_utf8_lossy(report)
+        .lines()
+        .find_map(|l| l.strip_prefix("session "))
+        .and_then(|l| l.split_whitespace().next())
+        .context("no session id in tracerctl's report")?
+        .to_owned())
 }
 
 pub fn wait_for_socket(socket: &Path, daemon: &mut std::process::Child) -> Result<()> {

@@ -1,6 +1,8 @@
 //! Report formats other than the built-in table and JSON.
 
+pub mod chrome;
 pub mod folded;
+pub mod perfetto;
 pub mod pprof;
 pub mod pstats;
 pub mod speedscope;

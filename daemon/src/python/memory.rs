@@ -151,3 +151,25 @@ pub fn code_names(pid: u32, code: u64, v: &Version) -> io::Result<(String, Strin
     let f = read_u64(pid, code + u64::from(v.probe.code_filename))?;
     Ok((read_str(pid, q, v)?, read_str(pid, f, v)?))
 }
+
+/// A code object's names and first line, if it still has the names it had when `names`
+/// (`py_names_id`) was taken: a freed code object's address is soon reused by another.
+pub fn checked_code_names(
+    pid: u32,
+    code: u64,
+    names: u64,
+    v: &Version,
+) -> Option<(String, String, i32)> {
+    let q = read_u64(pid, code + u64::from(v.probe.code_qualname)).ok()?;
+    let f = read_u64(pid, code + u64::from(v.probe.code_filename)).ok()?;
+    if tracer_common::py_names_id(q, f) != names {
+        return None;
+    }
+    let mut line = [0u8; 4];
+    read(pid, code + u64::from(v.probe.code_firstlineno), &mut line).ok()?;
+    Some((
+        read_str(pid, q, v).ok()?,
+        read_str(pid, f, v).ok()?,
+        i32::from_le_bytes(line),
+    ))
+}

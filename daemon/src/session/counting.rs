@@ -82,6 +82,10 @@ impl Counting {
         Ok(Self { slots })
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// Current totals. A counter that cannot be read keeps its last value.
     pub fn read(&mut self) -> Vec<Counter> {
         self.slots

@@ -65,6 +65,11 @@ enum Command {
         caller: Caller,
         reply: Reply<Report>,
     },
+    Subscribe {
+        id: String,
+        caller: Caller,
+        reply: Reply<Subscription>,
+    },
     Expire {
         id: String,
     },
@@ -115,6 +120,11 @@ impl Handle {
         self.call(|reply| Command::Report { id, caller, reply })
             .await
     }
+    /// A running tracing session's events from now on.
+    pub async fn subscribe(&self, id: String, caller: Caller) -> Result<Subscription, Error> {
+        self.call(|reply| Command::Subscribe { id, caller, reply })
+            .await
+    }
     /// Ends every running session (their reports are kept) and stops the manager.
     pub async fn shutdown(&self) {
         let (reply, rx) = oneshot::channel();
@@ -122,6 +132,16 @@ impl Handle {
             let _ = rx.await;
         }
     }
+}
+
+/// What a live watcher of a tracing session needs: its events, and their names.
+pub struct Subscription {
+    pub events: tokio::sync::broadcast::Receiver<std::sync::Arc<super::tracing::Batch>>,
+    /// Number of the first event the receiver will see.
+    pub next_seq: u64,
+    pub names: super::trace_session::Names,
+    pub probes: std::sync::Arc<Vec<String>>,
+    pub counters: Vec<crate::trace::TraceCounter>,
 }
 
 pub struct Manager {
@@ -133,6 +153,7 @@ pub struct Manager {
     bpf: Bpf,
     py: Probes,
     sampling: super::sampling::Sampling,
+    tracing: super::tracing::Tracing,
     used_slots: u64,
     tx: mpsc::Sender<Command>,
 }
@@ -146,6 +167,7 @@ impl Manager {
         store: Store,
         mut bpf: Bpf,
         interpreters: Vec<std::path::PathBuf>,
+        traces: std::path::PathBuf,
     ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
         let mut finished = HashMap::new();
@@ -166,6 +188,7 @@ impl Manager {
         let codes = unsafe { AsyncFd::register(ring) }
             .map_err(|e| Error::io("reading BPF Python names", e.into()))?;
         let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?, interpreters.clone());
+        let tracing = super::tracing::Tracing::spawn(bpf.take_tracing()?, traces);
         let manager = Manager {
             running: HashMap::new(),
             finished,
@@ -174,6 +197,7 @@ impl Manager {
             bpf,
             py: Probes::new(interpreters),
             sampling,
+            tracing,
             used_slots: 0,
             tx: tx.clone(),
         };
@@ -188,6 +212,9 @@ impl Manager {
         mut codes: CodeRing,
     ) {
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
+        // Tracing sessions' perf counter readings; each session keeps its own period.
+        let mut readings = tokio::time::interval(Duration::from_millis(10));
+        readings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tokio::select! {
                 guard = codes.readable_mut() => {
@@ -220,6 +247,7 @@ impl Manager {
                     self.drain_codes(codes.get_mut());
                     self.sweep();
                 }
+                _ = readings.tick() => self.read_trace_counters(false),
             }
         }
     }
@@ -232,13 +260,31 @@ impl Manager {
             // SAFETY: written as a PyCodeEvent by the BPF side; read unaligned.
             let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<PyCodeEvent>()) };
             let slot = ev.slot;
-            if let Some(py) = self
+            let Some(s) = self
                 .running
                 .values_mut()
                 .find(|s| s.slot.is_some_and(|x| u32::from(x) == slot))
-                .and_then(|s| s.python.as_mut())
-            {
+            else {
+                continue;
+            };
+            if let Some(py) = s.python.as_mut() {
                 py.on_code(&ev, &self.py);
+                if let (Some(t), Some((q, f, line))) =
+                    (&s.trace, py.name(ev.pid, ev.code, ev.names))
+                {
+                    let function = crate::trace::TraceFunction {
+                        pid: ev.pid,
+                        code: ev.code,
+                        names: ev.names,
+                        qualname: q.to_owned(),
+                        filename: f.to_owned(),
+                        firstlineno: line,
+                    };
+                    t.names
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert((ev.pid, ev.code, ev.names), function);
+                }
             }
         }
     }
@@ -270,6 +316,9 @@ impl Manager {
             Command::Report { id, caller, reply } => {
                 let _ = reply.send(self.report(&id, caller));
             }
+            Command::Subscribe { id, caller, reply } => {
+                let _ = reply.send(self.subscribe(&id, caller));
+            }
             Command::Expire { id } => self.finish(&id, EndReason::Duration, None),
             Command::Shutdown { .. } => unreachable!("handled in run"),
         }
@@ -284,16 +333,20 @@ impl Manager {
                     "a mode is required: counting, sampling or tracing".into(),
                 ))
             }
-            Mode::Counting | Mode::Sampling => {}
-            Mode::Tracing => {
-                return Err(Error::Unimplemented(format!(
-                    "{} mode is not available in this tracerd yet; counting and sampling are",
-                    super::mode_name(req.mode)
-                )))
-            }
+            Mode::Counting | Mode::Sampling | Mode::Tracing => {}
         }
         let sampling = mode == Mode::Sampling;
+        let trace_mode = mode == Mode::Tracing;
         let frequency = sampling_frequency(sampling, &req)?;
+        let trace_limits = match (&req.tracing, trace_mode) {
+            (Some(o), false) if *o != Default::default() => {
+                return Err(Error::InvalidArgument(
+                    "trace buffer, file and counter period options are for tracing sessions (--mode=tracing)".into(),
+                ))
+            }
+            (o, true) => Some(super::trace_session::limits(&o.unwrap_or_default())?),
+            _ => None,
+        };
         let duration_ms = match req.duration_ms {
             None => 0,
             Some(0) => {
@@ -312,14 +365,17 @@ impl Manager {
             .target
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let options = req.counting.unwrap_or_default();
-        let python = options.python;
+        // Tracing with no source named traces Python calls.
+        let python =
+            options.python || trace_mode && options.uprobes.is_empty() && options.events.is_empty();
         // With --python or --uprobe, perf counters are only what was asked for.
-        let specs =
-            if sampling || (python || !options.uprobes.is_empty()) && options.events.is_empty() {
-                Vec::new()
-            } else {
-                counting::resolve(&options.events)?
-            };
+        let specs = if sampling
+            || (python || trace_mode || !options.uprobes.is_empty()) && options.events.is_empty()
+        {
+            Vec::new()
+        } else {
+            counting::resolve(&options.events)?
+        };
         if self.running.len() >= MAX_RUNNING {
             return Err(Error::ResourceExhausted(format!(
                 "{MAX_RUNNING} sessions are running already"
@@ -369,7 +425,7 @@ impl Manager {
             );
         }
 
-        let slot = if sampling || pid.is_some() || python || !natives.is_empty() {
+        let slot = if sampling || trace_mode || pid.is_some() || python || !natives.is_empty() {
             Some(self.take_slot(python)?)
         } else {
             None
@@ -432,6 +488,32 @@ impl Manager {
         };
 
         let id = new_id();
+        let trace = match (trace_limits, slot) {
+            (Some((limits, interval)), Some(slot)) => match self.tracing.add(slot, &id, limits) {
+                Ok(spool) => {
+                    let probes = native
+                        .as_ref()
+                        .map(NativeSession::labels)
+                        .unwrap_or_default();
+                    let counter_pid = pid.unwrap_or(0);
+                    Some(super::trace_session::TraceSession::new(
+                        spool,
+                        &id,
+                        probes,
+                        interval,
+                        counter_pid,
+                    ))
+                }
+                Err(e) => {
+                    if let Some(n) = native {
+                        n.finish(&mut self.bpf, slot);
+                    }
+                    self.release(Some(slot));
+                    return Err(Error::io("creating the trace file", e));
+                }
+            },
+            _ => None,
+        };
         let (ended, _) = watch::channel(false);
         let expiry = (duration_ms > 0).then(|| {
             let tx = self.tx.clone();
@@ -458,6 +540,7 @@ impl Manager {
             python,
             native,
             sampler,
+            trace,
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
             ended,
@@ -465,9 +548,60 @@ impl Manager {
         };
         let info = session.info(&loss_base);
         tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, "session started");
-        self.running.insert(id, session);
+        self.running.insert(id.clone(), session);
         self.update_python_masks();
+        if trace_mode {
+            self.update_trace_masks();
+            if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
+                // Calls that started before this are not the session's own.
+                t.start_ns = super::trace_session::monotonic_ns();
+            }
+            self.read_trace_counters(true);
+        }
         Ok(info)
+    }
+
+    /// Tells the probes which slots are tracing.
+    fn update_trace_masks(&mut self) {
+        let mask = self
+            .running
+            .values()
+            .filter(|s| s.trace.is_some())
+            .filter_map(|s| s.slot)
+            .fold(0u64, |m, slot| m | 1 << slot);
+        if let Err(e) = self.bpf.set_tracing_sessions(mask) {
+            tracing::error!(%e, "updating tracing session masks");
+        }
+    }
+
+    /// Tracing sessions' perf counter readings, for those whose period has come (all: `force`).
+    fn read_trace_counters(&mut self, force: bool) {
+        for s in self.running.values_mut() {
+            let (Some(t), Some(c)) = (s.trace.as_mut(), s.counting.as_mut()) else {
+                continue;
+            };
+            if c.is_empty() {
+                continue;
+            }
+            t.read_counters(|| c.read(), force);
+        }
+    }
+
+    fn subscribe(&mut self, id: &str, caller: Caller) -> Result<Subscription, Error> {
+        caller.may_access(self.owner(id)?, id)?;
+        let Some(t) = self.running.get(id).and_then(|s| s.trace.as_ref()) else {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is not a running tracing session"
+            )));
+        };
+        let (events, next_seq) = super::tracing::locked(&t.spool).subscribe();
+        Ok(Subscription {
+            events,
+            next_seq,
+            names: t.names.clone(),
+            probes: t.probes.clone(),
+            counters: t.counters.clone(),
+        })
     }
 
     /// Starts a sampling session's perf events and its histogram.
@@ -689,14 +823,21 @@ impl Manager {
         if self.running.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }
-        if let Some(r) = self.unsaved.get(id) {
-            return Ok(r.clone());
+        let mut report = match self.unsaved.get(id) {
+            Some(r) => r.clone(),
+            None => {
+                let json = self
+                    .store
+                    .report(id)?
+                    .ok_or_else(|| Error::NoSuchSession { id: id.into() })?;
+                Report::from_json(&json)
+                    .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?
+            }
+        };
+        if let Some(t) = report.trace.as_mut() {
+            t.path = self.tracing.dir().join(&t.file);
         }
-        let json = self
-            .store
-            .report(id)?
-            .ok_or_else(|| Error::NoSuchSession { id: id.into() })?;
-        Report::from_json(&json).map_err(|e| Error::io(format!("stored report of {id}"), e.into()))
+        Ok(report)
     }
 
     /// Ends a running session: final readings, report, persisted.
@@ -707,6 +848,7 @@ impl Manager {
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
+        let trace_end = self.close_trace(&mut s);
         let losses = self.bpf.losses();
         let mut info = s.info(&losses);
         // Close the counters before anything else can fail.
@@ -735,6 +877,18 @@ impl Manager {
         let mut report = build_report(&info, s.followed, s.command.take());
         report.native = native;
         report.profile = profile;
+        if let (Some(t), Some(end_ns)) = (s.trace.take(), trace_end) {
+            let py = &self.py;
+            let (trace, write_error) = t.finish(end_ns, |pid, code, names| {
+                let mapped = memory::runtime_of(pid)?;
+                let rt = py.runtime(&mapped.path)?;
+                memory::checked_code_names(pid, code, names, rt.version)
+            });
+            if let Some(e) = write_error {
+                report.session.error.get_or_insert(e);
+            }
+            report.trace = Some(trace);
+        }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.
             self.update_python_masks();
@@ -768,6 +922,48 @@ impl Manager {
         );
         self.finished.insert(id.to_owned(), info);
         let _ = s.ended.send(true);
+    }
+
+    /// Stops a tracing session's events: probes off, last counter readings, calls still
+    /// running written as unfinished, the kernel's last events drained. Returns the end time.
+    fn close_trace(&mut self, s: &mut Session) -> Option<u64> {
+        let follows_pid = s.follows_pid();
+        let (t, slot) = (s.trace.as_mut()?, s.slot?);
+        // `s` has left `running`: its bit goes.
+        self.update_trace_masks();
+        if let Some(c) = s.counting.as_mut().filter(|c| !c.is_empty()) {
+            t.read_counters(|| c.read(), true);
+        }
+        let end_ns = super::trace_session::monotonic_ns();
+        if s.python.is_some() {
+            let threads: Vec<(u32, u32)> = if follows_pid {
+                s.live
+                    .iter()
+                    .flat_map(|&pid| {
+                        process::threads(pid)
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(move |tid| (pid, tid))
+                    })
+                    .collect()
+            } else {
+                self.bpf
+                    .py_stacks
+                    .keys()
+                    .filter_map(Result::ok)
+                    .filter_map(|tid| Some((process::tgid(tid)?, tid)))
+                    .collect()
+            };
+            let mut events = Vec::new();
+            for (pid, tid) in threads {
+                if let Ok(stack) = self.bpf.py_stacks.get(&tid, 0) {
+                    events.extend(super::trace_session::unfinished(pid, tid, &stack, end_ns));
+                }
+            }
+            super::tracing::push_local(&t.spool, &events);
+        }
+        self.tracing.finish(slot);
+        Some(end_ns)
     }
 
     fn on_proc_event(&mut self, ev: ProcEvent) {

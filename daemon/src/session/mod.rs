@@ -8,6 +8,8 @@ pub mod manager;
 pub mod native;
 pub mod python;
 pub mod sampling;
+pub mod trace_session;
+pub mod tracing;
 
 use std::{collections::BTreeSet, time::Instant};
 
@@ -40,6 +42,8 @@ struct Session {
     native: Option<native::NativeSession>,
     /// Sampling mode: the perf events driving the sampling program.
     sampler: Option<crate::sampler::Sampler>,
+    /// Tracing mode: where its events go.
+    trace: Option<trace_session::TraceSession>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
@@ -57,9 +61,9 @@ impl Session {
         if self.slot.is_none() {
             return Vec::new();
         }
-        (0..loss::COUNT)
-            // Not a loss: reported with the Python results.
-            .filter(|&i| i != loss::PY_EXIT_INFERRED)
+        let mut out: Vec<Loss> = (0..loss::COUNT)
+            // Not a loss: reported with the Python results. Trace losses: counted per session.
+            .filter(|&i| i != loss::PY_EXIT_INFERRED && i != loss::TRACE_RINGBUF_FULL)
             .filter_map(|i| {
                 let n = now[i as usize].saturating_sub(self.loss_base[i as usize]);
                 (n > 0).then(|| Loss {
@@ -67,10 +71,18 @@ impl Session {
                     count: n,
                 })
             })
-            .collect()
+            .collect();
+        if let Some(t) = &self.trace {
+            out.extend(t.losses());
+        }
+        out
     }
 
     fn info(&mut self, losses: &[u64; loss::COUNT as usize]) -> SessionInfo {
+        let (trace_events, trace_bytes) = self
+            .trace
+            .as_ref()
+            .map_or((0, 0), trace_session::TraceSession::progress);
         SessionInfo {
             id: self.id.clone(),
             mode: self.mode.into(),
@@ -91,6 +103,8 @@ impl Session {
             losses: self.losses(losses),
             owner_uid: self.owner_uid,
             events: self.proc_events,
+            trace_events,
+            trace_bytes,
         }
     }
 }
@@ -161,5 +175,6 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
         python: None,
         native: None,
         profile: None,
+        trace: None,
     }
 }

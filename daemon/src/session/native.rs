@@ -52,6 +52,14 @@ impl NativeSession {
         Ok(Self { targets, links })
     }
 
+    /// "BINARY:SYMBOL" of each probe, by probe number.
+    pub fn labels(&self) -> Vec<String> {
+        self.targets
+            .iter()
+            .map(|t| format!("{}:{}", display_path(&t.binary), t.symbol))
+            .collect()
+    }
+
     /// Detaches the probes, then takes the session's counts out of the kernel.
     pub fn finish(self, bpf: &mut Bpf, slot: u8) -> NativeReport {
         bpf.detach_native(self.links);

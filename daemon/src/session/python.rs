@@ -81,7 +81,7 @@ impl Probes {
             .as_ref()
             .map_err(Clone::clone)?;
         if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {
-            let links = bpf.attach_python(rt).map_err(|e| {
+            let links = bpf.attach_python(rt, path).map_err(|e| {
                 Unprobed::Failed(format!("attaching probes to {}: {e}", path.display()))
             })?;
             tracing::info!(path = %path.display(), version = rt.version.minor, table = rt.table_found_by, "Python probes attached");
@@ -177,6 +177,13 @@ impl PySession {
             }
         }
         self.names.insert((ev.pid, ev.code, ev.names), name);
+    }
+
+    /// A code object's names as the kernel sent them: (qualname, filename, firstlineno).
+    pub fn name(&self, pid: u32, code: u64, names: u64) -> Option<(&str, &str, i32)> {
+        self.names
+            .get(&(pid, code, names))
+            .map(|n| (n.qualname.as_str(), n.filename.as_str(), n.firstlineno))
     }
 
     /// Names this session's counts, sorted by tottime, with their callers. Code objects whose

@@ -64,8 +64,11 @@ pub mod loss {
     pub const PY_EDGES_FULL: u32 = 10;
     /// The `SAMPLES` ring buffer was full: a stack sample was dropped.
     pub const SAMPLES_RINGBUF_FULL: u32 = 11;
+    /// The `TRACE_EVENTS` ring buffer was full: a tracing event was dropped (also counted
+    /// per session in `TRACE_DROPS`).
+    pub const TRACE_RINGBUF_FULL: u32 = 12;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 13;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -357,6 +360,45 @@ pub mod sample_cookie {
     }
 }
 
+/// `TraceEvent::kind`.
+pub mod trace_kind {
+    /// A Python call ended (returned, yielded, or left by an exception): `start_ns`..`end_ns`,
+    /// `a` = code object, `b` = its `py_names_id`.
+    pub const PY_CALL: u16 = 1;
+    /// A probed native function was entered: `start_ns`, `a` = the daemon's probe number.
+    pub const NATIVE_CALL: u16 = 2;
+    /// Daemon-made: a perf counter's reading: `start_ns`, `a` = counter index, `b` = value.
+    pub const COUNTER: u16 = 3;
+}
+
+/// `TraceEvent::flags`: the call's exit was inferred (an exception unwound it unseen).
+pub const TRACE_EXIT_INFERRED: u16 = 1;
+/// `TraceEvent::flags`: the call was still running when the session ended; `end_ns` is the end.
+pub const TRACE_UNFINISHED: u16 = 2;
+
+/// One tracing event, sent on the `TRACE_EVENTS` ring buffer and stored as is (with
+/// `sessions` zeroed) in a session's trace file. Times are `bpf_ktime_get_ns`
+/// (CLOCK_MONOTONIC).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceEvent {
+    pub kind: u16,
+    pub flags: u16,
+    pub cpu: u32,
+    pub pid: u32,
+    pub tid: u32,
+    /// The tracing sessions this event is for.
+    pub sessions: SessionMask,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub a: u64,
+    pub b: u64,
+}
+
+/// Wake the daemon's reader once this many bytes wait in `TRACE_EVENTS` (fewer: it polls):
+/// a wakeup per event would cost more than the event.
+pub const TRACE_WAKEUP_BYTES: u64 = 256 * 1024;
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY (all): repr(C), Copy, every field an integer or byte array, no implicit padding.
@@ -368,6 +410,9 @@ mod pod {
     unsafe impl aya::Pod for super::NativeCallKey {}
     unsafe impl aya::Pod for super::PyEdgeKey {}
     unsafe impl aya::Pod for super::PySampleProc {}
+    unsafe impl aya::Pod for super::TraceEvent {}
+    unsafe impl aya::Pod for super::PyStack {}
+    unsafe impl aya::Pod for super::PyStackEntry {}
 }
 
 /// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
@@ -415,6 +460,14 @@ mod tests {
         assert_eq!(
             core::mem::size_of::<super::PyCodeEvent>(),
             4 + 4 + 8 + 8 + 4 + 4 + super::PY_QUALNAME_LEN + super::PY_FILENAME_LEN
+        );
+    }
+
+    #[test]
+    fn trace_event_has_no_hidden_padding() {
+        assert_eq!(
+            core::mem::size_of::<super::TraceEvent>(),
+            2 + 2 + 4 * 3 + 8 * 5
         );
     }
 

@@ -9,6 +9,7 @@ mod proc;
 mod native;
 mod python;
 mod sample;
+mod trace;
 
 #[cfg(not(test))]
 #[panic_handler]

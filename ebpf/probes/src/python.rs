@@ -18,14 +18,17 @@ use tracer_common::{
     loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyEdgeKey, PyLayout, PyStack,
     PyStackEntry, PY_EDGES_MAX,
     SessionMask, MAX_PY_SESSIONS, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX, PY_STACK_DEPTH,
-    PY_THREADS_MAX, PY_UNWIND_PER_EVENT,
+    PY_THREADS_MAX, PY_UNWIND_PER_EVENT, trace_kind, TraceEvent, TRACE_EXIT_INFERRED,
 };
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 
 use core::ffi::c_void;
 
-use crate::proc::{count_loss, TRACKED};
+use crate::{
+    proc::{count_loss, TRACKED},
+    trace,
+};
 
 #[map]
 static PY_LAYOUTS: Array<PyLayout> = Array::with_max_entries(PY_LAYOUTS_MAX, 0);
@@ -119,7 +122,7 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
         py_kind::EVAL_ARG_FRAME => None,
         _ => Some(current_frame(tstate, layout)?),
     };
-    enter(mask, pid, pid_tgid as u32, frame, layout, caller)
+    enter(mask, pid_tgid, frame, layout, caller)
 }
 
 /// 3.10: `_PyEval_EvalFrameDefault` returns, by `return`, `yield` or exception. The thread
@@ -145,13 +148,13 @@ pub fn tracer_py_eval_return(ctx: RetProbeContext) -> u32 {
                 // SAFETY: this thread's map value; only its own probes write it.
                 let st = unsafe { &mut *st };
                 let now = unsafe { bpf_ktime_get_ns() };
-                pop_inferred_to(st, mask, pid, now, 1);
-                pop(st, mask, pid, now);
+                pop_inferred_to(st, mask, pid_tgid, now, 1);
+                pop(st, mask, pid_tgid, now, TRACE_EXIT_INFERRED);
             }
         }
-        Some(caller) => leave(mask, pid, tid, caller, layout),
+        Some(caller) => leave(mask, pid_tgid, caller, layout),
         // Thread state unknown: frames leave in order.
-        None => leave(mask, pid, tid, 0, layout),
+        None => leave(mask, pid_tgid, 0, layout),
     }
     0
 }
@@ -179,10 +182,10 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
     };
     let frame = current_frame(tstate, layout)?;
     if role == py_role::EXIT {
-        leave(mask, pid, pid_tgid as u32, frame, layout);
+        leave(mask, pid_tgid, frame, layout);
         return Ok(());
     }
-    enter(mask, pid, pid_tgid as u32, frame, layout, None)
+    enter(mask, pid_tgid, frame, layout, None)
 }
 
 /// Layout `index` of `PY_LAYOUTS` (for the sampler).
@@ -236,7 +239,8 @@ pub(crate) fn forget_thread(tid: u32) {
 /// `caller`: the calling frame where `frame`'s own link to it cannot be read yet.
 /// (Inlined: BPF functions take at most five arguments.)
 #[inline(always)]
-fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout, caller: Option<u64>) -> Result<(), ()> {
+fn enter(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout, caller: Option<u64>) -> Result<(), ()> {
+    let (pid, tid) = ((who >> 32) as u32, who as u32);
     let code: u64 = read(frame + u64::from(layout.frame_code))?;
     let qualname: u64 = read(code + u64::from(layout.code_qualname))?;
     let filename: u64 = read(code + u64::from(layout.code_filename))?;
@@ -249,11 +253,11 @@ fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout, c
         // Frames above the caller were left by an exception (or, on 3.10, past the kernel's
         // uretprobe nesting limit): no probe saw them go.
         match caller {
-            Some(0) => pop_inferred_to(st, mask, pid, now, 0),
+            Some(0) => pop_inferred_to(st, mask, who, now, 0),
             Some(c) => {
-                unwind_to(st, mask, pid, c, now);
+                unwind_to(st, mask, who, c, now);
             }
-            None => reconcile(st, mask, pid, frame, layout, now),
+            None => reconcile(st, mask, who, frame, layout, now),
         }
         let (below, pair_below) = on_stack(st, code, names);
         primitive = !below;
@@ -282,15 +286,15 @@ fn enter(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout, c
 /// Makes the stack end with the new frame's caller before it is pushed: frames above it
 /// were left unseen.
 #[inline(always)]
-fn reconcile(st: &mut PyStack, mask: SessionMask, pid: u32, frame: u64, layout: &PyLayout, now: u64) {
+fn reconcile(st: &mut PyStack, mask: SessionMask, who: u64, frame: u64, layout: &PyLayout, now: u64) {
     let prev = u64::from(layout.frame_previous);
     let Ok(previous) = read::<u64>(frame + prev) else { return };
     if previous == 0 {
         // The thread's bottom frame: whatever is on the stack is stale.
-        pop_inferred_to(st, mask, pid, now, 0);
+        pop_inferred_to(st, mask, who, now, 0);
         return;
     }
-    if unwind_to(st, mask, pid, previous, now) {
+    if unwind_to(st, mask, who, previous, now) {
         return;
     }
     // 3.12+: `previous` is a frame no probe entered: the eval loop's entry frame (on the C
@@ -298,10 +302,10 @@ fn reconcile(st: &mut PyStack, mask: SessionMask, pid: u32, frame: u64, layout: 
     // caller is its previous.
     let Ok(caller) = read::<u64>(previous + prev) else { return };
     if caller == 0 {
-        pop_inferred_to(st, mask, pid, now, 0);
+        pop_inferred_to(st, mask, who, now, 0);
         return;
     }
-    if !unwind_to(st, mask, pid, caller, now) || layout.frame_owner == 0 {
+    if !unwind_to(st, mask, who, caller, now) || layout.frame_owner == 0 {
         return;
     }
     // An interpreter frame (not the C stack's) returns through the exit probes: stand in
@@ -320,16 +324,16 @@ fn reconcile(st: &mut PyStack, mask: SessionMask, pid: u32, frame: u64, layout: 
 
 /// Pops frames above `previous` (when it is on the stack), their exit time inferred as now.
 /// Returns whether `previous` was on the stack.
-fn unwind_to(st: &mut PyStack, mask: SessionMask, pid: u32, previous: u64, now: u64) -> bool {
+fn unwind_to(st: &mut PyStack, mask: SessionMask, who: u64, previous: u64, now: u64) -> bool {
     let Some(target) = find(st, previous) else { return false };
-    pop_inferred_to(st, mask, pid, now, target + 1);
+    pop_inferred_to(st, mask, who, now, target + 1);
     true
 }
 
 /// Pops frames left unseen (by an exception, or past 3.10's uretprobe nesting limit) until
 /// `depth` remain, at most `PY_UNWIND_PER_EVENT` of them; the rest go at later events.
-fn pop_inferred_to(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64, depth: u64) {
-    let mut u = Unwind { st, mask, pid, now, depth };
+fn pop_inferred_to(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, depth: u64) {
+    let mut u = Unwind { st, mask, who, now, depth };
     // SAFETY: the callback only touches the stack through `u`, which outlives the call.
     unsafe {
         bpf_loop(PY_UNWIND_PER_EVENT as u32, unwind_step as *mut c_void, (&raw mut u).cast(), 0);
@@ -341,7 +345,8 @@ fn pop_inferred_to(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64, dept
 struct Unwind {
     st: *mut PyStack,
     mask: SessionMask,
-    pid: u32,
+    /// pid << 32 | tid.
+    who: u64,
     now: u64,
     depth: u64,
 }
@@ -354,7 +359,7 @@ extern "C" fn unwind_step(_: u64, ctx: *mut c_void) -> i64 {
     if st.depth <= u.depth {
         return 1;
     }
-    pop(st, u.mask, u.pid, u.now);
+    pop(st, u.mask, u.who, u.now, TRACE_EXIT_INFERRED);
     count_loss(loss::PY_EXIT_INFERRED);
     0
 }
@@ -457,8 +462,8 @@ fn on_stack(st: &PyStack, code: u64, names: u64) -> (bool, bool) {
 /// frame itself, or, where the handler has already switched to the caller before the
 /// probed instruction (3.12's YIELD_VALUE does), the caller. Frames above the leaving one
 /// were left by an exception since the last event: their exits are inferred.
-fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) {
-    let Some(st) = PY_STACKS.get_ptr_mut(&tid) else { return };
+fn leave(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout) {
+    let Some(st) = PY_STACKS.get_ptr_mut(&(who as u32)) else { return };
     // SAFETY: as in `enter`.
     let st = unsafe { &mut *st };
     if st.depth == 0 {
@@ -477,25 +482,27 @@ fn leave(mask: SessionMask, pid: u32, tid: u32, frame: u64, layout: &PyLayout) {
                 }
                 // Otherwise it is the eval loop's entry shim (3.12+ generators yielding to
                 // C): the leaving frame is the top one.
-                pop(st, mask, pid, now);
+                pop(st, mask, who, now, 0);
                 return;
             };
             // `frame` is the caller: the leaving frame is the one above it.
-            pop_inferred_to(st, mask, pid, now, i + 2);
+            pop_inferred_to(st, mask, who, now, i + 2);
             if st.depth > i + 2 {
                 // More left by exceptions than one hit unwinds: the rest go at later hits.
                 return;
             }
         }
     }
-    pop(st, mask, pid, now);
+    pop(st, mask, who, now, 0);
 }
 
-/// Pops the top frame at `now`: its own time and, for an outermost activation, its cumulative time.
-fn pop(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64) {
+/// Pops the top frame at `now`: its own time and, for an outermost activation, its
+/// cumulative time; a tracing session gets the call as one event. `flags`: `TraceEvent::flags`.
+fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags: u16) {
     if st.depth == 0 {
         return;
     }
+    let pid = (who >> 32) as u32;
     st.depth -= 1;
     let Some(&e) = st.entries.get(st.depth as usize) else { return };
     let ct = now.saturating_sub(e.start_ns);
@@ -507,6 +514,21 @@ fn pop(st: &mut PyStack, mask: SessionMask, pid: u32, now: u64) {
     }
     if e.pseudo != 0 {
         return;
+    }
+    let traced = trace::tracing(mask);
+    if traced != 0 {
+        trace::emit(&TraceEvent {
+            kind: trace_kind::PY_CALL,
+            flags,
+            cpu: 0,
+            pid,
+            tid: who as u32,
+            sessions: traced,
+            start_ns: e.start_ns,
+            end_ns: now,
+            a: e.code,
+            b: e.names,
+        });
     }
     let mut m = mask;
     for _ in 0..MAX_PY_SESSIONS {

@@ -60,6 +60,25 @@ pub struct StartSessionRequest {
     /// Sampling mode only.
     #[prost(message, optional, tag = "5")]
     pub sampling: ::core::option::Option<SamplingOptions>,
+    /// Tracing mode only. Tracing uses `counting`'s python, uprobes and events as its sources
+    /// (none of them: Python calls).
+    #[prost(message, optional, tag = "6")]
+    pub tracing: ::core::option::Option<TracingOptions>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TracingOptions {
+    /// Events kept in memory before they are written to the trace file in the daemon's state
+    /// directory, in MiB; 0: 64. At most 4096.
+    #[prost(uint32, tag = "1")]
+    pub buffer_mb: u32,
+    /// The trace file's size limit in MiB; events past it are counted as lost
+    /// ("trace_file_limit"); 0: 4096.
+    #[prost(uint32, tag = "2")]
+    pub max_file_mb: u32,
+    /// Period of the perf counter readings (with `events`), in milliseconds; 0: 100.
+    #[prost(uint32, tag = "3")]
+    pub counter_interval_ms: u32,
 }
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -158,6 +177,11 @@ pub struct SessionInfo {
     /// Events recorded from BPF sources so far (here: forks and exits of followed processes).
     #[prost(uint64, tag = "15")]
     pub events: u64,
+    /// Tracing sessions: events recorded in the trace so far, and the bytes they take.
+    #[prost(uint64, tag = "16")]
+    pub trace_events: u64,
+    #[prost(uint64, tag = "17")]
+    pub trace_bytes: u64,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -207,6 +231,101 @@ pub struct ReportChunk {
     /// Consecutive pieces of the report; concatenate them in order.
     #[prost(bytes = "vec", tag = "1")]
     pub data: ::prost::alloc::vec::Vec<u8>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct StreamEventsRequest {
+    #[prost(string, tag = "1")]
+    pub id: ::prost::alloc::string::String,
+}
+/// One recorded event. Times are the host's CLOCK_MONOTONIC in nanoseconds.
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TraceEvent {
+    #[prost(enumeration = "trace_event::Kind", tag = "1")]
+    pub kind: i32,
+    #[prost(uint64, tag = "2")]
+    pub start_ns: u64,
+    #[prost(uint64, tag = "3")]
+    pub end_ns: u64,
+    #[prost(uint32, tag = "4")]
+    pub pid: u32,
+    #[prost(uint32, tag = "5")]
+    pub tid: u32,
+    #[prost(uint32, tag = "6")]
+    pub cpu: u32,
+    /// Python: qualname; native: BINARY:SYMBOL; counter: the event's name.
+    #[prost(string, tag = "7")]
+    pub name: ::prost::alloc::string::String,
+    /// Python: file and first line of the function.
+    #[prost(string, tag = "8")]
+    pub file: ::prost::alloc::string::String,
+    #[prost(int32, tag = "9")]
+    pub line: i32,
+    #[prost(uint64, tag = "10")]
+    pub value: u64,
+    /// Python: no probe saw the frame leave (an exception unwound it); its end is the time of
+    /// the thread's next probed event.
+    #[prost(bool, tag = "11")]
+    pub exit_inferred: bool,
+}
+/// Nested message and enum types in `TraceEvent`.
+pub mod trace_event {
+    #[allow(clippy::all)]
+    #[derive(
+        Clone,
+        Copy,
+        Debug,
+        PartialEq,
+        Eq,
+        Hash,
+        PartialOrd,
+        Ord,
+        ::prost::Enumeration
+    )]
+    #[repr(i32)]
+    pub enum Kind {
+        Unspecified = 0,
+        /// A Python call, sent when it ends: start_ns..end_ns.
+        PythonCall = 1,
+        /// A probed native function was entered (--uprobe): start_ns.
+        NativeCall = 2,
+        /// A perf counter's reading (--events): start_ns, value (cumulative since the start).
+        Counter = 3,
+    }
+    impl Kind {
+        /// String value of the enum field names used in the ProtoBuf definition.
+        ///
+        /// The values are not transformed in any way and thus are considered stable
+        /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+        pub fn as_str_name(&self) -> &'static str {
+            match self {
+                Self::Unspecified => "KIND_UNSPECIFIED",
+                Self::PythonCall => "KIND_PYTHON_CALL",
+                Self::NativeCall => "KIND_NATIVE_CALL",
+                Self::Counter => "KIND_COUNTER",
+            }
+        }
+        /// Creates an enum from field names used in the ProtoBuf definition.
+        pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+            match value {
+                "KIND_UNSPECIFIED" => Some(Self::Unspecified),
+                "KIND_PYTHON_CALL" => Some(Self::PythonCall),
+                "KIND_NATIVE_CALL" => Some(Self::NativeCall),
+                "KIND_COUNTER" => Some(Self::Counter),
+                _ => None,
+            }
+        }
+    }
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct EventBatch {
+    #[prost(message, repeated, tag = "1")]
+    pub events: ::prost::alloc::vec::Vec<TraceEvent>,
+    /// Events this client has missed so far because it read too slowly.
+    #[prost(uint64, tag = "2")]
+    pub missed: u64,
 }
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -408,6 +527,11 @@ pub enum ReportFormat {
     Speedscope = 6,
     /// A self-contained SVG flame graph.
     Svg = 7,
+    /// Tracing sessions (FAILED_PRECONDITION otherwise): Chrome's trace event JSON (Perfetto UI,
+    /// chrome://tracing), one track per thread.
+    Chrome = 8,
+    /// Tracing sessions: Perfetto's protobuf trace format (Perfetto UI, trace_processor).
+    Perfetto = 9,
 }
 impl ReportFormat {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -424,6 +548,8 @@ impl ReportFormat {
             Self::Pprof => "REPORT_FORMAT_PPROF",
             Self::Speedscope => "REPORT_FORMAT_SPEEDSCOPE",
             Self::Svg => "REPORT_FORMAT_SVG",
+            Self::Chrome => "REPORT_FORMAT_CHROME",
+            Self::Perfetto => "REPORT_FORMAT_PERFETTO",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -437,6 +563,8 @@ impl ReportFormat {
             "REPORT_FORMAT_PPROF" => Some(Self::Pprof),
             "REPORT_FORMAT_SPEEDSCOPE" => Some(Self::Speedscope),
             "REPORT_FORMAT_SVG" => Some(Self::Svg),
+            "REPORT_FORMAT_CHROME" => Some(Self::Chrome),
+            "REPORT_FORMAT_PERFETTO" => Some(Self::Perfetto),
             _ => None,
         }
     }
@@ -700,6 +828,34 @@ pub mod tracer_client {
                 .insert(GrpcMethod::new("tracer.v1.Tracer", "GetCapabilities"));
             self.inner.unary(req, path, codec).await
         }
+        /// A tracing session's events as they are recorded, from the moment of the call until the
+        /// session ends. A client that reads slower than events arrive is not waited for: it skips
+        /// events, and each batch says how many it has missed so far. FAILED_PRECONDITION for a
+        /// session that is not a running tracing session.
+        pub async fn stream_events(
+            &mut self,
+            request: impl tonic::IntoRequest<super::StreamEventsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<tonic::codec::Streaming<super::EventBatch>>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/tracer.v1.Tracer/StreamEvents",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("tracer.v1.Tracer", "StreamEvents"));
+            self.inner.server_streaming(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -773,6 +929,23 @@ pub mod tracer_server {
             &self,
             request: tonic::Request<super::GetCapabilitiesRequest>,
         ) -> std::result::Result<tonic::Response<super::Capabilities>, tonic::Status>;
+        /// Server streaming response type for the StreamEvents method.
+        type StreamEventsStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<super::EventBatch, tonic::Status>,
+            >
+            + std::marker::Send
+            + 'static;
+        /// A tracing session's events as they are recorded, from the moment of the call until the
+        /// session ends. A client that reads slower than events arrive is not waited for: it skips
+        /// events, and each batch says how many it has missed so far. FAILED_PRECONDITION for a
+        /// session that is not a running tracing session.
+        async fn stream_events(
+            &self,
+            request: tonic::Request<super::StreamEventsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<Self::StreamEventsStream>,
+            tonic::Status,
+        >;
     }
     #[derive(Debug)]
     pub struct TracerServer<T> {
@@ -1159,6 +1332,52 @@ pub mod tracer_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/tracer.v1.Tracer/StreamEvents" => {
+                    #[allow(non_camel_case_types)]
+                    struct StreamEventsSvc<T: Tracer>(pub Arc<T>);
+                    impl<
+                        T: Tracer,
+                    > tonic::server::ServerStreamingService<super::StreamEventsRequest>
+                    for StreamEventsSvc<T> {
+                        type Response = super::EventBatch;
+                        type ResponseStream = T::StreamEventsStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::StreamEventsRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Tracer>::stream_events(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = StreamEventsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.server_streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

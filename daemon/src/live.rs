@@ -1,0 +1,121 @@
+//! A tracing session's events streamed to a client as they are recorded (`StreamEvents`).
+//! The session's spool broadcasts batches and never waits: a client that reads slower than
+//! events arrive falls behind, skips whole batches, and is told how many events it missed.
+
+use std::pin::Pin;
+
+use tokio::sync::{broadcast::error::RecvError, mpsc};
+use tokio_stream::{wrappers::ReceiverStream, Stream};
+use tonic::Status;
+use tracer_common::{trace_kind, TraceEvent as Raw};
+use tracer_proto::{trace_event::Kind, EventBatch, TraceEvent};
+
+use crate::session::manager::Subscription;
+
+type Events = Pin<Box<dyn Stream<Item = Result<EventBatch, Status>> + Send>>;
+
+pub fn stream(sub: Subscription) -> Events {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let Subscription {
+            mut events,
+            next_seq,
+            names,
+            probes,
+            counters,
+        } = sub;
+        let (mut next, mut missed) = (next_seq, 0u64);
+        loop {
+            let batch = match events.recv().await {
+                Ok(b) => b,
+                // The gap shows in the next batch's sequence number.
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => return,
+            };
+            missed += batch.first_seq.saturating_sub(next);
+            next = batch.first_seq + batch.events.len() as u64;
+            // A function's name comes from the kernel on a ring of its own, read by another
+            // task: a call may arrive here first. Wait for it briefly rather than send it unnamed.
+            for _ in 0..10 {
+                let known = {
+                    let names = names.lock().unwrap_or_else(|e| e.into_inner());
+                    batch.events.iter().all(|e| {
+                        e.kind != trace_kind::PY_CALL || names.contains_key(&(e.pid, e.a, e.b))
+                    })
+                };
+                if known {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            let msg = {
+                let names = names.lock().unwrap_or_else(|e| e.into_inner());
+                EventBatch {
+                    events: batch
+                        .events
+                        .iter()
+                        .map(|ev| {
+                            convert(
+                                ev,
+                                |key| {
+                                    names.get(&key).map(|f| {
+                                        (f.qualname.clone(), f.filename.clone(), f.firstlineno)
+                                    })
+                                },
+                                &probes,
+                                &counters,
+                            )
+                        })
+                        .collect(),
+                    missed,
+                }
+            };
+            // A client that went away ends this task; nothing else waits on it.
+            if tx.send(Ok(msg)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+fn convert(
+    ev: &Raw,
+    name: impl Fn((u32, u64, u64)) -> Option<(String, String, i32)>,
+    probes: &[String],
+    counters: &[crate::trace::TraceCounter],
+) -> TraceEvent {
+    let mut out = TraceEvent {
+        start_ns: ev.start_ns,
+        end_ns: ev.end_ns,
+        pid: ev.pid,
+        tid: ev.tid,
+        cpu: ev.cpu,
+        exit_inferred: crate::trace::exit_inferred(ev),
+        ..TraceEvent::default()
+    };
+    match ev.kind {
+        trace_kind::PY_CALL => {
+            out.set_kind(Kind::PythonCall);
+            // Named once the kernel's first sighting of the function has been read.
+            match name((ev.pid, ev.a, ev.b)) {
+                Some((q, f, line)) => (out.name, out.file, out.line) = (q, f, line),
+                None => out.name = format!("[code object {:#x}]", ev.a),
+            }
+        }
+        trace_kind::NATIVE_CALL => {
+            out.set_kind(Kind::NativeCall);
+            out.name = probes.get(ev.a as usize).cloned().unwrap_or_default();
+        }
+        trace_kind::COUNTER => {
+            out.set_kind(Kind::Counter);
+            out.name = counters
+                .get(ev.a as usize)
+                .map(|c| c.event.clone())
+                .unwrap_or_default();
+            out.value = ev.b;
+        }
+        _ => {}
+    }
+    out
+}

@@ -1,0 +1,259 @@
+//! One tracing session's state beside its spool: when it started on the events' clock, the
+//! names its events need, its perf counter readings, and how its trace is closed.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use tracer_common::{trace_kind, TraceEvent, PY_STACK_DEPTH, TRACE_UNFINISHED};
+use tracer_proto::{counter, Counter, Loss, TracingOptions};
+
+use super::tracing::{self as worker, Limits, Spool};
+use crate::{
+    error::Error,
+    trace::{Trace, TraceCounter, TraceFunction, TraceThread},
+};
+
+pub const DEFAULT_BUFFER_MB: u32 = 64;
+pub const MAX_BUFFER_MB: u32 = 4096;
+pub const DEFAULT_FILE_MB: u32 = 4096;
+pub const DEFAULT_COUNTER_INTERVAL_MS: u32 = 100;
+
+/// Names of the session's Python functions, as the kernel sends them; shared with live watchers.
+pub type Names = Arc<Mutex<HashMap<(u32, u64, u64), TraceFunction>>>;
+
+pub struct TraceSession {
+    pub spool: Arc<Mutex<Spool>>,
+    pub file: String,
+    /// CLOCK_MONOTONIC when the probes started tracing for it.
+    pub start_ns: u64,
+    pub start_unix_ns: u64,
+    pub names: Names,
+    pub probes: Arc<Vec<String>>,
+    pub counters: Vec<TraceCounter>,
+    counter_interval: Duration,
+    next_reading: Instant,
+    /// The pid counter readings are attributed to (0: the whole machine).
+    counter_pid: u32,
+}
+
+/// Checks a request's tracing options: limits, and counter period.
+pub fn limits(o: &TracingOptions) -> Result<(Limits, Duration), Error> {
+    let buffer_mb = match o.buffer_mb {
+        0 => DEFAULT_BUFFER_MB,
+        mb if mb > MAX_BUFFER_MB => {
+            return Err(Error::InvalidArgument(format!(
+                "a trace buffer of {mb} MiB is over the {MAX_BUFFER_MB} MiB allowed"
+            )))
+        }
+        mb => mb,
+    };
+    let file_mb = match o.max_file_mb {
+        0 => DEFAULT_FILE_MB,
+        mb => mb,
+    };
+    let interval = match o.counter_interval_ms {
+        0 => DEFAULT_COUNTER_INTERVAL_MS,
+        ms => ms,
+    };
+    Ok((
+        Limits {
+            buffer_bytes: (buffer_mb as usize) << 20,
+            file_bytes: u64::from(file_mb) << 20,
+        },
+        Duration::from_millis(u64::from(interval)),
+    ))
+}
+
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out pointer; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl TraceSession {
+    pub fn new(
+        spool: Arc<Mutex<Spool>>,
+        id: &str,
+        probes: Vec<String>,
+        counter_interval: Duration,
+        counter_pid: u32,
+    ) -> Self {
+        let start_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        Self {
+            spool,
+            file: worker::file_name(id),
+            start_ns: monotonic_ns(),
+            start_unix_ns,
+            names: Names::default(),
+            probes: Arc::new(probes),
+            counters: Vec::new(),
+            counter_interval,
+            next_reading: Instant::now(),
+            counter_pid,
+        }
+    }
+
+    /// Records the counters' values as COUNTER events, if their period has come (or `now`).
+    pub fn read_counters(&mut self, read: impl FnOnce() -> Vec<Counter>, force: bool) {
+        if !force && Instant::now() < self.next_reading {
+            return;
+        }
+        self.next_reading = Instant::now() + self.counter_interval;
+        let at = monotonic_ns();
+        let readings = read();
+        if self.counters.is_empty() {
+            self.counters = readings
+                .iter()
+                .map(|c| TraceCounter {
+                    event: c.event.clone(),
+                    unit: c.unit.clone(),
+                })
+                .collect();
+        }
+        let events: Vec<TraceEvent> = readings
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c.result {
+                Some(counter::Result::Value(v)) => Some(TraceEvent {
+                    kind: trace_kind::COUNTER,
+                    pid: self.counter_pid,
+                    start_ns: at,
+                    end_ns: at,
+                    a: i as u64,
+                    b: v,
+                    ..TraceEvent::default()
+                }),
+                _ => None,
+            })
+            .collect();
+        if !events.is_empty() {
+            worker::push_local(&self.spool, &events);
+        }
+    }
+
+    /// The session's trace-specific losses so far.
+    pub fn losses(&self) -> Vec<Loss> {
+        let sp = worker::locked(&self.spool);
+        [
+            ("trace_ringbuf_full", sp.kernel_drops),
+            ("trace_file_limit", sp.over_file_limit),
+            ("trace_write_failed", sp.write_failed),
+        ]
+        .into_iter()
+        .filter(|&(_, n)| n > 0)
+        .map(|(cause, count)| Loss {
+            cause: cause.into(),
+            count,
+        })
+        .collect()
+    }
+
+    /// (events recorded, bytes they take).
+    pub fn progress(&self) -> (u64, u64) {
+        let sp = worker::locked(&self.spool);
+        (sp.events, sp.bytes())
+    }
+
+    /// The report's trace, once the spool is closed. `name`: names of functions the kernel
+    /// never named (frames entered before the session), read from live processes.
+    pub fn finish(
+        self,
+        end_ns: u64,
+        mut name: impl FnMut(u32, u64, u64) -> Option<(String, String, i32)>,
+    ) -> (Trace, Option<String>) {
+        let sp = worker::locked(&self.spool);
+        let mut known = std::mem::take(&mut *self.names.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut functions: Vec<TraceFunction> = sp
+            .codes
+            .iter()
+            .map(|&(pid, code, names)| {
+                known.remove(&(pid, code, names)).unwrap_or_else(|| {
+                    let (qualname, filename, firstlineno) =
+                        name(pid, code, names).unwrap_or_else(|| {
+                            (
+                                format!("[unknown: code object {code:#x}]"),
+                                String::new(),
+                                0,
+                            )
+                        });
+                    TraceFunction {
+                        pid,
+                        code,
+                        names,
+                        qualname,
+                        filename,
+                        firstlineno,
+                    }
+                })
+            })
+            .collect();
+        functions.sort_by(|a, b| (a.pid, &a.qualname, a.code).cmp(&(b.pid, &b.qualname, b.code)));
+        let mut threads: Vec<TraceThread> = sp.threads.values().cloned().collect();
+        threads.sort_by_key(|t| (t.pid, t.tid));
+        let mut processes: Vec<TraceThread> = sp
+            .processes
+            .iter()
+            .map(|(&pid, name)| TraceThread {
+                pid,
+                tid: pid,
+                name: name.clone(),
+            })
+            .collect();
+        processes.sort_by_key(|t| t.pid);
+        let trace = Trace {
+            file: self.file.clone(),
+            path: Default::default(),
+            start_ns: self.start_ns,
+            end_ns,
+            start_unix_ns: self.start_unix_ns,
+            events: sp.in_file(),
+            python_calls: sp.by_kind[usize::from(trace_kind::PY_CALL)],
+            native_calls: sp.by_kind[usize::from(trace_kind::NATIVE_CALL)],
+            counter_readings: sp.by_kind[usize::from(trace_kind::COUNTER)],
+            exits_inferred: sp.exits_inferred,
+            unfinished: sp.unfinished,
+            functions,
+            probes: self.probes.to_vec(),
+            counters: self.counters.clone(),
+            processes,
+            threads,
+        };
+        (trace, sp.write_error.clone())
+    }
+}
+
+/// Calls still on a thread's shadow stack at the end, as events ending at `end_ns`.
+pub fn unfinished(
+    pid: u32,
+    tid: u32,
+    stack: &tracer_common::PyStack,
+    end_ns: u64,
+) -> Vec<TraceEvent> {
+    let depth = usize::try_from(stack.depth)
+        .unwrap_or(usize::MAX)
+        .min(PY_STACK_DEPTH);
+    stack.entries[..depth]
+        .iter()
+        .filter(|e| e.pseudo == 0 && e.start_ns != 0)
+        .map(|e| TraceEvent {
+            kind: trace_kind::PY_CALL,
+            flags: TRACE_UNFINISHED,
+            pid,
+            tid,
+            start_ns: e.start_ns,
+            end_ns,
+            a: e.code,
+            b: e.names,
+            ..TraceEvent::default()
+        })
+        .collect()
+}

@@ -1,0 +1,386 @@
+//! Tracing sessions' data path. A worker thread drains the `TRACE_EVENTS` ring buffer (the
+//! kernel wakes it once a quarter MiB waits; otherwise it looks every few milliseconds) and
+//! hands each session its events ([`Spool`]): kept in memory up to the session's buffer
+//! size, then appended to its trace file; live watchers get them in batches through a
+//! broadcast channel that never waits for them.
+
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    io::Write,
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
+    thread,
+    time::Duration,
+};
+
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use tokio::sync::broadcast;
+use tracer_common::{trace_kind, TraceEvent, TRACE_EXIT_INFERRED, TRACE_UNFINISHED};
+
+use crate::trace::{as_bytes, TraceThread, RECORD};
+
+/// How long the worker waits for a wakeup before it drains anyway.
+const DRAIN_EVERY: Duration = Duration::from_millis(10);
+/// Events per live batch: a watcher that falls behind misses whole batches.
+const BATCH: usize = 4096;
+/// Batches a watcher may fall behind (at most 64 × 4096 events, 15 MiB held) before it
+/// misses some.
+const WATCH_BACKLOG: usize = 64;
+
+/// The maps the trace events come through, taken out of the BPF object.
+pub struct TracingMaps {
+    pub events: RingBuf<MapData>,
+    /// Events dropped on a full ring buffer, per session slot.
+    pub drops: PerCpuArray<MapData, u64>,
+}
+
+/// Limits of one session's storage.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub buffer_bytes: usize,
+    pub file_bytes: u64,
+}
+
+/// A batch of one session's events for live watchers; `first_seq` numbers its first event
+/// (the session's events are numbered from 0), so a watcher counts what it missed.
+pub struct Batch {
+    pub first_seq: u64,
+    pub events: Vec<TraceEvent>,
+}
+
+/// One session's events: in memory, then in its trace file.
+pub struct Spool {
+    path: PathBuf,
+    file: File,
+    buf: Vec<TraceEvent>,
+    limits: Limits,
+    written: u64,
+    /// Events recorded (in memory or in the file).
+    pub events: u64,
+    pub by_kind: [u64; 4],
+    pub exits_inferred: u64,
+    pub unfinished: u64,
+    /// Events past the file size limit, dropped.
+    pub over_file_limit: u64,
+    /// Events that could not be written (disk full…), and why.
+    pub write_failed: u64,
+    pub write_error: Option<String>,
+    /// Events the kernel dropped for this session (ring buffer full).
+    pub kernel_drops: u64,
+    drops_base: u64,
+    seq: u64,
+    live: broadcast::Sender<Arc<Batch>>,
+    /// (pid, code, names) of the Python functions seen, to be named at the end.
+    pub codes: HashSet<(u32, u64, u64)>,
+    /// Threads and processes seen, named when first seen (they may be gone at the end).
+    pub threads: HashMap<u32, TraceThread>,
+    pub processes: HashMap<u32, String>,
+    last_tid: u32,
+}
+
+impl Spool {
+    fn create(path: PathBuf, limits: Limits, drops_base: u64) -> std::io::Result<Self> {
+        let file = File::create(&path)?;
+        Ok(Self {
+            path,
+            file,
+            buf: Vec::new(),
+            limits,
+            written: 0,
+            events: 0,
+            by_kind: [0; 4],
+            exits_inferred: 0,
+            unfinished: 0,
+            over_file_limit: 0,
+            write_failed: 0,
+            write_error: None,
+            kernel_drops: 0,
+            drops_base,
+            seq: 0,
+            live: broadcast::channel(WATCH_BACKLOG).0,
+            codes: HashSet::new(),
+            threads: HashMap::new(),
+            processes: HashMap::new(),
+            last_tid: 0,
+        })
+    }
+
+    /// A live view of the events recorded from now on.
+    pub fn subscribe(&self) -> (broadcast::Receiver<Arc<Batch>>, u64) {
+        (self.live.subscribe(), self.seq)
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.written + (self.buf.len() * RECORD) as u64
+    }
+
+    pub fn push(&mut self, events: &[TraceEvent]) {
+        if self.live.receiver_count() > 0 {
+            for (i, chunk) in events.chunks(BATCH).enumerate() {
+                let batch = Batch {
+                    first_seq: self.seq + (i * BATCH) as u64,
+                    events: chunk.to_vec(),
+                };
+                // No receiver left is not an error: watchers come and go.
+                let _ = self.live.send(Arc::new(batch));
+            }
+        }
+        self.seq += events.len() as u64;
+        for ev in events {
+            self.note(ev);
+        }
+        self.buf.extend_from_slice(events);
+        if self.buf.len() * RECORD >= self.limits.buffer_bytes {
+            self.spill();
+        }
+    }
+
+    fn note(&mut self, ev: &TraceEvent) {
+        self.events += 1;
+        if let Some(n) = self.by_kind.get_mut(usize::from(ev.kind)) {
+            *n += 1;
+        }
+        if ev.kind == trace_kind::PY_CALL {
+            self.codes.insert((ev.pid, ev.a, ev.b));
+            if ev.flags & TRACE_EXIT_INFERRED != 0 {
+                self.exits_inferred += 1;
+            }
+            if ev.flags & TRACE_UNFINISHED != 0 {
+                self.unfinished += 1;
+            }
+        }
+        if ev.tid != self.last_tid && ev.tid != 0 {
+            self.last_tid = ev.tid;
+            let (pid, tid) = (ev.pid, ev.tid);
+            self.threads.entry(tid).or_insert_with(|| TraceThread {
+                pid,
+                tid,
+                name: thread_name(pid, tid).unwrap_or_default(),
+            });
+            self.processes
+                .entry(pid)
+                .or_insert_with(|| crate::process::comm(pid).unwrap_or_default());
+        }
+    }
+
+    /// Appends the buffered events to the file, up to its size limit.
+    fn spill(&mut self) {
+        let room = self.limits.file_bytes.saturating_sub(self.written) / RECORD as u64;
+        let fits = self
+            .buf
+            .len()
+            .min(usize::try_from(room).unwrap_or(usize::MAX));
+        self.over_file_limit += (self.buf.len() - fits) as u64;
+        if fits > 0 && self.write_error.is_none() {
+            match self.file.write_all(as_bytes(&self.buf[..fits])) {
+                Ok(()) => self.written += (fits * RECORD) as u64,
+                Err(e) => {
+                    self.write_failed += fits as u64;
+                    self.write_error = Some(format!("writing {}: {e}", self.path.display()));
+                }
+            }
+        } else if fits > 0 {
+            self.write_failed += fits as u64;
+        }
+        self.buf.clear();
+    }
+
+    /// Writes what is left; the file then holds every recorded event.
+    fn close(&mut self) {
+        // Watchers learn the final count, and so what they missed at the very end.
+        let _ = self.live.send(Arc::new(Batch {
+            first_seq: self.seq,
+            events: Vec::new(),
+        }));
+        self.spill();
+        if let Err(e) = self.file.flush().and_then(|()| self.file.sync_data()) {
+            self.write_error
+                .get_or_insert(format!("writing {}: {e}", self.path.display()));
+        }
+    }
+
+    /// Events recorded but lost afterwards (file limit, write errors) are not in the file.
+    pub fn in_file(&self) -> u64 {
+        self.written / RECORD as u64
+    }
+}
+
+fn thread_name(pid: u32, tid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .ok()
+        .map(|s| s.trim_end().to_owned())
+}
+
+struct State {
+    maps: TracingMaps,
+    sessions: HashMap<u32, Arc<Mutex<Spool>>>,
+    /// Per-slot batches of one drain, reused.
+    pending: HashMap<u32, Vec<TraceEvent>>,
+}
+
+pub struct Tracing {
+    state: Arc<Mutex<State>>,
+    dir: PathBuf,
+    stop: Arc<AtomicBool>,
+    worker: Option<thread::JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; keep going with it.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Tracing {
+    /// `dir`: where trace files go (created if needed).
+    pub fn spawn(maps: TracingMaps, dir: PathBuf) -> Self {
+        let fd = maps.events.as_raw_fd();
+        let state = Arc::new(Mutex::new(State {
+            maps,
+            sessions: HashMap::new(),
+            pending: HashMap::new(),
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (state, stop) = (state.clone(), stop.clone());
+            thread::Builder::new()
+                .name("tracer-tracing".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut pfd = libc::pollfd {
+                            fd,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        };
+                        // SAFETY: one valid pollfd; the ring buffer's fd outlives the loop.
+                        unsafe { libc::poll(&mut pfd, 1, DRAIN_EVERY.as_millis() as i32) };
+                        lock(&state).drain();
+                    }
+                })
+                .expect("spawning the tracing worker")
+        };
+        Self {
+            state,
+            dir,
+            stop,
+            worker: Some(worker),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Starts recording session `slot`'s events into `traces/ID.events`.
+    pub fn add(&self, slot: u8, id: &str, limits: Limits) -> std::io::Result<Arc<Mutex<Spool>>> {
+        std::fs::create_dir_all(&self.dir)?;
+        let mut st = lock(&self.state);
+        // Events of an earlier session in this slot must not reach this one.
+        st.drain();
+        let base = st.drops(u32::from(slot));
+        let spool = Arc::new(Mutex::new(Spool::create(
+            self.dir.join(file_name(id)),
+            limits,
+            base,
+        )?));
+        st.sessions.insert(u32::from(slot), spool.clone());
+        Ok(spool)
+    }
+
+    /// Stops recording `slot` (its probes must already be off): drains what the kernel still
+    /// holds, writes the rest to the file, and returns the spool.
+    pub fn finish(&self, slot: u8) -> Option<Arc<Mutex<Spool>>> {
+        let mut st = lock(&self.state);
+        st.drain();
+        let spool = st.sessions.remove(&u32::from(slot))?;
+        lock(&spool).close();
+        Some(spool)
+    }
+}
+
+/// A trace file's name in the traces directory.
+pub fn file_name(id: &str) -> String {
+    format!("{id}.events")
+}
+
+impl Drop for Tracing {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl State {
+    fn drops(&self, slot: u32) -> u64 {
+        self.maps
+            .drops
+            .get(&slot, 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+
+    fn drain(&mut self) {
+        let State {
+            maps,
+            sessions,
+            pending,
+        } = self;
+        // Bounded per call so that one flood cannot hold the lock for long, and handed to the
+        // spools in batches so that what waits here stays small.
+        const PER_BATCH: usize = 1 << 16;
+        for _ in 0..16 {
+            let mut n = 0;
+            while n < PER_BATCH {
+                let Some(item) = maps.events.next() else {
+                    break;
+                };
+                n += 1;
+                if item.len() < RECORD {
+                    continue;
+                }
+                // SAFETY: written as a TraceEvent by the BPF side; read unaligned.
+                let mut ev =
+                    unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<TraceEvent>()) };
+                drop(item);
+                let mut mask = std::mem::take(&mut ev.sessions);
+                while mask != 0 {
+                    let slot = mask.trailing_zeros();
+                    mask &= mask - 1;
+                    if sessions.contains_key(&slot) {
+                        pending.entry(slot).or_default().push(ev);
+                    }
+                }
+            }
+            for (slot, events) in pending.iter_mut().filter(|(_, e)| !e.is_empty()) {
+                if let Some(spool) = sessions.get(slot) {
+                    lock(spool).push(events);
+                }
+                events.clear();
+            }
+            if n < PER_BATCH {
+                break;
+            }
+        }
+        for (slot, spool) in sessions.iter() {
+            let now: u64 = maps.drops.get(slot, 0).map_or(0, |v| v.iter().sum());
+            let mut spool = lock(spool);
+            spool.kernel_drops = now.saturating_sub(spool.drops_base);
+        }
+    }
+}
+
+/// Events the daemon makes itself (counter readings, calls still running at the end) go
+/// through here, in the same spool.
+pub fn push_local(spool: &Mutex<Spool>, events: &[TraceEvent]) {
+    lock(spool).push(events);
+}
+
+pub fn locked(spool: &Mutex<Spool>) -> MutexGuard<'_, Spool> {
+    lock(spool)
+}

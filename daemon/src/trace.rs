@@ -1,0 +1,184 @@
+//! A tracing session's result: its events, kept as fixed-size records in a file under the
+//! state directory (`traces/ID.events`), and the names that go with them, kept in the report.
+//!
+//! Records are `tracer_common::TraceEvent`s as the kernel wrote them, in the order they were
+//! drained: a Python call is written when it ends, so callees come before their callers.
+
+use std::{
+    collections::HashMap,
+    fs::File,
+    io::{self, BufReader, Read},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+use tracer_common::{trace_kind, TraceEvent, TRACE_EXIT_INFERRED, TRACE_UNFINISHED};
+
+/// Bytes per record in a trace file.
+pub const RECORD: usize = std::mem::size_of::<TraceEvent>();
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Trace {
+    /// The trace file's name in the state directory's `traces/` folder.
+    pub file: String,
+    /// Where the file is now (set by the daemon when it serves the report; not stored).
+    #[serde(skip)]
+    pub path: PathBuf,
+    /// CLOCK_MONOTONIC at the session's start and end, ns (the events' clock), and the Unix
+    /// time of the start, ns, to place the trace in wall-clock time.
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub start_unix_ns: u64,
+    /// Records in the file, and of each kind.
+    pub events: u64,
+    pub python_calls: u64,
+    pub native_calls: u64,
+    pub counter_readings: u64,
+    /// Python calls whose exit was inferred (see `TRACE_EXIT_INFERRED`).
+    pub exits_inferred: u64,
+    /// Python calls still running at the end, written with the session's end as their end.
+    pub unfinished: u64,
+    /// Names of the Python functions in the events.
+    pub functions: Vec<TraceFunction>,
+    /// Native probes, by the number in `NATIVE_CALL` events: "BINARY:SYMBOL".
+    pub probes: Vec<String>,
+    /// perf counters, by the index in `COUNTER` events.
+    pub counters: Vec<TraceCounter>,
+    /// Names of the processes and threads in the events.
+    pub processes: Vec<TraceThread>,
+    pub threads: Vec<TraceThread>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TraceFunction {
+    pub pid: u32,
+    /// Code object address and `py_names_id`, as in the events' `a` and `b`.
+    pub code: u64,
+    pub names: u64,
+    pub qualname: String,
+    pub filename: String,
+    pub firstlineno: i32,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TraceCounter {
+    /// As requested: "page-faults", "task-clock"…
+    pub event: String,
+    /// "ns" or "count".
+    pub unit: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TraceThread {
+    pub pid: u32,
+    /// The thread id (equal to `pid` in `processes`).
+    pub tid: u32,
+    pub name: String,
+}
+
+/// What an exporter shows for one event.
+pub enum Named<'a> {
+    Python {
+        function: Option<&'a TraceFunction>,
+        code: u64,
+    },
+    Native(Option<&'a str>),
+    Counter(Option<&'a TraceCounter>),
+    Unknown,
+}
+
+impl Trace {
+    /// Looks names up by (pid, code, names).
+    pub fn function_index(&self) -> HashMap<(u32, u64, u64), &TraceFunction> {
+        self.functions
+            .iter()
+            .map(|f| ((f.pid, f.code, f.names), f))
+            .collect()
+    }
+
+    pub fn named<'a>(
+        &'a self,
+        functions: &HashMap<(u32, u64, u64), &'a TraceFunction>,
+        ev: &TraceEvent,
+    ) -> Named<'a> {
+        match ev.kind {
+            trace_kind::PY_CALL => Named::Python {
+                function: functions.get(&(ev.pid, ev.a, ev.b)).copied(),
+                code: ev.a,
+            },
+            trace_kind::NATIVE_CALL => {
+                Named::Native(self.probes.get(ev.a as usize).map(String::as_str))
+            }
+            trace_kind::COUNTER => Named::Counter(self.counters.get(ev.a as usize)),
+            _ => Named::Unknown,
+        }
+    }
+
+    /// The trace's events, in file order.
+    pub fn events(&self) -> io::Result<Events> {
+        Events::open(&self.path)
+    }
+}
+
+impl Named<'_> {
+    /// The event's name: a Python qualname, a native `BINARY:SYMBOL`, a counter's event.
+    pub fn name(&self) -> String {
+        match self {
+            Named::Python {
+                function: Some(f), ..
+            } => f.qualname.clone(),
+            Named::Python { code, .. } => format!("[code object {code:#x}]"),
+            Named::Native(Some(s)) => (*s).to_owned(),
+            Named::Native(None) => "[unknown probe]".into(),
+            Named::Counter(Some(c)) => c.event.clone(),
+            Named::Counter(None) => "[unknown counter]".into(),
+            Named::Unknown => "[unknown event]".into(),
+        }
+    }
+}
+
+pub fn exit_inferred(ev: &TraceEvent) -> bool {
+    ev.flags & TRACE_EXIT_INFERRED != 0
+}
+
+pub fn unfinished(ev: &TraceEvent) -> bool {
+    ev.flags & TRACE_UNFINISHED != 0
+}
+
+/// Reads a trace file's records in order.
+pub struct Events {
+    reader: BufReader<File>,
+}
+
+impl Events {
+    pub fn open(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            reader: BufReader::with_capacity(1 << 20, File::open(path)?),
+        })
+    }
+}
+
+impl Iterator for Events {
+    type Item = io::Result<TraceEvent>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut buf = [0u8; RECORD];
+        match self.reader.read_exact(&mut buf) {
+            // SAFETY: TraceEvent is plain old data of exactly RECORD bytes.
+            Ok(()) => Some(Ok(unsafe {
+                std::ptr::read_unaligned(buf.as_ptr().cast::<TraceEvent>())
+            })),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+/// Records as bytes, to write them to a trace file.
+pub fn as_bytes(events: &[TraceEvent]) -> &[u8] {
+    // SAFETY: TraceEvent is repr(C) with no padding (tested in tracer-common); any byte
+    // pattern of it is valid to read.
+    unsafe {
+        std::slice::from_raw_parts(events.as_ptr().cast::<u8>(), std::mem::size_of_val(events))
+    }
+}

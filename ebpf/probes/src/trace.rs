@@ -1,0 +1,63 @@
+//! Tracing sessions' events: one record per Python call and per native probe hit, on one
+//! ring buffer shared by every tracing session (each record says which sessions it is for).
+
+use aya_ebpf::{
+    helpers::bpf_get_smp_processor_id,
+    macros::map,
+    maps::{Array, PerCpuArray, RingBuf},
+};
+use tracer_common::{loss, SessionMask, TraceEvent, MAX_TRACKED_SESSIONS, TRACE_WAKEUP_BYTES};
+
+use crate::proc::count_loss;
+
+#[map]
+static TRACE_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024 * 1024, 0);
+
+/// One entry: the session slots that are tracing.
+#[map]
+static TRACE_SESSIONS: Array<SessionMask> = Array::with_max_entries(1, 0);
+
+/// Events dropped because `TRACE_EVENTS` was full, per session slot: exact per-session loss.
+#[map]
+static TRACE_DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_TRACKED_SESSIONS as u32, 0);
+
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
+/// Those of `mask`'s sessions that are tracing.
+#[inline(always)]
+pub(crate) fn tracing(mask: SessionMask) -> SessionMask {
+    mask & TRACE_SESSIONS.get(0).copied().unwrap_or(0)
+}
+
+/// Sends one event to its sessions (`ev.sessions`), or counts it lost for each of them.
+pub(crate) fn emit(ev: &TraceEvent) {
+    let Some(mut entry) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
+        count_loss(loss::TRACE_RINGBUF_FULL);
+        let mut m = ev.sessions;
+        for _ in 0..MAX_TRACKED_SESSIONS {
+            if m == 0 {
+                break;
+            }
+            let slot = m.trailing_zeros();
+            m &= m - 1;
+            if let Some(n) = TRACE_DROPS.get_ptr_mut(slot) {
+                // SAFETY: this CPU's value of a live map entry.
+                unsafe { *n += 1 };
+            }
+        }
+        return;
+    };
+    let mut ev = *ev;
+    // SAFETY: plain helper call.
+    ev.cpu = unsafe { bpf_get_smp_processor_id() };
+    entry.write(ev);
+    // The reader polls; it is woken only once enough has piled up to be worth a wakeup.
+    let flags = if TRACE_EVENTS.query(BPF_RB_AVAIL_DATA) >= TRACE_WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    entry.submit(flags);
+}

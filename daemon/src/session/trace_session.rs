@@ -146,7 +146,7 @@ impl TraceSession {
         [
             ("trace_ringbuf_full", sp.kernel_drops),
             ("trace_file_limit", sp.over_file_limit),
-            ("trace_write_failed", sp.write_failed),
+            ("trace_write_failed", sp.write_failed().0),
         ]
         .into_iter()
         .filter(|&(_, n)| n > 0)
@@ -227,7 +227,7 @@ impl TraceSession {
             processes,
             threads,
         };
-        (trace, sp.write_error.clone())
+        (trace, sp.write_failed().1)
     }
 }
 

@@ -11,7 +11,7 @@ use std::{
     os::fd::AsRawFd,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex, MutexGuard,
     },
     thread,
@@ -55,11 +55,13 @@ pub struct Batch {
 
 /// One session's events: in memory, then in its trace file.
 pub struct Spool {
-    path: PathBuf,
-    file: File,
     buf: Vec<TraceEvent>,
     limits: Limits,
-    written: u64,
+    /// Events per chunk handed to the writer.
+    chunk: usize,
+    /// Bytes handed to the writer so far.
+    queued: u64,
+    writer: Writer,
     /// Events recorded (in memory or in the file).
     pub events: u64,
     pub by_kind: [u64; 4],
@@ -67,9 +69,6 @@ pub struct Spool {
     pub unfinished: u64,
     /// Events past the file size limit, dropped.
     pub over_file_limit: u64,
-    /// Events that could not be written (disk full…), and why.
-    pub write_failed: u64,
-    pub write_error: Option<String>,
     /// Events the kernel dropped for this session (ring buffer full).
     pub kernel_drops: u64,
     drops_base: u64,
@@ -86,19 +85,19 @@ pub struct Spool {
 impl Spool {
     fn create(path: PathBuf, limits: Limits, drops_base: u64) -> std::io::Result<Self> {
         let file = File::create(&path)?;
+        let chunk_bytes = limits.buffer_bytes.clamp(RECORD, CHUNK_BYTES);
+        let in_flight = (limits.buffer_bytes / chunk_bytes).saturating_sub(1).max(1);
         Ok(Self {
-            path,
-            file,
+            writer: Writer::spawn(file, path, in_flight)?,
             buf: Vec::new(),
             limits,
-            written: 0,
+            chunk: chunk_bytes / RECORD,
+            queued: 0,
             events: 0,
             by_kind: [0; 4],
             exits_inferred: 0,
             unfinished: 0,
             over_file_limit: 0,
-            write_failed: 0,
-            write_error: None,
             kernel_drops: 0,
             drops_base,
             seq: 0,
@@ -116,7 +115,7 @@ impl Spool {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.written + (self.buf.len() * RECORD) as u64
+        self.queued + (self.buf.len() * RECORD) as u64
     }
 
     pub fn push(&mut self, events: &[TraceEvent]) {
@@ -134,9 +133,14 @@ impl Spool {
         for ev in events {
             self.note(ev);
         }
-        self.buf.extend_from_slice(events);
-        if self.buf.len() * RECORD >= self.limits.buffer_bytes {
-            self.spill();
+        let mut rest = events;
+        while !rest.is_empty() {
+            let take = rest.len().min(self.chunk - self.buf.len());
+            self.buf.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            if self.buf.len() >= self.chunk {
+                self.spill();
+            }
         }
     }
 
@@ -168,29 +172,23 @@ impl Spool {
         }
     }
 
-    /// Appends the buffered events to the file, up to its size limit.
+    /// Hands the buffered events to the writer, up to the file's size limit. Waits when
+    /// `buffer_bytes` are already waiting to be written: memory stays bounded, and the
+    /// kernel's ring buffer takes the delay.
     fn spill(&mut self) {
-        let room = self.limits.file_bytes.saturating_sub(self.written) / RECORD as u64;
-        let fits = self
-            .buf
-            .len()
-            .min(usize::try_from(room).unwrap_or(usize::MAX));
+        let room = self.limits.file_bytes.saturating_sub(self.queued) / RECORD as u64;
+        let fits = self.buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
         self.over_file_limit += (self.buf.len() - fits) as u64;
-        if fits > 0 && self.write_error.is_none() {
-            match self.file.write_all(as_bytes(&self.buf[..fits])) {
-                Ok(()) => self.written += (fits * RECORD) as u64,
-                Err(e) => {
-                    self.write_failed += fits as u64;
-                    self.write_error = Some(format!("writing {}: {e}", self.path.display()));
-                }
-            }
-        } else if fits > 0 {
-            self.write_failed += fits as u64;
+        self.buf.truncate(fits);
+        if !self.buf.is_empty() {
+            self.queued += (fits * RECORD) as u64;
+            let full = std::mem::replace(&mut self.buf, Vec::with_capacity(self.chunk));
+            self.writer.send(full);
         }
         self.buf.clear();
     }
 
-    /// Writes what is left; the file then holds every recorded event.
+    /// Writes what is left and waits for the writer; the file then holds every event kept.
     fn close(&mut self) {
         // Watchers learn the final count, and so what they missed at the very end.
         let _ = self.live.send(Arc::new(Batch {
@@ -198,15 +196,90 @@ impl Spool {
             events: Vec::new(),
         }));
         self.spill();
-        if let Err(e) = self.file.flush().and_then(|()| self.file.sync_data()) {
-            self.write_error
-                .get_or_insert(format!("writing {}: {e}", self.path.display()));
+        self.writer.finish();
+    }
+
+    /// Events in the file (those past its limit, or whose write failed, are not).
+    pub fn in_file(&self) -> u64 {
+        self.writer.stats.written.load(Ordering::Relaxed)
+    }
+
+    /// Events that could not be written, and why.
+    pub fn write_failed(&self) -> (u64, Option<String>) {
+        (
+            self.writer.stats.failed.load(Ordering::Relaxed),
+            lock(&self.writer.stats.error).clone(),
+        )
+    }
+}
+
+/// Bytes per write: large enough for few syscalls, small enough to stay in the CPU cache.
+const CHUNK_BYTES: usize = 1 << 20;
+
+#[derive(Default)]
+struct WriteStats {
+    written: AtomicU64,
+    failed: AtomicU64,
+    error: Mutex<Option<String>>,
+}
+
+/// A spool's file, written on a thread of its own so that draining never waits on the disk.
+struct Writer {
+    tx: Option<std::sync::mpsc::SyncSender<Vec<TraceEvent>>>,
+    thread: Option<thread::JoinHandle<()>>,
+    stats: Arc<WriteStats>,
+}
+
+impl Writer {
+    fn spawn(mut file: File, path: PathBuf, in_flight: usize) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<TraceEvent>>(in_flight);
+        let stats = Arc::new(WriteStats::default());
+        let st = stats.clone();
+        let thread = thread::Builder::new()
+            .name("tracer-trace-file".into())
+            .spawn(move || {
+                for chunk in rx {
+                    if lock(&st.error).is_some() {
+                        st.failed.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                        continue;
+                    }
+                    match file.write_all(as_bytes(&chunk)) {
+                        Ok(()) => st.written.fetch_add(chunk.len() as u64, Ordering::Relaxed),
+                        Err(e) => {
+                            *lock(&st.error) = Some(format!("writing {}: {e}", path.display()));
+                            st.failed.fetch_add(chunk.len() as u64, Ordering::Relaxed)
+                        }
+                    };
+                }
+                if let Err(e) = file.flush().and_then(|()| file.sync_data()) {
+                    lock(&st.error).get_or_insert(format!("writing {}: {e}", path.display()));
+                }
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            stats,
+        })
+    }
+
+    fn send(&mut self, chunk: Vec<TraceEvent>) {
+        let n = chunk.len() as u64;
+        if self.tx.as_ref().is_none_or(|tx| tx.send(chunk).is_err()) {
+            self.stats.failed.fetch_add(n, Ordering::Relaxed);
         }
     }
 
-    /// Events recorded but lost afterwards (file limit, write errors) are not in the file.
-    pub fn in_file(&self) -> u64 {
-        self.written / RECORD as u64
+    fn finish(&mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -221,7 +294,11 @@ struct State {
     sessions: HashMap<u32, Arc<Mutex<Spool>>>,
     /// Per-slot batches of one drain, reused.
     pending: HashMap<u32, Vec<TraceEvent>>,
+    drops_read: std::time::Instant,
 }
+
+/// How often the worker reads the kernel's per-session drop counters.
+const DROPS_EVERY: Duration = Duration::from_millis(200);
 
 pub struct Tracing {
     state: Arc<Mutex<State>>,
@@ -243,6 +320,7 @@ impl Tracing {
             maps,
             sessions: HashMap::new(),
             pending: HashMap::new(),
+            drops_read: std::time::Instant::now(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let worker = {
@@ -258,7 +336,7 @@ impl Tracing {
                         };
                         // SAFETY: one valid pollfd; the ring buffer's fd outlives the loop.
                         unsafe { libc::poll(&mut pfd, 1, DRAIN_EVERY.as_millis() as i32) };
-                        lock(&state).drain();
+                        lock(&state).drain(false);
                     }
                 })
                 .expect("spawning the tracing worker")
@@ -280,7 +358,7 @@ impl Tracing {
         std::fs::create_dir_all(&self.dir)?;
         let mut st = lock(&self.state);
         // Events of an earlier session in this slot must not reach this one.
-        st.drain();
+        st.drain(false);
         let base = st.drops(u32::from(slot));
         let spool = Arc::new(Mutex::new(Spool::create(
             self.dir.join(file_name(id)),
@@ -295,7 +373,7 @@ impl Tracing {
     /// holds, writes the rest to the file, and returns the spool.
     pub fn finish(&self, slot: u8) -> Option<Arc<Mutex<Spool>>> {
         let mut st = lock(&self.state);
-        st.drain();
+        st.drain(true);
         let spool = st.sessions.remove(&u32::from(slot))?;
         lock(&spool).close();
         Some(spool)
@@ -325,11 +403,13 @@ impl State {
             .unwrap_or(0)
     }
 
-    fn drain(&mut self) {
+    /// `force`: also read the kernel's drop counters now.
+    fn drain(&mut self, force: bool) {
         let State {
             maps,
             sessions,
             pending,
+            ..
         } = self;
         // Bounded per call so that one flood cannot hold the lock for long, and handed to the
         // spools in batches so that what waits here stays small.
@@ -367,10 +447,14 @@ impl State {
                 break;
             }
         }
-        for (slot, spool) in sessions.iter() {
-            let now: u64 = maps.drops.get(slot, 0).map_or(0, |v| v.iter().sum());
-            let mut spool = lock(spool);
-            spool.kernel_drops = now.saturating_sub(spool.drops_base);
+        // A map read per session costs a syscall: a few times a second is enough for status.
+        if force || self.drops_read.elapsed() >= DROPS_EVERY {
+            self.drops_read = std::time::Instant::now();
+            for (slot, spool) in self.sessions.iter() {
+                let now: u64 = self.maps.drops.get(slot, 0).map_or(0, |v| v.iter().sum());
+                let mut spool = lock(spool);
+                spool.kernel_drops = now.saturating_sub(spool.drops_base);
+            }
         }
     }
 }

@@ -53,8 +53,11 @@ pub(crate) fn emit(ev: &TraceEvent) {
     // SAFETY: plain helper call.
     ev.cpu = unsafe { bpf_get_smp_processor_id() };
     entry.write(ev);
-    // The reader polls; it is woken only once enough has piled up to be worth a wakeup.
-    let flags = if TRACE_EVENTS.query(BPF_RB_AVAIL_DATA) >= TRACE_WAKEUP_BYTES {
+    // The reader polls; it is woken once, by the event that makes enough pile up to be worth
+    // a wakeup (the pending bytes count this record and its 8-byte header already).
+    let avail = TRACE_EVENTS.query(BPF_RB_AVAIL_DATA);
+    let record = (core::mem::size_of::<TraceEvent>() + 8) as u64;
+    let flags = if avail >= TRACE_WAKEUP_BYTES && avail < TRACE_WAKEUP_BYTES + record {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP

@@ -4,10 +4,13 @@
 //! - `counting` (counting.rs): the cost of counting Python calls, against cProfile and bare
 //!   uprobes;
 //! - `sampling` (sampling.rs): the slowdown of a program sampled at 99 and 999 Hz, against
-//!   py-spy and perf.
+//!   py-spy and perf;
+//! - `tracing` (tracing.rs): the highest event rate tracerd drains with no loss, and the
+//!   slowdown of a traced Python program next to counting mode's.
 
 mod counting;
 mod sampling;
+mod tracing;
 
 use std::{
     fs,
@@ -23,12 +26,14 @@ use crate::bin_dir;
 pub enum Which {
     Counting,
     Sampling,
+    Tracing,
 }
 
 pub fn run(which: Which) -> Result<()> {
     match which {
         Which::Counting => counting::run(),
         Which::Sampling => sampling::run(),
+        Which::Tracing => tracing::run(),
     }
 }
 

@@ -177,7 +177,10 @@ impl Spool {
     /// kernel's ring buffer takes the delay.
     fn spill(&mut self) {
         let room = self.limits.file_bytes.saturating_sub(self.queued) / RECORD as u64;
-        let fits = self.buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let fits = self
+            .buf
+            .len()
+            .min(usize::try_from(room).unwrap_or(usize::MAX));
         self.over_file_limit += (self.buf.len() - fits) as u64;
         self.buf.truncate(fits);
         if !self.buf.is_empty() {

@@ -25,6 +25,7 @@ pub fn stream(sub: Subscription) -> Events {
             counters,
         } = sub;
         let (mut next, mut missed) = (next_seq, 0u64);
+        let mut given_up = std::collections::HashSet::new();
         loop {
             let batch = match events.recv().await {
                 Ok(b) => b,
@@ -35,15 +36,25 @@ pub fn stream(sub: Subscription) -> Events {
             missed += batch.first_seq.saturating_sub(next);
             next = batch.first_seq + batch.events.len() as u64;
             // A function's name comes from the kernel on a ring of its own, read by another
-            // task: a call may arrive here first. Wait for it briefly rather than send it unnamed.
-            for _ in 0..10 {
-                let known = {
+            // task: a call may arrive here first. Wait for it (up to 2 s on a loaded machine;
+            // once per function) rather than send it unnamed.
+            // Functions that never get one (entered before the session) are waited for once.
+            for round in 0..=200 {
+                let missing: Vec<(u32, u64, u64)> = {
                     let names = names.lock().unwrap_or_else(|e| e.into_inner());
-                    batch.events.iter().all(|e| {
-                        e.kind != trace_kind::PY_CALL || names.contains_key(&(e.pid, e.a, e.b))
-                    })
+                    batch
+                        .events
+                        .iter()
+                        .filter(|e| e.kind == trace_kind::PY_CALL)
+                        .map(|e| (e.pid, e.a, e.b))
+                        .filter(|k| !names.contains_key(k) && !given_up.contains(k))
+                        .collect()
                 };
-                if known {
+                if missing.is_empty() {
+                    break;
+                }
+                if round == 200 {
+                    given_up.extend(missing);
                     break;
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;

@@ -171,12 +171,13 @@ impl TraceSession {
         mut name: impl FnMut(u32, u64, u64) -> Option<(String, String, i32)>,
     ) -> (Trace, Option<String>) {
         let sp = worker::locked(&self.spool);
-        let mut known = std::mem::take(&mut *self.names.lock().unwrap_or_else(|e| e.into_inner()));
+        // Copied, not taken: watchers still converting the last batches read the same map.
+        let known = self.names.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut functions: Vec<TraceFunction> = sp
             .codes
             .iter()
             .map(|&(pid, code, names)| {
-                known.remove(&(pid, code, names)).unwrap_or_else(|| {
+                known.get(&(pid, code, names)).cloned().unwrap_or_else(|| {
                     let (qualname, filename, firstlineno) =
                         name(pid, code, names).unwrap_or_else(|| {
                             (

@@ -377,7 +377,7 @@ impl SimpleRow {
         let ip = stack.read(cfa.wrapping_add_signed(self.ra_offset), 8)?;
         let bp = match self.rbp_offset {
             None => f.bp,
-            Some(n) => Some(stack.read(cfa.wrapping_add_signed(n), 8)?),
+            Some(n) => saved(stack, f, cfa.wrapping_add_signed(n), f.bp)?,
         };
         if ip == 0 {
             return Err(End::Root);
@@ -392,6 +392,16 @@ impl SimpleRow {
             exact_ip: false,
         })
     }
+}
+
+/// A register saved at `at` by the frame's prologue. GCC's CFI keeps saying so through the
+/// epilogue, after the register was popped: a save slot below the stack pointer is gone,
+/// and the register holds its caller's value again (`now`).
+fn saved(stack: &StackCopy, f: &Frame, at: u64, now: Option<u64>) -> Result<Option<u64>, End> {
+    if at < f.sp {
+        return Ok(now);
+    }
+    Ok(Some(stack.read(at, 8)?))
 }
 
 /// The registers the CFI of x86-64 code needs to find the caller.
@@ -458,7 +468,12 @@ impl Env<'_> {
         Ok(match rule {
             RegisterRule::Undefined => None,
             RegisterRule::SameValue => self.register(r),
-            RegisterRule::Offset(n) => Some(self.stack.read(cfa.wrapping_add_signed(*n), 8)?),
+            RegisterRule::Offset(n) => saved(
+                self.stack,
+                self.frame,
+                cfa.wrapping_add_signed(*n),
+                self.register(r),
+            )?,
             RegisterRule::ValOffset(n) => Some(cfa.wrapping_add_signed(*n)),
             RegisterRule::Register(other) => self.register(*other),
             RegisterRule::Expression(e) => Some(self.stack.read(self.eval(e, Some(cfa))?, 8)?),

@@ -65,6 +65,10 @@ struct StartArgs {
     /// Count calls of every Python function (CPython 3.10-3.13), as cProfile counts them.
     #[arg(long)]
     python: bool,
+    /// Count CUDA kernel launches, copies and allocations (libcudart and libcuda, probed as
+    /// the target maps them).
+    #[arg(long)]
+    cuda: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
@@ -150,6 +154,8 @@ enum FormatArg {
     Chrome,
     /// Tracing: Perfetto's protobuf trace (Perfetto UI, trace_processor); use with -o.
     Perfetto,
+    /// --cuda: the table of kernel launches.
+    Kernels,
 }
 
 fn main() -> ExitCode {
@@ -316,6 +322,7 @@ async fn start(
             python: args.python,
             events: args.events,
             uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
+            cuda: args.cuda,
         }),
         sampling: args
             .frequency
@@ -421,6 +428,7 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Svg => ReportFormat::Svg,
         FormatArg::Chrome => ReportFormat::Chrome,
         FormatArg::Perfetto => ReportFormat::Perfetto,
+        FormatArg::Kernels => ReportFormat::Kernels,
     };
     let mut stream = client
         .get_report(GetReportRequest {

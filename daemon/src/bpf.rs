@@ -16,8 +16,8 @@ use aya::{
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
-    globals, loss, native_cookie, py_role, NativeCallKey, ProcEvent, PyCallKey, PyCallStats,
-    PyEdgeKey, PyLayout, PySampleProc, PyStack, SessionMask,
+    globals, loss, native_cookie, py_role, CudaLaunchKey, CudaMemKey, CudaMemStats, NativeCallKey,
+    ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout, PySampleProc, PyStack, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -47,6 +47,12 @@ pub enum BpfError {
     Tracefs(String),
 }
 
+/// Uprobe links with the name of the program each belongs to.
+pub type UprobeLinks = Vec<(&'static str, UProbeLinkId)>;
+
+/// A session's CUDA launch counts and memory totals.
+pub type CudaCounts = (Vec<(CudaLaunchKey, u64)>, Vec<(CudaMemKey, CudaMemStats)>);
+
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
     move |e| BpfError::Map {
         name,
@@ -72,6 +78,10 @@ pub struct Bpf {
     py_loaded: bool,
     native_calls: HashMap<MapData, NativeCallKey, u64>,
     native_loaded: bool,
+    cuda_launches: HashMap<MapData, CudaLaunchKey, u64>,
+    cuda_memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
+    cuda_names: Option<RingBuf<MapData>>,
+    cuda_loaded: bool,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
     // Owns the programs; attached links live as long as it does.
@@ -144,6 +154,10 @@ impl Bpf {
             py_loaded: false,
             native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
             native_loaded: false,
+            cuda_launches: take(&mut ebpf, "CUDA_LAUNCHES")?,
+            cuda_memory: take(&mut ebpf, "CUDA_MEMORY")?,
+            cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
+            cuda_loaded: false,
             fsbase_error,
             ebpf,
         })
@@ -259,7 +273,7 @@ impl Bpf {
             {
                 Ok(link) => links.push((name, link)),
                 Err(e) => {
-                    self.detach_python(links);
+                    self.detach_uprobes(links);
                     return Err(BpfError::Program {
                         name,
                         source: Box::new(e),
@@ -270,7 +284,7 @@ impl Bpf {
         Ok(links)
     }
 
-    pub fn detach_python(&mut self, links: Vec<(&'static str, UProbeLinkId)>) {
+    pub fn detach_uprobes(&mut self, links: Vec<(&'static str, UProbeLinkId)>) {
         for (name, link) in links {
             if let Ok(p) = self.uprobe(name) {
                 let _ = p.detach(link);
@@ -306,6 +320,92 @@ impl Bpf {
         self.uprobe(NAME)?
             .attach(at, &target.binary, UProbeScope::AllProcesses)
             .map_err(program_err)
+    }
+
+    /// The ring buffer of CUDA kernel names; taken once by its reader.
+    pub fn take_cuda_names(&mut self) -> Option<RingBuf<MapData>> {
+        self.cuda_names.take()
+    }
+
+    /// Probes one CUDA entry point for one session (and its return, where the call's result
+    /// is read). `cookie`: `cuda_cookie::make(slot, all, api)`.
+    pub fn attach_cuda(
+        &mut self,
+        binary: &Path,
+        file_offset: u64,
+        cookie: u64,
+        at_return: bool,
+    ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
+        const CALL: &str = "tracer_cuda_call";
+        const RETURN: &str = "tracer_cuda_return";
+        if !self.cuda_loaded {
+            for name in [CALL, RETURN] {
+                match self.uprobe(name)?.load() {
+                    Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+                    Err(e) => {
+                        return Err(BpfError::Program {
+                            name,
+                            source: Box::new(e),
+                        })
+                    }
+                }
+            }
+            self.cuda_loaded = true;
+        }
+        let mut links = Vec::new();
+        let programs: &[&'static str] = if at_return { &[CALL, RETURN] } else { &[CALL] };
+        for &name in programs {
+            let at = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(file_offset),
+                cookie: Some(cookie),
+            };
+            match self
+                .uprobe(name)?
+                .attach(at, binary, UProbeScope::AllProcesses)
+            {
+                Ok(link) => links.push((name, link)),
+                Err(e) => {
+                    self.detach_uprobes(links);
+                    return Err(BpfError::Program {
+                        name,
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        Ok(links)
+    }
+
+    /// Takes a session's CUDA launch counts and memory totals out of the kernel maps.
+    pub fn take_cuda(&mut self, slot: u8) -> CudaCounts {
+        let slot = u32::from(slot);
+        let keys: Vec<CudaLaunchKey> = self
+            .cuda_launches
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == slot)
+            .collect();
+        let mut launches = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Ok(n) = self.cuda_launches.get(&k, 0) {
+                launches.push((k, n));
+            }
+            let _ = self.cuda_launches.remove(&k);
+        }
+        let keys: Vec<CudaMemKey> = self
+            .cuda_memory
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k.slot == slot)
+            .collect();
+        let mut memory = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Ok(n) = self.cuda_memory.get(&k, 0) {
+                memory.push((k, n));
+            }
+            let _ = self.cuda_memory.remove(&k);
+        }
+        (launches, memory)
     }
 
     pub fn detach_native(&mut self, links: Vec<UProbeLinkId>) {
@@ -436,6 +536,8 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::PY_EDGES_FULL => "python_callers_map_full",
         loss::SAMPLES_RINGBUF_FULL => "samples_ringbuf_full",
         loss::TRACE_RINGBUF_FULL => "trace_ringbuf_full",
+        loss::CUDA_MAP_FULL => "cuda_maps_full",
+        loss::CUDA_NAMES_RINGBUF_FULL => "cuda_names_ringbuf_full",
         _ => "unknown",
     }
 }

@@ -27,6 +27,57 @@ pub struct Report {
     /// the trace file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<crate::trace::Trace>,
+    /// CUDA launches, copies and allocations (counting mode with `--cuda`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaReport>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CudaReport {
+    /// CUDA libraries probed, when and in which process they were first seen.
+    pub libraries: Vec<CudaLibrary>,
+    /// Launches per (process, entry point, kernel, configuration), most first. Runtime
+    /// launches (`cuda*`) reach the driver's `cuLaunchKernel*` too: count kernels at one layer.
+    pub launches: Vec<CudaLaunch>,
+    /// Copies, allocations and synchronizations per (process, entry point, direction).
+    pub memory: Vec<CudaMemory>,
+    /// Launch rows whose kernel handle was named before tracer probed the library.
+    pub unnamed: u64,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CudaLibrary {
+    pub pid: u32,
+    pub path: String,
+    pub probes: u32,
+    /// Time from the session's start to the look that found it mapped.
+    pub found_after_ms: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CudaLaunch {
+    pub pid: u32,
+    pub api: String,
+    /// Demangled device name.
+    pub kernel: String,
+    pub handle: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem: u32,
+    pub stream: u64,
+    pub launches: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CudaMemory {
+    pub pid: u32,
+    pub api: String,
+    /// Copies: "host to device", "device to host"…; empty for the rest.
+    pub direction: String,
+    pub calls: u64,
+    /// Bytes copied, allocated or freed (frees of allocations tracer saw).
+    pub bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -212,6 +263,9 @@ impl Report {
         );
         if let Some(err) = &s.error {
             let _ = writeln!(out, "error: {err}");
+        }
+        if let Some(c) = &self.cuda {
+            crate::export::kernels::table(&mut out, c, limit);
         }
         if let Some(t) = &self.trace {
             let _ = writeln!(

@@ -172,6 +172,18 @@ impl Tracer for Service {
                 }
             },
             ReportFormat::Chrome | ReportFormat::Perfetto => unreachable!("streamed above"),
+            ReportFormat::Kernels => match &report.cuda {
+                Some(c) => {
+                    let mut out = String::new();
+                    crate::export::kernels::table(&mut out, c, limit);
+                    out.into_bytes()
+                }
+                None => {
+                    return Err(Status::failed_precondition(
+                        "kernels needs CUDA results: start the session with --cuda",
+                    ))
+                }
+            },
             ReportFormat::Folded
             | ReportFormat::Pprof
             | ReportFormat::Speedscope

@@ -58,6 +58,11 @@ pub fn script(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// A file of the tests crate, e.g. `cuda/build.sh`.
+pub fn test_file(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
 /// A child killed (and reaped) on drop.
 pub struct ChildGuard(pub Child);
 

@@ -2,6 +2,7 @@
 
 pub mod chrome;
 pub mod folded;
+pub mod kernels;
 pub mod perfetto;
 pub mod pprof;
 pub mod pstats;

@@ -187,6 +187,10 @@ impl Manager {
         // SAFETY: the ring buffer owns its fd and lives inside the AsyncFd.
         let codes = unsafe { AsyncFd::register(ring) }
             .map_err(|e| Error::io("reading BPF Python names", e.into()))?;
+        let ring = bpf.take_cuda_names().expect("CUDA_NAMES taken once");
+        // SAFETY: as above.
+        let kernel_names = unsafe { AsyncFd::register(ring) }
+            .map_err(|e| Error::io("reading BPF CUDA names", e.into()))?;
         let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?, interpreters.clone());
         let tracing = super::tracing::Tracing::spawn(bpf.take_tracing()?, traces);
         let manager = Manager {
@@ -201,7 +205,7 @@ impl Manager {
             used_slots: 0,
             tx: tx.clone(),
         };
-        let task = tokio::spawn(manager.run(rx, proc_rx, codes));
+        let task = tokio::spawn(manager.run(rx, proc_rx, codes, kernel_names));
         Ok((Handle { tx }, task))
     }
 
@@ -210,6 +214,7 @@ impl Manager {
         mut rx: mpsc::Receiver<Command>,
         mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
         mut codes: CodeRing,
+        mut kernel_names: CodeRing,
     ) {
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         // Tracing sessions' perf counter readings; each session keeps its own period.
@@ -224,9 +229,17 @@ impl Manager {
                     }
                     continue;
                 }
+                guard = kernel_names.readable_mut() => {
+                    if let Ok(mut g) = guard {
+                        self.drain_kernel_names(g.get_inner_mut());
+                        g.clear_ready();
+                    }
+                    continue;
+                }
                 cmd = rx.recv() => {
                     // Names first: a session that ends now must have every name it was sent.
                     self.drain_codes(codes.get_mut());
+                    self.drain_kernel_names(kernel_names.get_mut());
                     match cmd {
                     Some(Command::Shutdown { reply }) => {
                         let ids: Vec<String> = self.running.keys().cloned().collect();
@@ -241,13 +254,17 @@ impl Manager {
                 }},
                 Some(ev) = proc_rx.recv() => {
                     self.drain_codes(codes.get_mut());
+                    self.drain_kernel_names(kernel_names.get_mut());
                     self.on_proc_event(ev);
                 }
                 _ = sweep.tick() => {
                     self.drain_codes(codes.get_mut());
                     self.sweep();
                 }
-                _ = readings.tick() => self.read_trace_counters(false),
+                _ = readings.tick() => {
+                    self.read_trace_counters(false);
+                    self.look_for_cuda(false);
+                }
             }
         }
     }
@@ -285,6 +302,48 @@ impl Manager {
                         .unwrap_or_else(|e| e.into_inner())
                         .insert((ev.pid, ev.code, ev.names), function);
                 }
+            }
+        }
+    }
+
+    fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<tracer_common::CudaNameEvent>() {
+                continue;
+            }
+            // SAFETY: written as a CudaNameEvent by the BPF side; read unaligned.
+            let ev = unsafe {
+                std::ptr::read_unaligned(item.as_ptr().cast::<tracer_common::CudaNameEvent>())
+            };
+            // Names are per process: every CUDA session may keep them.
+            for s in self.running.values_mut() {
+                if let Some(c) = s.cuda.as_mut() {
+                    c.on_name(&ev);
+                }
+            }
+        }
+    }
+
+    /// CUDA sessions' processes looked at for newly mapped CUDA libraries: every 20 ms for
+    /// the processes a session follows, every second for `--all` (all: `force`).
+    fn look_for_cuda(&mut self, force: bool) {
+        let now = Instant::now();
+        let mut everyone = None;
+        for s in self.running.values_mut() {
+            let follows = s.follows_pid();
+            let Some(c) = s.cuda.as_mut() else { continue };
+            if !force && now < c.next_look {
+                continue;
+            }
+            let pids: Vec<u32> = if follows {
+                c.next_look = now + super::cuda::LOOK_EVERY;
+                s.live.iter().copied().collect()
+            } else {
+                c.next_look = now + Duration::from_secs(1);
+                everyone.get_or_insert_with(all_pids).clone()
+            };
+            for pid in pids {
+                c.look(&mut self.bpf, pid);
             }
         }
     }
@@ -365,12 +424,18 @@ impl Manager {
             .target
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let options = req.counting.unwrap_or_default();
+        if options.cuda && mode != Mode::Counting {
+            return Err(Error::Unimplemented(
+                "--cuda counts launches in counting mode; CUDA events in sampling and tracing sessions are not available yet".into(),
+            ));
+        }
         // Tracing with no source named traces Python calls.
         let python =
             options.python || trace_mode && options.uprobes.is_empty() && options.events.is_empty();
         // With --python or --uprobe, perf counters are only what was asked for.
         let specs = if sampling
-            || (python || trace_mode || !options.uprobes.is_empty()) && options.events.is_empty()
+            || (python || trace_mode || options.cuda || !options.uprobes.is_empty())
+                && options.events.is_empty()
         {
             Vec::new()
         } else {
@@ -425,7 +490,13 @@ impl Manager {
             );
         }
 
-        let slot = if sampling || trace_mode || pid.is_some() || python || !natives.is_empty() {
+        let slot = if sampling
+            || trace_mode
+            || pid.is_some()
+            || python
+            || options.cuda
+            || !natives.is_empty()
+        {
             Some(self.take_slot(python)?)
         } else {
             None
@@ -541,6 +612,9 @@ impl Manager {
             native,
             sampler,
             trace,
+            cuda: slot
+                .filter(|_| options.cuda)
+                .map(|slot| super::cuda::CudaSession::new(slot, pid.is_none())),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
             ended,
@@ -550,6 +624,9 @@ impl Manager {
         tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, "session started");
         self.running.insert(id.clone(), session);
         self.update_python_masks();
+        if options.cuda {
+            self.look_for_cuda(true);
+        }
         if trace_mode {
             self.update_trace_masks();
             if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
@@ -865,6 +942,7 @@ impl Manager {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
         };
+        let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
         self.release(s.slot);
         info.state = if error.is_some() {
             SessionState::Failed
@@ -877,6 +955,7 @@ impl Manager {
         let mut report = build_report(&info, s.followed, s.command.take());
         report.native = native;
         report.profile = profile;
+        report.cuda = cuda;
         if let (Some(t), Some(end_ns)) = (s.trace.take(), trace_end) {
             let py = &self.py;
             let (trace, write_error) = t.finish(end_ns, |pid, code, names| {

@@ -4,6 +4,7 @@
 //! [`manager::Handle`]. Each mode's sources live in their own module ([`counting`]).
 
 pub mod counting;
+pub mod cuda;
 pub mod manager;
 pub mod native;
 pub mod python;
@@ -44,6 +45,8 @@ struct Session {
     sampler: Option<crate::sampler::Sampler>,
     /// Tracing mode: where its events go.
     trace: Option<trace_session::TraceSession>,
+    /// Counting CUDA launches (`--cuda`).
+    cuda: Option<cuda::CudaSession>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
@@ -176,5 +179,6 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
         native: None,
         profile: None,
         trace: None,
+        cuda: None,
     }
 }

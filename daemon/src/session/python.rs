@@ -115,7 +115,7 @@ impl Probes {
     /// Removes every probe (no session counts Python any more): processes stop paying for them.
     pub fn detach_all(&mut self, bpf: &mut Bpf) {
         for (_, links) in self.links.drain() {
-            bpf.detach_python(links);
+            bpf.detach_uprobes(links);
         }
     }
 

@@ -67,8 +67,12 @@ pub mod loss {
     /// The `TRACE_EVENTS` ring buffer was full: a tracing event was dropped (also counted
     /// per session in `TRACE_DROPS`).
     pub const TRACE_RINGBUF_FULL: u32 = 12;
+    /// `CUDA_LAUNCHES` or `CUDA_MEMORY` was full: a launch or copy was not counted.
+    pub const CUDA_MAP_FULL: u32 = 13;
+    /// The `CUDA_NAMES` ring buffer was full: a kernel's name was not sent.
+    pub const CUDA_NAMES_RINGBUF_FULL: u32 = 14;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 15;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -399,6 +403,107 @@ pub struct TraceEvent {
 /// a wakeup per event would cost more than the event.
 pub const TRACE_WAKEUP_BYTES: u64 = 256 * 1024;
 
+/// CUDA entry points tracer probes; the low bits of a CUDA probe's attach cookie.
+pub mod cuda_api {
+    /// libcuda `cuLaunchKernel` (and `_ptsz`): f, grid, block, shared memory, stream.
+    pub const CU_LAUNCH: u32 = 1;
+    /// libcuda `cuLaunchKernelEx` (and `_ptsz`): a `CUlaunchConfig` and f.
+    pub const CU_LAUNCH_EX: u32 = 2;
+    /// libcudart `cudaLaunchKernel` (and `_ptsz`): func, dim3 grid and block by value.
+    pub const CUDA_LAUNCH: u32 = 3;
+    /// libcudart `cudaLaunchKernelExC` (and `_ptsz`): a `cudaLaunchConfig_t` and func.
+    pub const CUDA_LAUNCH_EX: u32 = 4;
+    /// `cuGraphLaunch` / `cudaGraphLaunch`: a graph exec and a stream.
+    pub const CU_GRAPH: u32 = 5;
+    pub const CUDA_GRAPH: u32 = 6;
+    /// Naming: `cuModuleGetFunction(&f, module, name)`.
+    pub const CU_MODULE_GET_FUNCTION: u32 = 10;
+    /// `cuLibraryGetKernel(&kernel, library, name)`.
+    pub const CU_LIBRARY_GET_KERNEL: u32 = 11;
+    /// `cuKernelGetFunction(&f, kernel)`: a function for a named kernel.
+    pub const CU_KERNEL_GET_FUNCTION: u32 = 12;
+    /// `__cudaGetKernel(&kernel, host_stub)`: the runtime's handle for a host stub.
+    pub const CUDA_GET_KERNEL: u32 = 13;
+    /// `__cudaRegisterFunction(module, host_stub, device_fun, device_name, …)`.
+    pub const CUDA_REGISTER_FUNCTION: u32 = 14;
+    /// Copies and allocations.
+    pub const CUDA_MEMCPY: u32 = 20;
+    pub const CUDA_MEMCPY_ASYNC: u32 = 21;
+    pub const CU_MEMCPY_HTOD: u32 = 22;
+    pub const CU_MEMCPY_DTOH: u32 = 23;
+    pub const CUDA_MALLOC: u32 = 24;
+    pub const CUDA_FREE: u32 = 25;
+    pub const CU_MEM_ALLOC: u32 = 26;
+    pub const CU_MEM_FREE: u32 = 27;
+    pub const CUDA_DEVICE_SYNCHRONIZE: u32 = 28;
+    pub const CUDA_STREAM_SYNCHRONIZE: u32 = 29;
+    pub const MASK: u64 = 0xff;
+}
+
+/// The attach cookie of a CUDA probe: session slot, whether the session follows every
+/// process, and the entry point (`cuda_api`).
+pub mod cuda_cookie {
+    pub const SLOT_SHIFT: u64 = 32;
+    pub const ALL: u64 = 1 << 31;
+
+    pub const fn make(slot: u8, all: bool, api: u32) -> u64 {
+        ((slot as u64) << SLOT_SHIFT)
+            | if all { ALL } else { 0 }
+            | (api as u64 & super::cuda_api::MASK)
+    }
+}
+
+/// Key of `CUDA_LAUNCHES`: launches of one kernel handle with one configuration, through one
+/// entry point, in one process, for one session. The value is the count (u64).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CudaLaunchKey {
+    pub slot: u32,
+    pub pid: u32,
+    pub api: u32,
+    pub shared_mem: u32,
+    /// CUfunction, runtime kernel handle (or host stub), or graph exec.
+    pub func: u64,
+    pub stream: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+/// Key of `CUDA_MEMORY`: copies or allocations of one kind, in one process, for one session.
+/// `kind`: the `cuda_api` entry point; for `cudaMemcpy*`, plus 100 × its `cudaMemcpyKind`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CudaMemKey {
+    pub slot: u32,
+    pub pid: u32,
+    pub kind: u32,
+    pub _pad: u32,
+}
+
+/// Value of `CUDA_MEMORY`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaMemStats {
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+pub const CUDA_NAME_LEN: usize = 512;
+
+/// Sent on `CUDA_NAMES` when a process names a kernel handle: `handle` is what launches
+/// will pass; `other` is the kernel (`CU_KERNEL_GET_FUNCTION`) or host stub
+/// (`CUDA_GET_KERNEL`, `CUDA_REGISTER_FUNCTION`) it stands for; `name` the device name when
+/// the call carries one.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaNameEvent {
+    pub pid: u32,
+    pub api: u32,
+    pub handle: u64,
+    pub other: u64,
+    pub name: [u8; CUDA_NAME_LEN],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY (all): repr(C), Copy, every field an integer or byte array, no implicit padding.
@@ -413,6 +518,9 @@ mod pod {
     unsafe impl aya::Pod for super::TraceEvent {}
     unsafe impl aya::Pod for super::PyStack {}
     unsafe impl aya::Pod for super::PyStackEntry {}
+    unsafe impl aya::Pod for super::CudaLaunchKey {}
+    unsafe impl aya::Pod for super::CudaMemKey {}
+    unsafe impl aya::Pod for super::CudaMemStats {}
 }
 
 /// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
@@ -460,6 +568,18 @@ mod tests {
         assert_eq!(
             core::mem::size_of::<super::PyCodeEvent>(),
             4 + 4 + 8 + 8 + 4 + 4 + super::PY_QUALNAME_LEN + super::PY_FILENAME_LEN
+        );
+    }
+
+    #[test]
+    fn cuda_types_have_no_hidden_padding() {
+        assert_eq!(
+            core::mem::size_of::<super::CudaLaunchKey>(),
+            4 * 4 + 8 * 2 + 4 * 6
+        );
+        assert_eq!(
+            core::mem::size_of::<super::CudaNameEvent>(),
+            4 * 2 + 8 * 2 + super::CUDA_NAME_LEN
         );
     }
 

@@ -43,6 +43,12 @@ pub struct CountingOptions {
     /// 1000: INVALID_ARGUMENT otherwise.
     #[prost(string, repeated, tag = "3")]
     pub uprobes: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Count CUDA kernel launches (per kernel, grid, block, shared memory and stream), copies
+    /// (bytes per direction), allocations and synchronizations, with uprobes on each CUDA
+    /// runtime (libcudart) and driver (libcuda) library the target maps, as it maps them.
+    /// Counting mode only.
+    #[prost(bool, tag = "4")]
+    pub cuda: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -532,6 +538,8 @@ pub enum ReportFormat {
     Chrome = 8,
     /// Tracing sessions: Perfetto's protobuf trace format (Perfetto UI, trace_processor).
     Perfetto = 9,
+    /// Sessions with --cuda: the table of kernel launches (PyProf's kernel table).
+    Kernels = 10,
 }
 impl ReportFormat {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -550,6 +558,7 @@ impl ReportFormat {
             Self::Svg => "REPORT_FORMAT_SVG",
             Self::Chrome => "REPORT_FORMAT_CHROME",
             Self::Perfetto => "REPORT_FORMAT_PERFETTO",
+            Self::Kernels => "REPORT_FORMAT_KERNELS",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -565,6 +574,7 @@ impl ReportFormat {
             "REPORT_FORMAT_SVG" => Some(Self::Svg),
             "REPORT_FORMAT_CHROME" => Some(Self::Chrome),
             "REPORT_FORMAT_PERFETTO" => Some(Self::Perfetto),
+            "REPORT_FORMAT_KERNELS" => Some(Self::Kernels),
             _ => None,
         }
     }

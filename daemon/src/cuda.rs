@@ -1,0 +1,226 @@
+//! What tracer knows of CUDA's libraries: which entry points to probe in libcudart (the
+//! runtime API) and libcuda (the driver API), and how launches' kernel handles get names
+//! from the calls that create them.
+
+use std::{collections::HashMap, path::Path};
+
+use tracer_common::{cuda_api as api, CudaNameEvent};
+
+/// Which of CUDA's libraries a binary is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Runtime,
+    Driver,
+}
+
+/// `libcudart.so*` (the runtime, often inside a wheel) or `libcuda.so*` (the driver's).
+pub fn library(path: &Path) -> Option<Library> {
+    let name = path.file_name()?.to_str()?;
+    if name.starts_with("libcudart.so") {
+        Some(Library::Runtime)
+    } else if name.starts_with("libcuda.so") {
+        Some(Library::Driver)
+    } else {
+        None
+    }
+}
+
+/// An entry point: its symbol, what the probe decodes, and whether its result is read at
+/// the return (handles and pointers written through the first argument).
+pub struct EntryPoint {
+    pub symbol: &'static str,
+    pub api: u32,
+    pub at_return: bool,
+}
+
+const fn entry(symbol: &'static str, api: u32, at_return: bool) -> EntryPoint {
+    EntryPoint {
+        symbol,
+        api,
+        at_return,
+    }
+}
+
+pub const RUNTIME: &[EntryPoint] = &[
+    entry("cudaLaunchKernel", api::CUDA_LAUNCH, false),
+    entry("cudaLaunchKernel_ptsz", api::CUDA_LAUNCH, false),
+    entry("cudaLaunchKernelExC", api::CUDA_LAUNCH_EX, false),
+    entry("cudaLaunchKernelExC_ptsz", api::CUDA_LAUNCH_EX, false),
+    entry("cudaGraphLaunch", api::CUDA_GRAPH, false),
+    entry("cudaGraphLaunch_ptsz", api::CUDA_GRAPH, false),
+    entry("cudaMemcpy", api::CUDA_MEMCPY, false),
+    entry("cudaMemcpy_ptds", api::CUDA_MEMCPY, false),
+    entry("cudaMemcpyAsync", api::CUDA_MEMCPY_ASYNC, false),
+    entry("cudaMemcpyAsync_ptsz", api::CUDA_MEMCPY_ASYNC, false),
+    entry("cudaMalloc", api::CUDA_MALLOC, true),
+    entry("cudaFree", api::CUDA_FREE, false),
+    entry("cudaDeviceSynchronize", api::CUDA_DEVICE_SYNCHRONIZE, false),
+    entry("cudaStreamSynchronize", api::CUDA_STREAM_SYNCHRONIZE, false),
+    entry("__cudaGetKernel", api::CUDA_GET_KERNEL, true),
+    entry("__cudaRegisterFunction", api::CUDA_REGISTER_FUNCTION, false),
+];
+
+pub const DRIVER: &[EntryPoint] = &[
+    entry("cuLaunchKernel", api::CU_LAUNCH, false),
+    entry("cuLaunchKernel_ptsz", api::CU_LAUNCH, false),
+    entry("cuLaunchKernelEx", api::CU_LAUNCH_EX, false),
+    entry("cuLaunchKernelEx_ptsz", api::CU_LAUNCH_EX, false),
+    entry("cuGraphLaunch", api::CU_GRAPH, false),
+    entry("cuGraphLaunch_ptsz", api::CU_GRAPH, false),
+    entry("cuMemcpyHtoD_v2", api::CU_MEMCPY_HTOD, false),
+    entry("cuMemcpyDtoH_v2", api::CU_MEMCPY_DTOH, false),
+    entry("cuMemAlloc_v2", api::CU_MEM_ALLOC, true),
+    entry("cuMemFree_v2", api::CU_MEM_FREE, false),
+    entry("cuModuleGetFunction", api::CU_MODULE_GET_FUNCTION, true),
+    entry("cuLibraryGetKernel", api::CU_LIBRARY_GET_KERNEL, true),
+    entry("cuKernelGetFunction", api::CU_KERNEL_GET_FUNCTION, true),
+];
+
+pub fn entry_points(lib: Library) -> &'static [EntryPoint] {
+    match lib {
+        Library::Runtime => RUNTIME,
+        Library::Driver => DRIVER,
+    }
+}
+
+/// The entry point's name as reports show it.
+pub fn api_name(which: u32) -> &'static str {
+    match which {
+        api::CU_LAUNCH => "cuLaunchKernel",
+        api::CU_LAUNCH_EX => "cuLaunchKernelEx",
+        api::CUDA_LAUNCH => "cudaLaunchKernel",
+        api::CUDA_LAUNCH_EX => "cudaLaunchKernelExC",
+        api::CU_GRAPH => "cuGraphLaunch",
+        api::CUDA_GRAPH => "cudaGraphLaunch",
+        api::CUDA_MEMCPY => "cudaMemcpy",
+        api::CUDA_MEMCPY_ASYNC => "cudaMemcpyAsync",
+        api::CU_MEMCPY_HTOD => "cuMemcpyHtoD",
+        api::CU_MEMCPY_DTOH => "cuMemcpyDtoH",
+        api::CUDA_MALLOC => "cudaMalloc",
+        api::CUDA_FREE => "cudaFree",
+        api::CU_MEM_ALLOC => "cuMemAlloc",
+        api::CU_MEM_FREE => "cuMemFree",
+        api::CUDA_DEVICE_SYNCHRONIZE => "cudaDeviceSynchronize",
+        api::CUDA_STREAM_SYNCHRONIZE => "cudaStreamSynchronize",
+        _ => "?",
+    }
+}
+
+/// `cudaMemcpyKind`, as the probe folds it into a memory key's kind (× 100).
+pub fn memcpy_kind(kind: u32) -> (u32, &'static str) {
+    let direction = match kind / 100 {
+        0 => "host to host",
+        1 => "host to device",
+        2 => "device to host",
+        3 => "device to device",
+        4 => "default (by pointer)",
+        _ => "unknown",
+    };
+    (kind % 100, direction)
+}
+
+/// Kernel handles → names, per process, from the naming calls seen.
+#[derive(Default)]
+pub struct Names {
+    /// (pid, handle) → device name: functions and kernels named at load, host stubs at
+    /// registration.
+    named: HashMap<(u32, u64), String>,
+    /// (pid, handle) → the handle it stands for: a function for its kernel, a runtime
+    /// kernel for its host stub.
+    stands_for: HashMap<(u32, u64), u64>,
+}
+
+impl Names {
+    pub fn on_event(&mut self, ev: &CudaNameEvent) {
+        let len = ev
+            .name
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(ev.name.len());
+        let name = String::from_utf8_lossy(&ev.name[..len]).into_owned();
+        match ev.api {
+            api::CU_MODULE_GET_FUNCTION
+            | api::CU_LIBRARY_GET_KERNEL
+            | api::CUDA_REGISTER_FUNCTION => {
+                self.named.insert((ev.pid, ev.handle), name);
+            }
+            api::CU_KERNEL_GET_FUNCTION | api::CUDA_GET_KERNEL => {
+                self.stands_for.insert((ev.pid, ev.handle), ev.other);
+            }
+            _ => {}
+        }
+    }
+
+    /// The device name of a launched handle, following what it stands for. The runtime's
+    /// handles may also be the kernels (`CUkernel`) it got from the driver.
+    pub fn name(&self, pid: u32, handle: u64) -> Option<&str> {
+        let mut h = handle;
+        for _ in 0..4 {
+            if let Some(n) = self.named.get(&(pid, h)) {
+                return Some(n);
+            }
+            h = *self.stands_for.get(&(pid, h))?;
+        }
+        None
+    }
+}
+
+/// A C++ device name demangled (`_Z6matmulPfS_S_i` → `matmul(float*, float*, float*, int)`);
+/// other names as they are.
+pub fn demangle(name: &str) -> String {
+    cpp_demangle::Symbol::new(name)
+        .ok()
+        .and_then(|s| s.demangle().ok())
+        .unwrap_or_else(|| name.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(api: u32, handle: u64, other: u64, name: &str) -> CudaNameEvent {
+        let mut e = CudaNameEvent {
+            pid: 7,
+            api,
+            handle,
+            other,
+            name: [0; tracer_common::CUDA_NAME_LEN],
+        };
+        e.name[..name.len()].copy_from_slice(name.as_bytes());
+        e
+    }
+
+    #[test]
+    fn handles_are_named_through_what_they_stand_for() {
+        let mut n = Names::default();
+        n.on_event(&ev(api::CUDA_REGISTER_FUNCTION, 0x1000, 0, "_Z4reluPfi"));
+        n.on_event(&ev(api::CUDA_GET_KERNEL, 0xa0, 0x1000, ""));
+        n.on_event(&ev(api::CU_LIBRARY_GET_KERNEL, 0xb0, 0, "_Z4reluPfi"));
+        n.on_event(&ev(api::CU_KERNEL_GET_FUNCTION, 0xc0, 0xb0, ""));
+        n.on_event(&ev(
+            api::CU_MODULE_GET_FUNCTION,
+            0xd0,
+            0,
+            "triton_poi_fused_add_0",
+        ));
+        assert_eq!(n.name(7, 0xa0), Some("_Z4reluPfi"));
+        assert_eq!(n.name(7, 0xc0), Some("_Z4reluPfi"));
+        assert_eq!(n.name(7, 0xd0), Some("triton_poi_fused_add_0"));
+        assert_eq!(n.name(8, 0xd0), None, "handles are per process");
+        assert_eq!(demangle("_Z4reluPfi"), "relu(float*, int)");
+        assert_eq!(demangle("triton_poi_fused_add_0"), "triton_poi_fused_add_0");
+    }
+
+    #[test]
+    fn libraries_are_told_apart() {
+        assert_eq!(
+            library(Path::new("/x/nvidia/cu13/lib/libcudart.so.13")),
+            Some(Library::Runtime)
+        );
+        assert_eq!(
+            library(Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.580.1")),
+            Some(Library::Driver)
+        );
+        assert_eq!(library(Path::new("/usr/lib/libcudnn.so.9")), None);
+    }
+}

@@ -1,0 +1,104 @@
+//! The CUDA part of a report as a table: launches per kernel and configuration (PyProf's
+//! kernel table, without its Python call-site column yet), then copies and allocations.
+
+use std::fmt::Write as _;
+
+use crate::report::{group, CudaReport};
+
+fn dims(d: [u32; 3]) -> String {
+    format!("{}x{}x{}", d[0], d[1], d[2])
+}
+
+/// The CUDA section of the table: launches per kernel (PyProf's kernel table, without its
+/// Python call-site column yet), then copies and allocations.
+pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
+    // Runtime launches reach the driver's entry points too: say each layer's count.
+    let at = |driver: bool| -> u64 {
+        c.launches
+            .iter()
+            .filter(|l| !l.api.contains("Graph") && l.api.starts_with("cuda") != driver)
+            .map(|l| l.launches)
+            .sum()
+    };
+    let graphs: u64 = c
+        .launches
+        .iter()
+        .filter(|l| l.api.contains("Graph"))
+        .map(|l| l.launches)
+        .sum();
+    let _ = writeln!(
+        out,
+        "\n CUDA launches: {} at the driver's entry points (cuLaunchKernel*), {} at the runtime's (cudaLaunchKernel*, which call the driver's), {} of graphs",
+        group(at(true)),
+        group(at(false)),
+        group(graphs)
+    );
+    if !c.launches.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel",
+            "launches", "api", "grid", "block", "smem", "stream", "pid"
+        );
+    }
+    let shown = if limit == 0 {
+        c.launches.len()
+    } else {
+        limit.min(c.launches.len())
+    };
+    for l in &c.launches[..shown] {
+        let _ = writeln!(
+            out,
+            "{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  {}",
+            group(l.launches),
+            l.api,
+            dims(l.grid),
+            dims(l.block),
+            l.shared_mem,
+            format!("{:#x}", l.stream),
+            l.pid,
+            l.kernel
+        );
+    }
+    if shown < c.launches.len() {
+        let _ = writeln!(
+            out,
+            "{:>10}  more rows (--limit 0 shows all)",
+            c.launches.len() - shown
+        );
+    }
+    if !c.memory.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n{:>10} {:>16}  {:<22} {:<22} {:>8}",
+            "calls", "bytes", "api", "direction", "pid"
+        );
+        for m in &c.memory {
+            let _ = writeln!(
+                out,
+                "{:>10} {:>16}  {:<22} {:<22} {:>8}",
+                group(m.calls),
+                group(m.bytes),
+                m.api,
+                m.direction,
+                m.pid
+            );
+        }
+    }
+    for l in &c.libraries {
+        let _ = writeln!(
+            out,
+            " probed {} ({} entry points) in pid {}, {} ms after the start",
+            l.path, l.probes, l.pid, l.found_after_ms
+        );
+    }
+    if c.unnamed > 0 {
+        let _ = writeln!(
+            out,
+            " {} rows launch handles no naming call was seen for (named before tracer probed their library, or not kernels)",
+            c.unnamed
+        );
+    }
+    for w in &c.warnings {
+        let _ = writeln!(out, " warning: {w}");
+    }
+}

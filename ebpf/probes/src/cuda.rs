@@ -1,0 +1,270 @@
+//! CUDA: uprobes on the runtime (libcudart) and driver (libcuda) entry points. Launches are
+//! counted per (session, process, entry point, kernel handle, grid, block, shared memory,
+//! stream); copies and allocations per kind; the calls that give kernel handles their names
+//! send (handle, name) to user space once each, since launches carry only the handle.
+//!
+//! The attach cookie says which entry point a probe sits on (`cuda_api`), its session slot
+//! and whether the session follows every process.
+
+use aya_ebpf::{
+    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
+    macros::{map, uprobe, uretprobe},
+    maps::{HashMap, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
+    EbpfContext,
+};
+use tracer_common::{
+    cuda_api as api, cuda_cookie, loss, CudaLaunchKey, CudaMemKey, CudaMemStats, CudaNameEvent,
+};
+
+use crate::proc::{count_loss, TRACKED};
+
+#[map]
+static CUDA_LAUNCHES: HashMap<CudaLaunchKey, u64> = HashMap::with_max_entries(65_536, 0);
+
+#[map]
+static CUDA_MEMORY: HashMap<CudaMemKey, CudaMemStats> = HashMap::with_max_entries(4_096, 0);
+
+/// (pid | layer << 32, device pointer) → bytes, for the frees of allocations seen. Per layer:
+/// `cudaMalloc` runs `cuMemAlloc` inside it, for the same pointer.
+#[map]
+static CUDA_ALLOCS: HashMap<[u64; 2], u64> = HashMap::with_max_entries(262_144, 0);
+
+/// (thread, entry point) → the arguments of a call whose result the return probe reads.
+/// Keyed by entry point too: the runtime's calls run the driver's inside them.
+#[map]
+static CUDA_PENDING: HashMap<[u32; 2], [u64; 2]> = HashMap::with_max_entries(16_384, 0);
+
+#[map]
+static CUDA_NAMES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+
+/// BPF_NOEXIST.
+const NOEXIST: u64 = 1;
+/// cudaMemcpyKind values are multiplied into `CudaMemKey::kind` above the entry point.
+const MEMCPY_KIND_STEP: u32 = 100;
+
+/// The probe's entry point and slot, if the current process is one its session follows.
+fn accepted<C: EbpfContext>(ctx: &C) -> Option<(u32, u32, u32)> {
+    // SAFETY: plain helper call on this program's context.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let slot = (cookie >> cuda_cookie::SLOT_SHIFT) as u32 & 63;
+    if cookie & cuda_cookie::ALL == 0 {
+        // SAFETY: map values are valid for the duration of the program.
+        let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
+        if followed & (1 << slot) == 0 {
+            return None;
+        }
+    }
+    Some(((cookie & api::MASK) as u32, slot, pid))
+}
+
+fn user<T>(addr: u64) -> Option<T> {
+    // SAFETY: bpf_probe_read_user copes with any address.
+    unsafe { bpf_probe_read_user(addr as *const T) }.ok()
+}
+
+/// The six register arguments, read at once: the verifier rejects a context read at an
+/// offset chosen at run time, which indexing into the registers would become.
+fn args(ctx: &ProbeContext) -> [u64; 6] {
+    // SAFETY: `regs` is this program's context; each field is read at a constant offset.
+    unsafe {
+        let r = ctx.regs;
+        [(*r).rdi, (*r).rsi, (*r).rdx, (*r).rcx, (*r).r8, (*r).r9]
+    }
+}
+
+/// The n-th argument passed on the stack (the 7th of the call is n = 0): above the return
+/// address at the function's first instruction.
+fn stack_arg(ctx: &ProbeContext, n: u64) -> Option<u64> {
+    // SAFETY: `regs` is this program's context.
+    let sp = unsafe { (*ctx.regs).rsp };
+    user::<u64>(sp + 8 + 8 * n)
+}
+
+#[uprobe]
+pub fn tracer_cuda_call(ctx: ProbeContext) -> u32 {
+    let _ = try_call(&ctx);
+    0
+}
+
+fn try_call(ctx: &ProbeContext) -> Option<()> {
+    let (which, slot, pid) = accepted(ctx)?;
+    let a = args(ctx);
+    let arg = |n: usize| a.get(n).copied();
+    let mut key = CudaLaunchKey { slot, pid, api: which, ..CudaLaunchKey::default() };
+    match which {
+        api::CU_LAUNCH => {
+            // cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ, shmem, stream, …)
+            key.func = arg(0)?;
+            key.grid = [arg(1)? as u32, arg(2)? as u32, arg(3)? as u32];
+            key.block = [arg(4)? as u32, arg(5)? as u32, stack_arg(ctx, 0)? as u32];
+            key.shared_mem = stack_arg(ctx, 1)? as u32;
+            key.stream = stack_arg(ctx, 2)?;
+        }
+        api::CU_LAUNCH_EX => {
+            // cuLaunchKernelEx(const CUlaunchConfig *, f, …): 7 × u32, then hStream at 32.
+            let config: u64 = arg(0)?;
+            let dims: [u32; 7] = user(config)?;
+            key.func = arg(1)?;
+            key.grid = [dims[0], dims[1], dims[2]];
+            key.block = [dims[3], dims[4], dims[5]];
+            key.shared_mem = dims[6];
+            key.stream = user(config + 32)?;
+        }
+        api::CUDA_LAUNCH => {
+            // cudaLaunchKernel(func, dim3 grid, dim3 block, args, size_t shmem, stream): each
+            // dim3 by value in two registers (x | y << 32, then z).
+            key.func = arg(0)?;
+            let (gxy, gz, bxy, bz): (u64, u64, u64, u64) = (arg(1)?, arg(2)?, arg(3)?, arg(4)?);
+            key.grid = [gxy as u32, (gxy >> 32) as u32, gz as u32];
+            key.block = [bxy as u32, (bxy >> 32) as u32, bz as u32];
+            key.shared_mem = stack_arg(ctx, 0)? as u32;
+            key.stream = stack_arg(ctx, 1)?;
+        }
+        api::CUDA_LAUNCH_EX => {
+            // cudaLaunchKernelExC(const cudaLaunchConfig_t *, func, args): dim3 grid at 0,
+            // dim3 block at 12, size_t shmem at 24, stream at 32.
+            let config: u64 = arg(0)?;
+            let dims: [u32; 6] = user(config)?;
+            key.func = arg(1)?;
+            key.grid = [dims[0], dims[1], dims[2]];
+            key.block = [dims[3], dims[4], dims[5]];
+            key.shared_mem = user::<u64>(config + 24)? as u32;
+            key.stream = user(config + 32)?;
+        }
+        api::CU_GRAPH | api::CUDA_GRAPH => {
+            key.func = arg(0)?;
+            key.stream = arg(1)?;
+        }
+        _ => return memory_or_name(&a, which, slot, pid),
+    }
+    count_launch(&key);
+    Some(())
+}
+
+fn count_launch(key: &CudaLaunchKey) {
+    for _ in 0..2 {
+        if let Some(n) = CUDA_LAUNCHES.get_ptr_mut(key) {
+            crate::python::add(n, 1);
+            return;
+        }
+        if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
+            return;
+        }
+    }
+    count_loss(loss::CUDA_MAP_FULL);
+}
+
+fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {
+    let key = CudaMemKey { slot, pid, kind, _pad: 0 };
+    for _ in 0..2 {
+        if let Some(s) = CUDA_MEMORY.get_ptr_mut(&key) {
+            // SAFETY: a live map value.
+            unsafe {
+                crate::python::add(&raw mut (*s).calls, 1);
+                crate::python::add(&raw mut (*s).bytes, bytes);
+            }
+            return;
+        }
+        if CUDA_MEMORY.insert(&key, &CudaMemStats { calls: 1, bytes }, NOEXIST).is_ok() {
+            return;
+        }
+    }
+    count_loss(loss::CUDA_MAP_FULL);
+}
+
+fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
+    let arg = |n: usize| a.get(n).copied();
+    let tid = bpf_get_current_pid_tgid() as u32;
+    match which {
+        // cudaMemcpy(dst, src, count, kind), cudaMemcpyAsync(…, kind, stream).
+        api::CUDA_MEMCPY | api::CUDA_MEMCPY_ASYNC => {
+            let kind = (arg(3)? as u32).min(9);
+            add_memory(slot, pid, which + MEMCPY_KIND_STEP * kind, arg(2)?);
+        }
+        // cuMemcpyHtoD(dst, src, bytes), cuMemcpyDtoH(dst, src, bytes).
+        api::CU_MEMCPY_HTOD | api::CU_MEMCPY_DTOH => add_memory(slot, pid, which, arg(2)?),
+        api::CUDA_DEVICE_SYNCHRONIZE | api::CUDA_STREAM_SYNCHRONIZE => add_memory(slot, pid, which, 0),
+        api::CUDA_FREE | api::CU_MEM_FREE => {
+            let ptr: u64 = arg(0)?;
+            let key = [alloc_owner(pid, which), ptr];
+            // SAFETY: map values are valid for the duration of the program.
+            let bytes = unsafe { CUDA_ALLOCS.get(&key) }.copied().unwrap_or(0);
+            let _ = CUDA_ALLOCS.remove(&key);
+            if ptr != 0 {
+                add_memory(slot, pid, which, bytes);
+            }
+        }
+        // Read at the return: the handle or pointer the call writes through its first argument.
+        api::CUDA_MALLOC | api::CU_MEM_ALLOC | api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL
+        | api::CU_KERNEL_GET_FUNCTION | api::CUDA_GET_KERNEL => {
+            // The size; the kernel or host stub; or the name (still the caller's at return).
+            let third = match which {
+                api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => arg(2)?,
+                _ => arg(1)?,
+            };
+            let _ = CUDA_PENDING.insert(&[tid, which], &[arg(0)?, third], 0);
+        }
+        // __cudaRegisterFunction(module, host_stub, device_fun, device_name, …).
+        api::CUDA_REGISTER_FUNCTION => send_name(pid, which, arg(1)?, 0, arg(3)?),
+        _ => {}
+    }
+    Some(())
+}
+
+/// The return of a call recorded in `CUDA_PENDING`: on success, what it wrote.
+#[uretprobe]
+pub fn tracer_cuda_return(ctx: RetProbeContext) -> u32 {
+    let _ = try_return(&ctx);
+    0
+}
+
+fn try_return(ctx: &RetProbeContext) -> Option<()> {
+    let (which, slot, pid) = accepted(ctx)?;
+    let key = [bpf_get_current_pid_tgid() as u32, which];
+    // SAFETY: map values are valid for the duration of the program.
+    let [out, extra] = unsafe { CUDA_PENDING.get(&key) }.copied()?;
+    let _ = CUDA_PENDING.remove(&key);
+    let result: u64 = ctx.ret();
+    if result as u32 != 0 {
+        return Some(());
+    }
+    let handle: u64 = user(out)?;
+    match which {
+        api::CUDA_MALLOC | api::CU_MEM_ALLOC => {
+            let _ = CUDA_ALLOCS.insert(&[alloc_owner(pid, which), handle], &extra, 0);
+            add_memory(slot, pid, which, extra);
+        }
+        api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => send_name(pid, which, handle, 0, extra),
+        _ => send_name(pid, which, handle, extra, 0),
+    }
+    Some(())
+}
+
+/// The first half of a `CUDA_ALLOCS` key: the process, and whether the driver's calls made it.
+fn alloc_owner(pid: u32, which: u32) -> u64 {
+    let driver = matches!(which, api::CU_MEM_ALLOC | api::CU_MEM_FREE);
+    u64::from(pid) | u64::from(driver) << 32
+}
+
+/// (handle → name, or handle → the kernel or host stub it stands for) to user space.
+fn send_name(pid: u32, which: u32, handle: u64, other: u64, name: u64) {
+    let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
+        count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
+        return;
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: `ev` points to the reserved record, filled before it is submitted.
+    unsafe {
+        (*ev).pid = pid;
+        (*ev).api = which;
+        (*ev).handle = handle;
+        (*ev).other = other;
+        (*ev).name[0] = 0;
+        if name != 0 {
+            let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);
+        }
+    }
+    entry.submit(0);
+}

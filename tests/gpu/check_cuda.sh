@@ -1,0 +1,30 @@
+#!/bin/sh
+# `--cuda` on a PyTorch program, next to torch.profiler's kernel list for the same work.
+# Not part of CI: run by hand on a GPU machine, as root; results go in docs/GPU_VALIDATION.md.
+# usage: check_cuda.sh BIN_DIR
+# tracer follows the program from its start, so the kernels loaded during the warm-up are
+# named; its counts cover the warm-up and the counted run (the profiler's, the latter only).
+set -eu
+BIN=$(cd "$1" && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+STATE=$(mktemp -d)
+"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
+DAEMON=$!
+trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
+while [ ! -S "$STATE/s" ]; do sleep 0.1; done
+CTL="$BIN/tracerctl --socket $STATE/s"
+echo "== torch.profiler (the counted run)"
+python3 "$HERE/torch_launches.py" --profile | head -30
+echo "== tracer --cuda, the whole program (warm-up and counted run)"
+$CTL start --mode=counting --cuda --limit 40 -- python3 "$HERE/torch_launches.py" | tee "$STATE/table"
+ID=$(sed -n 's/^session \([0-9a-f]*\) .*/\1/p' "$STATE/table")
+$CTL report "$ID" --format json -o "$STATE/report.json"
+python3 - "$STATE/report.json" <<'PY'
+import collections, json, sys
+c = json.load(open(sys.argv[1]))["cuda"]
+per = collections.Counter()
+for l in c["launches"]:
+    layer = "driver" if l["api"].startswith("cu") and not l["api"].startswith("cuda") else "runtime"
+    per[layer] += l["launches"]
+print("launches per layer:", dict(per), "rows without a name:", c["unnamed"])
+PY

@@ -1,0 +1,218 @@
+//! CUDA counting end to end, without a GPU: tests/cuda builds a libcudart.so.13 and a
+//! libcuda.so.1 with CUDA's ABI and a program that loads them late (after the session
+//! started), names kernels the ways nvcc's code, cuBLAS-like callers and Triton do, launches
+//! them through every entry point, copies and allocates — and prints what it did. tracer's
+//! report must say the same.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Write},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use serde_json::Value;
+use tracer_tests::{root_or_skip, wait_until, ChildGuard, Daemon};
+
+/// `c++filt`'s reading of a device name (binutils, not tracer's demangler).
+fn demangle(name: &str) -> String {
+    let out = Command::new("c++filt").arg(name).output().expect("c++filt");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+type Row = (String, String, Vec<u64>, Vec<u64>, u64);
+
+fn dims(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn launches_copies_and_allocations_match_what_the_program_did() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let libs = d.dir.path().join("fakecuda");
+    let built = Command::new("sh")
+        .arg(tracer_tests::test_file("cuda/build.sh"))
+        .arg(&libs)
+        .output()
+        .expect("sh");
+    if !built.status.success() {
+        let why = String::from_utf8_lossy(&built.stderr);
+        if why.contains("cc: not found") {
+            println!("skipping: no C compiler to build the test libraries");
+            return;
+        }
+        panic!("building tests/cuda: {why}");
+    }
+    let mut app = ChildGuard::spawn(
+        Command::new(libs.join("cuda_app"))
+            .arg("hold=1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(app.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let pid = app.pid().to_string();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    let mut stdin = app.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "loaded\n", "the libraries are mapped only now");
+    // tracerd looks for new libraries every 20 ms.
+    std::thread::sleep(Duration::from_millis(500));
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let truth: Value = serde_json::from_str(&line).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    drop(stdin);
+    let _ = app.0.wait();
+    wait_until(20, "the session to end", || {
+        !d.ok(&["status", &id]).contains("running")
+    });
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let cuda = &report["cuda"];
+    assert_eq!(report["losses"], serde_json::json!([]));
+    assert_eq!(
+        cuda["libraries"].as_array().unwrap().len(),
+        2,
+        "{}",
+        cuda["libraries"]
+    );
+
+    // Every launch, at the layer it was made and at the driver's, with its configuration.
+    let mut want: BTreeMap<Row, u64> = BTreeMap::new();
+    for l in truth["launches"].as_array().unwrap() {
+        let kernel = l["kernel"].as_str().map(demangle).unwrap_or_default();
+        let shape = |api: &str| {
+            (
+                api.trim_end_matches("_ptsz").to_owned(),
+                kernel.clone(),
+                dims(&l["grid"]),
+                dims(&l["block"]),
+                l["shmem"].as_u64().unwrap(),
+            )
+        };
+        let n = l["count"].as_u64().unwrap();
+        if l["layer"] == "runtime" {
+            *want.entry(shape(l["api"].as_str().unwrap())).or_default() += n;
+        }
+        if let Some(driver) = l["driver_api"].as_str() {
+            *want.entry(shape(driver)).or_default() += n;
+        }
+    }
+    let mut got: BTreeMap<Row, u64> = BTreeMap::new();
+    for l in cuda["launches"].as_array().unwrap() {
+        let api = l["api"].as_str().unwrap();
+        if api.contains("Graph") {
+            continue;
+        }
+        let kernel = l["kernel"].as_str().unwrap();
+        // Handles no call named (the program's deliberately bad ones) have no name.
+        let kernel = if kernel.starts_with("[kernel handle") {
+            ""
+        } else {
+            kernel
+        };
+        let key = (
+            api.to_owned(),
+            kernel.to_owned(),
+            dims(&l["grid"]),
+            dims(&l["block"]),
+            l["shared_mem"].as_u64().unwrap(),
+        );
+        *got.entry(key).or_default() += l["launches"].as_u64().unwrap();
+    }
+    assert_eq!(got, want);
+    let graphs: u64 = cuda["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["api"] == "cudaGraphLaunch" || l["api"] == "cuGraphLaunch")
+        .map(|l| l["launches"].as_u64().unwrap())
+        .sum();
+    let calls = &truth["totals"];
+    assert_eq!(
+        graphs,
+        calls["runtime_calls"]["cudaGraphLaunch"].as_u64().unwrap()
+            + calls["driver_calls"]["cuGraphLaunch"].as_u64().unwrap()
+    );
+
+    // Copies and allocations, per entry point.
+    let memory = |api: &str, direction: &str| {
+        cuda["memory"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["api"] == api && m["direction"] == direction)
+            .map(|m| (m["calls"].as_u64().unwrap(), m["bytes"].as_u64().unwrap()))
+            .unwrap_or_default()
+    };
+    let copies = |field: &str, api: &str, dir: &str| -> (u64, u64) {
+        truth["memcpys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m[field] == api && m["direction"] == dir)
+            .fold((0, 0), |(c, b), m| {
+                let n = m["count"].as_u64().unwrap();
+                (c + n, b + n * m["bytes"].as_u64().unwrap())
+            })
+    };
+    assert_eq!(
+        memory("cudaMemcpy", "host to device"),
+        copies("api", "cudaMemcpy", "HtoD")
+    );
+    assert_eq!(
+        memory("cudaMemcpy", "device to host"),
+        copies("api", "cudaMemcpy", "DtoH")
+    );
+    assert_eq!(
+        memory("cuMemcpyHtoD", "host to device"),
+        copies("driver_api", "cuMemcpyHtoD_v2", "HtoD")
+    );
+    let runtime_allocs: Vec<&Value> = truth["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["api"] == "cudaMalloc")
+        .collect();
+    let bytes: u64 = runtime_allocs
+        .iter()
+        .map(|a| a["bytes"].as_u64().unwrap())
+        .sum();
+    let n = runtime_allocs.len() as u64;
+    assert_eq!(memory("cudaMalloc", ""), (n, bytes));
+    assert_eq!(
+        memory("cudaFree", ""),
+        (n, bytes),
+        "frees of the allocations seen"
+    );
+    // The driver's allocations: the runtime's (made through it) and its own.
+    let all = truth["allocations"].as_array().unwrap();
+    let driver_bytes: u64 = all.iter().map(|a| a["bytes"].as_u64().unwrap()).sum();
+    let driver = (all.len() as u64, driver_bytes);
+    assert_eq!(memory("cuMemAlloc", ""), driver);
+    assert_eq!(memory("cuMemFree", ""), driver);
+
+    // The kernels table names each kernel once per configuration.
+    let table = d.ok(&["report", &id, "--format", "kernels"]);
+    assert!(
+        table.contains("matmul(float*, float*, float*, int)"),
+        "{table}"
+    );
+    assert!(table.contains("triton_poi_fused_add_0"), "{table}");
+}

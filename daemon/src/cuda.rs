@@ -184,6 +184,7 @@ mod tests {
             api,
             handle,
             other,
+            extra: 0,
             name: [0; tracer_common::CUDA_NAME_LEN],
         };
         e.name[..name.len()].copy_from_slice(name.as_bytes());

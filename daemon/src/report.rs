@@ -57,6 +57,10 @@ pub struct CudaLibrary {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct CudaLaunch {
+    /// The launching thread's innermost Python frame, `qualname (file:line)`; empty when
+    /// the thread was running no Python.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub call_site: String,
     pub pid: u32,
     pub api: String,
     /// Demangled device name.

@@ -465,6 +465,22 @@ impl Resolver {
     }
 }
 
+/// A Python frame's function and line, read now from its process: (qualname, file, line).
+/// None if the code object no longer has the names it had (`names`).
+pub fn python_location(
+    pid: u32,
+    code: u64,
+    instr: u64,
+    names: u64,
+    v: &Version,
+) -> Option<(String, String, u32)> {
+    let c = read_code(pid, code, v).filter(|c| c.names == names)?;
+    let line = instruction_offset(v, code, instr)
+        .and_then(|off| linetable::line_for(v.minor, &c.linetable, c.firstlineno, off))
+        .unwrap_or(c.firstlineno);
+    Some((c.qualname, c.filename, line))
+}
+
 /// Byte offset of the frame's instruction in its code, or None before the first one (a
 /// frame being set up), which is then shown at the function's first line.
 fn instruction_offset(v: &Version, code: u64, instr: u64) -> Option<u32> {

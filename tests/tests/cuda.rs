@@ -20,6 +20,25 @@ fn demangle(name: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
+/// Builds tests/cuda into the daemon's directory; None (and a note) without a C compiler.
+fn build(d: &Daemon) -> Option<std::path::PathBuf> {
+    let libs = d.dir.path().join("fakecuda");
+    let built = Command::new("sh")
+        .arg(tracer_tests::test_file("cuda/build.sh"))
+        .arg(&libs)
+        .output()
+        .expect("sh");
+    if !built.status.success() {
+        let why = String::from_utf8_lossy(&built.stderr);
+        if why.contains("cc: not found") {
+            println!("skipping: no C compiler to build the test libraries");
+            return None;
+        }
+        panic!("building tests/cuda: {why}");
+    }
+    Some(libs)
+}
+
 type Row = (String, String, Vec<u64>, Vec<u64>, u64);
 
 fn dims(v: &Value) -> Vec<u64> {
@@ -36,20 +55,7 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
         return;
     }
     let d = Daemon::start();
-    let libs = d.dir.path().join("fakecuda");
-    let built = Command::new("sh")
-        .arg(tracer_tests::test_file("cuda/build.sh"))
-        .arg(&libs)
-        .output()
-        .expect("sh");
-    if !built.status.success() {
-        let why = String::from_utf8_lossy(&built.stderr);
-        if why.contains("cc: not found") {
-            println!("skipping: no C compiler to build the test libraries");
-            return;
-        }
-        panic!("building tests/cuda: {why}");
-    }
+    let Some(libs) = build(&d) else { return };
     let mut app = ChildGuard::spawn(
         Command::new(libs.join("cuda_app"))
             .arg("hold=1")
@@ -215,4 +221,71 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
         "{table}"
     );
     assert!(table.contains("triton_poi_fused_add_0"), "{table}");
+}
+
+#[test]
+fn launches_name_their_python_call_site() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::script("cuda_calls.py");
+    let mut py = ChildGuard::spawn(
+        Command::new(tracer_tests::python())
+            .arg(&script)
+            .arg(libs.join("libcudart.so.13"))
+            .arg("7")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(py.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "loaded\n");
+    let pid = py.pid().to_string();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    // tracerd looks for new libraries (and Python processes) every 20 ms.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut stdin = py.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "done\n");
+    drop(stdin);
+    let _ = py.0.wait();
+    wait_until(20, "the session to end", || {
+        !d.ok(&["status", &id]).contains("running")
+    });
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let rows: Vec<&Value> = report["cuda"]["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["api"] == "cudaLaunchKernel")
+        .collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let row = rows[0];
+    assert_eq!(row["launches"], 7);
+    assert_eq!(
+        (dims(&row["grid"]), dims(&row["block"])),
+        (vec![2, 3, 4], vec![5, 6, 7])
+    );
+    assert_eq!(row["shared_mem"], 64);
+    // The line, from the script's own text.
+    let source = std::fs::read_to_string(&script).unwrap();
+    let call_line = source
+        .lines()
+        .position(|l| l.contains("# the call site"))
+        .unwrap()
+        + 1;
+    assert_eq!(
+        row["call_site"],
+        format!("launch ({}:{call_line})", script.display()),
+        "{row}"
+    );
 }

@@ -1,5 +1,5 @@
-//! The CUDA part of a report as a table: launches per kernel and configuration (PyProf's
-//! kernel table, without its Python call-site column yet), then copies and allocations.
+//! The CUDA part of a report as a table: launches per kernel, configuration and Python call
+//! site (PyProf's kernel table), then copies and allocations.
 
 use std::fmt::Write as _;
 
@@ -36,7 +36,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     if !c.launches.is_empty() {
         let _ = writeln!(
             out,
-            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel",
+            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel  [Python call site]",
             "launches", "api", "grid", "block", "smem", "stream", "pid"
         );
     }
@@ -58,6 +58,9 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             l.pid,
             l.kernel
         );
+        if !l.call_site.is_empty() {
+            let _ = writeln!(out, "{:>10}  ← {}", "", l.call_site);
+        }
     }
     if shown < c.launches.len() {
         let _ = writeln!(

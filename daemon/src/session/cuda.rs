@@ -29,6 +29,8 @@ pub struct CudaSession {
     libs: HashMap<(u32, u32, u64), UprobeLinks>,
     found: Vec<CudaLibrary>,
     names: Names,
+    /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
+    call_sites: HashMap<(u32, u64, u64, u64), String>,
     warnings: Vec<String>,
 }
 
@@ -42,12 +44,28 @@ impl CudaSession {
             libs: HashMap::new(),
             found: Vec::new(),
             names: Names::default(),
+            call_sites: HashMap::new(),
             warnings: Vec::new(),
         }
     }
 
-    pub fn on_name(&mut self, ev: &CudaNameEvent) {
-        self.names.on_event(ev);
+    pub fn on_name(&mut self, ev: &CudaNameEvent, sampling: &super::sampling::Sampling) {
+        if ev.api != tracer_common::cuda_api::CALL_SITE {
+            self.names.on_event(ev);
+            return;
+        }
+        let key = (ev.pid, ev.handle, ev.other, ev.extra);
+        if self.call_sites.contains_key(&key) {
+            return;
+        }
+        let site = sampling
+            .version(ev.pid)
+            .and_then(|v| crate::stacks::python_location(ev.pid, ev.handle, ev.other, ev.extra, v))
+            .map_or_else(
+                || format!("[code object {:#x}]", ev.handle),
+                |(q, f, line)| format!("{q} ({f}:{line})"),
+            );
+        self.call_sites.insert(key, site);
     }
 
     /// Probes the CUDA libraries `pid` maps that are not probed yet.
@@ -117,7 +135,16 @@ impl CudaSession {
                         format!("[kernel handle {:#x}: no name seen: named before tracer probed its library, or not a kernel]", k.func)
                     }
                 };
+                let call_site = match k.py_code {
+                    0 => String::new(),
+                    code => self
+                        .call_sites
+                        .get(&(k.pid, code, k.py_instr, k.py_names))
+                        .cloned()
+                        .unwrap_or_else(|| format!("[code object {code:#x}]")),
+                };
                 CudaLaunch {
+                    call_site,
                     pid: k.pid,
                     api: cuda::api_name(k.api).into(),
                     kernel,

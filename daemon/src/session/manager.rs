@@ -318,7 +318,7 @@ impl Manager {
             // Names are per process: every CUDA session may keep them.
             for s in self.running.values_mut() {
                 if let Some(c) = s.cuda.as_mut() {
-                    c.on_name(&ev);
+                    c.on_name(&ev, &self.sampling);
                 }
             }
         }
@@ -344,6 +344,10 @@ impl Manager {
             };
             for pid in pids {
                 c.look(&mut self.bpf, pid);
+                if follows {
+                    // Launches read their Python call site through it.
+                    self.sampling.watch(pid);
+                }
             }
         }
     }
@@ -1075,7 +1079,7 @@ impl Manager {
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => s.followed += 1,
                 PROC_EVENT_EXIT => {
-                    if s.sampler.is_some() {
+                    if s.sampler.is_some() || s.cuda.is_some() {
                         exited_sampled = true;
                     }
                     if s.live.remove(&ev.pid) {

@@ -127,6 +127,20 @@ impl Sampling {
         }
     }
 
+    /// Makes the probes able to read `pid`'s Python stacks (`PY_SAMPLE_PROCS`), if not yet
+    /// or no more (an exec removes it): CUDA launches read their Python call site there.
+    pub fn watch(&self, pid: u32) {
+        let mut st = lock(&self.state);
+        if st.maps.python_procs.get(&pid, 0).is_err() {
+            st.check_process(pid);
+        }
+    }
+
+    /// The CPython version `pid` runs, if it is known to run one.
+    pub fn version(&self, pid: u32) -> Option<&'static Version> {
+        lock(&self.state).versions.get(&pid).copied().flatten()
+    }
+
     /// Starts a histogram for `slot`. `pids`: processes to look at now (the target, or
     /// every process for `--all`), so that their first samples already have Python frames.
     pub fn add(&self, slot: u8, frequency_hz: u64, event: &'static str, pids: &[u32]) {

@@ -437,6 +437,9 @@ pub mod cuda_api {
     pub const CU_MEM_FREE: u32 = 27;
     pub const CUDA_DEVICE_SYNCHRONIZE: u32 = 28;
     pub const CUDA_STREAM_SYNCHRONIZE: u32 = 29;
+    /// Not an entry point: a `CudaNameEvent` announcing a launch's Python call site
+    /// (`handle` = code object, `other` = instruction, `extra` = names id).
+    pub const CALL_SITE: u32 = 30;
     pub const MASK: u64 = 0xff;
 }
 
@@ -467,6 +470,11 @@ pub struct CudaLaunchKey {
     pub stream: u64,
     pub grid: [u32; 3],
     pub block: [u32; 3],
+    /// The launching thread's innermost Python frame: code object, current instruction and
+    /// `py_names_id` (0: none, or not a Python thread).
+    pub py_code: u64,
+    pub py_instr: u64,
+    pub py_names: u64,
 }
 
 /// Key of `CUDA_MEMORY`: copies or allocations of one kind, in one process, for one session.
@@ -501,6 +509,7 @@ pub struct CudaNameEvent {
     pub api: u32,
     pub handle: u64,
     pub other: u64,
+    pub extra: u64,
     pub name: [u8; CUDA_NAME_LEN],
 }
 
@@ -575,11 +584,11 @@ mod tests {
     fn cuda_types_have_no_hidden_padding() {
         assert_eq!(
             core::mem::size_of::<super::CudaLaunchKey>(),
-            4 * 4 + 8 * 2 + 4 * 6
+            4 * 4 + 8 * 2 + 4 * 6 + 8 * 3
         );
         assert_eq!(
             core::mem::size_of::<super::CudaNameEvent>(),
-            4 * 2 + 8 * 2 + super::CUDA_NAME_LEN
+            4 * 2 + 8 * 3 + super::CUDA_NAME_LEN
         );
     }
 

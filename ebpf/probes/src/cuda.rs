@@ -14,10 +14,14 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    cuda_api as api, cuda_cookie, loss, CudaLaunchKey, CudaMemKey, CudaMemStats, CudaNameEvent,
+    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, CudaLaunchKey, CudaMemKey, CudaMemStats,
+    CudaNameEvent,
 };
 
-use crate::proc::{count_loss, TRACKED};
+use crate::{
+    proc::{count_loss, TRACKED},
+    sample::{python_thread, PyThread},
+};
 
 #[map]
 static CUDA_LAUNCHES: HashMap<CudaLaunchKey, u64> = HashMap::with_max_entries(65_536, 0);
@@ -139,8 +143,35 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         }
         _ => return memory_or_name(&a, which, slot, pid),
     }
+    let tid = bpf_get_current_pid_tgid() as u32;
+    if let Some((code, instr, names)) = call_site(pid, tid) {
+        (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
+    }
     count_launch(&key);
     Some(())
+}
+
+/// The launching thread's innermost Python frame (code object, instruction, names id).
+fn call_site(pid: u32, tid: u32) -> Option<(u64, u64, u64)> {
+    let PyThread::Found(tstate, l) = python_thread(pid, tid) else { return None };
+    let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;
+    // 3.12+: a C-stack shim on top (C code called back into Python): its caller is the frame.
+    const FRAME_OWNED_BY_CSTACK: u8 = 3;
+    if l.frame_owner != 0 && user::<u8>(frame + u64::from(l.frame_owner)) == Some(FRAME_OWNED_BY_CSTACK) {
+        frame = user(frame + u64::from(l.frame_previous))?;
+    }
+    if frame == 0 {
+        return None;
+    }
+    let code: u64 = user(frame + u64::from(l.frame_code))?;
+    let instr = if l.kind == py_kind::EVAL_ARG_FRAME {
+        user::<i32>(frame + u64::from(l.frame_instr)).unwrap_or(-1) as i64 as u64
+    } else {
+        user::<u64>(frame + u64::from(l.frame_instr)).unwrap_or(0)
+    };
+    let qualname: u64 = user(code + u64::from(l.code_qualname))?;
+    let filename: u64 = user(code + u64::from(l.code_filename))?;
+    Some((code, instr, py_names_id(qualname, filename)))
 }
 
 fn count_launch(key: &CudaLaunchKey) {
@@ -150,10 +181,32 @@ fn count_launch(key: &CudaLaunchKey) {
             return;
         }
         if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
+            // A new call site is named while its process lives.
+            if key.py_code != 0 {
+                send_site(key.pid, key.py_code, key.py_instr, key.py_names);
+            }
             return;
         }
     }
     count_loss(loss::CUDA_MAP_FULL);
+}
+
+fn send_site(pid: u32, code: u64, instr: u64, names: u64) {
+    let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
+        count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
+        return;
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: `ev` points to the reserved record, filled before it is submitted.
+    unsafe {
+        (*ev).pid = pid;
+        (*ev).api = api::CALL_SITE;
+        (*ev).handle = code;
+        (*ev).other = instr;
+        (*ev).extra = names;
+        (*ev).name[0] = 0;
+    }
+    entry.submit(0);
 }
 
 fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {
@@ -261,6 +314,7 @@ fn send_name(pid: u32, which: u32, handle: u64, other: u64, name: u64) {
         (*ev).api = which;
         (*ev).handle = handle;
         (*ev).other = other;
+        (*ev).extra = 0;
         (*ev).name[0] = 0;
         if name != 0 {
             let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);

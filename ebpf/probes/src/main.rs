@@ -9,7 +9,7 @@ mod proc;
 mod cuda;
 mod native;
 mod python;
-mod sample;
+pub(crate) mod sample;
 mod trace;
 
 #[cfg(not(test))]

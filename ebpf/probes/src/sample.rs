@@ -149,36 +149,60 @@ fn read<T>(addr: u64) -> Option<T> {
     unsafe { bpf_probe_read_user(addr as *const T) }.ok()
 }
 
-/// The Python frames of the sampled thread, if its process runs a known CPython.
-unsafe fn python(ev: *mut SampleEvent, pid: u32, tid: u32) {
+/// Where the current thread's Python state is, if its process runs a known CPython.
+pub(crate) enum PyThread {
+    Found(u64, &'static PyLayout),
+    /// The daemon has not told yet whether the process runs Python.
+    UnknownProcess,
+    NotPython,
+    /// A Python process, but no thread state for this thread (a native thread).
+    NoThread,
+}
+
+pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
     // SAFETY: map values are valid for the duration of the program.
     let Some(proc) = (unsafe { PY_SAMPLE_PROCS.get(&pid) }).copied() else {
-        // SAFETY: `ev` is the reserved record.
-        unsafe { (*ev).flags |= sample_flag::PY_UNKNOWN_PROCESS };
-        return;
+        return PyThread::UnknownProcess;
     };
     if proc.layout == PY_SAMPLE_NOT_PYTHON {
-        return;
+        return PyThread::NotPython;
     }
-    let Some(layout) = crate::python::layout(proc.layout) else { return };
+    let Some(layout) = crate::python::layout(proc.layout) else { return PyThread::NotPython };
     let want = if layout.kind == py_kind::EVAL_ARG_FRAME {
         // 3.10 knows its threads by pthread_self(), which is the thread's fs base.
         let off = crate::proc::global(&TASK_FSBASE_OFFSET);
         if off == u32::MAX {
-            return;
+            return PyThread::NotPython;
         }
         // SAFETY: a kernel read at an offset from this kernel's BTF.
         match unsafe { bpf_probe_read_kernel((bpf_get_current_task() + u64::from(off)) as *const u64) } {
             Ok(v) => v,
-            Err(_) => return,
+            Err(_) => return PyThread::NoThread,
         }
     } else {
         u64::from(tid)
     };
-    let Some(tstate) = thread_state(proc.runtime, layout, want) else {
-        // SAFETY: `ev` is the reserved record.
-        unsafe { (*ev).flags |= sample_flag::PY_NO_THREAD };
-        return;
+    match thread_state(proc.runtime, layout, want) {
+        Some(t) => PyThread::Found(t, layout),
+        None => PyThread::NoThread,
+    }
+}
+
+/// The Python frames of the sampled thread, if its process runs a known CPython.
+unsafe fn python(ev: *mut SampleEvent, pid: u32, tid: u32) {
+    let (tstate, layout) = match python_thread(pid, tid) {
+        PyThread::Found(t, l) => (t, l),
+        PyThread::UnknownProcess => {
+            // SAFETY: `ev` is the reserved record.
+            unsafe { (*ev).flags |= sample_flag::PY_UNKNOWN_PROCESS };
+            return;
+        }
+        PyThread::NotPython => return,
+        PyThread::NoThread => {
+            // SAFETY: as above.
+            unsafe { (*ev).flags |= sample_flag::PY_NO_THREAD };
+            return;
+        }
     };
     let Ok(frame) = crate::python::current_frame_quiet(tstate, layout) else {
         // SAFETY: as above.

@@ -1,0 +1,27 @@
+"""Launches through a CUDA runtime library (argv[1]) with ctypes, from a known line: prints
+"loaded" once the library is mapped, waits for a line on stdin, calls cudaLaunchKernel
+argv[2] times from launch(), prints "done", then waits for stdin to close. tracer's CUDA
+report must name launch() and that line as the launches' Python call site."""
+import ctypes
+import sys
+
+
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
+def launch(rt, n):
+    for _ in range(n):
+        rt.cudaLaunchKernel(ctypes.c_void_p(0x1234), Dim3(2, 3, 4), Dim3(5, 6, 7), None, ctypes.c_size_t(64), None)  # the call site
+
+
+def main():
+    rt = ctypes.CDLL(sys.argv[1])
+    print("loaded", flush=True)
+    sys.stdin.readline()
+    launch(rt, int(sys.argv[2]))
+    print("done", flush=True)
+    sys.stdin.read()
+
+
+main()

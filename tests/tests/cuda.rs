@@ -56,9 +56,17 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
+    // The runtime hands the driver a function (CUDA 12 style) or the kernel itself.
+    for handle in ["function", "kernel"] {
+        check_app(&d, &libs, handle);
+    }
+}
+
+fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
     let mut app = ChildGuard::spawn(
         Command::new(libs.join("cuda_app"))
             .arg("hold=1")
+            .env("FAKE_CUDART_LAUNCH_HANDLE", handle)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped()),
     );
@@ -84,6 +92,7 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     out.read_line(&mut line).unwrap();
     let truth: Value = serde_json::from_str(&line).expect("the program's account");
     assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(truth["launch_handle_mode"], handle);
     drop(stdin);
     let _ = app.0.wait();
     wait_until(20, "the session to end", || {
@@ -142,7 +151,7 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
         );
         *got.entry(key).or_default() += l["launches"].as_u64().unwrap();
     }
-    assert_eq!(got, want);
+    assert_eq!(got, want, "runtime handing the driver a {handle}");
     let graphs: u64 = cuda["launches"]
         .as_array()
         .unwrap()

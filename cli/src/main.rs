@@ -358,12 +358,20 @@ async fn start(
     };
     h.release()?;
     let pid = h.pid;
-    let waiter = tokio::task::spawn_blocking(move || launch::wait(pid));
+    let mut waiter = tokio::task::spawn_blocking(move || launch::wait(pid));
     // The daemon sees the exit too and ends the session; following it shows progress meanwhile.
     let followed = follow(client, &session.id);
     let code = tokio::select! {
-        code = waiter => code.context("waiting for the command")?,
-        r = followed => { r?; 0 }
+        code = &mut waiter => code.context("waiting for the command")?,
+        r = followed => {
+            // The daemon may see the exit before this process reaps the command: its
+            // status is then still to be read.
+            if r?.end_reason == tracer_proto::EndReason::TargetExited as i32 {
+                waiter.await.context("waiting for the command")?
+            } else {
+                0
+            }
+        }
     };
     // Either way the session is over or about to be: wait for the daemon to close it.
     finish_after_exit(client, &session.id).await?;

@@ -228,27 +228,12 @@ impl Bpf {
     /// Attaches the Python probes to one interpreter binary, for every process that maps it.
     /// `path`: where the binary is reachable now (the runtime may have been inspected through
     /// a process that has exited since, and its `/proc/PID/root` path with it).
-    pub fn attach_python(
-        &mut self,
-        rt: &Runtime,
-        path: &Path,
-    ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
+    pub fn attach_python(&mut self, rt: &Runtime, path: &Path) -> Result<UprobeLinks, BpfError> {
         const ENTRY: &str = "tracer_py_eval_entry";
         const RETURN: &str = "tracer_py_eval_return";
         const OPCODE: &str = "tracer_py_opcode";
         if !self.py_loaded {
-            for name in [ENTRY, RETURN, OPCODE] {
-                // After a failed attempt some are loaded already: report the one that fails.
-                match self.uprobe(name)?.load() {
-                    Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
-                    Err(e) => {
-                        return Err(BpfError::Program {
-                            name,
-                            source: Box::new(e),
-                        })
-                    }
-                }
-            }
+            self.load_uprobes(&[ENTRY, RETURN, OPCODE])?;
             self.py_loaded = true;
         }
         let index = u64::from(rt.version.index);
@@ -261,15 +246,46 @@ impl Bpf {
         }
         points.extend(rt.resume.iter().map(|p| (OPCODE, p, entry)));
         points.extend(rt.exit.iter().map(|p| (OPCODE, p, exit)));
+        let points: Vec<_> = points
+            .into_iter()
+            .map(|(name, p, cookie)| (name, p.file_offset, cookie))
+            .collect();
+        self.attach_all(path, &points)
+    }
+
+    /// Loads uprobe programs once; after a failed attempt some are loaded already, so the
+    /// error names the one that fails.
+    fn load_uprobes(&mut self, names: &[&'static str]) -> Result<(), BpfError> {
+        for &name in names {
+            match self.uprobe(name)?.load() {
+                Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+                Err(e) => {
+                    return Err(BpfError::Program {
+                        name,
+                        source: Box::new(e),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches (program, file offset, cookie) points in `binary`, for every process that
+    /// maps it; all or nothing.
+    fn attach_all(
+        &mut self,
+        binary: &Path,
+        points: &[(&'static str, u64, u64)],
+    ) -> Result<UprobeLinks, BpfError> {
         let mut links = Vec::new();
-        for (name, point, cookie) in points {
+        for &(name, offset, cookie) in points {
             let at = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(point.file_offset),
+                location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(cookie),
             };
             match self
                 .uprobe(name)?
-                .attach(at, path, UProbeScope::AllProcesses)
+                .attach(at, binary, UProbeScope::AllProcesses)
             {
                 Ok(link) => links.push((name, link)),
                 Err(e) => {
@@ -284,7 +300,7 @@ impl Bpf {
         Ok(links)
     }
 
-    pub fn detach_uprobes(&mut self, links: Vec<(&'static str, UProbeLinkId)>) {
+    pub fn detach_uprobes(&mut self, links: UprobeLinks) {
         for (name, link) in links {
             if let Ok(p) = self.uprobe(name) {
                 let _ = p.detach(link);
@@ -335,45 +351,20 @@ impl Bpf {
         file_offset: u64,
         cookie: u64,
         at_return: bool,
-    ) -> Result<Vec<(&'static str, UProbeLinkId)>, BpfError> {
+    ) -> Result<UprobeLinks, BpfError> {
         const CALL: &str = "tracer_cuda_call";
         const RETURN: &str = "tracer_cuda_return";
         if !self.cuda_loaded {
-            for name in [CALL, RETURN] {
-                match self.uprobe(name)?.load() {
-                    Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
-                    Err(e) => {
-                        return Err(BpfError::Program {
-                            name,
-                            source: Box::new(e),
-                        })
-                    }
-                }
-            }
+            self.load_uprobes(&[CALL, RETURN])?;
             self.cuda_loaded = true;
         }
-        let mut links = Vec::new();
-        let programs: &[&'static str] = if at_return { &[CALL, RETURN] } else { &[CALL] };
-        for &name in programs {
-            let at = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(file_offset),
-                cookie: Some(cookie),
-            };
-            match self
-                .uprobe(name)?
-                .attach(at, binary, UProbeScope::AllProcesses)
-            {
-                Ok(link) => links.push((name, link)),
-                Err(e) => {
-                    self.detach_uprobes(links);
-                    return Err(BpfError::Program {
-                        name,
-                        source: Box::new(e),
-                    });
-                }
-            }
-        }
-        Ok(links)
+        let call = (CALL, file_offset, cookie);
+        let points: &[_] = if at_return {
+            &[call, (RETURN, file_offset, cookie)]
+        } else {
+            &[call]
+        };
+        self.attach_all(binary, points)
     }
 
     /// Takes a session's CUDA launch counts and memory totals out of the kernel maps.

@@ -7,7 +7,6 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::programs::uprobe::UProbeLinkId;
 use tracer_common::{
     PyCallStats, PyCodeEvent, PyEdgeKey, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD,
 };
@@ -31,7 +30,7 @@ pub struct Probes {
     /// new inode.
     inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
     /// Probes attached now.
-    links: HashMap<FileId, Vec<(&'static str, UProbeLinkId)>>,
+    links: HashMap<FileId, crate::bpf::UprobeLinks>,
     /// Interpreter runtimes found on this machine at start.
     known: Vec<PathBuf>,
 }

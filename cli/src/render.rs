@@ -205,6 +205,11 @@ pub fn event(e: &tracer_proto::TraceEvent) -> String {
         ),
         Kind::NativeCall => format!("{at} {:>7}/{:<7} native {}", e.pid, e.tid, e.name),
         Kind::Counter => format!("{at} {:>7}         counter {} = {}", e.pid, e.name, e.value),
+        Kind::CudaLaunch => format!("{at} {:>7}/{:<7} cuda   {}", e.pid, e.tid, e.name),
+        Kind::CudaMemory => format!(
+            "{at} {:>7}/{:<7} cuda   {} {} bytes",
+            e.pid, e.tid, e.name, e.value
+        ),
         Kind::Unspecified => format!("{at} {:>7}/{:<7} ?", e.pid, e.tid),
     }
 }

@@ -119,6 +119,11 @@ pub fn memcpy_kind(kind: u32) -> (u32, &'static str) {
     (kind % 100, direction)
 }
 
+/// Whether a memory kind is a `cudaMemcpy*` (whose kind carries a direction).
+pub fn is_memcpy(kind: u32) -> bool {
+    matches!(kind % 100, api::CUDA_MEMCPY | api::CUDA_MEMCPY_ASYNC)
+}
+
 /// Kernel handles → names, per process, from the naming calls seen.
 #[derive(Default)]
 pub struct Names {

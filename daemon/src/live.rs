@@ -118,6 +118,16 @@ fn convert(
             out.set_kind(Kind::NativeCall);
             out.name = probes.get(ev.a as usize).cloned().unwrap_or_default();
         }
+        trace_kind::CUDA_LAUNCH => {
+            // Kernel names are resolved when the session ends; live, the entry point and handle.
+            out.set_kind(Kind::CudaLaunch);
+            out.name = format!("{} {:#x}", crate::cuda::api_name(u32::from(ev.flags)), ev.a);
+        }
+        trace_kind::CUDA_MEMORY => {
+            out.set_kind(Kind::CudaMemory);
+            out.name = crate::trace::Named::CudaMemory(u32::from(ev.flags)).name();
+            out.value = ev.a;
+        }
         trace_kind::COUNTER => {
             out.set_kind(Kind::Counter);
             out.name = counters

@@ -274,10 +274,11 @@ impl Report {
         if let Some(t) = &self.trace {
             let _ = writeln!(
                 out,
-                "\n Trace: {} events ({} Python calls, {} native calls, {} counter readings) over {}",
+                "\n Trace: {} events ({} Python calls, {} native calls, {} CUDA calls, {} counter readings) over {}",
                 group(t.events),
                 group(t.python_calls),
                 group(t.native_calls),
+                group(t.cuda_events),
                 group(t.counter_readings),
                 seconds(t.end_ns.saturating_sub(t.start_ns) / 1_000_000)
             );

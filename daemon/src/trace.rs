@@ -44,6 +44,12 @@ pub struct Trace {
     pub probes: Vec<String>,
     /// perf counters, by the index in `COUNTER` events.
     pub counters: Vec<TraceCounter>,
+    /// CUDA launches and copies (`--cuda`).
+    #[serde(default)]
+    pub cuda_events: u64,
+    /// Names of the CUDA kernels launched: (pid, handle, demangled name).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<(u32, u64, String)>,
     /// Names of the processes and threads in the events.
     pub processes: Vec<TraceThread>,
     pub threads: Vec<TraceThread>,
@@ -84,11 +90,23 @@ pub enum Named<'a> {
     },
     Native(Option<&'a str>),
     Counter(Option<&'a TraceCounter>),
+    /// A CUDA launch: the kernel's name (if seen), the entry point.
+    CudaLaunch(Option<&'a str>, u32),
+    /// A CUDA copy, allocation, free or synchronization: its `CudaMemKey::kind`.
+    CudaMemory(u32),
     Unknown,
 }
 
 impl Trace {
     /// Looks names up by (pid, code, names).
+    /// Kernel names by (pid, handle).
+    pub fn kernel_index(&self) -> HashMap<(u32, u64), &str> {
+        self.kernels
+            .iter()
+            .map(|(pid, handle, name)| ((*pid, *handle), name.as_str()))
+            .collect()
+    }
+
     pub fn function_index(&self) -> HashMap<(u32, u64, u64), &TraceFunction> {
         self.functions
             .iter()
@@ -110,6 +128,14 @@ impl Trace {
                 Named::Native(self.probes.get(ev.a as usize).map(String::as_str))
             }
             trace_kind::COUNTER => Named::Counter(self.counters.get(ev.a as usize)),
+            trace_kind::CUDA_LAUNCH => Named::CudaLaunch(
+                self.kernels
+                    .iter()
+                    .find(|(p, h, _)| *p == ev.pid && *h == ev.a)
+                    .map(|(_, _, n)| n.as_str()),
+                u32::from(ev.flags),
+            ),
+            trace_kind::CUDA_MEMORY => Named::CudaMemory(u32::from(ev.flags)),
             _ => Named::Unknown,
         }
     }
@@ -132,6 +158,18 @@ impl Named<'_> {
             Named::Native(None) => "[unknown probe]".into(),
             Named::Counter(Some(c)) => c.event.clone(),
             Named::Counter(None) => "[unknown counter]".into(),
+            Named::CudaLaunch(Some(n), _) => (*n).to_owned(),
+            Named::CudaLaunch(None, api) => {
+                format!("[{} of an unnamed kernel]", crate::cuda::api_name(*api))
+            }
+            Named::CudaMemory(kind) => {
+                let (api, direction) = crate::cuda::memcpy_kind(*kind);
+                let api = crate::cuda::api_name(api);
+                match crate::cuda::is_memcpy(*kind) {
+                    true => format!("{api} ({direction})"),
+                    false => api.to_owned(),
+                }
+            }
             Named::Unknown => "[unknown event]".into(),
         }
     }

@@ -298,3 +298,104 @@ fn launches_name_their_python_call_site() {
         "{row}"
     );
 }
+
+#[test]
+fn traces_show_each_launch_and_copy() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let mut app = ChildGuard::spawn(
+        Command::new(libs.join("cuda_app"))
+            .arg("hold=1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(app.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let pid = app.pid().to_string();
+    let id = d
+        .ok(&["start", "--mode=tracing", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    let mut stdin = app.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "loaded\n");
+    std::thread::sleep(Duration::from_millis(500));
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    drop(stdin);
+    let _ = app.0.wait();
+    wait_until(20, "the session to end", || {
+        !d.ok(&["status", &id]).contains("running")
+    });
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    assert_eq!(report["losses"], serde_json::json!([]));
+    let path = d.dir.path().join("cuda.json");
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "chrome",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let chrome: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let cuda: Vec<&Value> = chrome["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "cuda")
+        .collect();
+    // Every counted launch is an instant, named after its kernel where a name was seen.
+    let mut want: BTreeMap<String, u64> = BTreeMap::new();
+    for l in report["cuda"]["launches"].as_array().unwrap() {
+        let kernel = l["kernel"].as_str().unwrap();
+        if !kernel.starts_with('[') {
+            *want.entry(kernel.to_owned()).or_default() += l["launches"].as_u64().unwrap();
+        }
+    }
+    let mut got: BTreeMap<String, u64> = BTreeMap::new();
+    for e in cuda.iter().filter(|e| !e["args"]["api"].is_null()) {
+        let name = e["name"].as_str().unwrap();
+        if !name.starts_with('[') {
+            *got.entry(name.to_owned()).or_default() += 1;
+        }
+    }
+    assert_eq!(got, want);
+    let launches: u64 = report["cuda"]["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["launches"].as_u64().unwrap())
+        .sum();
+    let instants = cuda.iter().filter(|e| !e["args"]["api"].is_null()).count() as u64;
+    assert_eq!(instants, launches);
+    let memory: u64 = report["cuda"]["memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["calls"].as_u64().unwrap())
+        .sum();
+    let copies = cuda
+        .iter()
+        .filter(|e| !e["args"]["bytes"].is_null())
+        .count() as u64;
+    assert_eq!(copies, memory);
+    assert_eq!(report["trace"]["cuda_events"], launches + memory);
+    let path = d.dir.path().join("cuda.pftrace");
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "perfetto",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let p = tracer_tests::timeline::perfetto_summary(&std::fs::read(path).unwrap());
+    assert_eq!(p.instants, launches + memory);
+}

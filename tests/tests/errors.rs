@@ -101,8 +101,8 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             "no session with id 'nosuchsession'",
         ),
         (
-            &["start", "--mode=tracing", "--cuda", "--pid", &pid],
-            "--cuda counts launches in counting mode",
+            &["start", "--mode=sampling", "--cuda", "--pid", &pid],
+            "--cuda is for counting and tracing sessions",
         ),
         (
             &["status", "nosuchsession"],

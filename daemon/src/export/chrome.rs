@@ -61,6 +61,7 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
         )?;
     }
     let functions = trace.function_index();
+    let kernels = trace.kernel_index();
     // Counters are cumulative; the tracks show what each period added.
     let mut last: HashMap<(u32, u64), u64> = HashMap::new();
     for ev in trace.events()? {
@@ -115,6 +116,32 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     ev.b.saturating_sub(prev)
                 )?;
             }
+            Named::CudaLaunch(..) => {
+                let name = match kernels.get(&(ev.pid, ev.a)) {
+                    Some(n) => (*n).to_owned(),
+                    None => named.name(),
+                };
+                write!(
+                    w,
+                    "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"api\":{},\"handle\":\"{:#x}\",\"stream\":\"{:#x}\"}}}}",
+                    string(&name),
+                    ev.pid,
+                    ev.tid,
+                    us(ev.start_ns),
+                    string(crate::cuda::api_name(u32::from(ev.flags))),
+                    ev.a,
+                    ev.b
+                )?
+            }
+            Named::CudaMemory(_) => write!(
+                w,
+                "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"bytes\":{}}}}}",
+                string(&named.name()),
+                ev.pid,
+                ev.tid,
+                us(ev.start_ns),
+                ev.a
+            )?,
             Named::Unknown => write!(
                 w,
                 "{{\"ph\":\"i\",\"s\":\"t\",\"name\":\"[unknown event kind {}]\",\"pid\":{},\"tid\":{},\"ts\":{}}}",

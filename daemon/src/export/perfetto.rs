@@ -276,6 +276,7 @@ impl Collected {
         let index = trace.function_index();
         let mut funcs: HashMap<(u32, u64, u64), u32> = HashMap::new();
         let mut probes: HashMap<u64, u64> = HashMap::new();
+        let mut cuda: HashMap<(u16, u32, u64), u64> = HashMap::new();
         let mut c = Collected::default();
         for ev in trace.events()? {
             let ev = ev?;
@@ -305,6 +306,18 @@ impl Collected {
                     let names = &mut c.names;
                     let name = *probes
                         .entry(ev.a)
+                        .or_insert_with(|| names.id(&trace.named(&index, &ev).name()));
+                    c.thread(&ev).instants.push((ev.start_ns, name));
+                }
+                // CUDA launches and copies: instants named after the kernel or the call.
+                trace_kind::CUDA_LAUNCH | trace_kind::CUDA_MEMORY => {
+                    let key = match ev.kind {
+                        trace_kind::CUDA_LAUNCH => (ev.kind, ev.pid, ev.a),
+                        _ => (ev.kind, 0, u64::from(ev.flags)),
+                    };
+                    let names = &mut c.names;
+                    let name = *cuda
+                        .entry(key)
                         .or_insert_with(|| names.id(&trace.named(&index, &ev).name()));
                     c.thread(&ev).instants.push((ev.start_ns, name));
                 }

@@ -116,6 +116,11 @@ impl CudaSession {
         }
     }
 
+    /// A launched handle's demangled kernel name, if a naming call for it was seen.
+    pub fn kernel_name(&self, pid: u32, handle: u64) -> Option<String> {
+        self.names.name(pid, handle).map(cuda::demangle)
+    }
+
     /// Detaches the probes and takes the session's counts out of the kernel.
     pub fn finish(self, bpf: &mut Bpf) -> CudaReport {
         for (_, links) in self.libs {

@@ -428,14 +428,17 @@ impl Manager {
             .target
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let options = req.counting.unwrap_or_default();
-        if options.cuda && mode != Mode::Counting {
+        if options.cuda && mode == Mode::Sampling {
             return Err(Error::Unimplemented(
-                "--cuda counts launches in counting mode; CUDA events in sampling and tracing sessions are not available yet".into(),
+                "--cuda is for counting and tracing sessions; CUDA frames in sampled stacks are not available yet".into(),
             ));
         }
         // Tracing with no source named traces Python calls.
-        let python =
-            options.python || trace_mode && options.uprobes.is_empty() && options.events.is_empty();
+        let python = options.python
+            || trace_mode
+                && options.uprobes.is_empty()
+                && options.events.is_empty()
+                && !options.cuda;
         // With --python or --uprobe, perf counters are only what was asked for.
         let specs = if sampling
             || (python || trace_mode || options.cuda || !options.uprobes.is_empty())
@@ -946,6 +949,15 @@ impl Manager {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
         };
+        // The trace's kernels are named before the CUDA part lets go of its names.
+        let kernels: Vec<(u32, u64, String)> = match (&s.trace, &s.cuda) {
+            (Some(t), Some(c)) => super::tracing::locked(&t.spool)
+                .kernels
+                .iter()
+                .filter_map(|&(pid, h)| Some((pid, h, c.kernel_name(pid, h)?)))
+                .collect(),
+            _ => Vec::new(),
+        };
         let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
         self.release(s.slot);
         info.state = if error.is_some() {
@@ -970,7 +982,7 @@ impl Manager {
             if let Some(e) = write_error {
                 report.session.error.get_or_insert(e);
             }
-            report.trace = Some(trace);
+            report.trace = Some(crate::trace::Trace { kernels, ..trace });
         }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.

@@ -220,6 +220,9 @@ impl TraceSession {
             python_calls: sp.by_kind[usize::from(trace_kind::PY_CALL)],
             native_calls: sp.by_kind[usize::from(trace_kind::NATIVE_CALL)],
             counter_readings: sp.by_kind[usize::from(trace_kind::COUNTER)],
+            cuda_events: sp.by_kind[usize::from(trace_kind::CUDA_LAUNCH)]
+                + sp.by_kind[usize::from(trace_kind::CUDA_MEMORY)],
+            kernels: Vec::new(),
             exits_inferred: sp.exits_inferred,
             unfinished: sp.unfinished,
             functions,

@@ -373,6 +373,14 @@ pub mod trace_kind {
     pub const NATIVE_CALL: u16 = 2;
     /// Daemon-made: a perf counter's reading: `start_ns`, `a` = counter index, `b` = value.
     pub const COUNTER: u16 = 3;
+    /// A CUDA launch (`--cuda`): `start_ns`, `flags` = its `cuda_api` entry point, `a` = the
+    /// kernel handle (or graph exec), `b` = the stream.
+    pub const CUDA_LAUNCH: u16 = 4;
+    /// A CUDA copy, allocation, free or synchronization: `start_ns`, `flags` = its
+    /// `CudaMemKey::kind`, `a` = bytes.
+    pub const CUDA_MEMORY: u16 = 5;
+    /// Kinds there are, for per-kind tables.
+    pub const COUNT: usize = 6;
 }
 
 /// `TraceEvent::flags`: the call's exit was inferred (an exception unwound it unseen).

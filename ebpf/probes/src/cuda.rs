@@ -7,20 +7,24 @@
 //! and whether the session follows every process.
 
 use aya_ebpf::{
-    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes},
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes,
+    },
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
     EbpfContext,
 };
 use tracer_common::{
-    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, CudaLaunchKey, CudaMemKey, CudaMemStats,
-    CudaNameEvent,
+    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey, CudaMemKey, CudaMemStats,
+    CudaNameEvent, TraceEvent,
 };
 
 use crate::{
     proc::{count_loss, TRACKED},
     sample::{python_thread, PyThread},
+    trace,
 };
 
 #[map]
@@ -148,7 +152,30 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
     }
     count_launch(&key);
+    trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.stream);
     Some(())
+}
+
+/// A tracing session's event for this call.
+fn trace(slot: u32, pid: u32, kind: u16, flags: u32, a: u64, b: u64) {
+    let traced = trace::tracing(1 << slot);
+    if traced == 0 {
+        return;
+    }
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    trace::emit(&TraceEvent {
+        kind,
+        flags: flags as u16,
+        pid,
+        tid: bpf_get_current_pid_tgid() as u32,
+        sessions: traced,
+        start_ns: now,
+        end_ns: now,
+        a,
+        b,
+        ..TraceEvent::default()
+    });
 }
 
 /// The launching thread's innermost Python frame (code object, instruction, names id).
@@ -210,6 +237,7 @@ fn send_site(pid: u32, code: u64, instr: u64, names: u64) {
 }
 
 fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {
+    trace(slot, pid, trace_kind::CUDA_MEMORY, kind, bytes, 0);
     let key = CudaMemKey { slot, pid, kind, _pad: 0 };
     for _ in 0..2 {
         if let Some(s) = CUDA_MEMORY.get_ptr_mut(&key) {

@@ -298,6 +298,11 @@ pub mod trace_event {
         NativeCall = 2,
         /// A perf counter's reading (--events): start_ns, value (cumulative since the start).
         Counter = 3,
+        /// A CUDA launch (--cuda): start_ns; name: entry point and kernel handle (the trace
+        /// export names kernels).
+        CudaLaunch = 4,
+        /// A CUDA copy, allocation, free or synchronization: start_ns, value = bytes.
+        CudaMemory = 5,
     }
     impl Kind {
         /// String value of the enum field names used in the ProtoBuf definition.
@@ -310,6 +315,8 @@ pub mod trace_event {
                 Self::PythonCall => "KIND_PYTHON_CALL",
                 Self::NativeCall => "KIND_NATIVE_CALL",
                 Self::Counter => "KIND_COUNTER",
+                Self::CudaLaunch => "KIND_CUDA_LAUNCH",
+                Self::CudaMemory => "KIND_CUDA_MEMORY",
             }
         }
         /// Creates an enum from field names used in the ProtoBuf definition.
@@ -319,6 +326,8 @@ pub mod trace_event {
                 "KIND_PYTHON_CALL" => Some(Self::PythonCall),
                 "KIND_NATIVE_CALL" => Some(Self::NativeCall),
                 "KIND_COUNTER" => Some(Self::Counter),
+                "KIND_CUDA_LAUNCH" => Some(Self::CudaLaunch),
+                "KIND_CUDA_MEMORY" => Some(Self::CudaMemory),
                 _ => None,
             }
         }

@@ -69,6 +69,9 @@ struct StartArgs {
     /// the target maps them).
     #[arg(long)]
     cuda: bool,
+    /// With --cuda: period of the GPU metric readings (NVML), e.g. 50ms (default 100ms).
+    #[arg(long, value_parser = duration::parse_ms, requires = "cuda")]
+    gpu_period: Option<u64>,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
@@ -323,6 +326,9 @@ async fn start(
             events: args.events,
             uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
             cuda: args.cuda,
+            gpu_period_ms: args
+                .gpu_period
+                .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
         }),
         sampling: args
             .frequency

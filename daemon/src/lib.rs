@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod daemon;
 pub mod error;
 pub mod export;
+pub mod gpu;
 pub mod live;
 pub mod native;
 pub mod perf;

@@ -32,7 +32,7 @@ pub struct Report {
     pub cuda: Option<CudaReport>,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct CudaReport {
     /// CUDA libraries probed, when and in which process they were first seen.
     pub libraries: Vec<CudaLibrary>,
@@ -44,6 +44,9 @@ pub struct CudaReport {
     /// Launch rows whose kernel handle was named before tracer probed the library.
     pub unnamed: u64,
     pub warnings: Vec<String>,
+    /// GPU metrics sampled during the session (NVML).
+    #[serde(default)]
+    pub gpu: crate::gpu::GpuReport,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

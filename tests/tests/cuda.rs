@@ -107,6 +107,12 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
         "{}",
         cuda["libraries"]
     );
+    // GPU metrics: said unavailable, with the reason, on a machine without NVIDIA's driver.
+    let gpu = &cuda["gpu"];
+    match gpu["unavailable"].as_str() {
+        Some(why) => assert!(why.starts_with("NVML: "), "{gpu}"),
+        None => assert!(gpu["devices"][0]["samples"].as_u64() > Some(0), "{gpu}"),
+    }
 
     // Every launch, at the layer it was made and at the driver's, with its configuration.
     let mut want: BTreeMap<Row, u64> = BTreeMap::new();

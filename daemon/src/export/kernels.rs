@@ -101,6 +101,27 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             c.unnamed
         );
     }
+    match &c.gpu.unavailable {
+        Some(why) => {
+            let _ = writeln!(out, " GPU metrics: unavailable: {why}");
+        }
+        None => {
+            for d in &c.gpu.devices {
+                let _ = writeln!(
+                    out,
+                    "\n GPU {} ({}): {} readings every {} ms   min / mean / max",
+                    d.index, d.name, d.samples, c.gpu.period_ms
+                );
+                for m in &d.metrics {
+                    let _ = writeln!(
+                        out,
+                        "{:>22}  {:>9.1} {:>9.1} {:>9.1} {}",
+                        m.name, m.min, m.mean, m.max, m.unit
+                    );
+                }
+            }
+        }
+    }
     for w in &c.warnings {
         let _ = writeln!(out, " warning: {w}");
     }

@@ -17,6 +17,9 @@ use crate::{
     unwind::ProcMaps,
 };
 
+/// How often GPU metrics are read unless asked otherwise.
+pub const GPU_PERIOD: Duration = Duration::from_millis(100);
+
 /// How often a session's processes are looked at for newly mapped CUDA libraries.
 pub const LOOK_EVERY: Duration = Duration::from_millis(20);
 
@@ -32,10 +35,12 @@ pub struct CudaSession {
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
     call_sites: HashMap<(u32, u64, u64, u64), String>,
     warnings: Vec<String>,
+    gpu: crate::gpu::GpuSampler,
 }
 
 impl CudaSession {
-    pub fn new(slot: u8, all: bool) -> Self {
+    /// `gpu_period`: how often GPU metrics are read.
+    pub fn new(slot: u8, all: bool, gpu_period: Duration) -> Self {
         Self {
             slot,
             all,
@@ -46,6 +51,7 @@ impl CudaSession {
             names: Names::default(),
             call_sites: HashMap::new(),
             warnings: Vec::new(),
+            gpu: crate::gpu::GpuSampler::start(gpu_period),
         }
     }
 
@@ -194,6 +200,7 @@ impl CudaSession {
             warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
         }
         CudaReport {
+            gpu: self.gpu.finish(),
             libraries: self.found,
             launches: rows,
             memory,

@@ -619,9 +619,13 @@ impl Manager {
             native,
             sampler,
             trace,
-            cuda: slot
-                .filter(|_| options.cuda)
-                .map(|slot| super::cuda::CudaSession::new(slot, pid.is_none())),
+            cuda: slot.filter(|_| options.cuda).map(|slot| {
+                let period = match options.gpu_period_ms {
+                    0 => super::cuda::GPU_PERIOD,
+                    ms => Duration::from_millis(u64::from(ms)),
+                };
+                super::cuda::CudaSession::new(slot, pid.is_none(), period)
+            }),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
             ended,

@@ -46,9 +46,12 @@ pub struct CountingOptions {
     /// Count CUDA kernel launches (per kernel, grid, block, shared memory and stream), copies
     /// (bytes per direction), allocations and synchronizations, with uprobes on each CUDA
     /// runtime (libcudart) and driver (libcuda) library the target maps, as it maps them.
-    /// Counting mode only.
+    /// Counting and tracing modes. GPU metrics (utilization, memory used, power, SM clock,
+    /// temperature) are read from NVML meanwhile, every `gpu_period_ms` (0: 100).
     #[prost(bool, tag = "4")]
     pub cuda: bool,
+    #[prost(uint32, tag = "5")]
+    pub gpu_period_ms: u32,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

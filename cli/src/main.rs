@@ -170,13 +170,18 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),
         Err(e) => {
-            // One line naming the problem, not clap's usage block.
+            // One line naming the problem, not clap's usage block: its first paragraph, whose
+            // continuation lines name the arguments (a missing one, say).
             let text = e.render().to_string();
-            let first = text
+            let first: Vec<&str> = text
                 .lines()
-                .next()
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            let first = match first.join(" ") {
+                s if s.is_empty() => "invalid arguments".to_owned(),
+                s => s.trim_start_matches("error: ").to_owned(),
+            };
             eprintln!("tracerctl: {first} (see tracerctl --help)");
             return ExitCode::from(2);
         }

@@ -105,6 +105,18 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             "--cuda is for counting and tracing sessions",
         ),
         (
+            &[
+                "start",
+                "--mode=counting",
+                "--gpu-period",
+                "50ms",
+                "--pid",
+                &pid,
+            ],
+            "--cuda",
+        ),
+        (&["watch", &keep], "is not a running tracing session"),
+        (
             &["status", "nosuchsession"],
             "no session with id 'nosuchsession'",
         ),
@@ -130,6 +142,15 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
     let status = d.ok(&["status", &keep]);
     assert!(status.contains("state:     running"), "{status}");
     assert!(d.ok(&["stop", &keep]).contains("finished (stopped)"));
+    // Formats for what this session did not record.
+    for (format, want) in [
+        ("chrome", "chrome and perfetto are for tracing sessions"),
+        ("perfetto", "chrome and perfetto are for tracing sessions"),
+        ("kernels", "kernels needs CUDA results"),
+    ] {
+        let line = one_line_error(&d.run(&["report", &keep, "--format", format]));
+        assert!(line.contains(want), "{format}: {line}");
+    }
 }
 
 #[test]
@@ -310,4 +331,16 @@ fn unknown_groups_and_listen_addresses_are_refused() {
         "localhost".as_ref(),
     ]);
     assert!(line.contains("--listen wants tcp://HOST:PORT"), "{line}");
+    let line = daemon_error(&[
+        "--socket".as_ref(),
+        sock.as_os_str(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+        "--trace-ring-mb".as_ref(),
+        "3".as_ref(),
+    ]);
+    assert!(
+        line.contains("--trace-ring-mb wants a power of two from 1 to 1024, got 3"),
+        "{line}"
+    );
 }

@@ -47,7 +47,8 @@ pub struct Trace {
     /// CUDA launches and copies (`--cuda`).
     #[serde(default)]
     pub cuda_events: u64,
-    /// Names of the CUDA kernels launched: (pid, handle, demangled name).
+    /// Names of the CUDA kernels launched: (pid, handle, demangled name), sorted by (pid,
+    /// handle) so that each launch's name is a binary search away.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kernels: Vec<(u32, u64, String)>,
     /// Names of the processes and threads in the events.
@@ -99,14 +100,6 @@ pub enum Named<'a> {
 
 impl Trace {
     /// Looks names up by (pid, code, names).
-    /// Kernel names by (pid, handle).
-    pub fn kernel_index(&self) -> HashMap<(u32, u64), &str> {
-        self.kernels
-            .iter()
-            .map(|(pid, handle, name)| ((*pid, *handle), name.as_str()))
-            .collect()
-    }
-
     pub fn function_index(&self) -> HashMap<(u32, u64, u64), &TraceFunction> {
         self.functions
             .iter()
@@ -130,9 +123,9 @@ impl Trace {
             trace_kind::COUNTER => Named::Counter(self.counters.get(ev.a as usize)),
             trace_kind::CUDA_LAUNCH => Named::CudaLaunch(
                 self.kernels
-                    .iter()
-                    .find(|(p, h, _)| *p == ev.pid && *h == ev.a)
-                    .map(|(_, _, n)| n.as_str()),
+                    .binary_search_by_key(&(ev.pid, ev.a), |(p, h, _)| (*p, *h))
+                    .ok()
+                    .map(|i| self.kernels[i].2.as_str()),
                 u32::from(ev.flags),
             ),
             trace_kind::CUDA_MEMORY => Named::CudaMemory(u32::from(ev.flags)),

@@ -61,7 +61,6 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
         )?;
     }
     let functions = trace.function_index();
-    let kernels = trace.kernel_index();
     // Counters are cumulative; the tracks show what each period added.
     let mut last: HashMap<(u32, u64), u64> = HashMap::new();
     for ev in trace.events()? {
@@ -116,23 +115,17 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     ev.b.saturating_sub(prev)
                 )?;
             }
-            Named::CudaLaunch(..) => {
-                let name = match kernels.get(&(ev.pid, ev.a)) {
-                    Some(n) => (*n).to_owned(),
-                    None => named.name(),
-                };
-                write!(
+            Named::CudaLaunch(..) => write!(
                     w,
                     "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"api\":{},\"handle\":\"{:#x}\",\"stream\":\"{:#x}\"}}}}",
-                    string(&name),
+                    string(&named.name()),
                     ev.pid,
                     ev.tid,
                     us(ev.start_ns),
                     string(crate::cuda::api_name(u32::from(ev.flags))),
                     ev.a,
                     ev.b
-                )?
-            }
+                )?,
             Named::CudaMemory(_) => write!(
                 w,
                 "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"bytes\":{}}}}}",

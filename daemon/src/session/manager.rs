@@ -954,7 +954,7 @@ impl Manager {
             _ => None,
         };
         // The trace's kernels are named before the CUDA part lets go of its names.
-        let kernels: Vec<(u32, u64, String)> = match (&s.trace, &s.cuda) {
+        let mut kernels: Vec<(u32, u64, String)> = match (&s.trace, &s.cuda) {
             (Some(t), Some(c)) => super::tracing::locked(&t.spool)
                 .kernels
                 .iter()
@@ -962,6 +962,7 @@ impl Manager {
                 .collect(),
             _ => Vec::new(),
         };
+        kernels.sort_unstable();
         let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
         self.release(s.slot);
         info.state = if error.is_some() {

@@ -62,7 +62,10 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     }
 }
 
-fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
+/// Runs tests/cuda's program under a `--cuda` session of `mode`, the runtime handing the
+/// driver a `handle` ("function" or "kernel"): started before its cue, its libraries probed
+/// before the second. Returns the session, ended, and the program's account of its calls.
+fn run_app(d: &Daemon, libs: &std::path::Path, mode: &str, handle: &str) -> (String, Value) {
     let mut app = ChildGuard::spawn(
         Command::new(libs.join("cuda_app"))
             .arg("hold=1")
@@ -76,7 +79,7 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
     assert_eq!(line, "ready\n");
     let pid = app.pid().to_string();
     let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .ok(&["start", mode, "--cuda", "--pid", &pid])
         .trim()
         .to_owned();
     let mut stdin = app.0.stdin.take().unwrap();
@@ -95,9 +98,18 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
     assert_eq!(truth["launch_handle_mode"], handle);
     drop(stdin);
     let _ = app.0.wait();
+    wait_ended(d, &id);
+    (id, truth)
+}
+
+fn wait_ended(d: &Daemon, id: &str) {
     wait_until(20, "the session to end", || {
-        !d.ok(&["status", &id]).contains("running")
+        !d.ok(&["status", id]).contains("running")
     });
+}
+
+fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
+    let (id, truth) = run_app(d, libs, "--mode=counting", handle);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let cuda = &report["cuda"];
     assert_eq!(report["losses"], serde_json::json!([]));
@@ -273,9 +285,7 @@ fn launches_name_their_python_call_site() {
     assert_eq!(line, "done\n");
     drop(stdin);
     let _ = py.0.wait();
-    wait_until(20, "the session to end", || {
-        !d.ok(&["status", &id]).contains("running")
-    });
+    wait_ended(&d, &id);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let rows: Vec<&Value> = report["cuda"]["launches"]
         .as_array()
@@ -312,33 +322,7 @@ fn traces_show_each_launch_and_copy() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = ChildGuard::spawn(
-        Command::new(libs.join("cuda_app"))
-            .arg("hold=1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
-    let mut out = BufReader::new(app.0.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let pid = app.pid().to_string();
-    let id = d
-        .ok(&["start", "--mode=tracing", "--cuda", "--pid", &pid])
-        .trim()
-        .to_owned();
-    let mut stdin = app.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "loaded\n");
-    std::thread::sleep(Duration::from_millis(500));
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
-    drop(stdin);
-    let _ = app.0.wait();
-    wait_until(20, "the session to end", || {
-        !d.ok(&["status", &id]).contains("running")
-    });
+    let (id, _) = run_app(&d, &libs, "--mode=tracing", "function");
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     assert_eq!(report["losses"], serde_json::json!([]));
     let path = d.dir.path().join("cuda.json");

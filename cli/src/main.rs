@@ -1,7 +1,14 @@
 //! tracerctl: the command-line client of tracerd.
 
+/// Prints to standard output; a reader that went away (`| head`) ends tracerctl quietly,
+/// as SIGPIPE would in other Unix tools (tracerctl ignores SIGPIPE: see `main`).
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::stdout_write(format_args!($($arg)*)) };
+}
+
 mod client;
 mod duration;
+mod fleet;
 mod launch;
 mod render;
 
@@ -28,6 +35,15 @@ struct Cli {
         global = true
     )]
     socket: String,
+    /// Fan-out: run `start`, `list` or `capabilities` on each of these tracerds
+    /// (HOST:PORT, comma-separated) and merge their results.
+    #[arg(long, value_delimiter = ',', global = true, value_name = "HOST:PORT,…")]
+    hosts: Vec<String>,
+    /// Fan-out: the hosts, one HOST:PORT per line (# comments).
+    #[arg(long, global = true, value_name = "FILE")]
+    hosts_file: Option<PathBuf>,
+    #[command(flatten)]
+    remote: client::Remote,
     #[command(subcommand)]
     command: Command,
 }
@@ -162,8 +178,8 @@ enum FormatArg {
 }
 
 fn main() -> ExitCode {
-    // Like other Unix tools (and unlike Rust's default), die quietly when the reader of our
-    // output goes away; and a command launched below must not inherit an ignored SIGPIPE.
+    // A command launched below must not inherit an ignored SIGPIPE: default until it is
+    // forked, ignored after (see `out!`).
     // SAFETY: setting a signal disposition before any thread exists.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = match Cli::try_parse() {
@@ -194,6 +210,10 @@ fn main() -> ExitCode {
         },
         _ => None,
     };
+    // A daemon that refuses TLS closes the connection under our writes: that is an error to
+    // report, not a signal to die of.
+    // SAFETY: still before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -210,16 +230,94 @@ fn fail(e: &anyhow::Error) -> ExitCode {
     ExitCode::FAILURE
 }
 
-/// A gRPC error as one line: the daemon's message already names the problem.
+/// A gRPC error as one line: the daemon's message already names the problem; a transport
+/// failure (TLS refused, connection reset) adds its cause.
 fn status_err(s: tonic::Status) -> anyhow::Error {
+    let cause = std::error::Error::source(&s).map(client::root_cause);
+    let message = match (s.message(), cause) {
+        ("", Some(c)) => c,
+        (m, Some(c)) if !m.contains(&c) => format!("{m}: {c}"),
+        (m, _) => m.to_owned(),
+    };
     match s.code() {
-        tonic::Code::Unavailable => anyhow::anyhow!("tracerd is unavailable: {}", s.message()),
-        _ => anyhow::anyhow!("{}", s.message()),
+        tonic::Code::Unavailable => anyhow::anyhow!("tracerd is unavailable: {message}"),
+        tonic::Code::Unauthenticated => anyhow::anyhow!("not authenticated: {message}"),
+        tonic::Code::PermissionDenied => anyhow::anyhow!("permission denied: {message}"),
+        _ => anyhow::anyhow!("{message}"),
+    }
+}
+
+/// `--hosts`: the commands that run on many daemons.
+async fn run_fleet(cli: Cli) -> Result<ExitCode> {
+    let hosts = fleet::hosts(&cli.hosts, cli.hosts_file.as_deref())?;
+    match cli.command {
+        Command::Start(args) => {
+            if !args.command.is_empty() {
+                bail!("with --hosts, give --all or --pid: a command cannot be launched on other hosts");
+            }
+            if args.duration.is_none() {
+                bail!("with --hosts, give --duration: the sessions end together and their reports are merged");
+            }
+            let format = match (args.mode, args.out.format) {
+                (ModeArg::Counting, FormatArg::Table) => ReportFormat::Table,
+                (ModeArg::Counting, FormatArg::Json) => ReportFormat::Json,
+                (ModeArg::Sampling, FormatArg::Pprof) => ReportFormat::Pprof,
+                (ModeArg::Sampling, FormatArg::Folded) => ReportFormat::Folded,
+                (ModeArg::Counting, _) => bail!("with --hosts, counting reports are merged as table or json"),
+                (ModeArg::Sampling, _) => bail!("with --hosts, sampling reports are merged as pprof (a host label on each sample) or folded"),
+                (ModeArg::Tracing, _) => bail!("with --hosts, tracing is not available yet: start it on each host"),
+            };
+            let kind = match (args.pid, args.all) {
+                (Some(pid), _) => target::Kind::Pid(pid),
+                (None, true) => target::Kind::All(true),
+                (None, false) => bail!("a target is required: --pid PID or --all"),
+            };
+            let fetch = fleet::Fetch {
+                // Counting tables are merged from each host's JSON.
+                template: report_request(String::new(), &args.out, match format {
+                    ReportFormat::Table => ReportFormat::Json,
+                    f => f,
+                }),
+                format,
+                limit: args.out.limit as usize,
+                output: args.out.output.clone(),
+            };
+            let req = start_request(&args, kind, false);
+            fleet::start(&hosts, &cli.remote, req, fetch).await
+        }
+        Command::Capabilities => fleet::capabilities(&hosts, &cli.remote).await,
+        Command::List => {
+            let mut code = ExitCode::SUCCESS;
+            for h in &hosts {
+                let r = async {
+                    let mut c = client::connect(&format!("tcp://{h}"), &cli.remote).await?;
+                    Ok::<_, anyhow::Error>(
+                        c.list_sessions(ListSessionsRequest {})
+                            .await
+                            .map_err(status_err)?
+                            .into_inner(),
+                    )
+                }
+                .await;
+                match r {
+                    Ok(r) => out!("== {h}\n{}", render::list(&r.sessions)),
+                    Err(e) => {
+                        out!("== {h}\nFAILED: {e:#}\n");
+                        code = ExitCode::from(fleet::PARTIAL);
+                    }
+                }
+            }
+            Ok(code)
+        }
+        _ => bail!("with --hosts: start, list and capabilities run on every host; other commands take one daemon (--socket tcp://HOST:PORT)"),
     }
 }
 
 async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
-    let mut client = match client::connect(&cli.socket).await {
+    if !cli.hosts.is_empty() || cli.hosts_file.is_some() {
+        return run_fleet(cli).await;
+    }
+    let mut client = match client::connect(&cli.socket, &cli.remote).await {
         Ok(c) => c,
         Err(e) => {
             if let Some(h) = held {
@@ -236,7 +334,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            print!("{}", render::status(&s));
+            out!("{}", render::status(&s));
             Ok(ExitCode::SUCCESS)
         }
         Command::List => {
@@ -245,7 +343,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            print!("{}", render::list(&r.sessions));
+            out!("{}", render::list(&r.sessions));
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { id } => {
@@ -254,7 +352,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            print!("{}", render::status(&s));
+            out!("{}", render::status(&s));
             Ok(ExitCode::SUCCESS)
         }
         Command::Report { id, out } => {
@@ -295,7 +393,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            print!("{}", render::capabilities(&c));
+            out!("{}", render::capabilities(&c));
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -304,7 +402,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
 async fn start(
     client: &mut client::Client,
     args: StartArgs,
-    mut held: Option<launch::Held>,
+    held: Option<launch::Held>,
 ) -> Result<ExitCode> {
     let kind = match (&held, args.pid, args.all) {
         (Some(h), _, _) => {
@@ -314,21 +412,35 @@ async fn start(
         (None, None, true) => target::Kind::All(true),
         (None, None, false) => bail!("a target is required: --pid PID, --all, or -- CMD ARGS…"),
     };
+    let req = start_request(&args, kind, held.is_some());
+    let session = match client.start_session(req).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => {
+            if let Some(h) = held {
+                h.abandon();
+            }
+            return Err(status_err(e));
+        }
+    };
+    start_followed(client, args, held, session).await
+}
+
+fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartSessionRequest {
     let mode = match args.mode {
         ModeArg::Counting => Mode::Counting,
         ModeArg::Sampling => Mode::Sampling,
         ModeArg::Tracing => Mode::Tracing,
     };
-    let req = StartSessionRequest {
+    StartSessionRequest {
         mode: mode.into(),
         target: Some(Target {
             kind: Some(kind),
-            launched: held.is_some(),
+            launched,
         }),
         duration_ms: args.duration,
         counting: Some(CountingOptions {
             python: args.python,
-            events: args.events,
+            events: args.events.clone(),
             uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
             cuda: args.cuda,
             gpu_period_ms: args
@@ -348,19 +460,19 @@ async fn start(
                 .interval
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
         }),
-    };
-    let session = match client.start_session(req).await {
-        Ok(s) => s.into_inner(),
-        Err(e) => {
-            if let Some(h) = held {
-                h.abandon();
-            }
-            return Err(status_err(e));
-        }
-    };
+        start_at_unix_ms: 0,
+    }
+}
+
+async fn start_followed(
+    client: &mut client::Client,
+    args: StartArgs,
+    mut held: Option<launch::Held>,
+    session: SessionInfo,
+) -> Result<ExitCode> {
     let Some(h) = held.as_mut() else {
         if !args.wait {
-            println!("{}", session.id);
+            out!("{}\n", session.id);
             return Ok(ExitCode::SUCCESS);
         }
         follow(client, &session.id).await?;
@@ -436,6 +548,18 @@ async fn finish_after_exit(client: &mut client::Client, id: &str) -> Result<()> 
     Ok(())
 }
 
+fn report_request(id: String, out: &Output, format: ReportFormat) -> GetReportRequest {
+    GetReportRequest {
+        id,
+        format: format.into(),
+        sort: out.sort.clone(),
+        limit: out.limit,
+        pids: out.filter_pids.clone(),
+        tids: out.filter_tids.clone(),
+        comm: out.filter_comm.clone().unwrap_or_default(),
+    }
+}
+
 async fn report(client: &mut client::Client, id: String, out: &Output) -> Result<()> {
     let format = match out.format {
         FormatArg::Table => ReportFormat::Table,
@@ -449,16 +573,14 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Perfetto => ReportFormat::Perfetto,
         FormatArg::Kernels => ReportFormat::Kernels,
     };
+    let data = fetch_report(client, report_request(id, out, format)).await?;
+    write_output(&data, out.output.as_deref())
+}
+
+/// A report, whole.
+async fn fetch_report(client: &mut client::Client, req: GetReportRequest) -> Result<Vec<u8>> {
     let mut stream = client
-        .get_report(GetReportRequest {
-            id,
-            format: format.into(),
-            sort: out.sort.clone(),
-            limit: out.limit,
-            pids: out.filter_pids.clone(),
-            tids: out.filter_tids.clone(),
-            comm: out.filter_comm.clone().unwrap_or_default(),
-        })
+        .get_report(req)
         .await
         .map_err(status_err)?
         .into_inner();
@@ -466,16 +588,20 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
     while let Some(chunk) = stream.next().await {
         data.extend(chunk.map_err(status_err)?.data);
     }
-    match &out.output {
+    Ok(data)
+}
+
+/// Writes to `-o FILE`, or standard output.
+fn write_output(data: &[u8], output: Option<&std::path::Path>) -> Result<()> {
+    match output {
         Some(path) => {
-            std::fs::write(path, &data).with_context(|| format!("writing {}", path.display()))?
+            std::fs::write(path, data).with_context(|| format!("writing {}", path.display()))
         }
         None => {
-            use std::io::Write;
-            std::io::stdout().write_all(&data)?;
+            stdout_bytes(data);
+            Ok(())
         }
     }
-    Ok(())
 }
 
 /// A spec whose binary is a relative path (`./app:main`) names it from tracerctl's directory,
@@ -489,5 +615,29 @@ fn absolute_spec(spec: &str) -> String {
             }
         }
         _ => spec.to_owned(),
+    }
+}
+
+pub fn stdout_write(args: std::fmt::Arguments) {
+    use std::io::Write;
+    let r = std::io::stdout().write_fmt(args);
+    stdout_result(r);
+}
+
+fn stdout_bytes(data: &[u8]) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let r = out.write_all(data).and_then(|()| out.flush());
+    stdout_result(r);
+}
+
+fn stdout_result(r: std::io::Result<()>) {
+    match r {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) => {
+            eprintln!("tracerctl: writing to standard output: {e}");
+            std::process::exit(1);
+        }
     }
 }

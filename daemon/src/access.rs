@@ -1,32 +1,82 @@
-//! Who may do what, from the caller's credentials (SO_PEERCRED on the Unix socket).
+//! Who may do what: from the caller's credentials on the Unix socket (SO_PEERCRED), or from
+//! the access policy's grant for a TCP client.
 
-use crate::{error::Error, process};
+use std::sync::Arc;
+
+use crate::{
+    error::Error,
+    process,
+    remote::{Grant, Role},
+};
 
 /// The client behind a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
-    /// None: no credentials (a TCP client).
+    /// The Unix socket peer's uid; None over TCP.
     pub uid: Option<u32>,
+    /// A TCP client's grant from the access policy.
+    pub remote: Option<Arc<Grant>>,
 }
 
 impl Caller {
-    pub const ROOT: Caller = Caller { uid: Some(0) };
+    pub const ROOT: Caller = Caller {
+        uid: Some(0),
+        remote: None,
+    };
 
-    pub fn is_root(self) -> bool {
-        self.uid == Some(0)
+    pub fn local(uid: u32) -> Self {
+        Caller {
+            uid: Some(uid),
+            remote: None,
+        }
     }
 
-    fn uid(self, action: &str) -> Result<u32, Error> {
-        self.uid.ok_or_else(|| Error::PermissionDenied {
-            reason: format!(
-                "{action} needs the caller's credentials, which only the Unix socket carries"
-            ),
-        })
+    pub fn remote(grant: Arc<Grant>) -> Self {
+        Caller {
+            uid: None,
+            remote: Some(grant),
+        }
     }
 
-    /// Root may trace anything; another user only processes whose uids are all its own.
-    pub fn may_trace_pid(self, pid: u32) -> Result<(), Error> {
-        let uid = self.uid("tracing a process")?;
+    /// Who it is, for logs.
+    pub fn describe(&self) -> String {
+        match (&self.remote, self.uid) {
+            (Some(g), _) => format!("client '{}'", g.name),
+            (None, Some(uid)) => format!("uid {uid}"),
+            (None, None) => "an anonymous client".into(),
+        }
+    }
+
+    /// The local user whose rights it acts with; none for read-only clients.
+    pub fn acting_uid(&self, action: &str) -> Result<u32, Error> {
+        match (&self.remote, self.uid) {
+            (Some(g), _) if g.role == Role::Trace => Ok(g.uid),
+            (Some(g), _) => Err(Error::PermissionDenied {
+                reason: format!("{action}: client '{}' may only read", g.name),
+            }),
+            (None, Some(uid)) => Ok(uid),
+            (None, None) => Err(Error::PermissionDenied {
+                reason: format!("{action} needs the caller's credentials"),
+            }),
+        }
+    }
+
+    /// Root may trace anything; another user only processes whose uids are all its own; a
+    /// TCP client confined to cgroups only processes in them.
+    pub fn may_trace_pid(&self, pid: u32) -> Result<(), Error> {
+        let uid = self.acting_uid("tracing a process")?;
+        if let Some(g) = self.remote.as_ref().filter(|g| !g.cgroups.is_empty()) {
+            let cg = process::cgroup(pid).map_err(|_| Error::NoSuchProcess { pid })?;
+            if !g.cgroups.iter().any(|prefix| under(&cg, prefix)) {
+                return Err(Error::PermissionDenied {
+                    reason: format!(
+                        "client '{}' may not trace pid {pid}: its cgroup {cg} is not under {}",
+                        g.name,
+                        g.cgroups.join(", ")
+                    ),
+                });
+            }
+        }
         if uid == 0 {
             return Ok(());
         }
@@ -43,8 +93,17 @@ impl Caller {
         }
     }
 
-    pub fn may_trace_all(self) -> Result<(), Error> {
-        match self.uid("a system-wide session")? {
+    pub fn may_trace_all(&self) -> Result<(), Error> {
+        let uid = self.acting_uid("a system-wide session")?;
+        if let Some(g) = self.remote.as_ref().filter(|g| !g.cgroups.is_empty()) {
+            return Err(Error::PermissionDenied {
+                reason: format!(
+                    "client '{}' is confined to cgroups and may not start system-wide (--all) sessions",
+                    g.name
+                ),
+            });
+        }
+        match uid {
             0 => Ok(()),
             uid => Err(Error::PermissionDenied {
                 reason: format!(
@@ -54,11 +113,22 @@ impl Caller {
         }
     }
 
-    /// Stopping a session or reading its report: its owner, or root.
-    pub fn may_access(self, owner: u32, id: &str) -> Result<(), Error> {
-        match self.uid {
-            Some(0) => Ok(()),
-            Some(uid) if uid == owner => Ok(()),
+    /// Reading a session (status, report, events): its owner, root, or a read client.
+    pub fn may_read(&self, owner: u32, id: &str) -> Result<(), Error> {
+        if self.sees(owner) {
+            Ok(())
+        } else {
+            Err(Error::PermissionDenied {
+                reason: format!("session {id} belongs to uid {owner}"),
+            })
+        }
+    }
+
+    /// Stopping a session: its owner or root.
+    pub fn may_stop(&self, owner: u32, id: &str) -> Result<(), Error> {
+        match self.acting_uid("stopping a session")? {
+            0 => Ok(()),
+            uid if uid == owner => Ok(()),
             _ => Err(Error::PermissionDenied {
                 reason: format!("session {id} belongs to uid {owner}"),
             }),
@@ -66,9 +136,24 @@ impl Caller {
     }
 
     /// Whether a listing shows this caller a session.
-    pub fn sees(self, owner: u32) -> bool {
-        self.uid.is_some_and(|uid| uid == 0 || uid == owner)
+    pub fn sees(&self, owner: u32) -> bool {
+        match (&self.remote, self.uid) {
+            (Some(g), _) if g.role == Role::Read => true,
+            (Some(g), _) => g.uid == 0 || g.uid == owner,
+            (None, Some(uid)) => uid == 0 || uid == owner,
+            (None, None) => false,
+        }
     }
+}
+
+/// `cgroup` is `prefix` or lies below it (path components, not string prefixes).
+fn under(cgroup: &str, prefix: &str) -> bool {
+    let p = prefix.trim_end_matches('/');
+    p.is_empty()
+        || cgroup == p
+        || cgroup
+            .strip_prefix(p)
+            .is_some_and(|rest| rest.starts_with('/'))
 }
 
 #[cfg(test)]
@@ -77,7 +162,7 @@ mod tests {
 
     #[test]
     fn non_root_users_are_confined() {
-        let user = Caller { uid: Some(1000) };
+        let user = Caller::local(1000);
         assert!(user.may_trace_all().is_err());
         assert!(Caller::ROOT.may_trace_all().is_ok());
         // pid 1 runs as root.
@@ -85,11 +170,53 @@ mod tests {
             user.may_trace_pid(1),
             Err(Error::PermissionDenied { .. })
         ));
-        assert!(user.may_access(1000, "x").is_ok());
-        assert!(user.may_access(1001, "x").is_err());
-        assert!(Caller::ROOT.may_access(1001, "x").is_ok());
-        let tcp = Caller { uid: None };
-        assert!(tcp.may_trace_pid(1).is_err());
-        assert!(!tcp.sees(0));
+        assert!(user.may_read(1000, "x").is_ok());
+        assert!(user.may_read(1001, "x").is_err());
+        assert!(user.may_stop(1001, "x").is_err());
+        assert!(Caller::ROOT.may_stop(1001, "x").is_ok());
+    }
+
+    fn grant(role: Role, uid: u32, cgroups: &[&str]) -> Caller {
+        Caller::remote(Arc::new(Grant {
+            name: "c".into(),
+            role,
+            uid,
+            cgroups: cgroups.iter().map(|s| s.to_string()).collect(),
+        }))
+    }
+
+    #[test]
+    fn remote_clients_get_what_their_grant_says() {
+        let reader = grant(Role::Read, u32::MAX, &[]);
+        assert!(reader.sees(0) && reader.sees(1000));
+        assert!(reader.may_read(0, "x").is_ok());
+        assert!(reader.may_stop(0, "x").is_err());
+        assert!(reader.may_trace_pid(1).is_err());
+        assert!(reader.may_trace_all().is_err());
+
+        let admin = grant(Role::Trace, 0, &[]);
+        assert!(admin.may_trace_all().is_ok());
+        assert!(admin.may_trace_pid(std::process::id()).is_ok());
+        assert!(admin.may_stop(1000, "x").is_ok());
+
+        let own = process::cgroup(std::process::id()).unwrap();
+        let confined = grant(Role::Trace, 0, &[&own]);
+        assert!(confined.may_trace_pid(std::process::id()).is_ok());
+        assert!(confined.may_trace_all().is_err());
+        let elsewhere = grant(Role::Trace, 0, &["/no/such.slice"]);
+        let err = elsewhere.may_trace_pid(std::process::id()).unwrap_err();
+        assert!(
+            err.to_string().contains("is not under /no/such.slice"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn cgroup_prefixes_match_whole_components() {
+        assert!(under("/a/b", "/a"));
+        assert!(under("/a/b", "/a/"));
+        assert!(under("/a", "/a"));
+        assert!(!under("/ab", "/a"));
+        assert!(under("/anything", "/"));
     }
 }

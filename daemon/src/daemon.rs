@@ -1,7 +1,6 @@
 //! Wiring: state store, BPF, the session manager and the gRPC servers (Unix socket, optional TCP).
 
 use std::{
-    net::SocketAddr,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
@@ -21,8 +20,8 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
 pub struct Config {
     pub socket: PathBuf,
     pub state_dir: PathBuf,
-    /// `tcp://HOST:PORT`: also serve on TCP. Callers there carry no credentials.
-    pub listen: Option<String>,
+    /// Also serve on TCP (TLS, authenticated clients, the access policy's grants).
+    pub listen: Option<crate::remote::ListenOptions>,
     /// Group allowed to use the socket besides root.
     pub group: Option<String>,
     /// Size of the kernel ring buffer tracing events pass through, in MiB (a power of two):
@@ -46,8 +45,8 @@ pub enum DaemonError {
     NoSuchGroup(String),
     #[error("--trace-ring-mb wants a power of two from 1 to 1024, got {0}")]
     BadTraceRing(u32),
-    #[error("--listen wants tcp://HOST:PORT, got '{0}'")]
-    BadListen(String),
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -69,7 +68,11 @@ pub async fn run(
     config: Config,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DaemonError> {
-    let tcp = config.listen.as_deref().map(parse_listen).transpose()?;
+    let tcp = config
+        .listen
+        .as_ref()
+        .map(crate::remote::ListenOptions::resolve)
+        .transpose()?;
     claim_socket(&config.socket)?;
     let store = Store::open(&config.state_dir)?;
     let ring_mb = config.trace_ring_mb;
@@ -86,12 +89,12 @@ pub async fn run(
         })
         .transpose()?;
     let uds = bind(&config.socket, gid)?;
-    let tcp = match tcp {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
+    let tcp_listener = match &tcp {
+        Some(t) => Some(
+            tokio::net::TcpListener::bind(t.addr)
                 .await
                 .map_err(|source| DaemonError::Listen {
-                    addr: addr.to_string(),
+                    addr: t.addr.to_string(),
                     source,
                 })?,
         ),
@@ -111,46 +114,54 @@ pub async fn run(
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("valid descriptor sets");
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .expect("valid descriptor sets");
-    let service = TracerServer::new(Service {
-        sessions: sessions.clone(),
-        capabilities: caps,
-    });
-    let router = Server::builder()
-        .add_service(service)
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+    let remote = tcp.as_ref().map(|t| t.remote.clone());
+    let router = |builder: Server| {
+        let reflection_v1 = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .expect("valid descriptor sets");
+        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()
+            .expect("valid descriptor sets");
+        let mut builder = builder;
+        builder
+            .add_service(TracerServer::new(Service {
+                sessions: sessions.clone(),
+                capabilities: caps.clone(),
+                remote: remote.clone(),
+            }))
+            .add_service(health_service.clone())
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+    };
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
     tracing::info!(socket = %config.socket.display(), "tracerd listening");
-    let uds_server = router
-        .clone()
+    let uds_server = router(Server::builder())
         .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
     let tcp_server = async {
-        match tcp {
-            Some(l) => {
-                tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "tracerd listening on TCP (no credentials: read-only)");
-                router
+        match (tcp_listener, tcp) {
+            (Some(l), Some(t)) => {
+                let tls = t.tls.is_some();
+                tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), tls, "tracerd listening on TCP");
+                let builder = match t.tls {
+                    Some(cfg) => Server::builder().tls_config(cfg)?,
+                    None => Server::builder(),
+                };
+                router(builder)
                     .serve_with_incoming_shutdown(
                         TcpListenerStream::new(l),
                         stopped(stop_rx.clone()),
                     )
                     .await
             }
-            None => Ok(()),
+            _ => Ok(()),
         }
     };
     let on_shutdown = async {
@@ -166,12 +177,6 @@ pub async fn run(
     a?;
     b?;
     Ok(())
-}
-
-fn parse_listen(s: &str) -> Result<SocketAddr, DaemonError> {
-    s.strip_prefix("tcp://")
-        .and_then(|a| a.parse().ok())
-        .ok_or_else(|| DaemonError::BadListen(s.to_owned()))
 }
 
 /// Refuses a socket another daemon serves; removes a stale one left by a daemon that died.
@@ -209,16 +214,4 @@ fn bind(path: &Path, gid: Option<nix::unistd::Gid>) -> Result<UnixListener, Daem
         nix::unistd::chown(path, None, Some(gid)).map_err(|e| err(e.into()))?;
     }
     Ok(listener)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn listen_addresses_parse() {
-        assert!(parse_listen("tcp://127.0.0.1:7070").is_ok());
-        assert!(parse_listen("127.0.0.1:7070").is_err());
-        assert!(parse_listen("tcp://nohost").is_err());
-    }
 }

@@ -16,6 +16,7 @@ pub mod plt;
 pub mod process;
 pub mod profile;
 pub mod python;
+pub mod remote;
 pub mod report;
 pub mod sampler;
 pub mod server;

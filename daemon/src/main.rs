@@ -4,7 +4,10 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use tracer_daemon::daemon::{self, Config};
+use tracer_daemon::{
+    daemon::{self, Config},
+    remote::{Auth, ListenOptions},
+};
 
 /// The tracer daemon: serves profiling sessions over gRPC.
 #[derive(Parser)]
@@ -16,9 +19,29 @@ struct Args {
     /// Where finished sessions' reports are kept across restarts.
     #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
-    /// Also serve on TCP, e.g. tcp://127.0.0.1:7070. TCP callers carry no credentials and may only read.
+    /// Also serve on TCP, e.g. tcp://0.0.0.0:7070: TLS only, clients authenticated and
+    /// allowed what --access grants them.
     #[arg(long, value_name = "tcp://HOST:PORT")]
     listen: Option<String>,
+    /// With --listen: this host's certificate chain (PEM).
+    #[arg(long, value_name = "PEM", requires = "listen")]
+    tls_cert: Option<PathBuf>,
+    /// With --listen: the certificate's private key (PEM).
+    #[arg(long, value_name = "PEM", requires = "listen")]
+    tls_key: Option<PathBuf>,
+    /// With --auth mtls: the CA certificate(s) client certificates must chain to (PEM).
+    #[arg(long, value_name = "PEM", requires = "listen")]
+    client_ca: Option<PathBuf>,
+    /// How TCP clients authenticate: mtls (client certificates) or token (bearer tokens).
+    #[arg(long, value_enum, default_value_t = Auth::Mtls, requires = "listen")]
+    auth: Auth,
+    /// With --listen: the access policy (TOML) naming each client, by certificate name or
+    /// token hash, and what it may do (see docs/FLEET.md).
+    #[arg(long, value_name = "FILE", requires = "listen")]
+    access: Option<PathBuf>,
+    /// Serve TCP without TLS (tokens in the clear): refused unless the address is loopback.
+    #[arg(long, requires = "listen")]
+    insecure_plaintext: bool,
     /// Group whose members may use the socket besides root.
     #[arg(long)]
     group: Option<String>,
@@ -60,7 +83,15 @@ fn main() {
     let config = Config {
         socket: args.socket,
         state_dir: args.state_dir,
-        listen: args.listen,
+        listen: args.listen.map(|listen| ListenOptions {
+            listen,
+            tls_cert: args.tls_cert,
+            tls_key: args.tls_key,
+            client_ca: args.client_ca,
+            auth: args.auth,
+            access: args.access,
+            insecure_plaintext: args.insecure_plaintext,
+        }),
         group: args.group,
         trace_ring_mb: args.trace_ring_mb,
     };

@@ -11,24 +11,56 @@ use tracer_proto::{
     SessionState, StartSessionRequest, StreamEventsRequest, WatchSessionRequest,
 };
 
-use crate::{access::Caller, session::manager::Handle};
+use crate::{access::Caller, remote::Remote, session::manager::Handle};
 
 /// Reports are streamed in pieces of this size.
 const CHUNK: usize = 64 * 1024;
 
+/// An aligned start (fan-out) may be this far ahead of the daemon's clock.
+const MAX_START_DELAY: Duration = Duration::from_secs(60);
+
 pub struct Service {
     pub sessions: Handle,
     pub capabilities: Arc<Capabilities>,
+    /// TCP clients' authentication and grants (with `--listen`).
+    pub remote: Option<Arc<Remote>>,
 }
 
-/// The caller's identity: SO_PEERCRED on the Unix socket; none over TCP.
-fn caller<T>(req: &Request<T>) -> Caller {
-    let uid = req
-        .extensions()
-        .get::<UdsConnectInfo>()
-        .and_then(|info| info.peer_cred)
-        .map(|cred| cred.uid());
-    Caller { uid }
+impl Service {
+    /// The caller: SO_PEERCRED on the Unix socket; over TCP, its certificate or token's
+    /// grant in the access policy.
+    fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
+        if let Some(info) = req.extensions().get::<UdsConnectInfo>() {
+            return Ok(Caller {
+                uid: info.peer_cred.map(|cred| cred.uid()),
+                remote: None,
+            });
+        }
+        match &self.remote {
+            Some(remote) => Ok(Caller::remote(remote.identify(req)?)),
+            None => Err(Status::unauthenticated("no credentials")),
+        }
+    }
+}
+
+/// Waits for an aligned start time (wall clock, ms since the epoch) given by a fan-out client.
+async fn wait_for_start(start_at_unix_ms: u64) -> Result<(), Status> {
+    if start_at_unix_ms == 0 {
+        return Ok(());
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let delay = Duration::from_millis(start_at_unix_ms).saturating_sub(now);
+    if delay > MAX_START_DELAY {
+        return Err(Status::invalid_argument(format!(
+            "the start time is {} s ahead of this host's clock (at most {} s)",
+            delay.as_secs(),
+            MAX_START_DELAY.as_secs()
+        )));
+    }
+    tokio::time::sleep(delay).await;
+    Ok(())
 }
 
 fn id_of(id: &str) -> Result<String, Status> {
@@ -46,7 +78,8 @@ impl Tracer for Service {
         &self,
         req: Request<StartSessionRequest>,
     ) -> Result<Response<SessionInfo>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
+        wait_for_start(req.get_ref().start_at_unix_ms).await?;
         Ok(Response::new(
             self.sessions.start(req.into_inner(), who).await?,
         ))
@@ -56,13 +89,13 @@ impl Tracer for Service {
         &self,
         req: Request<SessionRef>,
     ) -> Result<Response<SessionInfo>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;
         Ok(Response::new(self.sessions.stop(id, who).await?))
     }
 
     async fn get_session(&self, req: Request<SessionRef>) -> Result<Response<SessionInfo>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;
         Ok(Response::new(self.sessions.get(id, who).await?.0))
     }
@@ -73,14 +106,14 @@ impl Tracer for Service {
         &self,
         req: Request<WatchSessionRequest>,
     ) -> Result<Response<Self::WatchSessionStream>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;
         let interval = Duration::from_millis(u64::from(match req.get_ref().interval_ms {
             0 => 1000,
             ms => ms.max(50),
         }));
         // Fails here, before the stream starts, for an unknown or foreign session.
-        let (first, mut ended) = self.sessions.get(id.clone(), who).await?;
+        let (first, mut ended) = self.sessions.get(id.clone(), who.clone()).await?;
         let (tx, rx) = mpsc::channel(4);
         let sessions = self.sessions.clone();
         tokio::spawn(async move {
@@ -95,7 +128,7 @@ impl Tracer for Service {
                     _ = tokio::time::sleep(interval) => {}
                     _ = ended.changed() => {}
                 }
-                info = match sessions.get(id.clone(), who).await {
+                info = match sessions.get(id.clone(), who.clone()).await {
                     Ok((i, _)) => i,
                     Err(e) => {
                         let _ = tx.send(Err(e.into())).await;
@@ -111,7 +144,7 @@ impl Tracer for Service {
         &self,
         req: Request<ListSessionsRequest>,
     ) -> Result<Response<ListSessionsResponse>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         Ok(Response::new(ListSessionsResponse {
             sessions: self.sessions.list(who).await?,
         }))
@@ -123,7 +156,7 @@ impl Tracer for Service {
         &self,
         req: Request<GetReportRequest>,
     ) -> Result<Response<Self::GetReportStream>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;
         let format = ReportFormat::try_from(req.get_ref().format).map_err(|_| {
             Status::invalid_argument(format!("unknown report format {}", req.get_ref().format))
@@ -217,7 +250,7 @@ impl Tracer for Service {
         &self,
         req: Request<StreamEventsRequest>,
     ) -> Result<Response<Self::StreamEventsStream>, Status> {
-        let who = caller(&req);
+        let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;
         let sub = self.sessions.subscribe(id, who).await?;
         Ok(Response::new(crate::live::stream(sub)))
@@ -225,9 +258,14 @@ impl Tracer for Service {
 
     async fn get_capabilities(
         &self,
-        _req: Request<GetCapabilitiesRequest>,
+        req: Request<GetCapabilitiesRequest>,
     ) -> Result<Response<Capabilities>, Status> {
-        Ok(Response::new((*self.capabilities).clone()))
+        self.caller(&req)?;
+        let mut caps = (*self.capabilities).clone();
+        caps.now_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Ok(Response::new(caps))
     }
 }
 

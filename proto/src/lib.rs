@@ -11,3 +11,5 @@ pub use generated::*;
 
 /// The encoded `FileDescriptorSet` of tracer.proto, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!("generated/tracer_descriptor.bin");
+
+pub mod pprof;

@@ -3,6 +3,7 @@
 //!
 //! The binaries come from `TRACER_BIN_DIR` (set by `cargo xtask test`), else `target/release`.
 
+pub mod fleet;
 pub mod timeline;
 
 use std::{

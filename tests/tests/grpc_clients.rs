@@ -90,7 +90,7 @@ fn reflection_and_health_serve_generic_clients() {
 }
 
 #[test]
-fn tcp_callers_have_no_credentials_and_may_only_read() {
+fn plaintext_tcp_on_loopback_takes_a_token() {
     if !root_or_skip() {
         return;
     }
@@ -102,19 +102,37 @@ fn tcp_callers_have_no_credentials_and_may_only_read() {
         .unwrap()
         .port();
     let listen = format!("tcp://127.0.0.1:{port}");
+    let policy = d.dir.path().join("access.toml");
+    // sha256 of "secret"; a read-only client.
+    std::fs::write(
+        &policy,
+        "[[client]]\nname = 'dash'\ntoken_sha256 = '2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b'\nrole = 'read'\n",
+    )
+    .unwrap();
+    let token = d.dir.path().join("token");
+    std::fs::write(&token, "secret").unwrap();
     let mut child = tracer_tests::ChildGuard::spawn(
         Command::new(tracer_tests::bin("tracerd"))
             .arg("--socket")
             .arg(&sock)
             .arg("--state-dir")
             .arg(d.dir.path().join("tcp-state"))
-            .args(["--listen", &listen])
+            .args([
+                "--listen",
+                &listen,
+                "--auth",
+                "token",
+                "--insecure-plaintext",
+            ])
+            .arg("--access")
+            .arg(&policy)
             .env("RUST_LOG", "warn"),
     );
     tracer_tests::wait_until(20, "the TCP daemon", || sock.exists());
     let ctl = |args: &[&str]| {
         Command::new(tracer_tests::bin("tracerctl"))
-            .args(["--socket", &listen])
+            .args(["--socket", &listen, "--insecure-plaintext", "--token-file"])
+            .arg(&token)
             .args(args)
             .output()
             .unwrap()
@@ -133,6 +151,12 @@ fn tcp_callers_have_no_credentials_and_may_only_read() {
         "--duration",
         "1s",
     ]));
-    assert!(line.contains("only the Unix socket carries"), "{line}");
+    assert!(line.contains("client 'dash' may only read"), "{line}");
+    let anonymous = Command::new(tracer_tests::bin("tracerctl"))
+        .args(["--socket", &listen, "--insecure-plaintext", "list"])
+        .output()
+        .unwrap();
+    let line = tracer_tests::one_line_error(&anonymous);
+    assert!(line.contains("wants a bearer token"), "{line}");
     assert!(child.0.try_wait().unwrap().is_none());
 }

@@ -239,7 +239,7 @@ fn test() -> Result<()> {
         "warnings",
     ]))?;
     let venv = toolchain::python_test_env()?;
-    toolchain::ensure_go()?;
+    toolchain::ensure_test_tools()?;
     run(cargo().args([
         "build",
         "--release",

@@ -43,10 +43,16 @@ pub fn setup() -> Result<()> {
     Ok(())
 }
 
-/// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), from Debian's packages.
-pub fn ensure_go() -> Result<()> {
-    if Command::new("go")
-        .arg("version")
+/// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), and iproute2's `ip`,
+/// for the fleet tests' network namespaces: from Debian's packages.
+pub fn ensure_test_tools() -> Result<()> {
+    ensure_package("go", &["version"], "golang-go")?;
+    ensure_package("ip", &["-V"], "iproute2")
+}
+
+fn ensure_package(command: &str, args: &[&str], package: &str) -> Result<()> {
+    if Command::new(command)
+        .args(args)
         .output()
         .is_ok_and(|o| o.status.success())
     {
@@ -54,7 +60,7 @@ pub fn ensure_go() -> Result<()> {
     }
     let install = || {
         run(Command::new("apt-get")
-            .args(["install", "-y", "-q", "golang-go"])
+            .args(["install", "-y", "-q", package])
             .env("DEBIAN_FRONTEND", "noninteractive"))
     };
     // A fresh machine may have no package lists yet.

@@ -483,9 +483,7 @@ impl Manager {
                 )
             }
         };
-        let owner_uid = caller.uid.ok_or_else(|| Error::PermissionDenied {
-            reason: "no caller credentials".into(),
-        })?;
+        let owner_uid = caller.acting_uid("starting a session")?;
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !target.launched);
@@ -632,7 +630,7 @@ impl Manager {
             expiry,
         };
         let info = session.info(&loss_base);
-        tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, "session started");
+        tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
         self.running.insert(id.clone(), session);
         self.update_python_masks();
         if options.cuda {
@@ -676,7 +674,7 @@ impl Manager {
     }
 
     fn subscribe(&mut self, id: &str, caller: Caller) -> Result<Subscription, Error> {
-        caller.may_access(self.owner(id)?, id)?;
+        caller.may_read(self.owner(id)?, id)?;
         let Some(t) = self.running.get(id).and_then(|s| s.trace.as_ref()) else {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is not a running tracing session"
@@ -877,7 +875,7 @@ impl Manager {
 
     fn stop(&mut self, id: &str, caller: Caller) -> Result<SessionInfo, Error> {
         let owner = self.owner(id)?;
-        caller.may_access(owner, id)?;
+        caller.may_stop(owner, id)?;
         if self.running.contains_key(id) {
             self.finish(id, EndReason::Stopped, None);
         }
@@ -897,7 +895,7 @@ impl Manager {
         id: &str,
         caller: Caller,
     ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
-        caller.may_access(self.owner(id)?, id)?;
+        caller.may_read(self.owner(id)?, id)?;
         let losses = self.bpf.losses();
         if let Some(s) = self.running.get_mut(id) {
             return Ok((s.info(&losses), s.ended.subscribe()));
@@ -907,7 +905,7 @@ impl Manager {
     }
 
     fn report(&mut self, id: &str, caller: Caller) -> Result<Report, Error> {
-        caller.may_access(self.owner(id)?, id)?;
+        caller.may_read(self.owner(id)?, id)?;
         if self.running.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }

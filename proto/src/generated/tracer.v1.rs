@@ -73,6 +73,11 @@ pub struct StartSessionRequest {
     /// (none of them: Python calls).
     #[prost(message, optional, tag = "6")]
     pub tracing: ::core::option::Option<TracingOptions>,
+    /// Aligned start for sessions started on many hosts at once: the daemon waits until its
+    /// wall clock reads this (ms since the Unix epoch) before starting. 0: now. At most 60 s
+    /// ahead, else INVALID_ARGUMENT.
+    #[prost(uint64, tag = "7")]
+    pub start_at_unix_ms: u64,
 }
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -410,6 +415,10 @@ pub struct Capabilities {
     /// /proc/sys/kernel/perf_event_paranoid.
     #[prost(int32, tag = "10")]
     pub perf_event_paranoid: i32,
+    /// The host's wall clock when it answered (ns since the Unix epoch): with the round trip,
+    /// a fan-out client states each host's clock difference.
+    #[prost(uint64, tag = "11")]
+    pub now_unix_ns: u64,
 }
 /// What a session measures.
 #[allow(clippy::all)]

@@ -1,0 +1,497 @@
+//! Fleet: tracerds in their own network namespaces, reached over mutual TLS or bearer
+//! tokens; the same session fanned out to all of them and merged; a host lost mid-session;
+//! clients held to what the access policy grants them.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use tracer_tests::{
+    fleet::{Host, Pki},
+    one_line_error, root_or_skip,
+};
+
+const POLICY: &str = r#"
+[[client]]
+name = "ops"
+cert = "ops.example"
+role = "trace"
+uid = 0
+
+[[client]]
+name = "viewer"
+cert = "viewer.example"
+role = "read"
+
+[[client]]
+name = "confined"
+cert = "confined.example"
+role = "trace"
+uid = 0
+cgroups = ["/no/such.slice"]
+
+[[client]]
+name = "robot"
+# printf secret | sha256sum
+token_sha256 = "2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b"
+role = "trace"
+uid = 0
+"#;
+
+struct Fleet {
+    dir: tempfile::TempDir,
+    pki: Pki,
+    hosts: Vec<Host>,
+}
+
+impl Fleet {
+    /// `n` hosts with mTLS (`--auth mtls`, the default).
+    fn mtls(n: usize) -> Self {
+        Self::start(n, |pki, ip| {
+            let (cert, key) = pki.issue(ip);
+            vec![
+                "--tls-cert".into(),
+                path(&cert),
+                "--tls-key".into(),
+                path(&key),
+                "--client-ca".into(),
+                path(&pki.ca),
+            ]
+        })
+    }
+
+    fn start(n: usize, tls: impl Fn(&Pki, &str) -> Vec<String>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = Pki::new(&dir.path().join("pki"), "fleet-test-ca");
+        let policy = dir.path().join("access.toml");
+        std::fs::write(&policy, POLICY).unwrap();
+        let hosts = (0..n)
+            .map(|_| {
+                Host::start(dir.path(), |ip| {
+                    let mut args = tls(&pki, ip);
+                    args.extend(["--access".into(), path(&policy)]);
+                    args
+                })
+            })
+            .collect();
+        Fleet { dir, pki, hosts }
+    }
+
+    /// tracerctl as client `who` (a certificate from the fleet's CA).
+    fn ctl(&self, who: &str) -> Command {
+        let (cert, key) = self.pki.issue(who);
+        let mut cmd = Command::new(tracer_tests::bin("tracerctl"));
+        cmd.arg("--tls-ca")
+            .arg(&self.pki.ca)
+            .arg("--tls-cert")
+            .arg(cert)
+            .arg("--tls-key")
+            .arg(key)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn on(&self, who: &str, host: usize, args: &[&str]) -> Output {
+        self.ctl(who)
+            .args(["--socket", &format!("tcp://{}", self.hosts[host].addr)])
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    fn all(&self) -> String {
+        self.hosts
+            .iter()
+            .map(|h| h.addr.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+fn path(p: &Path) -> String {
+    p.to_str().unwrap().to_owned()
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "tracerctl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A Python program calling `fib` a known number of times, which it prints.
+fn fib_script(dir: &Path) -> PathBuf {
+    let script = dir.join("fleet_fib.py");
+    std::fs::write(
+        &script,
+        "calls = 0\n\ndef fib(n):\n    global calls\n    calls += 1\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nfib(16)\nprint(calls)\n",
+    )
+    .unwrap();
+    script
+}
+
+/// Runs a fan-out `start` in the background; returns it once every host's session runs.
+fn fan_out(mut cmd: Command) -> (std::process::Child, std::thread::JoinHandle<String>) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("session running on") {
+                let _ = tx.send(line.clone());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the fan-out start did not report its sessions within 30 s");
+    eprintln!("{line}");
+    (child, reader)
+}
+
+#[test]
+fn counting_fans_out_sums_hosts_and_names_the_lost_ones() {
+    if !root_or_skip() {
+        return;
+    }
+    let mut fleet = Fleet::mtls(3);
+    let script = fib_script(fleet.dir.path());
+    // The fourth host has nothing listening.
+    let hosts = format!("{},127.0.0.1:1", fleet.all());
+    let mut cmd = fleet.ctl("ops.example");
+    cmd.args(["--hosts", &hosts]).args([
+        "start",
+        "--mode=counting",
+        "--python",
+        "--all",
+        "--duration",
+        "6s",
+        "--format",
+        "json",
+    ]);
+    let (child, stderr) = fan_out(cmd);
+    // The third host dies during the session.
+    fleet.hosts[2].kill();
+    let out = Command::new(tracer_tests::python())
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let calls: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "partial result expected: {stderr}"
+    );
+    let merged: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let hosts = merged["hosts"].as_array().unwrap();
+    assert_eq!(hosts.len(), 4, "{merged:#}");
+    let (h0, h1, h2) = (
+        &fleet.hosts[0].addr,
+        &fleet.hosts[1].addr,
+        &fleet.hosts[2].addr,
+    );
+    for h in hosts {
+        let name = h["host"].as_str().unwrap();
+        if name == h0 || name == h1 {
+            assert!(h["error"].is_null(), "{h}");
+        } else if name == h2 {
+            assert!(h["error"].as_str().is_some(), "{h}");
+        } else {
+            assert!(
+                h["error"]
+                    .as_str()
+                    .unwrap()
+                    .contains("cannot reach tracerd at tcp://127.0.0.1:1"),
+                "{h}"
+            );
+        }
+    }
+    assert!(stderr.contains(&format!("tracerctl: {h2}: ")), "{stderr}");
+    // Every host saw the one program: the merged count is the program's, twice over.
+    let fib = merged["python"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["qualname"] == "fib" && f["filename"] == path(&script))
+        .unwrap_or_else(|| panic!("no fib row: {merged:#}"));
+    assert_eq!(fib["ncalls"], 2 * calls, "{fib}");
+    assert_eq!(fib["hosts"][h0]["ncalls"], calls, "{fib}");
+    assert_eq!(fib["hosts"][h1]["ncalls"], calls, "{fib}");
+    assert!(fib["hosts"].get(h2).is_none(), "{fib}");
+}
+
+#[test]
+fn sampling_fans_out_into_one_pprof_with_a_host_label() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls(2);
+    let busy = tracer_tests::ChildGuard::spawn(
+        Command::new(tracer_tests::python()).args(["-c", "while True: sum(range(1000))"]),
+    );
+    let file = fleet.dir.path().join("merged.pb.gz");
+    let mut cmd = fleet.ctl("ops.example");
+    cmd.args(["--hosts", &fleet.all()]).args([
+        "start",
+        "--mode=sampling",
+        "--all",
+        "--duration",
+        "2s",
+        "--format",
+        "pprof",
+        "-o",
+        &path(&file),
+    ]);
+    let (child, stderr) = fan_out(cmd);
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(out.status.success(), "{stderr}");
+    drop(busy);
+    let Ok(go) = Command::new("go").arg("version").output() else {
+        println!("skipping the pprof check: go is not installed (cargo xtask test installs it)");
+        return;
+    };
+    assert!(go.status.success());
+    let tags = Command::new("go")
+        .args(["tool", "pprof", "-tags"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&tags.stdout);
+    assert!(
+        tags.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tags.stderr)
+    );
+    for h in &fleet.hosts {
+        assert!(
+            text.contains(&h.addr),
+            "no samples labelled host={}:\n{text}",
+            h.addr
+        );
+    }
+    // Both hosts sampled the same busy loop: each holds a share of the samples.
+    let focused = Command::new("go")
+        .args(["tool", "pprof", "-top", "-tagfocus"])
+        .arg(format!("host={}", fleet.hosts[0].addr))
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(focused.status.success());
+}
+
+#[test]
+fn clients_get_what_their_grant_says_and_nothing_more() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls(1);
+    // A certificate the daemon's CA did not sign.
+    let rogue = Pki::new(&fleet.dir.path().join("rogue"), "rogue-ca");
+    let (cert, key) = rogue.issue("ops.example");
+    let out = Command::new(tracer_tests::bin("tracerctl"))
+        .arg("--tls-ca")
+        .arg(&fleet.pki.ca)
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .args([
+            "--socket",
+            &format!("tcp://{}", fleet.hosts[0].addr),
+            "list",
+        ])
+        .output()
+        .unwrap();
+    // TLS 1.3 sends the refusal after the handshake: the client sees the alert or a closed
+    // connection, whichever comes first.
+    let line = one_line_error(&out);
+    assert!(line.starts_with("tracerctl: "), "{line}");
+    // No client certificate at all.
+    let out = Command::new(tracer_tests::bin("tracerctl"))
+        .arg("--tls-ca")
+        .arg(&fleet.pki.ca)
+        .args([
+            "--socket",
+            &format!("tcp://{}", fleet.hosts[0].addr),
+            "list",
+        ])
+        .output()
+        .unwrap();
+    let line = one_line_error(&out);
+    assert!(line.starts_with("tracerctl: "), "{line}");
+    // Signed by the right CA but unknown to the policy.
+    let line = one_line_error(&fleet.on("stranger.example", 0, &["list"]));
+    assert!(
+        line.contains(
+            "permission denied: client certificate 'stranger.example' is not in the access policy"
+        ),
+        "{line}"
+    );
+    // The reader lists, reads reports, and neither starts nor stops.
+    ok(fleet.on("viewer.example", 0, &["list"]));
+    let line = one_line_error(&fleet.on(
+        "viewer.example",
+        0,
+        &["start", "--mode=counting", "--all", "--duration", "1s"],
+    ));
+    assert!(line.contains("client 'viewer' may only read"), "{line}");
+    let id = ok(fleet.on(
+        "ops.example",
+        0,
+        &[
+            "start",
+            "--mode=counting",
+            "--all",
+            "--events",
+            "task-clock",
+            "--duration",
+            "30s",
+        ],
+    ));
+    let id = id.trim();
+    let line = one_line_error(&fleet.on("viewer.example", 0, &["stop", id]));
+    assert!(line.contains("may only read"), "{line}");
+    ok(fleet.on("ops.example", 0, &["stop", id]));
+    let report = ok(fleet.on("viewer.example", 0, &["report", id, "--format", "json"]));
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert!(tracer_tests::counter(&report, "task-clock").unwrap() > 0);
+    // Confined to cgroups: not this process's, and never the whole machine.
+    let me = std::process::id().to_string();
+    let line = one_line_error(&fleet.on(
+        "confined.example",
+        0,
+        &["start", "--mode=counting", "--pid", &me, "--duration", "1s"],
+    ));
+    assert!(
+        line.contains("client 'confined' may not trace pid") && line.contains("/no/such.slice"),
+        "{line}"
+    );
+    let line = one_line_error(&fleet.on(
+        "confined.example",
+        0,
+        &["start", "--mode=counting", "--all", "--duration", "1s"],
+    ));
+    assert!(line.contains("may not start system-wide"), "{line}");
+}
+
+#[test]
+fn bearer_tokens_over_server_tls() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::start(1, |pki, ip| {
+        let (cert, key) = pki.issue(ip);
+        vec![
+            "--auth".into(),
+            "token".into(),
+            "--tls-cert".into(),
+            path(&cert),
+            "--tls-key".into(),
+            path(&key),
+        ]
+    });
+    let token = |text: &str| {
+        let f = fleet.dir.path().join(format!("token-{}", text.len()));
+        std::fs::write(&f, format!("{text}\n")).unwrap();
+        f
+    };
+    let ctl = |args: &[&str]| {
+        Command::new(tracer_tests::bin("tracerctl"))
+            .arg("--tls-ca")
+            .arg(&fleet.pki.ca)
+            .args(["--socket", &format!("tcp://{}", fleet.hosts[0].addr)])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let good = token("secret");
+    let out = ok(ctl(&[
+        "--token-file",
+        &path(&good),
+        "start",
+        "--mode=counting",
+        "--all",
+        "--events",
+        "task-clock",
+        "--duration",
+        "500ms",
+        "--wait",
+    ]));
+    assert!(out.contains("task-clock"), "{out}");
+    let bad = token("not the secret");
+    let line = one_line_error(&ctl(&["--token-file", &path(&bad), "list"]));
+    assert!(line.contains("not authenticated: unknown token"), "{line}");
+    let line = one_line_error(&ctl(&["list"]));
+    assert!(line.contains("wants a bearer token"), "{line}");
+}
+
+#[test]
+fn unsafe_listeners_are_refused() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("access.toml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let tracerd = |args: &[&str]| {
+        let out = Command::new(tracer_tests::bin("tracerd"))
+            .arg("--socket")
+            .arg(dir.path().join("s.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).trim().to_owned()
+    };
+    let err = tracerd(&["--listen", "tcp://0.0.0.0:7999", "--access", &path(&policy)]);
+    assert!(
+        err.contains("serves TLS only: give --tls-cert and --tls-key"),
+        "{err}"
+    );
+    let err = tracerd(&[
+        "--listen",
+        "tcp://0.0.0.0:7999",
+        "--access",
+        &path(&policy),
+        "--auth",
+        "token",
+        "--insecure-plaintext",
+    ]);
+    assert!(err.contains("only on a loopback address"), "{err}");
+    let err = tracerd(&["--listen", "tcp://127.0.0.1:7999"]);
+    assert!(err.contains("--listen needs --access FILE"), "{err}");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[[client]]\nname = 'x'\ncert = 'x'\nrole = 'trace'\n").unwrap();
+    let err = tracerd(&[
+        "--listen",
+        "tcp://127.0.0.1:7999",
+        "--access",
+        &path(&bad),
+        "--auth",
+        "token",
+        "--insecure-plaintext",
+    ]);
+    assert!(
+        err.contains("client 'x': a trace client needs the uid"),
+        "{err}"
+    );
+}

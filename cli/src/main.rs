@@ -265,7 +265,8 @@ async fn run_fleet(cli: Cli) -> Result<ExitCode> {
                 (ModeArg::Sampling, FormatArg::Folded) => ReportFormat::Folded,
                 (ModeArg::Counting, _) => bail!("with --hosts, counting reports are merged as table or json"),
                 (ModeArg::Sampling, _) => bail!("with --hosts, sampling reports are merged as pprof (a host label on each sample) or folded"),
-                (ModeArg::Tracing, _) => bail!("with --hosts, tracing is not available yet: start it on each host"),
+                (ModeArg::Tracing, FormatArg::Chrome) => ReportFormat::Chrome,
+                (ModeArg::Tracing, _) => bail!("with --hosts, tracing reports are merged as chrome (one timeline, a process group per host process)"),
             };
             let kind = match (args.pid, args.all) {
                 (Some(pid), _) => target::Kind::Pid(pid),

@@ -297,6 +297,91 @@ fn sampling_fans_out_into_one_pprof_with_a_host_label() {
 }
 
 #[test]
+fn tracing_fans_out_onto_one_timeline() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls(2);
+    let script = fib_script(fleet.dir.path());
+    let file = fleet.dir.path().join("merged.json");
+    let mut cmd = fleet.ctl("ops.example");
+    cmd.args(["--hosts", &fleet.all()]).args([
+        "start",
+        "--mode=tracing",
+        "--python",
+        "--all",
+        "--duration",
+        "4s",
+        "--format",
+        "chrome",
+        "-o",
+        &path(&file),
+    ]);
+    let (child, stderr) = fan_out(cmd);
+    let out = Command::new(tracer_tests::python())
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let calls: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let status = child.wait_with_output().unwrap().status;
+    let stderr = stderr.join().unwrap();
+    assert!(status.success(), "{stderr}");
+    let merged: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let events = merged["traceEvents"].as_array().unwrap();
+    // Each host traced the one program: its fib calls, under that host's process group.
+    for (i, h) in fleet.hosts.iter().enumerate() {
+        let lo = (i as u64 + 1) * 10_000_000;
+        let fib = events
+            .iter()
+            .filter(|e| {
+                e["ph"] == "X"
+                    && e["name"].as_str().is_some_and(|n| n.starts_with("fib"))
+                    && e["args"]["file"] == path(&script)
+                    && e["pid"]
+                        .as_u64()
+                        .is_some_and(|p| p > lo && p < lo + 10_000_000)
+            })
+            .count() as u64;
+        assert_eq!(fib, calls, "host {}", h.addr);
+        let pid = events
+            .iter()
+            .find(|e| {
+                e["ph"] == "X"
+                    && e["args"]["file"] == path(&script)
+                    && e["pid"]
+                        .as_u64()
+                        .is_some_and(|p| p > lo && p < lo + 10_000_000)
+            })
+            .unwrap()["pid"]
+            .clone();
+        let named = events.iter().any(|e| {
+            e["name"] == "process_name"
+                && e["pid"] == pid
+                && e["args"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with(&format!("{}: ", h.addr)))
+        });
+        assert!(named, "no process group named after {}", h.addr);
+    }
+    // One clock: both hosts' calls of the same run overlap in time (within 50 ms).
+    let first = |i: u64| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["args"]["file"] == path(&script))
+            .filter(|e| e["pid"].as_u64().is_some_and(|p| p / 10_000_000 == i))
+            .filter_map(|e| e["ts"].as_f64())
+            .fold(f64::MAX, f64::min)
+    };
+    assert!(
+        (first(1) - first(2)).abs() < 50_000.0,
+        "{} vs {}",
+        first(1),
+        first(2)
+    );
+}
+
+#[test]
 fn clients_get_what_their_grant_says_and_nothing_more() {
     if !root_or_skip() {
         return;

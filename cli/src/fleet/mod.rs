@@ -4,6 +4,7 @@
 
 pub mod merge;
 pub mod pprof;
+pub mod timeline;
 
 use std::{
     path::Path,
@@ -234,6 +235,17 @@ pub async fn start(
                 .map(|(host, .., data)| (host, String::from_utf8_lossy(&data).into_owned()))
                 .collect();
             pprof::folded(&texts).into_bytes()
+        }
+        ReportFormat::Chrome => {
+            let traces: Vec<timeline::HostTrace> = done
+                .into_iter()
+                .map(|(host, _, offset_ns, _, json)| timeline::HostTrace {
+                    host,
+                    offset_ns,
+                    json,
+                })
+                .collect();
+            timeline::chrome(&traces)?
         }
         other => bail!("{other:?} reports are not merged across hosts"),
     };

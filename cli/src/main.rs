@@ -104,6 +104,9 @@ struct StartArgs {
     /// Tracing: period of the perf counter readings (--events), e.g. 10ms, 1s (default 100ms).
     #[arg(long, value_parser = duration::parse_ms)]
     interval: Option<u64>,
+    /// Counting: also expose the counts on tracerd's Prometheus endpoint (tracerd --metrics).
+    #[arg(long, value_enum, value_name = "SINK")]
+    export: Vec<ExportArg>,
     /// Stop after this long: 500ms, 30s, 5m, 1h (at most 24h).
     #[arg(long, value_parser = duration::parse_ms)]
     duration: Option<u64>,
@@ -146,6 +149,12 @@ struct Output {
     /// Sampling reports: only the stacks of processes with this name (comm).
     #[arg(long = "filter-comm", value_name = "NAME")]
     filter_comm: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ExportArg {
+    /// Live series on tracerd's /metrics, for a Prometheus that scrapes it.
+    Prometheus,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -447,6 +456,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
             gpu_period_ms: args
                 .gpu_period
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
+            export_prometheus: args.export.contains(&ExportArg::Prometheus),
         }),
         sampling: args
             .frequency

@@ -408,7 +408,8 @@ impl Bpf {
     }
 
     /// Takes a session's native call counts out of the kernel map: (pid, probe, calls).
-    pub fn take_native_counts(&mut self, slot: u8) -> Vec<(u32, u32, u64)> {
+    /// A session's native call counts (pid, probe, calls), taken out of the map with `take`.
+    pub fn native_counts(&mut self, slot: u8, take: bool) -> Vec<(u32, u32, u64)> {
         let keys: Vec<NativeCallKey> = self
             .native_calls
             .keys()
@@ -420,7 +421,9 @@ impl Bpf {
             if let Ok(n) = self.native_calls.get(&k, 0) {
                 out.push((k.pid, k.probe, n));
             }
-            let _ = self.native_calls.remove(&k);
+            if take {
+                let _ = self.native_calls.remove(&k);
+            }
         }
         out
     }

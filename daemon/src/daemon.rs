@@ -22,6 +22,8 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Also serve on TCP (TLS, authenticated clients, the access policy's grants).
     pub listen: Option<crate::remote::ListenOptions>,
+    /// `tcp://HOST:PORT`: serve Prometheus metrics (HTTP GET /metrics) there.
+    pub metrics: Option<String>,
     /// Group allowed to use the socket besides root.
     pub group: Option<String>,
     /// Size of the kernel ring buffer tracing events pass through, in MiB (a power of two):
@@ -47,6 +49,8 @@ pub enum DaemonError {
     BadTraceRing(u32),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -74,6 +78,10 @@ pub async fn run(
         .map(crate::remote::ListenOptions::resolve)
         .transpose()?;
     claim_socket(&config.socket)?;
+    let metrics = match &config.metrics {
+        Some(spec) => Some(crate::metrics::bind(spec).await?),
+        None => None,
+    };
     let store = Store::open(&config.state_dir)?;
     let ring_mb = config.trace_ring_mb;
     if !ring_mb.is_power_of_two() || ring_mb > 1024 {
@@ -164,6 +172,21 @@ pub async fn run(
             _ => Ok(()),
         }
     };
+    let metrics_server = async {
+        if let Some(l) = metrics {
+            tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving Prometheus metrics on /metrics");
+            let sessions = sessions.clone();
+            crate::metrics::serve(
+                l,
+                move || {
+                    let sessions = sessions.clone();
+                    async move { sessions.metrics().await }
+                },
+                stopped(stop_rx.clone()),
+            )
+            .await;
+        }
+    };
     let on_shutdown = async {
         shutdown.await;
         tracing::info!("shutting down: ending running sessions");
@@ -171,7 +194,7 @@ pub async fn run(
         sessions.shutdown().await;
         let _ = stop_tx.send(true);
     };
-    let (a, b, ()) = tokio::join!(uds_server, tcp_server, on_shutdown);
+    let (a, b, (), ()) = tokio::join!(uds_server, tcp_server, metrics_server, on_shutdown);
     let _ = manager_task.await;
     let _ = std::fs::remove_file(&config.socket);
     a?;

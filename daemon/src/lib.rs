@@ -10,6 +10,7 @@ pub mod error;
 pub mod export;
 pub mod gpu;
 pub mod live;
+pub mod metrics;
 pub mod native;
 pub mod perf;
 pub mod plt;

@@ -42,6 +42,11 @@ struct Args {
     /// Serve TCP without TLS (tokens in the clear): refused unless the address is loopback.
     #[arg(long, requires = "listen")]
     insecure_plaintext: bool,
+    /// Serve Prometheus metrics (GET /metrics, plain HTTP) on this address, e.g.
+    /// tcp://0.0.0.0:9464: sessions, events, losses, and the counts of counting sessions
+    /// started with --export prometheus.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    metrics: Option<String>,
     /// Group whose members may use the socket besides root.
     #[arg(long)]
     group: Option<String>,
@@ -92,6 +97,7 @@ fn main() {
             access: args.access,
             insecure_plaintext: args.insecure_plaintext,
         }),
+        metrics: args.metrics,
         group: args.group,
         trace_ring_mb: args.trace_ring_mb,
     };

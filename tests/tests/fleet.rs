@@ -10,7 +10,7 @@ use std::{
 };
 
 use tracer_tests::{
-    fleet::{Host, Pki},
+    fleet::{http_get, url_encode, Host, Pki},
     one_line_error, root_or_skip,
 };
 
@@ -50,16 +50,23 @@ struct Fleet {
 impl Fleet {
     /// `n` hosts with mTLS (`--auth mtls`, the default).
     fn mtls(n: usize) -> Self {
+        Self::mtls_with(n, |_| Vec::new())
+    }
+
+    /// With more tracerd arguments, given the host's address.
+    fn mtls_with(n: usize, more: impl Fn(&str) -> Vec<String>) -> Self {
         Self::start(n, |pki, ip| {
             let (cert, key) = pki.issue(ip);
-            vec![
+            let mut args = more(ip);
+            args.extend([
                 "--tls-cert".into(),
                 path(&cert),
                 "--tls-key".into(),
                 path(&key),
                 "--client-ca".into(),
                 path(&pki.ca),
-            ]
+            ]);
+            args
         })
     }
 
@@ -378,6 +385,115 @@ fn tracing_fans_out_onto_one_timeline() {
         "{} vs {}",
         first(1),
         first(2)
+    );
+}
+
+#[test]
+fn prometheus_scrapes_every_daemon() {
+    if !root_or_skip() {
+        return;
+    }
+    if Command::new("prometheus")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        println!("skipping: prometheus is not installed (cargo xtask test installs it)");
+        return;
+    }
+    let fleet = Fleet::mtls_with(2, |ip| vec!["--metrics".into(), format!("tcp://{ip}:9464")]);
+    let script = fib_script(fleet.dir.path());
+    let mut cmd = fleet.ctl("ops.example");
+    cmd.args(["--hosts", &fleet.all()]).args([
+        "start",
+        "--mode=counting",
+        "--python",
+        "--all",
+        "--export",
+        "prometheus",
+        "--duration",
+        "60s",
+    ]);
+    let (child, _stderr) = fan_out(cmd);
+    let _fan_out = tracer_tests::ChildGuard(child);
+    let out = Command::new(tracer_tests::python())
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let calls: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+
+    let targets: Vec<String> = fleet
+        .hosts
+        .iter()
+        .map(|h| format!("'{}:9464'", h.net.addr))
+        .collect();
+    let config = fleet.dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: tracer\n    static_configs:\n      - targets: [{}]\n",
+            targets.join(", ")
+        ),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let web = format!("127.0.0.1:{port}");
+    let _prometheus = tracer_tests::ChildGuard::spawn(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                fleet.dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={web}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let query = |q: &str| -> Option<f64> {
+        let body = http_get(&web, &format!("/api/v1/query?query={}", url_encode(q))).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        v["data"]["result"][0]["value"][1].as_str()?.parse().ok()
+    };
+    tracer_tests::wait_until(60, "Prometheus to scrape both daemons", || {
+        query("count(up{job=\"tracer\"} == 1)") == Some(2.0)
+    });
+    // Each daemon counted the one program; Prometheus sums them.
+    let fib = format!(
+        "sum(tracer_python_calls_total{{function=\"fib\",file=\"{}\"}})",
+        path(&script)
+    );
+    let mut last = None;
+    tracer_tests::wait_until(30, "the fib series on both daemons", || {
+        last = query(&fib);
+        last == Some(2.0 * calls as f64)
+    });
+    let per_host = format!(
+        "count(tracer_python_calls_total{{function=\"fib\",file=\"{}\"}} == {calls})",
+        path(&script)
+    );
+    assert_eq!(query(&per_host), Some(2.0), "{last:?}");
+    assert_eq!(query("sum(tracer_sessions{state=\"running\"})"), Some(2.0));
+    let line = one_line_error(&fleet.on(
+        "ops.example",
+        0,
+        &[
+            "start",
+            "--mode=sampling",
+            "--all",
+            "--export",
+            "prometheus",
+            "--duration",
+            "1s",
+        ],
+    ));
+    assert!(
+        line.contains("--export prometheus is for counting sessions"),
+        "{line}"
     );
 }
 

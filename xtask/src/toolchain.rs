@@ -43,11 +43,13 @@ pub fn setup() -> Result<()> {
     Ok(())
 }
 
-/// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), and iproute2's `ip`,
-/// for the fleet tests' network namespaces: from Debian's packages.
+/// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), iproute2's `ip`, for
+/// the fleet tests' network namespaces, and a Prometheus server to scrape the daemons: from
+/// Debian's packages.
 pub fn ensure_test_tools() -> Result<()> {
     ensure_package("go", &["version"], "golang-go")?;
-    ensure_package("ip", &["-V"], "iproute2")
+    ensure_package("ip", &["-V"], "iproute2")?;
+    ensure_package("prometheus", &["--version"], "prometheus")
 }
 
 fn ensure_package(command: &str, args: &[&str], package: &str) -> Result<()> {

@@ -23,6 +23,8 @@ use super::{
     python::{Probes, PySession, Unprobed},
     Session,
 };
+mod metrics;
+
 use crate::{
     access::Caller,
     bpf::Bpf,
@@ -73,6 +75,9 @@ enum Command {
     Expire {
         id: String,
     },
+    Metrics {
+        reply: oneshot::Sender<String>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -102,6 +107,15 @@ impl Handle {
         self.call(|reply| Command::Start { req, caller, reply })
             .await
     }
+    /// The Prometheus exposition text.
+    pub async fn metrics(&self) -> String {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Metrics { reply }).await.is_err() {
+            return String::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
     pub async fn stop(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
         self.call(|reply| Command::Stop { id, caller, reply }).await
     }
@@ -149,6 +163,8 @@ pub struct Manager {
     finished: HashMap<String, SessionInfo>,
     /// Reports that could not be written to the store; served from memory.
     unsaved: HashMap<String, Report>,
+    /// Final counts of exported sessions that ended lately, for the Prometheus endpoint.
+    exported: HashMap<String, metrics::Ended>,
     store: Store,
     bpf: Bpf,
     py: Probes,
@@ -197,6 +213,7 @@ impl Manager {
             running: HashMap::new(),
             finished,
             unsaved: HashMap::new(),
+            exported: HashMap::new(),
             store,
             bpf,
             py: Probes::new(interpreters),
@@ -383,6 +400,9 @@ impl Manager {
                 let _ = reply.send(self.subscribe(&id, caller));
             }
             Command::Expire { id } => self.finish(&id, EndReason::Duration, None),
+            Command::Metrics { reply } => {
+                let _ = reply.send(self.metrics());
+            }
             Command::Shutdown { .. } => unreachable!("handled in run"),
         }
     }
@@ -428,6 +448,11 @@ impl Manager {
             .target
             .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
         let options = req.counting.unwrap_or_default();
+        if options.export_prometheus && mode != Mode::Counting {
+            return Err(Error::InvalidArgument(
+                "--export prometheus is for counting sessions".into(),
+            ));
+        }
         if options.cuda && mode == Mode::Sampling {
             return Err(Error::Unimplemented(
                 "--cuda is for counting and tracing sessions; CUDA frames in sampled stacks are not available yet".into(),
@@ -626,6 +651,7 @@ impl Manager {
             }),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
+            export_prometheus: options.export_prometheus,
             ended,
             expiry,
         };
@@ -816,8 +842,12 @@ impl Manager {
         out
     }
 
-    /// Takes a session's Python counts out of the kernel map.
-    fn python_counts(&mut self, slot: u8) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
+    /// A session's Python counts in the kernel map, taken out of it with `take`.
+    fn python_counts(
+        &mut self,
+        slot: u8,
+        take: bool,
+    ) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
         let keys: Vec<tracer_common::PyCallKey> = self
             .bpf
             .py_calls
@@ -830,7 +860,9 @@ impl Manager {
             if let Ok(n) = self.bpf.py_calls.get(&k, 0) {
                 out.push((k.pid, k.code, k.names, n));
             }
-            let _ = self.bpf.py_calls.remove(&k);
+            if take {
+                let _ = self.bpf.py_calls.remove(&k);
+            }
         }
         out
     }
@@ -990,7 +1022,7 @@ impl Manager {
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.
             self.update_python_masks();
-            let counts = self.python_counts(slot);
+            let counts = self.python_counts(slot, true);
             let edges = self.python_edges(slot);
             let seen_interpreter = !py.checked.is_empty();
             let (functions, unknown_names) = py.functions(counts, edges);
@@ -1008,6 +1040,10 @@ impl Manager {
                 unknown_names,
                 warnings,
             });
+        }
+        if s.export_prometheus {
+            self.exported
+                .insert(id.to_owned(), metrics::Ended::new(&info, &report));
         }
         if let Err(e) = self.store.put(&info, &report.to_json()) {
             tracing::error!(%e, id, "could not persist the report; it is kept in memory until tracerd exits");

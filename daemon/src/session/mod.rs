@@ -50,6 +50,8 @@ struct Session {
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
+    /// Counts shown on the Prometheus endpoint (`--export prometheus`).
+    export_prometheus: bool,
     ended: watch::Sender<bool>,
     expiry: Option<JoinHandle<()>>,
 }

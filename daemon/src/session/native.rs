@@ -60,11 +60,13 @@ impl NativeSession {
             .collect()
     }
 
-    /// Detaches the probes, then takes the session's counts out of the kernel.
-    pub fn finish(self, bpf: &mut Bpf, slot: u8) -> NativeReport {
-        bpf.detach_native(self.links);
-        let mut calls: Vec<NativeCalls> = bpf
-            .take_native_counts(slot)
+    /// The counts so far, left in the kernel.
+    pub fn live(&self, bpf: &mut Bpf, slot: u8) -> Vec<NativeCalls> {
+        self.named(bpf.native_counts(slot, false))
+    }
+
+    fn named(&self, counts: Vec<(u32, u32, u64)>) -> Vec<NativeCalls> {
+        counts
             .into_iter()
             .filter_map(|(pid, probe, calls)| {
                 let t = self.targets.get(usize::try_from(probe).ok()?)?;
@@ -75,7 +77,14 @@ impl NativeSession {
                     calls,
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// Detaches the probes, then takes the session's counts out of the kernel.
+    pub fn finish(mut self, bpf: &mut Bpf, slot: u8) -> NativeReport {
+        bpf.detach_native(std::mem::take(&mut self.links));
+        let counts = bpf.native_counts(slot, true);
+        let mut calls = self.named(counts);
         calls.sort_by(|a, b| {
             b.calls
                 .cmp(&a.calls)

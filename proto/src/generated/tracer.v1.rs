@@ -52,6 +52,11 @@ pub struct CountingOptions {
     pub cuda: bool,
     #[prost(uint32, tag = "5")]
     pub gpu_period_ms: u32,
+    /// Counting mode: also expose this session's counts (perf counters, Python calls per
+    /// function, native calls; CUDA launches at its end) on tracerd's Prometheus endpoint
+    /// (`tracerd --metrics`), live while it runs and for 5 minutes after it ends.
+    #[prost(bool, tag = "6")]
+    pub export_prometheus: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

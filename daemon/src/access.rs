@@ -66,7 +66,9 @@ impl Caller {
     pub fn may_trace_pid(&self, pid: u32) -> Result<(), Error> {
         let uid = self.acting_uid("tracing a process")?;
         if let Some(g) = self.remote.as_ref().filter(|g| !g.cgroups.is_empty()) {
-            let cg = process::cgroup(pid).map_err(|_| Error::NoSuchProcess { pid })?;
+            let cg = crate::container::of(pid)
+                .ok_or(Error::NoSuchProcess { pid })?
+                .cgroup;
             if !g.cgroups.iter().any(|prefix| under(&cg, prefix)) {
                 return Err(Error::PermissionDenied {
                     reason: format!(
@@ -199,7 +201,7 @@ mod tests {
         assert!(admin.may_trace_pid(std::process::id()).is_ok());
         assert!(admin.may_stop(1000, "x").is_ok());
 
-        let own = process::cgroup(std::process::id()).unwrap();
+        let own = crate::container::of(std::process::id()).unwrap().cgroup;
         let confined = grant(Role::Trace, 0, &[&own]);
         assert!(confined.may_trace_pid(std::process::id()).is_ok());
         assert!(confined.may_trace_all().is_err());

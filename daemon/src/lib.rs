@@ -4,6 +4,7 @@ pub mod access;
 pub mod bpf;
 pub mod btf;
 pub mod capabilities;
+pub mod container;
 pub mod cuda;
 pub mod daemon;
 pub mod error;

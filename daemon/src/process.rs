@@ -57,18 +57,6 @@ pub fn comm(pid: u32) -> Option<String> {
         .map(|s| s.trim_end().to_owned())
 }
 
-/// The cgroup (v2) path of `pid`, e.g. `/system.slice/tracerd.service`; on a v1-only host,
-/// the first hierarchy's.
-pub fn cgroup(pid: u32) -> io::Result<String> {
-    let text = fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
-    let path = |l: &str| l.splitn(3, ':').nth(2).map(str::to_owned);
-    text.lines()
-        .find(|l| l.starts_with("0::"))
-        .or_else(|| text.lines().next())
-        .and_then(path)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "empty cgroup file"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

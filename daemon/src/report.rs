@@ -202,6 +202,16 @@ pub struct Processes {
     /// The target's command name, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
+    /// The container and pod of each process the report names that ran in one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub containers: Vec<ProcessOrigin>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProcessOrigin {
+    pub pid: u32,
+    #[serde(flatten)]
+    pub origin: crate::container::Origin,
 }
 
 impl From<&Counter> for CounterResult {
@@ -355,7 +365,57 @@ impl Report {
                 .collect();
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
+        if !self.processes.containers.is_empty() {
+            let _ = writeln!(out, "\n Containers:\n");
+            let _ = writeln!(
+                out,
+                "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  hostname",
+                "pid", "runtime", "container", "pod uid", "qos"
+            );
+            for c in &self.processes.containers {
+                let o = &c.origin;
+                let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+                let id = o
+                    .container_id
+                    .as_deref()
+                    .map_or("-", |i| &i[..i.len().min(12)]);
+                let _ = writeln!(
+                    out,
+                    "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  {}",
+                    c.pid,
+                    dash(&o.runtime),
+                    id,
+                    dash(&o.pod_uid),
+                    dash(&o.qos),
+                    dash(&o.hostname)
+                );
+            }
+        }
         out
+    }
+
+    /// Every pid the report names: in its rows, stacks and trace.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        if let Some(p) = &self.python {
+            pids.extend(p.functions.iter().map(|f| f.pid));
+        }
+        if let Some(n) = &self.native {
+            pids.extend(n.calls.iter().map(|c| c.pid));
+        }
+        if let Some(c) = &self.cuda {
+            pids.extend(c.launches.iter().map(|l| l.pid));
+            pids.extend(c.memory.iter().map(|m| m.pid));
+        }
+        if let Some(p) = &self.profile {
+            pids.extend(p.stacks.iter().map(|s| s.pid));
+        }
+        if let Some(t) = &self.trace {
+            pids.extend(t.processes.iter().map(|p| p.pid));
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        pids
     }
 }
 

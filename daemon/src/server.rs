@@ -229,7 +229,9 @@ impl Tracer for Service {
                 let title = format!("tracer {} ({})", report.session.id, report.session.target);
                 match format {
                     ReportFormat::Folded => crate::export::folded::folded(p).into_bytes(),
-                    ReportFormat::Pprof => crate::export::pprof::pprof(p),
+                    ReportFormat::Pprof => {
+                        crate::export::pprof::pprof(p, &report.processes.containers)
+                    }
                     ReportFormat::Speedscope => {
                         crate::export::speedscope::speedscope(p, &title).into_bytes()
                     }

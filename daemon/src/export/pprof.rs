@@ -8,13 +8,19 @@ use std::io::Write;
 use flate2::{write::GzEncoder, Compression};
 use prost::Message;
 
-use crate::profile::{Frame, FrameKind, Profile};
+use crate::{
+    profile::{Frame, FrameKind, Profile},
+    report::ProcessOrigin,
+};
 
 use tracer_proto::pprof as pb;
 
 /// The profile as a `.pb.gz` file: two sample values, samples and CPU nanoseconds, each
-/// sample labelled with its pid, tid and comm.
-pub fn pprof(p: &Profile) -> Vec<u8> {
+/// sample labelled with its pid, tid and comm, and for processes in containers their
+/// container id, pod uid and hostname (a pod's name by default).
+pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
+    let origins: std::collections::HashMap<u32, &crate::container::Origin> =
+        containers.iter().map(|c| (c.pid, &c.origin)).collect();
     let mut b = Builder::new(p.mappings.len());
     let sample_type = vec![
         b.value_type("samples", "count"),
@@ -41,11 +47,25 @@ pub fn pprof(p: &Profile) -> Vec<u8> {
         .map(|s| pb::Sample {
             location_id: s.frames.iter().rev().map(|f| b.location(f)).collect(),
             value: vec![int(s.count), int(s.count.saturating_mul(p.period_ns))],
-            label: vec![
-                b.num_label("pid", s.pid.into()),
-                b.num_label("tid", s.tid.into()),
-                b.str_label("comm", &s.comm),
-            ],
+            label: {
+                let mut l = vec![
+                    b.num_label("pid", s.pid.into()),
+                    b.num_label("tid", s.tid.into()),
+                    b.str_label("comm", &s.comm),
+                ];
+                if let Some(o) = origins.get(&s.pid) {
+                    for (key, v) in [
+                        ("container_id", &o.container_id),
+                        ("pod_uid", &o.pod_uid),
+                        ("hostname", &o.hostname),
+                    ] {
+                        if let Some(v) = v {
+                            l.push(b.str_label(key, v));
+                        }
+                    }
+                }
+                l
+            },
         })
         .collect();
     let comment = vec![b
@@ -220,9 +240,42 @@ mod tests {
     }
 
     #[test]
+    fn samples_of_containers_carry_their_pod() {
+        let p = example();
+        let pid = p.stacks[0].pid;
+        let o = ProcessOrigin {
+            pid,
+            origin: crate::container::Origin {
+                container_id: Some("abc".into()),
+                pod_uid: Some("u-1".into()),
+                hostname: Some("web-0".into()),
+                ..Default::default()
+            },
+        };
+        let d = decode(&pprof(&p, &[o]));
+        let s = |i: i64| d.string_table[i as usize].as_str();
+        let has = |x: &pb::Sample, k: &str, v: &str| {
+            x.label.iter().any(|l| s(l.key) == k && s(l.str) == v)
+        };
+        let labelled = d.sample.iter().filter(|x| has(x, "pod_uid", "u-1")).count();
+        let expected = p
+            .stacks
+            .iter()
+            .filter(|x| x.pid == pid && x.count > 0)
+            .count();
+        assert!(expected > 0 && expected < d.sample.len());
+        assert_eq!(labelled, expected);
+        assert!(d
+            .sample
+            .iter()
+            .filter(|x| has(x, "pod_uid", "u-1"))
+            .all(|x| has(x, "hostname", "web-0") && has(x, "container_id", "abc")));
+    }
+
+    #[test]
     fn decodes_back() {
         let p = example();
-        let d = decode(&pprof(&p));
+        let d = decode(&pprof(&p, &[]));
         let s = |i: i64| d.string_table[i as usize].as_str();
         assert_eq!(d.string_table[0], "");
         let types: Vec<_> = d
@@ -299,7 +352,7 @@ mod tests {
         other.frames.truncate(3);
         other.frames[2].line = Some(6);
         p.stacks.push(other);
-        let d = decode(&pprof(&p));
+        let d = decode(&pprof(&p, &[]));
         assert_eq!(d.location.len(), 12);
         assert_eq!(d.function.len(), 11);
         let last = d.sample.last().unwrap();
@@ -321,7 +374,7 @@ mod tests {
             return;
         }
         let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), pprof(&example())).unwrap();
+        std::fs::write(file.path(), pprof(&example(), &[])).unwrap();
         let run = |flag: &str| {
             let out = Command::new("go")
                 .args(["tool", "pprof", flag])

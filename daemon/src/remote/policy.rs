@@ -212,6 +212,20 @@ mod tests {
     }
 
     #[test]
+    fn the_kubernetes_policy_parses() {
+        let yaml = include_str!("../../../deploy/kubernetes/access.yaml");
+        let toml: String = yaml
+            .lines()
+            .skip_while(|l| !l.contains("access.toml: |"))
+            .skip(1)
+            .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+            .collect();
+        let p = Policy::parse(&toml).unwrap();
+        assert_eq!(p.for_cert(&["ops.tracer.internal".into()]).unwrap().role, Role::Trace);
+        assert_eq!(p.for_cert(&["viewer.tracer.internal".into()]).unwrap().role, Role::Read);
+    }
+
+    #[test]
     fn mistakes_are_named() {
         let err = |text: &str| Policy::parse(text).unwrap_err().to_string();
         assert!(err("[[client]]\nname = 'a'\ncert = 'a'\nrole = 'trace'").contains("needs the uid"));

@@ -76,6 +76,7 @@ impl CudaSession {
 
     /// Probes the CUDA libraries `pid` maps that are not probed yet.
     pub fn look(&mut self, bpf: &mut Bpf, pid: u32) {
+        crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {
             return;
         };

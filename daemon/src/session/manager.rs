@@ -490,6 +490,7 @@ impl Manager {
                     return Err(Error::NoSuchProcess { pid });
                 }
                 let tids = process::threads(pid).map_err(|_| Error::NoSuchProcess { pid })?;
+                crate::container::note(pid, true);
                 (
                     perf::Scope::Threads {
                         tids,
@@ -1041,6 +1042,19 @@ impl Manager {
                 warnings,
             });
         }
+        // Which container and pod each process ran in (targets of pid sessions included).
+        let mut pids = report.pids();
+        pids.extend(s.live.iter().copied());
+        if let Some(target::Kind::Pid(pid)) = s.target.kind {
+            pids.push(pid);
+        }
+        report.processes.containers = crate::container::attribute(pids)
+            .into_iter()
+            .map(|(pid, origin)| crate::report::ProcessOrigin { pid, origin })
+            .collect();
+        if self.running.is_empty() {
+            crate::container::forget_exited();
+        }
         if s.export_prometheus {
             self.exported
                 .insert(id.to_owned(), metrics::Ended::new(&info, &report));
@@ -1128,7 +1142,10 @@ impl Manager {
                 s.command = Some(comm());
             }
             match ev.kind {
-                PROC_EVENT_FORK if s.live.insert(ev.pid) => s.followed += 1,
+                PROC_EVENT_FORK if s.live.insert(ev.pid) => {
+                    s.followed += 1;
+                    crate::container::note(ev.pid, true);
+                }
                 PROC_EVENT_EXIT => {
                     if s.sampler.is_some() || s.cuda.is_some() {
                         exited_sampled = true;

@@ -176,6 +176,7 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             followed,
             exited: info.exited_processes,
             command,
+            containers: Vec::new(),
         },
         python: None,
         native: None,

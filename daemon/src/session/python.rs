@@ -157,6 +157,7 @@ fn c_str(bytes: &[u8]) -> String {
 impl PySession {
     /// Records the names the kernel sent; reads from the process those it could not.
     pub fn on_code(&mut self, ev: &PyCodeEvent, probes: &Probes) {
+        crate::container::note(ev.pid, false);
         let mut name = Name {
             qualname: c_str(&ev.qualname),
             filename: c_str(&ev.filename),

@@ -253,7 +253,11 @@ impl State {
             let h = &self.sessions[&ev.slot];
             h.comms.get(&ev.pid).cloned()
         }
-        .unwrap_or_else(|| process_comm(ev.pid, &ev.comm));
+        .unwrap_or_else(|| {
+            // First sample of this process in the session.
+            crate::container::note(ev.pid, false);
+            process_comm(ev.pid, &ev.comm)
+        });
         let root = self.resolver.process_frame(&comm, ev.pid);
         let h = self.sessions.get_mut(&ev.slot).expect("checked above");
         h.notes.append(&mut self.resolver.notes);

@@ -172,9 +172,10 @@ impl Spool {
                 tid,
                 name: thread_name(pid, tid).unwrap_or_default(),
             });
-            self.processes
-                .entry(pid)
-                .or_insert_with(|| crate::process::comm(pid).unwrap_or_default());
+            self.processes.entry(pid).or_insert_with(|| {
+                crate::container::note(pid, false);
+                crate::process::comm(pid).unwrap_or_default()
+            });
         }
     }
 

@@ -221,8 +221,14 @@ mod tests {
             .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
             .collect();
         let p = Policy::parse(&toml).unwrap();
-        assert_eq!(p.for_cert(&["ops.tracer.internal".into()]).unwrap().role, Role::Trace);
-        assert_eq!(p.for_cert(&["viewer.tracer.internal".into()]).unwrap().role, Role::Read);
+        assert_eq!(
+            p.for_cert(&["ops.tracer.internal".into()]).unwrap().role,
+            Role::Trace
+        );
+        assert_eq!(
+            p.for_cert(&["viewer.tracer.internal".into()]).unwrap().role,
+            Role::Read
+        );
     }
 
     #[test]

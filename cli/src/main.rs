@@ -51,7 +51,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Start a session on a pid, the whole machine, or a command run under it.
-    Start(StartArgs),
+    Start(Box<StartArgs>),
     /// Stop a running session; its report is then available.
     Stop { id: String },
     /// List sessions, running and finished.
@@ -91,6 +91,13 @@ struct StartArgs {
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
+    /// Sampling, continuously: push each window of samples as pprof to this Pyroscope
+    /// endpoint (http://HOST:PORT, the push.v1 API of Grafana Pyroscope and Alloy).
+    #[arg(long, value_name = "URL")]
+    push: Option<String>,
+    /// With --push: the window length, e.g. 10s (default 15s).
+    #[arg(long, value_parser = duration::parse_ms, requires = "push")]
+    push_period: Option<u64>,
     /// Count calls of native functions, like bcc's funccount: BINARY_OR_LIB:SYMBOL, e.g.
     /// libc:malloc, 'libcuda:cuLaunchKernel*', ./app:parse (repeatable; * and ? glob).
     #[arg(long = "uprobe", value_name = "BINARY_OR_LIB:SYMBOL")]
@@ -337,7 +344,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
         }
     };
     match cli.command {
-        Command::Start(args) => start(&mut client, args, held).await,
+        Command::Start(args) => start(&mut client, *args, held).await,
         Command::Stop { id } => {
             let s = client
                 .stop_session(SessionRef { id })
@@ -458,9 +465,13 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
         }),
-        sampling: args
-            .frequency
-            .map(|hz| SamplingOptions { frequency_hz: hz }),
+        sampling: (args.frequency.is_some() || args.push.is_some()).then(|| SamplingOptions {
+            frequency_hz: args.frequency.unwrap_or(0),
+            push_url: args.push.clone().unwrap_or_default(),
+            push_period_ms: args
+                .push_period
+                .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
+        }),
         tracing: (args.buffer_mb.is_some()
             || args.max_file_mb.is_some()
             || args.interval.is_some())

@@ -91,6 +91,16 @@ pub fn status(s: &SessionInfo) -> String {
             s.trace_bytes as f64 / (1u64 << 20) as f64
         );
     }
+    if s.profiles_pushed + s.push_failures + s.profiles_dropped > 0 {
+        let _ = writeln!(
+            out,
+            "pushed:    {} profiles, {} failed pushes (retried), {} dropped",
+            s.profiles_pushed, s.push_failures, s.profiles_dropped
+        );
+        if !s.last_push_error.is_empty() {
+            let _ = writeln!(out, "push error: {}", s.last_push_error);
+        }
+    }
     let losses = if s.losses.is_empty() {
         "none".to_owned()
     } else {

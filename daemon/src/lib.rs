@@ -5,6 +5,7 @@ pub mod bpf;
 pub mod btf;
 pub mod capabilities;
 pub mod container;
+pub mod continuous;
 pub mod cuda;
 pub mod daemon;
 pub mod error;

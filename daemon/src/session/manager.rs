@@ -421,6 +421,7 @@ impl Manager {
         let sampling = mode == Mode::Sampling;
         let trace_mode = mode == Mode::Tracing;
         let frequency = sampling_frequency(sampling, &req)?;
+        let push = continuous_options(&req)?;
         let trace_limits = match (&req.tracing, trace_mode) {
             (Some(o), false) if *o != Default::default() => {
                 return Err(Error::InvalidArgument(
@@ -653,6 +654,16 @@ impl Manager {
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
             export_prometheus: options.export_prometheus,
+            continuous: match (push, slot) {
+                (Some((endpoint, period)), Some(slot)) => Some(crate::continuous::Running::start(
+                    endpoint,
+                    period,
+                    self.sampling.windows(),
+                    slot,
+                    id.clone(),
+                )),
+                _ => None,
+            },
             ended,
             expiry,
         };
@@ -980,6 +991,9 @@ impl Manager {
             }
             _ => None,
         };
+        if let Some(c) = s.continuous.take() {
+            c.finish(profile.as_ref(), id);
+        }
         let native = match (s.native.take(), s.slot) {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
@@ -1233,6 +1247,37 @@ impl Manager {
 
 /// The sampling frequency of a sampling session (None for other modes), checking that each
 /// mode gets only its own options.
+/// Continuous profiling's endpoint and period, for sampling sessions that ask for it.
+fn continuous_options(
+    req: &StartSessionRequest,
+) -> Result<Option<(crate::continuous::Endpoint, Duration)>, Error> {
+    let Some(o) = req.sampling.as_ref().filter(|o| !o.push_url.is_empty()) else {
+        if req.sampling.as_ref().is_some_and(|o| o.push_period_ms != 0) {
+            return Err(Error::InvalidArgument(
+                "a push period needs a push endpoint (--push URL)".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    if req.mode != Mode::Sampling as i32 {
+        return Err(Error::InvalidArgument(
+            "pushing profiles (--push) is for sampling sessions".into(),
+        ));
+    }
+    let endpoint =
+        crate::continuous::Endpoint::parse(&o.push_url).map_err(Error::InvalidArgument)?;
+    let period = match o.push_period_ms {
+        0 => Duration::from_secs(15),
+        ms if !(1000..=3_600_000).contains(&ms) => {
+            return Err(Error::InvalidArgument(
+                "the push period must be from 1s to 1h".into(),
+            ))
+        }
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    Ok(Some((endpoint, period)))
+}
+
 fn sampling_frequency(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
     let asked = req.sampling.as_ref().map_or(0, |s| s.frequency_hz);
     if !sampling {

@@ -52,6 +52,8 @@ struct Session {
     command: Option<String>,
     /// Counts shown on the Prometheus endpoint (`--export prometheus`).
     export_prometheus: bool,
+    /// Continuous profiling: windows pushed to an endpoint.
+    continuous: Option<crate::continuous::Running>,
     ended: watch::Sender<bool>,
     expiry: Option<JoinHandle<()>>,
 }
@@ -110,6 +112,26 @@ impl Session {
             events: self.proc_events,
             trace_events,
             trace_bytes,
+            profiles_pushed: self.continuous.as_ref().map_or(0, |c| {
+                c.stats().pushed.load(std::sync::atomic::Ordering::Relaxed)
+            }),
+            push_failures: self.continuous.as_ref().map_or(0, |c| {
+                c.stats().failed.load(std::sync::atomic::Ordering::Relaxed)
+            }),
+            profiles_dropped: self.continuous.as_ref().map_or(0, |c| {
+                c.stats().dropped.load(std::sync::atomic::Ordering::Relaxed)
+            }),
+            last_push_error: self
+                .continuous
+                .as_ref()
+                .map(|c| {
+                    c.stats()
+                        .last_error
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone()
+                })
+                .unwrap_or_default(),
         }
     }
 }

@@ -72,7 +72,45 @@ pub struct Sampling {
     worker: Option<thread::JoinHandle<()>>,
 }
 
+/// Takes windows of a session's samples while it runs (continuous profiling).
+#[derive(Clone)]
+pub struct Windows(Arc<Mutex<State>>);
+
+impl Windows {
+    /// The samples since the last window (or the start), named; the session goes on.
+    pub fn take(&self, slot: u8) -> Option<Profile> {
+        let mut st = lock(&self.0);
+        st.drain();
+        let h = st.sessions.get_mut(&u32::from(slot))?;
+        let fresh = Histogram::new(h.frequency_hz, h.event);
+        let window = std::mem::replace(h, fresh);
+        Some(st.profile(window))
+    }
+}
+
+impl Histogram {
+    fn new(frequency_hz: u64, event: &'static str) -> Self {
+        Histogram {
+            frequency_hz,
+            event,
+            started: Instant::now(),
+            start_unix_ns: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            stacks: HashMap::new(),
+            comms: HashMap::new(),
+            unwinding: Unwinding::default(),
+            failed: BTreeMap::new(),
+            notes: Default::default(),
+        }
+    }
+}
+
 impl Sampling {
+    pub fn windows(&self) -> Windows {
+        Windows(self.state.clone())
+    }
+
     /// `interpreters`: the Python runtime binaries on this machine, read ahead so that the
     /// first samples of a short-lived process already find its interpreter known.
     pub fn spawn(maps: SamplingMaps, interpreters: Vec<std::path::PathBuf>) -> Self {
@@ -148,22 +186,8 @@ impl Sampling {
         for &pid in pids {
             let _ = st.check_process(pid);
         }
-        st.sessions.insert(
-            u32::from(slot),
-            Histogram {
-                frequency_hz,
-                event,
-                started: Instant::now(),
-                start_unix_ns: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64),
-                stacks: HashMap::new(),
-                comms: HashMap::new(),
-                unwinding: Unwinding::default(),
-                failed: BTreeMap::new(),
-                notes: Default::default(),
-            },
-        );
+        st.sessions
+            .insert(u32::from(slot), Histogram::new(frequency_hz, event));
     }
 
     /// Ends `slot`'s histogram (its perf events must be closed already) and names it.

@@ -100,11 +100,20 @@ pub struct TracingOptions {
     pub counter_interval_ms: u32,
 }
 #[allow(clippy::all)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct SamplingOptions {
     /// Samples per second on each CPU, 1 to 10000. 0: the default, 99 Hz.
     #[prost(uint64, tag = "1")]
     pub frequency_hz: u64,
+    /// Continuous profiling: every `push_period_ms` (0: 15 s; 1 s to 1 h), the window of
+    /// samples just ended is pushed as pprof to this Pyroscope-compatible endpoint,
+    /// <http://HOST:PORT\[/PREFIX\]> (the push.v1.PusherService/Push Connect API of Grafana
+    /// Pyroscope and Alloy), a series per command, container and pod. The session's report
+    /// then holds the last window.
+    #[prost(string, tag = "2")]
+    pub push_url: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "3")]
+    pub push_period_ms: u32,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -201,6 +210,16 @@ pub struct SessionInfo {
     pub trace_events: u64,
     #[prost(uint64, tag = "17")]
     pub trace_bytes: u64,
+    /// Continuous profiling: windows pushed, failed pushes (retried), windows dropped because
+    /// the endpoint did not take them in time, and the last push error.
+    #[prost(uint64, tag = "18")]
+    pub profiles_pushed: u64,
+    #[prost(uint64, tag = "19")]
+    pub push_failures: u64,
+    #[prost(uint64, tag = "20")]
+    pub profiles_dropped: u64,
+    #[prost(string, tag = "21")]
+    pub last_push_error: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

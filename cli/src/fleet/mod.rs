@@ -191,6 +191,15 @@ pub async fn start(
     if done.is_empty() {
         bail!("no host completed the session");
     }
+    // How aligned the starts were, on this machine's clock (ms resolution).
+    let starts: Vec<i64> = done
+        .iter()
+        .map(|(_, _, offset_ns, last, _)| last.started_unix_ms as i64 * 1_000_000 - offset_ns)
+        .collect();
+    let spread_ms =
+        (starts.iter().max().unwrap_or(&0) - starts.iter().min().unwrap_or(&0)) / 1_000_000;
+    let completed = done.len();
+    let merging = std::time::Instant::now();
     let bytes = match fetch.format {
         ReportFormat::Json | ReportFormat::Table => {
             let mut results = Vec::new();
@@ -249,6 +258,11 @@ pub async fn start(
         }
         other => bail!("{other:?} reports are not merged across hosts"),
     };
+    eprintln!(
+        "tracerctl: {completed} of {} hosts completed; their sessions started within {spread_ms} ms of each other; reports merged in {:.1} ms",
+        hosts.len(),
+        merging.elapsed().as_secs_f64() * 1e3
+    );
     crate::write_output(&bytes, fetch.output.as_deref())?;
     Ok(if failed.is_empty() {
         std::process::ExitCode::SUCCESS

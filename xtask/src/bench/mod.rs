@@ -7,8 +7,10 @@
 //!   py-spy and perf;
 //! - `tracing` (tracing.rs): the highest event rate tracerd drains with no loss, and the
 //!   slowdown of a traced Python program next to counting mode's.
+//! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons.
 
 mod counting;
+mod fleet;
 mod sampling;
 mod tracing;
 
@@ -27,6 +29,7 @@ pub enum Which {
     Counting,
     Sampling,
     Tracing,
+    Fleet,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -34,6 +37,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Counting => counting::run(),
         Which::Sampling => sampling::run(),
         Which::Tracing => tracing::run(),
+        Which::Fleet => fleet::run(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `cargo xtask bench fleet`: what driving many tracerds as one costs as the fleet grows.
-//! For N = 1, 4, 16 and 64 daemons on this machine (as many as it can start), each serving
-//! mutual TLS on its own loopback port with its own certificate from one test CA:
+//! For N = 1, 4, 16 and 64 daemons on this machine (as many as it can start), each in its
+//! own network namespace behind a veth pair (the fleet tests' hosts, `tracer_tests::fleet`),
+//! serving mutual TLS with its own certificate from one test CA:
 //!
 //! - `tracerctl --hosts … capabilities`: connecting, the TLS handshakes and one RPC per host
 //!   (what fan-out pays before any session), median of 5;
@@ -13,119 +14,59 @@
 //! CPUs: what grows with N is the client's work and the daemons' contention together.
 
 use std::{
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    path::Path,
+    process::{Command, Stdio},
+    time::Instant,
 };
 
-use anyhow::{bail, Context, Result};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use anyhow::{bail, Result};
+use tracer_tests::fleet::{Host, Pki};
 
 use super::median;
 use crate::bin_dir;
 
 const SIZES: [usize; 4] = [1, 4, 16, 64];
-const BASE_PORT: u16 = 17_100;
 
-struct Pki {
-    dir: PathBuf,
-    ca: CertifiedIssuer<'static, KeyPair>,
-}
-
-impl Pki {
-    fn new(dir: &Path) -> Result<Self> {
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "tracer bench CA");
-        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
-        std::fs::write(dir.join("ca.pem"), ca.pem())?;
-        Ok(Pki {
-            dir: dir.to_owned(),
-            ca,
-        })
-    }
-
-    /// (certificate, key) files for `name`.
-    fn issue(&self, name: &str, file: &str) -> Result<(PathBuf, PathBuf)> {
-        let mut params = CertificateParams::new(vec![name.to_owned()])?;
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate()?;
-        let cert = params.signed_by(&key, &self.ca)?;
-        let (c, k) = (
-            self.dir.join(format!("{file}.pem")),
-            self.dir.join(format!("{file}.key")),
-        );
-        std::fs::write(&c, cert.pem())?;
-        std::fs::write(&k, key.serialize_pem())?;
-        Ok((c, k))
-    }
-}
-
-struct Host {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg(self.child.id().to_string())
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts daemons `from..to`; all of them listen before it returns.
-fn start_hosts(dir: &Path, pki: &Pki, from: usize, to: usize) -> Result<Vec<Host>> {
-    let (cert, key) = pki.issue("127.0.0.1", "host")?;
+/// Starts hosts until there are `n`.
+fn grow(dir: &Path, pki: &Pki, hosts: &mut Vec<Host>, n: usize) -> Result<()> {
     let access = dir.join("access.toml");
     std::fs::write(
         &access,
         "[[client]]\nname = \"bench\"\ncert = \"bench.client\"\nrole = \"trace\"\nuid = 0\n",
     )?;
-    let mut hosts = Vec::new();
-    let mut sockets = Vec::new();
-    for i in from..to {
-        let d = dir.join(format!("host{i}"));
-        std::fs::create_dir_all(&d)?;
-        let socket = d.join("tracerd.sock");
-        let addr = format!("127.0.0.1:{}", BASE_PORT + i as u16);
-        let child = Command::new(bin_dir().join("tracerd"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(d.join("state"))
-            .args(["--trace-ring-mb", "1", "--listen", &format!("tcp://{addr}")])
-            .arg("--tls-cert")
-            .arg(&cert)
-            .arg("--tls-key")
-            .arg(&key)
-            .arg("--client-ca")
-            .arg(dir.join("ca.pem"))
-            .arg("--access")
-            .arg(&access)
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting tracerd (benchmarks run as root)")?;
-        hosts.push(Host { child, addr });
-        sockets.push(socket);
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (h, s) in hosts.iter_mut().zip(&sockets) {
-        while !s.exists() {
-            if let Some(status) = h.child.try_wait()? {
-                bail!("tracerd for {} exited while starting: {status}", h.addr);
-            }
-            if Instant::now() > deadline {
-                bail!("tracerd for {} did not listen within 120 s", h.addr);
-            }
-            std::thread::sleep(Duration::from_millis(20));
+    while hosts.len() < n {
+        // Host::start panics with the reason when a daemon cannot start.
+        let host = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Host::start(dir, |ip| {
+                let (cert, key) = pki.issue(ip);
+                [
+                    "--trace-ring-mb",
+                    "1",
+                    "--tls-cert",
+                    &cert.to_string_lossy(),
+                    "--tls-key",
+                    &key.to_string_lossy(),
+                    "--client-ca",
+                    &pki.ca.to_string_lossy(),
+                    "--access",
+                    &access.to_string_lossy(),
+                ]
+                .map(String::from)
+                .to_vec()
+            })
+        }));
+        match host {
+            Ok(h) => hosts.push(h),
+            Err(e) => bail!(
+                "{}",
+                e.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "tracerd did not start".into())
+            ),
         }
     }
-    Ok(hosts)
+    Ok(())
 }
 
 struct Run {
@@ -133,16 +74,20 @@ struct Run {
     stderr: String,
 }
 
-fn ctl(dir: &Path, hosts: &[Host], args: &[&str]) -> Result<Run> {
+fn ctl(pki: &Pki, hosts: &[Host], args: &[&str]) -> Result<Run> {
     let list: Vec<&str> = hosts.iter().map(|h| h.addr.as_str()).collect();
+    let (cert, key) = (
+        pki.dir.join("bench.client.cert.pem"),
+        pki.dir.join("bench.client.key.pem"),
+    );
     let started = Instant::now();
     let out = Command::new(bin_dir().join("tracerctl"))
         .arg("--tls-ca")
-        .arg(dir.join("ca.pem"))
+        .arg(&pki.ca)
         .arg("--tls-cert")
-        .arg(dir.join("client.pem"))
+        .arg(cert)
         .arg("--tls-key")
-        .arg(dir.join("client.key"))
+        .arg(key)
         .args(["--hosts", &list.join(",")])
         .args(args)
         .stdin(Stdio::null())
@@ -171,25 +116,25 @@ struct Row {
 
 pub fn run() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let pki = Pki::new(dir.path())?;
-    pki.issue("bench.client", "client")?;
+    let pki = Pki::new(&dir.path().join("pki"), "tracer-bench-ca");
+    pki.issue("bench.client");
     let mut hosts: Vec<Host> = Vec::new();
     let mut rows: Vec<Row> = Vec::new();
     for n in SIZES {
-        if let Err(e) = start_hosts(dir.path(), &pki, hosts.len(), n).map(|h| hosts.extend(h)) {
+        if let Err(e) = grow(dir.path(), &pki, &mut hosts, n) {
             println!("{n} daemons: not started on this machine: {e:#}");
             break;
         }
         // A first round trip warms the daemons up (capabilities read, code paged in).
-        ctl(dir.path(), &hosts, &["capabilities"])?;
+        ctl(&pki, &hosts, &["capabilities"])?;
         let caps: Vec<f64> = (0..5)
-            .map(|_| ctl(dir.path(), &hosts, &["capabilities"]).map(|r| r.wall * 1e3))
+            .map(|_| ctl(&pki, &hosts, &["capabilities"]).map(|r| r.wall * 1e3))
             .collect::<Result<_>>()?;
         let mut session = Vec::new();
         let (mut spread, mut merge) = (Vec::new(), Vec::new());
         for _ in 0..3 {
             let r = ctl(
-                dir.path(),
+                &pki,
                 &hosts,
                 &[
                     "start",
@@ -219,7 +164,7 @@ pub fn run() -> Result<()> {
         bail!("no daemon could be started");
     };
     println!(
-        "\nfan-out over N tracerds (mTLS on loopback, this machine's {} CPUs shared by all):\n",
+        "\nfan-out over N tracerds (each in its network namespace, mTLS; this machine's {} CPUs shared by all):\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(

@@ -91,6 +91,10 @@ struct StartArgs {
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
+    /// Always-on low-rate profiling: sampling at 19 Hz (unless --frequency says otherwise)
+    /// until stopped, each window pushed to --push.
+    #[arg(long, requires = "push")]
+    continuous: bool,
     /// Sampling, continuously: push each window of samples as pprof to this Pyroscope
     /// endpoint (http://HOST:PORT, the push.v1 API of Grafana Pyroscope and Alloy).
     #[arg(long, value_name = "URL")]
@@ -157,6 +161,10 @@ struct Output {
     #[arg(long = "filter-comm", value_name = "NAME")]
     filter_comm: Option<String>,
 }
+
+/// `--continuous`'s default rate: low, and prime, so that samples do not beat with
+/// periodic work.
+const CONTINUOUS_HZ: u64 = 19;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ExportArg {
@@ -466,7 +474,9 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
         }),
         sampling: (args.frequency.is_some() || args.push.is_some()).then(|| SamplingOptions {
-            frequency_hz: args.frequency.unwrap_or(0),
+            frequency_hz: args
+                .frequency
+                .unwrap_or(if args.continuous { CONTINUOUS_HZ } else { 0 }),
             push_url: args.push.clone().unwrap_or_default(),
             push_period_ms: args
                 .push_period

@@ -108,6 +108,7 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
         "start",
         "--mode=sampling",
         "--all",
+        "--continuous",
         "--frequency",
         "49",
         "--push",

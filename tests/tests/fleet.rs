@@ -505,37 +505,27 @@ fn clients_get_what_their_grant_says_and_nothing_more() {
     let fleet = Fleet::mtls(1);
     // A certificate the daemon's CA did not sign.
     let rogue = Pki::new(&fleet.dir.path().join("rogue"), "rogue-ca");
-    let (cert, key) = rogue.issue("ops.example");
-    let out = Command::new(tracer_tests::bin("tracerctl"))
-        .arg("--tls-ca")
-        .arg(&fleet.pki.ca)
-        .arg("--tls-cert")
-        .arg(cert)
-        .arg("--tls-key")
-        .arg(key)
-        .args([
+    // `list` with this client certificate, or none.
+    let list = |cert: Option<(PathBuf, PathBuf)>| {
+        let mut cmd = Command::new(tracer_tests::bin("tracerctl"));
+        cmd.arg("--tls-ca").arg(&fleet.pki.ca);
+        if let Some((cert, key)) = cert {
+            cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+        }
+        cmd.args([
             "--socket",
             &format!("tcp://{}", fleet.hosts[0].addr),
             "list",
         ])
         .output()
-        .unwrap();
+        .unwrap()
+    };
     // TLS 1.3 sends the refusal after the handshake: the client sees the alert or a closed
     // connection, whichever comes first.
-    let line = one_line_error(&out);
+    let line = one_line_error(&list(Some(rogue.issue("ops.example"))));
     assert!(line.starts_with("tracerctl: "), "{line}");
     // No client certificate at all.
-    let out = Command::new(tracer_tests::bin("tracerctl"))
-        .arg("--tls-ca")
-        .arg(&fleet.pki.ca)
-        .args([
-            "--socket",
-            &format!("tcp://{}", fleet.hosts[0].addr),
-            "list",
-        ])
-        .output()
-        .unwrap();
-    let line = one_line_error(&out);
+    let line = one_line_error(&list(None));
     assert!(line.starts_with("tracerctl: "), "{line}");
     // Signed by the right CA but unknown to the policy.
     let line = one_line_error(&fleet.on("stranger.example", 0, &["list"]));

@@ -1,7 +1,8 @@
 //! GPU metrics from NVML (the NVIDIA driver's management library), sampled on a thread of
 //! their own while a CUDA session runs: utilization, memory used, power, SM clock and
 //! temperature, per device. Where NVML cannot be loaded (no NVIDIA driver) the report says
-//! why; nothing else depends on it.
+//! why; nothing else depends on it. In tracing sessions every reading is also a point on a
+//! counter track of the trace ("GPU 0 power", …).
 
 use std::{
     sync::{
@@ -43,6 +44,51 @@ pub struct GpuMetric {
     pub min: f64,
     pub mean: f64,
     pub max: f64,
+}
+
+/// A trace's counter tracks, for tracing sessions: readings become COUNTER events.
+pub struct TraceTracks {
+    pub spool: Arc<std::sync::Mutex<crate::session::tracing::Spool>>,
+    pub counters: crate::session::trace_session::Counters,
+    /// The pid the tracks are shown under (the target, or 0 for the machine).
+    pub pid: u32,
+}
+
+impl TraceTracks {
+    /// One reading of a device as COUNTER events, in integer units: %, MiB, mW, MHz, °C.
+    fn record(&self, index: u32, values: &[Option<f64>; 6]) {
+        const UNITS: [(&str, f64); 6] = [
+            ("%", 1.0),
+            ("%", 1.0),
+            ("MiB", 1.0),
+            ("mW", 1000.0),
+            ("MHz", 1.0),
+            ("°C", 1.0),
+        ];
+        let at = crate::session::trace_session::monotonic_ns();
+        let events: Vec<tracer_common::TraceEvent> = METRICS
+            .iter()
+            .zip(UNITS)
+            .zip(values)
+            .filter_map(|(((name, _), (unit, scale)), v)| {
+                let v = (*v)?;
+                Some(tracer_common::TraceEvent {
+                    kind: tracer_common::trace_kind::COUNTER,
+                    pid: self.pid,
+                    start_ns: at,
+                    end_ns: at,
+                    a: self
+                        .counters
+                        .index(&format!("GPU {index} {name}"), unit, true),
+                    b: (v * scale).round().max(0.0) as u64,
+                    ..Default::default()
+                })
+            })
+            .collect();
+        if !events.is_empty() {
+            crate::session::tracing::push_local(&self.spool, &events);
+        }
+    }
 }
 
 /// Samples every GPU until finished.
@@ -94,7 +140,11 @@ fn read(d: &Device) -> [Option<f64>; 6] {
     ]
 }
 
-fn sample(period: Duration, stop: &AtomicBool) -> Result<Vec<GpuDevice>, String> {
+fn sample(
+    period: Duration,
+    stop: &AtomicBool,
+    tracks: Option<TraceTracks>,
+) -> Result<Vec<GpuDevice>, String> {
     let nvml = Nvml::init().map_err(|e| format!("NVML: {e}"))?;
     let count = nvml.device_count().map_err(|e| format!("NVML: {e}"))?;
     let devices: Vec<(u32, Device)> = (0..count)
@@ -109,8 +159,12 @@ fn sample(period: Duration, stop: &AtomicBool) -> Result<Vec<GpuDevice>, String>
     let mut acc = vec![[empty; 6]; devices.len()];
     let mut samples = vec![0u64; devices.len()];
     loop {
-        for (k, (_, d)) in devices.iter().enumerate() {
-            for (m, v) in read(d).into_iter().enumerate() {
+        for (k, (index, d)) in devices.iter().enumerate() {
+            let values = read(d);
+            if let Some(t) = &tracks {
+                t.record(*index, &values);
+            }
+            for (m, v) in values.into_iter().enumerate() {
                 if let Some(v) = v {
                     acc[k][m].add(v);
                 }
@@ -149,12 +203,13 @@ fn sample(period: Duration, stop: &AtomicBool) -> Result<Vec<GpuDevice>, String>
 }
 
 impl GpuSampler {
-    pub fn start(period: Duration) -> Self {
+    /// `tracks`: a tracing session's counter tracks, which get every reading.
+    pub fn start(period: Duration, tracks: Option<TraceTracks>) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = thread::Builder::new()
             .name("tracer-gpu".into())
-            .spawn(move || sample(period, &flag))
+            .spawn(move || sample(period, &flag, tracks))
             .ok();
         Self {
             period,

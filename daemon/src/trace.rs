@@ -71,8 +71,12 @@ pub struct TraceFunction {
 pub struct TraceCounter {
     /// As requested: "page-faults", "task-clock"…
     pub event: String,
-    /// "ns" or "count".
+    /// "ns" or "count" for perf counters; %, MiB, mW, MHz, °C for GPU metrics.
     pub unit: String,
+    /// A level read at each point (GPU metrics), not a running total (perf counters, shown
+    /// as what each period added).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gauge: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

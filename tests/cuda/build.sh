@@ -1,6 +1,7 @@
 #!/bin/sh
-# Builds the fake CUDA driver (libcuda.so.1), the fake runtime (libcudart.so.13) and the test
-# program (cuda_app) into OUT_DIR. Needs only a C compiler and libc headers (Debian 12:
+# Builds the fake CUDA driver (libcuda.so.1), the fake runtime (libcudart.so.13), the fake
+# management library (libnvidia-ml.so.1, for tracerd's GPU metrics) and the test program
+# (cuda_app) into OUT_DIR. Needs only a C compiler and libc headers (Debian 12:
 # build-essential). The app finds the libraries through its $ORIGIN rpath or LD_LIBRARY_PATH.
 # usage: build.sh OUT_DIR        (CC and CFLAGS are honoured; with CFLAGS set, the prologue
 #                                 check at the end is skipped)
@@ -27,6 +28,8 @@ $CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcuda.so.1 \
 # to it (a runpath is not inherited from the app).
 $CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcudart.so.13 \
   '-Wl,-rpath,$ORIGIN' -o "$OUT/libcudart.so.13" "$HERE/fake_cudart.c" -ldl -lpthread
+$CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libnvidia-ml.so.1 \
+  -o "$OUT/libnvidia-ml.so.1" "$HERE/fake_nvml.c"
 # The development names, for tools that look for libcuda.so / libcudart.so.
 ln -sf libcuda.so.1 "$OUT/libcuda.so"
 ln -sf libcudart.so.13 "$OUT/libcudart.so"
@@ -59,4 +62,4 @@ if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] && command -v objdump >/d
     }
   done
 fi
-echo "built $OUT/libcuda.so.1 $OUT/libcudart.so.13 $OUT/cuda_app"
+echo "built $OUT/libcuda.so.1 $OUT/libcudart.so.13 $OUT/libnvidia-ml.so.1 $OUT/cuda_app"

@@ -92,6 +92,8 @@ pub struct DaemonOptions {
     pub state_dir: Option<PathBuf>,
     /// More tracerd arguments.
     pub args: Vec<String>,
+    /// Environment of tracerd (e.g. LD_LIBRARY_PATH for a stand-in NVML).
+    pub env: Vec<(String, String)>,
 }
 
 /// A running tracerd; SIGTERM and reaped on drop.
@@ -101,6 +103,7 @@ pub struct Daemon {
     pub state_dir: PathBuf,
     child: Option<Child>,
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -120,6 +123,7 @@ impl Daemon {
             state_dir,
             child: None,
             args: opts.args,
+            env: opts.env,
         };
         d.spawn(opts.group.as_deref());
         d
@@ -132,6 +136,7 @@ impl Daemon {
             .arg("--state-dir")
             .arg(&self.state_dir)
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "warn");
         if let Some(g) = group {
             cmd.args(["--group", g]);

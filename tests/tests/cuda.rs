@@ -22,7 +22,10 @@ fn demangle(name: &str) -> String {
 
 /// Builds tests/cuda into the daemon's directory; None (and a note) without a C compiler.
 fn build(d: &Daemon) -> Option<std::path::PathBuf> {
-    let libs = d.dir.path().join("fakecuda");
+    build_into(d.dir.path().join("fakecuda"))
+}
+
+fn build_into(libs: std::path::PathBuf) -> Option<std::path::PathBuf> {
     let built = Command::new("sh")
         .arg(tracer_tests::test_file("cuda/build.sh"))
         .arg(&libs)
@@ -388,4 +391,97 @@ fn traces_show_each_launch_and_copy() {
     ]);
     let p = tracer_tests::timeline::perfetto_summary(&std::fs::read(path).unwrap());
     assert_eq!(p.instants, launches + memory);
+}
+
+/// GPU metrics read through NVML's ABI from tests/cuda's stand-in libnvidia-ml.so.1 (two
+/// devices, values documented in fake_nvml.c): min/mean/max in the counting report, every
+/// reading on a counter track of the trace.
+#[test]
+fn gpu_metrics_reach_reports_and_timelines() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(libs) = build_into(dir.path().join("fakecuda")) else {
+        return;
+    };
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        env: vec![("LD_LIBRARY_PATH".into(), libs.to_str().unwrap().into())],
+        ..Default::default()
+    });
+    let (id, _) = run_app(&d, &libs, "--mode=counting", "function");
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let gpu = &report["cuda"]["gpu"];
+    assert!(gpu["unavailable"].is_null(), "{gpu}");
+    let devices = gpu["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2, "{gpu}");
+    for (i, dev) in devices.iter().enumerate() {
+        let i = i as f64;
+        assert_eq!(dev["name"], format!("Fake GPU {i}"));
+        assert!(dev["samples"].as_u64().unwrap() >= 3, "{dev}");
+        let metric = |name: &str| {
+            let m = dev["metrics"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|m| m["name"] == name)
+                .unwrap_or_else(|| panic!("no {name}: {dev}"));
+            (
+                m["min"].as_f64().unwrap(),
+                m["mean"].as_f64().unwrap(),
+                m["max"].as_f64().unwrap(),
+                m["unit"].as_str().unwrap().to_owned(),
+            )
+        };
+        let constant = |name: &str, v: f64, unit: &str| {
+            let (min, mean, max, u) = metric(name);
+            assert_eq!((min, max, u.as_str()), (v, v, unit), "{name}");
+            assert!((mean - v).abs() < 1e-9, "{name}");
+        };
+        constant("memory utilization", 10.0 + i, "%");
+        constant("memory used", 2048.0 + 1024.0 * i, "MiB");
+        constant("power", 123.456, "W");
+        constant("SM clock", 1410.0, "MHz");
+        constant("temperature", 55.0 + i, "°C");
+        // Cycles 20, 40, 60 from one read to the next.
+        let (min, mean, max, _) = metric("gpu utilization");
+        assert_eq!((min, max), (20.0, 60.0));
+        assert!((20.0..=60.0).contains(&mean));
+    }
+
+    let (id, _) = run_app(&d, &libs, "--mode=tracing", "function");
+    let path = d.dir.path().join("gpu.json");
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "chrome",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let chrome: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let track = |name: &str, unit: &str| -> Vec<u64> {
+        chrome["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "C" && e["name"] == name)
+            .map(|e| e["args"][unit].as_u64().unwrap_or_else(|| panic!("{e}")))
+            .collect()
+    };
+    let power = track("GPU 0 power", "mW");
+    assert!(
+        power.len() >= 3 && power.iter().all(|&p| p == 123_456),
+        "{power:?}"
+    );
+    let used = track("GPU 1 memory used", "MiB");
+    assert!(
+        !used.is_empty() && used.iter().all(|&m| m == 3072),
+        "{used:?}"
+    );
+    let util = track("GPU 0 gpu utilization", "%");
+    assert!(
+        util.contains(&20) && util.contains(&40) && util.contains(&60),
+        "{util:?}"
+    );
 }

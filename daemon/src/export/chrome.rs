@@ -104,6 +104,12 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
             Named::Counter(c) => {
                 let prev = last.insert((ev.pid, ev.a), ev.b).unwrap_or(0);
                 let unit = c.map_or("", |c| c.unit.as_str());
+                // Levels (GPU metrics) as read; running totals as what each period added.
+                let (label, value) = match c {
+                    Some(c) if c.gauge => (unit, ev.b),
+                    _ if unit == "ns" => ("ns per period", ev.b.saturating_sub(prev)),
+                    _ => ("per period", ev.b.saturating_sub(prev)),
+                };
                 write!(
                     w,
                     "{{\"ph\":\"C\",\"cat\":\"counter\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{{}:{}}}}}",
@@ -111,8 +117,8 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     ev.pid,
                     ev.pid,
                     us(ev.start_ns),
-                    string(if unit == "ns" { "ns per period" } else { "per period" }),
-                    ev.b.saturating_sub(prev)
+                    string(label),
+                    value
                 )?;
             }
             Named::CudaLaunch(..) => write!(
@@ -236,6 +242,7 @@ mod tests {
             functions: vec![f(0x10, "main"), f(0x20, "leaf")],
             probes: vec!["/lib/libc.so.6:malloc".into()],
             counters: vec![crate::trace::TraceCounter {
+                gauge: false,
                 event: "page-faults".into(),
                 unit: "count".into(),
             }],

@@ -216,12 +216,21 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
         emit_thread(&mut w, trace, &ev.functions, tracks.threads[&key], &mut t)?;
     }
     for (key, readings) in &mut ev.counters {
-        // Readings of one counter in one process, as deltas between readings; a reading
-        // below the one before (it should not happen) shows as a negative delta.
+        // Readings of one perf counter in one process, as deltas between readings (a reading
+        // below the one before, which should not happen, shows as a negative delta); GPU
+        // metrics, levels, as read.
+        let gauge = usize::try_from(key.1)
+            .ok()
+            .and_then(|i| trace.counters.get(i))
+            .is_some_and(|c| c.gauge);
         readings.sort_by_key(|r| r.0);
         let mut prev = 0u64;
         for &(ts, value) in readings.iter() {
-            let delta = value.wrapping_sub(prev) as i64;
+            let delta = if gauge {
+                value as i64
+            } else {
+                value.wrapping_sub(prev) as i64
+            };
             prev = value;
             w.event(
                 ts,
@@ -483,7 +492,11 @@ impl Tracks {
                 name: Some(event.to_owned()),
                 parent_uuid: Some(self.processes[&p]),
                 counter: Some(pb::CounterDescriptor { unit, unit_name }),
-                description: Some(format!("{event} since the previous reading (perf counter)")),
+                description: Some(if counter.is_some_and(|c| c.gauge) {
+                    format!("{event} (NVML)")
+                } else {
+                    format!("{event} since the previous reading (perf counter)")
+                }),
                 ..Default::default()
             }
         });

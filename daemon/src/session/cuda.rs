@@ -39,8 +39,14 @@ pub struct CudaSession {
 }
 
 impl CudaSession {
-    /// `gpu_period`: how often GPU metrics are read.
-    pub fn new(slot: u8, all: bool, gpu_period: Duration) -> Self {
+    /// `gpu_period`: how often GPU metrics are read; `tracks`: where a tracing session
+    /// puts them on its timeline.
+    pub fn new(
+        slot: u8,
+        all: bool,
+        gpu_period: Duration,
+        tracks: Option<crate::gpu::TraceTracks>,
+    ) -> Self {
         Self {
             slot,
             all,
@@ -51,7 +57,7 @@ impl CudaSession {
             names: Names::default(),
             call_sites: HashMap::new(),
             warnings: Vec::new(),
-            gpu: crate::gpu::GpuSampler::start(gpu_period),
+            gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
         }
     }
 

@@ -626,6 +626,9 @@ impl Manager {
                 let _ = tx.send(Command::Expire { id }).await;
             })
         });
+        let mut gpu_tracks = trace
+            .as_ref()
+            .map(super::trace_session::TraceSession::gpu_tracks);
         let mut session = Session {
             id: id.clone(),
             mode,
@@ -649,7 +652,7 @@ impl Manager {
                     0 => super::cuda::GPU_PERIOD,
                     ms => Duration::from_millis(u64::from(ms)),
                 };
-                super::cuda::CudaSession::new(slot, pid.is_none(), period)
+                super::cuda::CudaSession::new(slot, pid.is_none(), period, gpu_tracks.take())
             }),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
@@ -724,7 +727,7 @@ impl Manager {
             next_seq,
             names: t.names.clone(),
             probes: t.probes.clone(),
-            counters: t.counters.clone(),
+            counters: t.counters.snapshot(),
         })
     }
 

@@ -32,11 +32,39 @@ pub struct TraceSession {
     pub start_unix_ns: u64,
     pub names: Names,
     pub probes: Arc<Vec<String>>,
-    pub counters: Vec<TraceCounter>,
+    /// Counter tracks by the index in COUNTER events: perf counters, GPU metrics.
+    pub counters: Counters,
     counter_interval: Duration,
     next_reading: Instant,
     /// The pid counter readings are attributed to (0: the whole machine).
     counter_pid: u32,
+}
+
+/// A trace's counter tracks, shared by the perf counter readings and the GPU sampler.
+#[derive(Clone, Default)]
+pub struct Counters(Arc<Mutex<Vec<TraceCounter>>>);
+
+impl Counters {
+    /// The track's index in COUNTER events, registered on first use. `gauge`: readings are
+    /// levels, not running totals.
+    pub fn index(&self, event: &str, unit: &str, gauge: bool) -> u64 {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match v.iter().position(|c| c.event == event && c.unit == unit) {
+            Some(i) => i as u64,
+            None => {
+                v.push(TraceCounter {
+                    event: event.to_owned(),
+                    unit: unit.to_owned(),
+                    gauge,
+                });
+                v.len() as u64 - 1
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> Vec<TraceCounter> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// Checks a request's tracing options: limits, and counter period.
@@ -95,10 +123,19 @@ impl TraceSession {
             start_unix_ns,
             names: Names::default(),
             probes: Arc::new(probes),
-            counters: Vec::new(),
+            counters: Counters::default(),
             counter_interval,
             next_reading: Instant::now(),
             counter_pid,
+        }
+    }
+
+    /// Where the GPU sampler puts its readings, as counter tracks of this trace.
+    pub fn gpu_tracks(&self) -> crate::gpu::TraceTracks {
+        crate::gpu::TraceTracks {
+            spool: self.spool.clone(),
+            counters: self.counters.clone(),
+            pid: self.counter_pid,
         }
     }
 
@@ -110,25 +147,15 @@ impl TraceSession {
         self.next_reading = Instant::now() + self.counter_interval;
         let at = monotonic_ns();
         let readings = read();
-        if self.counters.is_empty() {
-            self.counters = readings
-                .iter()
-                .map(|c| TraceCounter {
-                    event: c.event.clone(),
-                    unit: c.unit.clone(),
-                })
-                .collect();
-        }
         let events: Vec<TraceEvent> = readings
             .iter()
-            .enumerate()
-            .filter_map(|(i, c)| match c.result {
+            .filter_map(|c| match c.result {
                 Some(counter::Result::Value(v)) => Some(TraceEvent {
                     kind: trace_kind::COUNTER,
                     pid: self.counter_pid,
                     start_ns: at,
                     end_ns: at,
-                    a: i as u64,
+                    a: self.counters.index(&c.event, &c.unit, false),
                     b: v,
                     ..TraceEvent::default()
                 }),
@@ -227,7 +254,7 @@ impl TraceSession {
             unfinished: sp.unfinished,
             functions,
             probes: self.probes.to_vec(),
-            counters: self.counters.clone(),
+            counters: self.counters.snapshot(),
             processes,
             threads,
         };

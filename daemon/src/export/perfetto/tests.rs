@@ -328,10 +328,12 @@ fn nested_slices_instants_and_counters_read_back() {
             TraceCounter {
                 event: "page-faults".into(),
                 unit: "count".into(),
+                gauge: false,
             },
             TraceCounter {
                 event: "task-clock".into(),
                 unit: "ns".into(),
+                gauge: false,
             },
         ],
         processes: vec![thread(10, 10, "python3"), thread(20, 20, "python3.12")],

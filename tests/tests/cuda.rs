@@ -260,6 +260,13 @@ fn launches_name_their_python_call_site() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
+    // A session on the process, and one on the whole machine.
+    for all in [false, true] {
+        call_site_of(&d, &libs, all);
+    }
+}
+
+fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
     let script = tracer_tests::script("cuda_calls.py");
     let mut py = ChildGuard::spawn(
         Command::new(tracer_tests::python())
@@ -274,8 +281,9 @@ fn launches_name_their_python_call_site() {
     out.read_line(&mut line).unwrap();
     assert_eq!(line, "loaded\n");
     let pid = py.pid().to_string();
+    let target: &[&str] = if all { &["--all"] } else { &["--pid", &pid] };
     let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .ok(&[&["start", "--mode=counting", "--cuda"], target].concat())
         .trim()
         .to_owned();
     // tracerd looks for new libraries (and Python processes) every 20 ms.
@@ -288,13 +296,16 @@ fn launches_name_their_python_call_site() {
     assert_eq!(line, "done\n");
     drop(stdin);
     let _ = py.0.wait();
-    wait_ended(&d, &id);
+    if all {
+        d.ok(&["stop", &id]);
+    }
+    wait_ended(d, &id);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let rows: Vec<&Value> = report["cuda"]["launches"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|l| l["api"] == "cudaLaunchKernel")
+        .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].to_string() == pid)
         .collect();
     assert_eq!(rows.len(), 1, "{rows:?}");
     let row = rows[0];

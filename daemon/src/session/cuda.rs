@@ -81,15 +81,18 @@ impl CudaSession {
     }
 
     /// Probes the CUDA libraries `pid` maps that are not probed yet.
-    pub fn look(&mut self, bpf: &mut Bpf, pid: u32) {
+    /// Probes the CUDA libraries `pid` maps that are not probed yet; whether it maps any.
+    pub fn look(&mut self, bpf: &mut Bpf, pid: u32) -> bool {
         crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {
-            return;
+            return false;
         };
+        let mut maps_cuda = false;
         for m in maps.entries() {
             let Some(lib) = cuda::library(std::path::Path::new(&m.path)) else {
                 continue;
             };
+            maps_cuda = true;
             let id = (m.dev.0, m.dev.1, m.inode);
             if m.deleted() || self.libs.contains_key(&id) {
                 continue;
@@ -127,6 +130,7 @@ impl CudaSession {
             });
             self.libs.insert(id, links);
         }
+        maps_cuda
     }
 
     /// A launched handle's demangled kernel name, if a naming call for it was seen.

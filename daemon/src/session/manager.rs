@@ -360,9 +360,9 @@ impl Manager {
                 everyone.get_or_insert_with(all_pids).clone()
             };
             for pid in pids {
-                c.look(&mut self.bpf, pid);
-                if follows {
-                    // Launches read their Python call site through it.
+                // Launches read their Python call site through the sampling's process
+                // table: the followed processes, or (--all) those that map CUDA.
+                if c.look(&mut self.bpf, pid) || follows {
                     self.sampling.watch(pid);
                 }
             }

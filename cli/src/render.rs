@@ -68,6 +68,9 @@ pub fn status(s: &SessionInfo) -> String {
     let _ = writeln!(out, "mode:      {}", mode(s.mode));
     let _ = writeln!(out, "target:    {}", target(s));
     let _ = writeln!(out, "state:     {}", state(s));
+    if !s.started_by.is_empty() {
+        let _ = writeln!(out, "by:        {}", s.started_by);
+    }
     if !s.error.is_empty() {
         let _ = writeln!(out, "error:     {}", s.error);
     }

@@ -166,6 +166,9 @@ pub struct Summary {
     /// The target was launched by tracerctl and counted from its exec.
     pub launched: bool,
     pub owner_uid: u32,
+    /// "uid N" (Unix socket) or "client NAME" (TCP, the access policy's name).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub started_by: String,
     pub started_unix_ms: u64,
     pub elapsed_ms: u64,
     pub state: String,

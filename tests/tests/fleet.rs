@@ -557,6 +557,8 @@ fn clients_get_what_their_grant_says_and_nothing_more() {
         ],
     ));
     let id = id.trim();
+    let status = ok(fleet.on("viewer.example", 0, &["status", id]));
+    assert!(status.contains("by:        client 'ops'"), "{status}");
     let line = one_line_error(&fleet.on("viewer.example", 0, &["stop", id]));
     assert!(line.contains("may only read"), "{line}");
     ok(fleet.on("ops.example", 0, &["stop", id]));

@@ -635,6 +635,7 @@ impl Manager {
             target,
             duration_ms,
             owner_uid,
+            started_by: caller.describe(),
             started: Instant::now(),
             started_unix_ms: unix_ms(),
             slot,

@@ -27,6 +27,8 @@ struct Session {
     target: Target,
     duration_ms: u64,
     owner_uid: u32,
+    /// The caller that started it, as `SessionInfo.started_by` says it.
+    started_by: String,
     started: Instant,
     started_unix_ms: u64,
     /// Bit in the BPF `TRACKED` masks, for sessions that follow processes.
@@ -109,6 +111,7 @@ impl Session {
             exited_processes: self.exited,
             losses: self.losses(losses),
             owner_uid: self.owner_uid,
+            started_by: self.started_by.clone(),
             events: self.proc_events,
             trace_events,
             trace_bytes,
@@ -182,6 +185,7 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             target: target_label(info.target.as_ref()),
             launched: info.target.is_some_and(|t| t.launched),
             owner_uid: info.owner_uid,
+            started_by: info.started_by.clone(),
             started_unix_ms: info.started_unix_ms,
             elapsed_ms: info.elapsed_ms,
             state: state_name(info.state).into(),

@@ -220,6 +220,10 @@ pub struct SessionInfo {
     pub profiles_dropped: u64,
     #[prost(string, tag = "21")]
     pub last_push_error: ::prost::alloc::string::String,
+    /// Who started it: "uid N" on the Unix socket, "client NAME" (the access policy's name)
+    /// over TCP.
+    #[prost(string, tag = "22")]
+    pub started_by: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

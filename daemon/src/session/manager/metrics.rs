@@ -48,6 +48,7 @@ fn info_sample(info: &SessionInfo) -> Sample {
             ("mode", crate::session::mode_name(info.mode).into()),
             ("target", crate::session::target_label(info.target.as_ref())),
             ("owner_uid", info.owner_uid.to_string()),
+            ("started_by", info.started_by.clone()),
         ],
         1.0,
     )

@@ -305,7 +305,7 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].to_string() == pid)
+        .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].as_u64() == pid.parse().ok())
         .collect();
     assert_eq!(rows.len(), 1, "{rows:?}");
     let row = rows[0];

@@ -54,6 +54,8 @@ enum Command {
     Start(Box<StartArgs>),
     /// Stop a running session; its report is then available.
     Stop { id: String },
+    /// Forget a finished session: its state, report and trace file.
+    Delete { id: String },
     /// List sessions, running and finished.
     List,
     /// Show one session: state, elapsed time, counts so far, losses.
@@ -360,6 +362,14 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
                 .map_err(status_err)?
                 .into_inner();
             out!("{}", render::status(&s));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Delete { id } => {
+            client
+                .delete_session(SessionRef { id: id.clone() })
+                .await
+                .map_err(status_err)?;
+            out!("deleted {id}\n");
             Ok(ExitCode::SUCCESS)
         }
         Command::List => {

@@ -94,6 +94,15 @@ impl Tracer for Service {
         Ok(Response::new(self.sessions.stop(id, who).await?))
     }
 
+    async fn delete_session(
+        &self,
+        req: Request<SessionRef>,
+    ) -> Result<Response<SessionInfo>, Status> {
+        let who = self.caller(&req)?;
+        let id = id_of(&req.get_ref().id)?;
+        Ok(Response::new(self.sessions.delete(id, who).await?))
+    }
+
     async fn get_session(&self, req: Request<SessionRef>) -> Result<Response<SessionInfo>, Status> {
         let who = self.caller(&req)?;
         let id = id_of(&req.get_ref().id)?;

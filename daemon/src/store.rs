@@ -101,6 +101,15 @@ impl Store {
         })
     }
 
+    /// Forgets a session and its report.
+    pub fn delete(&self, id: &str) -> Result<(), StoreError> {
+        self.write(|sessions, reports| {
+            sessions.remove(id)?;
+            reports.remove(id)?;
+            Ok(())
+        })
+    }
+
     /// Every stored session.
     pub fn sessions(&self) -> Result<Vec<SessionInfo>, StoreError> {
         let txn = self.db.begin_read().map_err(|e| self.db_err(e))?;

@@ -55,6 +55,7 @@ fn reflection_and_health_serve_generic_clients() {
     assert_eq!(
         methods,
         [
+            "DeleteSession",
             "GetCapabilities",
             "GetReport",
             "GetSession",

@@ -387,6 +387,26 @@ fn a_small_buffer_spills_to_the_file_and_its_limit_counts_losses() {
     d.restart();
     let chrome: Value = serde_json::from_slice(&export(&d, &id, "chrome")).unwrap();
     assert_eq!(chrome_slices(&chrome).len() as u64, in_file);
+    // Deleting the session takes its trace file with it, for good.
+    let running = d.ok(&[
+        "start",
+        "--mode=counting",
+        "--all",
+        "--events",
+        "task-clock",
+        "--duration",
+        "30s",
+    ]);
+    let running = running.trim();
+    let line = tracer_tests::one_line_error(&d.run(&["delete", running]));
+    assert!(line.contains("is running: stop it first"), "{line}");
+    d.ok(&["stop", running]);
+    assert_eq!(d.ok(&["delete", &id]).trim(), format!("deleted {id}"));
+    assert!(!file.exists());
+    let line = tracer_tests::one_line_error(&d.run(&["report", &id]));
+    assert!(line.contains("no session with id"), "{line}");
+    d.restart();
+    assert!(!d.ok(&["list"]).contains(&id));
 }
 
 #[test]

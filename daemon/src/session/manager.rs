@@ -72,6 +72,11 @@ enum Command {
         caller: Caller,
         reply: Reply<Subscription>,
     },
+    Delete {
+        id: String,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+    },
     Expire {
         id: String,
     },
@@ -130,6 +135,11 @@ impl Handle {
     pub async fn list(&self, caller: Caller) -> Result<Vec<SessionInfo>, Error> {
         self.call(|reply| Command::List { caller, reply }).await
     }
+    pub async fn delete(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
+        self.call(|reply| Command::Delete { id, caller, reply })
+            .await
+    }
+
     pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
         self.call(|reply| Command::Report { id, caller, reply })
             .await
@@ -398,6 +408,9 @@ impl Manager {
             }
             Command::Subscribe { id, caller, reply } => {
                 let _ = reply.send(self.subscribe(&id, caller));
+            }
+            Command::Delete { id, caller, reply } => {
+                let _ = reply.send(self.delete(&id, caller));
             }
             Command::Expire { id } => self.finish(&id, EndReason::Duration, None),
             Command::Metrics { reply } => {
@@ -950,6 +963,37 @@ impl Manager {
         }
         let (_, rx) = watch::channel(true);
         Ok((self.finished[id].clone(), rx))
+    }
+
+    /// Forgets a finished session: state, report, trace file.
+    fn delete(&mut self, id: &str, caller: Caller) -> Result<SessionInfo, Error> {
+        let owner = self.owner(id)?;
+        caller.may_stop(owner, id)?;
+        if self.running.contains_key(id) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is running: stop it first"
+            )));
+        }
+        // The report names the trace file; a report that cannot be read names none.
+        let trace = self
+            .report(id, caller)
+            .ok()
+            .and_then(|r| r.trace)
+            .map(|t| t.path);
+        self.store.delete(id)?;
+        if let Some(path) = trace {
+            if let Err(e) = std::fs::remove_file(&path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(%e, path = %path.display(), "removing a deleted session's trace");
+                }
+            }
+        }
+        self.unsaved.remove(id);
+        self.exported.remove(id);
+        tracing::info!(id, "session deleted");
+        self.finished
+            .remove(id)
+            .ok_or_else(|| Error::NoSuchSession { id: id.into() })
     }
 
     fn report(&mut self, id: &str, caller: Caller) -> Result<Report, Error> {

@@ -915,6 +915,29 @@ pub mod tracer_client {
                 .insert(GrpcMethod::new("tracer.v1.Tracer", "StreamEvents"));
             self.inner.server_streaming(req, path, codec).await
         }
+        /// Forgets a finished session: its state, its report and its trace file. Returns its final
+        /// state. FAILED_PRECONDITION while it runs; the same rights as stopping it.
+        pub async fn delete_session(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SessionRef>,
+        ) -> std::result::Result<tonic::Response<super::SessionInfo>, tonic::Status> {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/tracer.v1.Tracer/DeleteSession",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("tracer.v1.Tracer", "DeleteSession"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -1005,6 +1028,12 @@ pub mod tracer_server {
             tonic::Response<Self::StreamEventsStream>,
             tonic::Status,
         >;
+        /// Forgets a finished session: its state, its report and its trace file. Returns its final
+        /// state. FAILED_PRECONDITION while it runs; the same rights as stopping it.
+        async fn delete_session(
+            &self,
+            request: tonic::Request<super::SessionRef>,
+        ) -> std::result::Result<tonic::Response<super::SessionInfo>, tonic::Status>;
     }
     #[derive(Debug)]
     pub struct TracerServer<T> {
@@ -1437,6 +1466,49 @@ pub mod tracer_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/tracer.v1.Tracer/DeleteSession" => {
+                    #[allow(non_camel_case_types)]
+                    struct DeleteSessionSvc<T: Tracer>(pub Arc<T>);
+                    impl<T: Tracer> tonic::server::UnaryService<super::SessionRef>
+                    for DeleteSessionSvc<T> {
+                        type Response = super::SessionInfo;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::SessionRef>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Tracer>::delete_session(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = DeleteSessionSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

@@ -498,6 +498,47 @@ fn prometheus_scrapes_every_daemon() {
 }
 
 #[test]
+fn interrupting_a_fan_out_stops_every_session_and_still_merges() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls(2);
+    let mut cmd = fleet.ctl("ops.example");
+    cmd.args(["--hosts", &fleet.all()]).args([
+        "start",
+        "--mode=counting",
+        "--all",
+        "--events",
+        "task-clock",
+        "--duration",
+        "10m",
+        "--format",
+        "json",
+    ]);
+    let (child, stderr) = fan_out(cmd);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("interrupted: stopping the sessions"),
+        "{stderr}"
+    );
+    let merged: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for h in merged["hosts"].as_array().unwrap() {
+        assert_eq!(h["state"], "finished (stopped)", "{h}");
+    }
+    assert!(
+        merged["counters"][0]["value"].as_u64().unwrap() > 0,
+        "{merged:#}"
+    );
+}
+
+#[test]
 fn clients_get_what_their_grant_says_and_nothing_more() {
     if !root_or_skip() {
         return;

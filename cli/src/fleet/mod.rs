@@ -152,6 +152,24 @@ pub async fn start(
             .map(|(p, i)| format!("; {} {}", p.host, i.id))
             .collect::<String>()
     );
+    // Ctrl-C stops every host's session; the reports are then merged as usual.
+    let stoppers: Vec<(Client, String)> = running
+        .iter()
+        .map(|(p, info)| (p.client.clone(), info.id.clone()))
+        .collect();
+    let interrupt = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_err() {
+            return;
+        }
+        eprintln!("tracerctl: interrupted: stopping the sessions");
+        let mut set = JoinSet::new();
+        for (mut client, id) in stoppers {
+            set.spawn(async move {
+                let _ = client.stop_session(tracer_proto::SessionRef { id }).await;
+            });
+        }
+        while set.join_next().await.is_some() {}
+    });
     // Follow each to its end, then fetch its report.
     let mut set = JoinSet::new();
     for (p, info) in running {
@@ -183,6 +201,7 @@ pub async fn start(
             Err(e) => failed.push((host, format!("session {id}: {e:#}"))),
         }
     }
+    interrupt.abort();
     done.sort_by_key(|d| hosts.iter().position(|h| *h == d.0));
     failed.sort_by_key(|f| hosts.iter().position(|h| *h == f.0));
     for (host, e) in &failed {

@@ -367,8 +367,9 @@ impl Bpf {
         self.attach_all(binary, points)
     }
 
-    /// Takes a session's CUDA launch counts and memory totals out of the kernel maps.
-    pub fn take_cuda(&mut self, slot: u8) -> CudaCounts {
+    /// A session's CUDA launch counts and memory totals, taken out of the kernel maps with
+    /// `take`.
+    pub fn cuda_counts(&mut self, slot: u8, take: bool) -> CudaCounts {
         let slot = u32::from(slot);
         let keys: Vec<CudaLaunchKey> = self
             .cuda_launches
@@ -381,7 +382,9 @@ impl Bpf {
             if let Ok(n) = self.cuda_launches.get(&k, 0) {
                 launches.push((k, n));
             }
-            let _ = self.cuda_launches.remove(&k);
+            if take {
+                let _ = self.cuda_launches.remove(&k);
+            }
         }
         let keys: Vec<CudaMemKey> = self
             .cuda_memory
@@ -394,7 +397,9 @@ impl Bpf {
             if let Ok(n) = self.cuda_memory.get(&k, 0) {
                 memory.push((k, n));
             }
-            let _ = self.cuda_memory.remove(&k);
+            if take {
+                let _ = self.cuda_memory.remove(&k);
+            }
         }
         (launches, memory)
     }

@@ -69,6 +69,16 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
 /// driver a `handle` ("function" or "kernel"): started before its cue, its libraries probed
 /// before the second. Returns the session, ended, and the program's account of its calls.
 fn run_app(d: &Daemon, libs: &std::path::Path, mode: &str, handle: &str) -> (String, Value) {
+    run_app_with(d, libs, &[mode], handle)
+}
+
+/// `run_app` with more `tracerctl start` arguments (the mode among them).
+fn run_app_with(
+    d: &Daemon,
+    libs: &std::path::Path,
+    start: &[&str],
+    handle: &str,
+) -> (String, Value) {
     let mut app = ChildGuard::spawn(
         Command::new(libs.join("cuda_app"))
             .arg("hold=1")
@@ -82,7 +92,7 @@ fn run_app(d: &Daemon, libs: &std::path::Path, mode: &str, handle: &str) -> (Str
     assert_eq!(line, "ready\n");
     let pid = app.pid().to_string();
     let id = d
-        .ok(&["start", mode, "--cuda", "--pid", &pid])
+        .ok(&[&["start"], start, &["--cuda", "--pid", &pid]].concat())
         .trim()
         .to_owned();
     let mut stdin = app.0.stdin.take().unwrap();
@@ -495,4 +505,48 @@ fn gpu_metrics_reach_reports_and_timelines() {
         util.contains(&20) && util.contains(&40) && util.contains(&60),
         "{util:?}"
     );
+}
+
+/// Launches per (entry point, kernel) on tracerd's Prometheus endpoint equal the report's.
+#[test]
+fn launch_counts_reach_prometheus() {
+    if !root_or_skip() {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        args: vec!["--metrics".into(), format!("tcp://{addr}")],
+        ..Default::default()
+    });
+    let Some(libs) = build(&d) else { return };
+    let (id, _) = run_app_with(
+        &d,
+        &libs,
+        &["--mode=counting", "--export", "prometheus"],
+        "function",
+    );
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let mut want: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for l in report["cuda"]["launches"].as_array().unwrap() {
+        *want
+            .entry((
+                l["api"].as_str().unwrap().into(),
+                l["kernel"].as_str().unwrap().into(),
+            ))
+            .or_default() += l["launches"].as_u64().unwrap();
+    }
+    assert!(want.len() > 3, "{want:?}");
+    let text = tracer_tests::fleet::http_get(&addr, "/metrics").unwrap();
+    for ((api, kernel), n) in &want {
+        let series = format!(
+            "tracer_cuda_launches_total{{session=\"{id}\",api=\"{api}\",kernel=\"{}\"}} {n}\n",
+            kernel.replace('\\', "\\\\").replace('"', "\\\"")
+        );
+        assert!(text.contains(&series), "no {series} in:\n{text}");
+    }
 }

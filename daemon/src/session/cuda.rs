@@ -138,12 +138,42 @@ impl CudaSession {
         self.names.name(pid, handle).map(cuda::demangle)
     }
 
+    /// The launches and copies so far, named, left in the kernel (for live metrics).
+    pub fn live(&self, bpf: &mut Bpf) -> CudaReport {
+        let (launches, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, false));
+        CudaReport {
+            launches,
+            memory,
+            unnamed,
+            ..CudaReport::default()
+        }
+    }
+
     /// Detaches the probes and takes the session's counts out of the kernel.
-    pub fn finish(self, bpf: &mut Bpf) -> CudaReport {
-        for (_, links) in self.libs {
+    pub fn finish(mut self, bpf: &mut Bpf) -> CudaReport {
+        for (_, links) in std::mem::take(&mut self.libs) {
             bpf.detach_uprobes(links);
         }
-        let (launches, memory) = bpf.take_cuda(self.slot);
+        let (rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true));
+        let mut warnings = self.warnings;
+        if self.found.is_empty() {
+            warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
+        }
+        CudaReport {
+            gpu: self.gpu.finish(),
+            libraries: self.found,
+            launches: rows,
+            memory,
+            unnamed,
+            warnings,
+        }
+    }
+
+    /// Launch and memory rows, named and sorted, and how many launch rows have no name.
+    fn rows(
+        &self,
+        (launches, memory): crate::bpf::CudaCounts,
+    ) -> (Vec<CudaLaunch>, Vec<CudaMemory>, u64) {
         let mut unnamed = 0;
         let mut rows: Vec<CudaLaunch> = launches
             .into_iter()
@@ -206,17 +236,6 @@ impl CudaSession {
             })
             .collect();
         memory.sort_by(|a, b| (a.pid, &a.api, &a.direction).cmp(&(b.pid, &b.api, &b.direction)));
-        let mut warnings = self.warnings;
-        if self.found.is_empty() {
-            warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
-        }
-        CudaReport {
-            gpu: self.gpu.finish(),
-            libraries: self.found,
-            launches: rows,
-            memory,
-            unnamed,
-            warnings,
-        }
+        (rows, memory, unnamed)
     }
 }

@@ -53,7 +53,7 @@ pub struct CountingOptions {
     #[prost(uint32, tag = "5")]
     pub gpu_period_ms: u32,
     /// Counting mode: also expose this session's counts (perf counters, Python calls per
-    /// function, native calls; CUDA launches at its end) on tracerd's Prometheus endpoint
+    /// function, native calls, CUDA launches per kernel) on tracerd's Prometheus endpoint
     /// (`tracerd --metrics`), live while it runs and for 5 minutes after it ends.
     #[prost(bool, tag = "6")]
     pub export_prometheus: bool,

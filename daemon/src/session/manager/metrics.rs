@@ -137,6 +137,7 @@ impl Manager {
                 (Some(n), Some(slot)) => n.live(&mut self.bpf, slot),
                 _ => Vec::new(),
             };
+            let cuda = s.cuda.as_ref().map(|c| c.live(&mut self.bpf));
             let python = match slot.filter(|_| s.python.is_some()) {
                 Some(slot) => {
                     let counts = self.python_counts(slot, false);
@@ -153,7 +154,7 @@ impl Manager {
                 &info.counters,
                 &python,
                 &native,
-                None,
+                cuda.as_ref(),
             ));
         }
         for e in self.exported.values() {

@@ -273,76 +273,9 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
     }
 }
 
-/// `--hosts`: the commands that run on many daemons.
-async fn run_fleet(cli: Cli) -> Result<ExitCode> {
-    let hosts = fleet::hosts(&cli.hosts, cli.hosts_file.as_deref())?;
-    match cli.command {
-        Command::Start(args) => {
-            if !args.command.is_empty() {
-                bail!("with --hosts, give --all or --pid: a command cannot be launched on other hosts");
-            }
-            if args.duration.is_none() {
-                bail!("with --hosts, give --duration: the sessions end together and their reports are merged");
-            }
-            let format = match (args.mode, args.out.format) {
-                (ModeArg::Counting, FormatArg::Table) => ReportFormat::Table,
-                (ModeArg::Counting, FormatArg::Json) => ReportFormat::Json,
-                (ModeArg::Sampling, FormatArg::Pprof) => ReportFormat::Pprof,
-                (ModeArg::Sampling, FormatArg::Folded) => ReportFormat::Folded,
-                (ModeArg::Counting, _) => bail!("with --hosts, counting reports are merged as table or json"),
-                (ModeArg::Sampling, _) => bail!("with --hosts, sampling reports are merged as pprof (a host label on each sample) or folded"),
-                (ModeArg::Tracing, FormatArg::Chrome) => ReportFormat::Chrome,
-                (ModeArg::Tracing, _) => bail!("with --hosts, tracing reports are merged as chrome (one timeline, a process group per host process)"),
-            };
-            let kind = match (args.pid, args.all) {
-                (Some(pid), _) => target::Kind::Pid(pid),
-                (None, true) => target::Kind::All(true),
-                (None, false) => bail!("a target is required: --pid PID or --all"),
-            };
-            let fetch = fleet::Fetch {
-                // Counting tables are merged from each host's JSON.
-                template: report_request(String::new(), &args.out, match format {
-                    ReportFormat::Table => ReportFormat::Json,
-                    f => f,
-                }),
-                format,
-                limit: args.out.limit as usize,
-                output: args.out.output.clone(),
-            };
-            let req = start_request(&args, kind, false);
-            fleet::start(&hosts, &cli.remote, req, fetch).await
-        }
-        Command::Capabilities => fleet::capabilities(&hosts, &cli.remote).await,
-        Command::List => {
-            let mut code = ExitCode::SUCCESS;
-            for h in &hosts {
-                let r = async {
-                    let mut c = client::connect(&format!("tcp://{h}"), &cli.remote).await?;
-                    Ok::<_, anyhow::Error>(
-                        c.list_sessions(ListSessionsRequest {})
-                            .await
-                            .map_err(status_err)?
-                            .into_inner(),
-                    )
-                }
-                .await;
-                match r {
-                    Ok(r) => out!("== {h}\n{}", render::list(&r.sessions)),
-                    Err(e) => {
-                        out!("== {h}\nFAILED: {e:#}\n");
-                        code = ExitCode::from(fleet::PARTIAL);
-                    }
-                }
-            }
-            Ok(code)
-        }
-        _ => bail!("with --hosts: start, list and capabilities run on every host; other commands take one daemon (--socket tcp://HOST:PORT)"),
-    }
-}
-
 async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
     if !cli.hosts.is_empty() || cli.hosts_file.is_some() {
-        return run_fleet(cli).await;
+        return fleet::command::run(cli).await;
     }
     let mut client = match client::connect(&cli.socket, &cli.remote).await {
         Ok(c) => c,

@@ -2,6 +2,7 @@
 //! together, and their reports merged. A host that is down or fails is named in the result;
 //! the others still complete.
 
+pub mod command;
 pub mod merge;
 pub mod pprof;
 pub mod timeline;

@@ -97,8 +97,9 @@ struct StartArgs {
     /// until stopped, each window pushed to --push.
     #[arg(long, requires = "push")]
     continuous: bool,
-    /// Sampling, continuously: push each window of samples as pprof to this Pyroscope
-    /// endpoint (http://HOST:PORT, the push.v1 API of Grafana Pyroscope and Alloy).
+    /// Sampling, continuously: push each window of samples as pprof to this endpoint:
+    /// http://HOST:PORT (Pyroscope's push.v1 API: Grafana Pyroscope, Alloy) or
+    /// parca://HOST:PORT (Parca's gRPC WriteRaw).
     #[arg(long, value_name = "URL")]
     push: Option<String>,
     /// With --push: the window length, e.g. 10s (default 15s).

@@ -328,3 +328,15 @@ pub fn interpreters() -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// The Python with grpcio, grpcio-reflection and grpcio-health-checking (`cargo xtask test`
+/// makes it: `TRACER_TEST_PYTHON`); None without them.
+pub fn grpc_python() -> Option<PathBuf> {
+    let py = std::env::var_os("TRACER_TEST_PYTHON")
+        .map_or_else(|| PathBuf::from("python3"), PathBuf::from);
+    let ok = Command::new(&py)
+        .args(["-c", "import grpc, grpc_reflection, grpc_health"])
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(py)
+}

@@ -1,9 +1,10 @@
 //! Continuous profiling: a sampling session pushing a window of samples every second to a
-//! Pyroscope-style endpoint (push.v1.PusherService/Push). The endpoint here is a recorder
-//! that refuses its first pushes; the pushed pprof is read back with `go tool pprof`.
+//! Pyroscope-style endpoint (push.v1.PusherService/Push; here a recorder that refuses its
+//! first pushes) or to Parca's gRPC WriteRaw (here grpcio's server); the pushed pprof is
+//! read back with `go tool pprof`.
 
 use std::{
-    io::{Read, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::TcpListener,
     process::Command,
     sync::{Arc, Mutex},
@@ -33,6 +34,26 @@ struct RawSample {
     raw_profile: Vec<u8>,
     #[prost(string, tag = "2")]
     id: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct WriteRawRequest {
+    #[prost(message, repeated, tag = "2")]
+    series: Vec<ParcaSeries>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ParcaSeries {
+    #[prost(message, optional, tag = "1")]
+    labels: Option<LabelSet>,
+    #[prost(message, repeated, tag = "2")]
+    samples: Vec<RawSample>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct LabelSet {
+    #[prost(message, repeated, tag = "1")]
+    labels: Vec<LabelPair>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -100,10 +121,7 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
     }
     let d = Daemon::start();
     let (addr, got) = recorder(2);
-    let _busy = tracer_tests::ChildGuard::spawn(Command::new(tracer_tests::python()).args([
-        "-c",
-        "def busy_window_loop():\n    while True:\n        sum(range(1000))\nbusy_window_loop()\n",
-    ]));
+    let _busy = busy();
     let id = d.ok(&[
         "start",
         "--mode=sampling",
@@ -159,13 +177,18 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
         }
     }
     let profile = found.expect("no series of the Python process");
+    assert_busy(&d, &profile);
+}
+
+/// `go tool pprof` finds the busy loop in a pushed profile.
+fn assert_busy(d: &Daemon, profile: &[u8]) {
     let Ok(go) = Command::new("go").arg("version").output() else {
         println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
         return;
     };
     assert!(go.status.success());
     let file = d.dir.path().join("window.pb.gz");
-    std::fs::write(&file, &profile).unwrap();
+    std::fs::write(&file, profile).unwrap();
     let top = Command::new("go")
         .args(["tool", "pprof", "-top", "-nodecount=500"])
         .arg(&file)
@@ -178,4 +201,83 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
         String::from_utf8_lossy(&top.stderr)
     );
     assert!(text.contains("busy_window_loop"), "{text}");
+}
+
+fn busy() -> tracer_tests::ChildGuard {
+    tracer_tests::ChildGuard::spawn(Command::new(tracer_tests::python()).args([
+        "-c",
+        "def busy_window_loop():\n    while True:\n        sum(range(1000))\nbusy_window_loop()\n",
+    ]))
+}
+
+#[test]
+fn windows_reach_parca_over_grpc() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(grpc_python) = tracer_tests::grpc_python() else {
+        println!("skipping: no Python with grpcio (cargo xtask test makes one)");
+        return;
+    };
+    let d = Daemon::start();
+    let out = d.dir.path().join("parca.bin");
+    let mut sink = tracer_tests::ChildGuard::spawn(
+        Command::new(grpc_python)
+            .arg(tracer_tests::script("parca_sink.py"))
+            .arg(&out)
+            .stdout(std::process::Stdio::piped()),
+    );
+    let mut port = String::new();
+    BufReader::new(sink.0.stdout.take().unwrap())
+        .read_line(&mut port)
+        .unwrap();
+    let _busy = busy();
+    let id = d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--all",
+        "--continuous",
+        "--frequency",
+        "49",
+        "--push",
+        &format!("parca://127.0.0.1:{}", port.trim()),
+        "--push-period",
+        "1s",
+    ]);
+    let id = id.trim();
+    tracer_tests::wait_until(30, "two windows at the Parca sink", || {
+        std::fs::metadata(&out).is_ok_and(|m| m.len() > 0) && requests(&out).len() >= 2
+    });
+    let status = d.ok(&["status", id]);
+    d.ok(&["stop", id]);
+    assert!(status.contains("pushed:"), "{status}");
+    let mut found = None;
+    for body in requests(&out) {
+        let req = WriteRawRequest::decode(body.as_slice()).unwrap();
+        for s in &req.series {
+            let labels = &s.labels.as_ref().unwrap().labels;
+            let label = |n: &str| labels.iter().find(|l| l.name == n).map(|l| l.value.clone());
+            assert_eq!(label("__name__").as_deref(), Some("process_cpu"));
+            if label("comm").is_some_and(|c| c.starts_with("python")) {
+                found = Some(s.samples[0].raw_profile.clone());
+            }
+        }
+    }
+    assert_busy(&d, &found.expect("no series of the Python process"));
+}
+
+/// The sink's file: length-prefixed requests.
+fn requests(path: &std::path::Path) -> Vec<Vec<u8>> {
+    let data = std::fs::read(path).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 4 <= data.len() {
+        let n = u32::from_be_bytes(data[at..at + 4].try_into().unwrap()) as usize;
+        if at + 4 + n > data.len() {
+            break;
+        }
+        out.push(data[at + 4..at + 4 + n].to_vec());
+        at += 4 + n;
+    }
+    out
 }

@@ -1,28 +1,17 @@
 //! Clients nobody here wrote: Python's grpcio with server reflection and the standard health
 //! service, using no proto file.
 
-use std::{path::PathBuf, process::Command};
+use std::process::Command;
 
 use serde_json::Value;
 use tracer_tests::{root_or_skip, script, Daemon};
-
-/// The Python with grpcio, grpcio-reflection and grpcio-health-checking (`cargo xtask test` makes it).
-fn grpc_python() -> Option<PathBuf> {
-    let py = std::env::var_os("TRACER_TEST_PYTHON")
-        .map_or_else(|| PathBuf::from("python3"), PathBuf::from);
-    let ok = Command::new(&py)
-        .args(["-c", "import grpc, grpc_reflection, grpc_health"])
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then_some(py)
-}
 
 #[test]
 fn reflection_and_health_serve_generic_clients() {
     if !root_or_skip() {
         return;
     }
-    let Some(py) = grpc_python() else {
+    let Some(py) = tracer_tests::grpc_python() else {
         println!("skipping: no Python with grpcio, grpcio-reflection and grpcio-health-checking (run via `cargo xtask test`)");
         return;
     };

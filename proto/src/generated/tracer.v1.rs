@@ -106,9 +106,10 @@ pub struct SamplingOptions {
     #[prost(uint64, tag = "1")]
     pub frequency_hz: u64,
     /// Continuous profiling: every `push_period_ms` (0: 15 s; 1 s to 1 h), the window of
-    /// samples just ended is pushed as pprof to this Pyroscope-compatible endpoint,
-    /// <http://HOST:PORT\[/PREFIX\]> (the push.v1.PusherService/Push Connect API of Grafana
-    /// Pyroscope and Alloy), a series per command, container and pod. The session's report
+    /// samples just ended is pushed as pprof to this endpoint, a series per command, container
+    /// and pod: <http://HOST:PORT\[/PREFIX\]> (the push.v1.PusherService/Push Connect API of
+    /// Grafana Pyroscope and Alloy) or parca://HOST:PORT (Parca's gRPC
+    /// ProfileStoreService/WriteRaw, without TLS). The session's report
     /// then holds the last window.
     #[prost(string, tag = "2")]
     pub push_url: ::prost::alloc::string::String,

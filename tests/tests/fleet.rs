@@ -3,7 +3,7 @@
 //! clients held to what the access policy grants them.
 
 use std::{
-    io::{BufRead, BufReader},
+    io::{BufRead, BufReader, Read},
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     time::Duration,
@@ -515,12 +515,26 @@ fn interrupting_a_fan_out_stops_every_session_and_still_merges() {
         "--format",
         "json",
     ]);
-    let (child, stderr) = fan_out(cmd);
+    // Interrupted while the sessions wait for their aligned start (≈ 0.5 s ahead).
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(250));
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGINT,
     )
     .unwrap();
+    let stderr = std::thread::spawn({
+        let mut e = child.stderr.take().unwrap();
+        move || {
+            let mut s = String::new();
+            e.read_to_string(&mut s).unwrap();
+            s
+        }
+    });
     let out = child.wait_with_output().unwrap();
     let stderr = stderr.join().unwrap();
     assert!(out.status.success(), "{stderr}");

@@ -123,6 +123,13 @@ pub async fn start(
     req: StartSessionRequest,
     fetch: Fetch,
 ) -> Result<std::process::ExitCode> {
+    // Ctrl-C from here on stops every session that started (once they have).
+    let (interrupted_tx, mut interrupted) = tokio::sync::watch::channel(false);
+    let listener = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            let _ = interrupted_tx.send(true);
+        }
+    });
     let (peers, mut failed) = reach_all(hosts, remote).await;
     let max_rtt = peers.iter().map(|p| p.rtt).max().unwrap_or_default();
     // Far enough ahead that every start request arrives before its host's start time.
@@ -159,7 +166,7 @@ pub async fn start(
         .map(|(p, info)| (p.client.clone(), info.id.clone()))
         .collect();
     let interrupt = tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_err() {
+        if interrupted.wait_for(|&i| i).await.is_err() {
             return;
         }
         eprintln!("tracerctl: interrupted: stopping the sessions");
@@ -203,6 +210,7 @@ pub async fn start(
         }
     }
     interrupt.abort();
+    listener.abort();
     done.sort_by_key(|d| hosts.iter().position(|h| *h == d.0));
     failed.sort_by_key(|f| hosts.iter().position(|h| *h == f.0));
     for (host, e) in &failed {

@@ -27,6 +27,30 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tr
 
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 
+/// The entries of a map shared by sessions whose key `belongs` to one session, read, and
+/// taken out of the map with `take` (at the session's end) or left there (live readings).
+pub fn slot_entries<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    belongs: impl Fn(&K) -> bool,
+    take: bool,
+) -> Vec<(K, V)> {
+    let keys: Vec<K> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| belongs(k))
+        .collect();
+    let mut out = Vec::with_capacity(keys.len());
+    for k in keys {
+        if let Ok(v) = map.get(&k, 0) {
+            out.push((k, v));
+        }
+        if take {
+            let _ = map.remove(&k);
+        }
+    }
+    out
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
     #[error("loading tracer's BPF object: {0}")]
@@ -371,37 +395,10 @@ impl Bpf {
     /// `take`.
     pub fn cuda_counts(&mut self, slot: u8, take: bool) -> CudaCounts {
         let slot = u32::from(slot);
-        let keys: Vec<CudaLaunchKey> = self
-            .cuda_launches
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.slot == slot)
-            .collect();
-        let mut launches = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Ok(n) = self.cuda_launches.get(&k, 0) {
-                launches.push((k, n));
-            }
-            if take {
-                let _ = self.cuda_launches.remove(&k);
-            }
-        }
-        let keys: Vec<CudaMemKey> = self
-            .cuda_memory
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.slot == slot)
-            .collect();
-        let mut memory = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Ok(n) = self.cuda_memory.get(&k, 0) {
-                memory.push((k, n));
-            }
-            if take {
-                let _ = self.cuda_memory.remove(&k);
-            }
-        }
-        (launches, memory)
+        (
+            slot_entries(&mut self.cuda_launches, |k| k.slot == slot, take),
+            slot_entries(&mut self.cuda_memory, |k| k.slot == slot, take),
+        )
     }
 
     pub fn detach_native(&mut self, links: Vec<UProbeLinkId>) {
@@ -412,25 +409,12 @@ impl Bpf {
         }
     }
 
-    /// Takes a session's native call counts out of the kernel map: (pid, probe, calls).
     /// A session's native call counts (pid, probe, calls), taken out of the map with `take`.
     pub fn native_counts(&mut self, slot: u8, take: bool) -> Vec<(u32, u32, u64)> {
-        let keys: Vec<NativeCallKey> = self
-            .native_calls
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.slot == u32::from(slot))
-            .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Ok(n) = self.native_calls.get(&k, 0) {
-                out.push((k.pid, k.probe, n));
-            }
-            if take {
-                let _ = self.native_calls.remove(&k);
-            }
-        }
-        out
+        slot_entries(&mut self.native_calls, |k| k.slot == u32::from(slot), take)
+            .into_iter()
+            .map(|(k, n)| (k.pid, k.probe, n))
+            .collect()
     }
 
     fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe, BpfError> {

@@ -97,15 +97,16 @@ pub async fn run(
         })
         .transpose()?;
     let uds = bind(&config.socket, gid)?;
-    let tcp_listener = match &tcp {
-        Some(t) => Some(
-            tokio::net::TcpListener::bind(t.addr)
+    let tcp = match tcp {
+        Some(t) => {
+            let listener = tokio::net::TcpListener::bind(t.addr)
                 .await
                 .map_err(|source| DaemonError::Listen {
                     addr: t.addr.to_string(),
                     source,
-                })?,
-        ),
+                })?;
+            Some((listener, t))
+        }
         None => None,
     };
     let caps = tokio::task::spawn_blocking(|| capabilities::measure(true))
@@ -122,8 +123,8 @@ pub async fn run(
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;
-    let remote = tcp.as_ref().map(|t| t.remote.clone());
-    let router = |builder: Server| {
+    let remote = tcp.as_ref().map(|(_, t)| t.remote.clone());
+    let router = |mut builder: Server| {
         let reflection_v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -134,7 +135,6 @@ pub async fn run(
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1alpha()
             .expect("valid descriptor sets");
-        let mut builder = builder;
         builder
             .add_service(TracerServer::new(Service {
                 sessions: sessions.clone(),
@@ -154,8 +154,8 @@ pub async fn run(
     let uds_server = router(Server::builder())
         .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
     let tcp_server = async {
-        match (tcp_listener, tcp) {
-            (Some(l), Some(t)) => {
+        match tcp {
+            Some((l, t)) => {
                 let tls = t.tls.is_some();
                 tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), tls, "tracerd listening on TCP");
                 let builder = match t.tls {
@@ -169,7 +169,7 @@ pub async fn run(
                     )
                     .await
             }
-            _ => Ok(()),
+            None => Ok(()),
         }
     };
     let metrics_server = async {

@@ -65,7 +65,7 @@ impl TraceTracks {
             ("MHz", 1.0),
             ("°C", 1.0),
         ];
-        let at = crate::session::trace_session::monotonic_ns();
+        let at = crate::clock::monotonic_ns();
         let events: Vec<tracer_common::TraceEvent> = METRICS
             .iter()
             .zip(UNITS)

@@ -4,6 +4,7 @@ pub mod access;
 pub mod bpf;
 pub mod btf;
 pub mod capabilities;
+pub mod clock;
 pub mod container;
 pub mod continuous;
 pub mod cuda;

@@ -48,9 +48,7 @@ async fn wait_for_start(start_at_unix_ms: u64) -> Result<(), Status> {
     if start_at_unix_ms == 0 {
         return Ok(());
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
+    let now = Duration::from_nanos(crate::clock::unix_ns());
     let delay = Duration::from_millis(start_at_unix_ms).saturating_sub(now);
     if delay > MAX_START_DELAY {
         return Err(Status::invalid_argument(format!(
@@ -273,9 +271,7 @@ impl Tracer for Service {
     ) -> Result<Response<Capabilities>, Status> {
         self.caller(&req)?;
         let mut caps = (*self.capabilities).clone();
-        caps.now_unix_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        caps.now_unix_ns = crate::clock::unix_ns();
         Ok(Response::new(caps))
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{
     collections::HashMap,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use aya::maps::{MapData, RingBuf};
@@ -639,7 +639,7 @@ impl Manager {
                 let _ = tx.send(Command::Expire { id }).await;
             })
         });
-        let mut gpu_tracks = trace
+        let gpu_tracks = trace
             .as_ref()
             .map(super::trace_session::TraceSession::gpu_tracks);
         let mut session = Session {
@@ -650,7 +650,7 @@ impl Manager {
             owner_uid,
             started_by: caller.describe(),
             started: Instant::now(),
-            started_unix_ms: unix_ms(),
+            started_unix_ms: crate::clock::unix_ms(),
             slot,
             live: pid.into_iter().collect(),
             followed: u32::from(pid.is_some()),
@@ -666,7 +666,7 @@ impl Manager {
                     0 => super::cuda::GPU_PERIOD,
                     ms => Duration::from_millis(u64::from(ms)),
                 };
-                super::cuda::CudaSession::new(slot, pid.is_none(), period, gpu_tracks.take())
+                super::cuda::CudaSession::new(slot, pid.is_none(), period, gpu_tracks)
             }),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
@@ -695,7 +695,7 @@ impl Manager {
             self.update_trace_masks();
             if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
                 // Calls that started before this are not the session's own.
-                t.start_ns = super::trace_session::monotonic_ns();
+                t.start_ns = crate::clock::monotonic_ns();
             }
             self.read_trace_counters(true);
         }
@@ -854,21 +854,8 @@ impl Manager {
         &mut self,
         slot: u8,
     ) -> Vec<(tracer_common::PyEdgeKey, tracer_common::PyCallStats)> {
-        let keys: Vec<tracer_common::PyEdgeKey> = self
-            .bpf
-            .py_edges
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.slot == u32::from(slot))
-            .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Ok(n) = self.bpf.py_edges.get(&k, 0) {
-                out.push((k, n));
-            }
-            let _ = self.bpf.py_edges.remove(&k);
-        }
-        out
+        let slot = u32::from(slot);
+        crate::bpf::slot_entries(&mut self.bpf.py_edges, |k| k.slot == slot, true)
     }
 
     /// A session's Python counts in the kernel map, taken out of it with `take`.
@@ -877,23 +864,11 @@ impl Manager {
         slot: u8,
         take: bool,
     ) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
-        let keys: Vec<tracer_common::PyCallKey> = self
-            .bpf
-            .py_calls
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k.slot == u32::from(slot))
-            .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Ok(n) = self.bpf.py_calls.get(&k, 0) {
-                out.push((k.pid, k.code, k.names, n));
-            }
-            if take {
-                let _ = self.bpf.py_calls.remove(&k);
-            }
-        }
-        out
+        let slot = u32::from(slot);
+        crate::bpf::slot_entries(&mut self.bpf.py_calls, |k| k.slot == slot, take)
+            .into_iter()
+            .map(|(k, n)| (k.pid, k.code, k.names, n))
+            .collect()
     }
 
     /// A free session slot. Sessions counting Python calls need one of the lowest
@@ -1144,7 +1119,7 @@ impl Manager {
         if let Some(c) = s.counting.as_mut().filter(|c| !c.is_empty()) {
             t.read_counters(|| c.read(), true);
         }
-        let end_ns = super::trace_session::monotonic_ns();
+        let end_ns = crate::clock::monotonic_ns();
         if s.python.is_some() {
             let threads: Vec<(u32, u32)> = if follows_pid {
                 s.live
@@ -1372,12 +1347,6 @@ fn all_pids() -> Vec<u32> {
         .unwrap_or_default()
 }
 
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// 12 hex digits from the kernel's random pool.
 fn new_id() -> String {
     let mut bytes = [0u8; 6];
@@ -1385,7 +1354,7 @@ fn new_id() -> String {
     let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
     if n != 6 {
         // getrandom cannot fail for 6 bytes once the pool is initialised; fall back to time.
-        bytes.copy_from_slice(&unix_ms().to_be_bytes()[2..]);
+        bytes.copy_from_slice(&crate::clock::unix_ms().to_be_bytes()[2..]);
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

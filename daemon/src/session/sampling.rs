@@ -12,7 +12,7 @@ use std::{
         Arc, Mutex,
     },
     thread,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use std::os::fd::AsRawFd;
@@ -94,9 +94,7 @@ impl Histogram {
             frequency_hz,
             event,
             started: Instant::now(),
-            start_unix_ns: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
+            start_unix_ns: crate::clock::unix_ns(),
             stacks: HashMap::new(),
             comms: HashMap::new(),
             unwinding: Unwinding::default(),

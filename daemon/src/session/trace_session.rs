@@ -12,6 +12,7 @@ use tracer_proto::{counter, Counter, Loss, TracingOptions};
 
 use super::tracing::{self as worker, Limits, Spool};
 use crate::{
+    clock::monotonic_ns,
     error::Error,
     trace::{Trace, TraceCounter, TraceFunction, TraceThread},
 };
@@ -95,16 +96,6 @@ pub fn limits(o: &TracingOptions) -> Result<(Limits, Duration), Error> {
     ))
 }
 
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out pointer; CLOCK_MONOTONIC is bpf_ktime_get_ns's clock.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 impl TraceSession {
     pub fn new(
         spool: Arc<Mutex<Spool>>,
@@ -113,9 +104,7 @@ impl TraceSession {
         counter_interval: Duration,
         counter_pid: u32,
     ) -> Self {
-        let start_unix_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let start_unix_ns = crate::clock::unix_ns();
         Self {
             spool,
             file: worker::file_name(id),

@@ -56,6 +56,8 @@ struct Peer {
     /// Host's wall clock minus ours, estimated at the middle of the round trip.
     offset_ns: i64,
     rtt: Duration,
+    /// Its answer to the clock reading.
+    caps: tracer_proto::Capabilities,
 }
 
 fn now_ns() -> i64 {
@@ -84,6 +86,7 @@ async fn reach(host: String, remote: Remote) -> (String, Result<Peer>) {
             client,
             offset_ns: caps.now_unix_ns as i64 - (t0 + t1) / 2,
             rtt,
+            caps,
         })
     }
     .await;
@@ -324,13 +327,8 @@ async fn follow(client: &mut Client, id: &str) -> Result<SessionInfo> {
 pub async fn capabilities(hosts: &[String], remote: &Remote) -> Result<std::process::ExitCode> {
     let (mut peers, failed) = reach_all(hosts, remote).await;
     peers.sort_by_key(|p| hosts.iter().position(|h| *h == p.host));
-    for p in &mut peers {
-        let c = p
-            .client
-            .get_capabilities(GetCapabilitiesRequest {})
-            .await
-            .map_err(crate::status_err)?
-            .into_inner();
+    for p in &peers {
+        let c = &p.caps;
         out!(
             "{}: tracerd {}, kernel {}, bpf {}, clock {:+.3} ms (round trip {:.3} ms)\n",
             p.host,

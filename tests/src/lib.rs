@@ -340,3 +340,9 @@ pub fn grpc_python() -> Option<PathBuf> {
         .is_ok_and(|s| s.success());
     ok.then_some(py)
 }
+
+/// A loopback address with a port nothing listens on now (for a server a test starts).
+pub fn free_loopback_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("binding a loopback port");
+    l.local_addr().unwrap().to_string()
+}

@@ -122,18 +122,7 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
     let d = Daemon::start();
     let (addr, got) = recorder(2);
     let _busy = busy();
-    let id = d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--all",
-        "--continuous",
-        "--frequency",
-        "49",
-        "--push",
-        &format!("http://{addr}"),
-        "--push-period",
-        "1s",
-    ]);
+    let id = start_pushing(&d, &format!("http://{addr}"));
     let id = id.trim();
     tracer_tests::wait_until(30, "four pushes, two of them taken", || {
         got.lock().unwrap().iter().filter(|r| r.3 == 200).count() >= 2
@@ -203,6 +192,22 @@ fn assert_busy(d: &Daemon, profile: &[u8]) {
     assert!(text.contains("busy_window_loop"), "{text}");
 }
 
+/// A continuous sampling session of the whole machine, pushing a window every second to `url`.
+fn start_pushing(d: &Daemon, url: &str) -> String {
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--all",
+        "--continuous",
+        "--frequency",
+        "49",
+        "--push",
+        url,
+        "--push-period",
+        "1s",
+    ])
+}
+
 fn busy() -> tracer_tests::ChildGuard {
     tracer_tests::ChildGuard::spawn(Command::new(tracer_tests::python()).args([
         "-c",
@@ -232,18 +237,7 @@ fn windows_reach_parca_over_grpc() {
         .read_line(&mut port)
         .unwrap();
     let _busy = busy();
-    let id = d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--all",
-        "--continuous",
-        "--frequency",
-        "49",
-        "--push",
-        &format!("parca://127.0.0.1:{}", port.trim()),
-        "--push-period",
-        "1s",
-    ]);
+    let id = start_pushing(&d, &format!("parca://127.0.0.1:{}", port.trim()));
     let id = id.trim();
     tracer_tests::wait_until(30, "two windows at the Parca sink", || {
         std::fs::metadata(&out).is_ok_and(|m| m.len() > 0) && requests(&out).len() >= 2

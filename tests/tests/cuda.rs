@@ -513,12 +513,7 @@ fn launch_counts_reach_prometheus() {
     if !root_or_skip() {
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = tracer_tests::free_loopback_addr();
     let d = Daemon::start_with(tracer_tests::DaemonOptions {
         args: vec!["--metrics".into(), format!("tcp://{addr}")],
         ..Default::default()

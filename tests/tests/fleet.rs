@@ -109,6 +109,13 @@ impl Fleet {
             .unwrap()
     }
 
+    /// tracerctl as `ops` with every host of the fleet (`--hosts`) and these arguments.
+    fn fan_out_ctl(&self, args: &[&str]) -> Command {
+        let mut cmd = self.ctl("ops.example");
+        cmd.args(["--hosts", &self.all()]).args(args);
+        cmd
+    }
+
     fn all(&self) -> String {
         self.hosts
             .iter()
@@ -253,8 +260,7 @@ fn sampling_fans_out_into_one_pprof_with_a_host_label() {
         Command::new(tracer_tests::python()).args(["-c", "while True: sum(range(1000))"]),
     );
     let file = fleet.dir.path().join("merged.pb.gz");
-    let mut cmd = fleet.ctl("ops.example");
-    cmd.args(["--hosts", &fleet.all()]).args([
+    let cmd = fleet.fan_out_ctl(&[
         "start",
         "--mode=sampling",
         "--all",
@@ -311,8 +317,7 @@ fn tracing_fans_out_onto_one_timeline() {
     let fleet = Fleet::mtls(2);
     let script = fib_script(fleet.dir.path());
     let file = fleet.dir.path().join("merged.json");
-    let mut cmd = fleet.ctl("ops.example");
-    cmd.args(["--hosts", &fleet.all()]).args([
+    let cmd = fleet.fan_out_ctl(&[
         "start",
         "--mode=tracing",
         "--python",
@@ -403,8 +408,7 @@ fn prometheus_scrapes_every_daemon() {
     }
     let fleet = Fleet::mtls_with(2, |ip| vec!["--metrics".into(), format!("tcp://{ip}:9464")]);
     let script = fib_script(fleet.dir.path());
-    let mut cmd = fleet.ctl("ops.example");
-    cmd.args(["--hosts", &fleet.all()]).args([
+    let cmd = fleet.fan_out_ctl(&[
         "start",
         "--mode=counting",
         "--python",
@@ -437,12 +441,7 @@ fn prometheus_scrapes_every_daemon() {
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let web = format!("127.0.0.1:{port}");
+    let web = tracer_tests::free_loopback_addr();
     let _prometheus = tracer_tests::ChildGuard::spawn(
         Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
@@ -503,8 +502,7 @@ fn interrupting_a_fan_out_stops_every_session_and_still_merges() {
         return;
     }
     let fleet = Fleet::mtls(2);
-    let mut cmd = fleet.ctl("ops.example");
-    cmd.args(["--hosts", &fleet.all()]).args([
+    let mut cmd = fleet.fan_out_ctl(&[
         "start",
         "--mode=counting",
         "--all",

@@ -86,12 +86,7 @@ fn plaintext_tcp_on_loopback_takes_a_token() {
     }
     let d = Daemon::start();
     let sock = d.dir.path().join("tcp-daemon.sock");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let listen = format!("tcp://127.0.0.1:{port}");
+    let listen = format!("tcp://{}", tracer_tests::free_loopback_addr());
     let policy = d.dir.path().join("access.toml");
     // sha256 of "secret"; a read-only client.
     std::fs::write(

@@ -275,3 +275,38 @@ fn requests(path: &std::path::Path) -> Vec<Vec<u8>> {
     }
     out
 }
+
+#[test]
+fn bad_push_requests_are_refused() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let start =
+        |args: &[&str]| tracer_tests::one_line_error(&d.run(&[&["start", "--all"], args].concat()));
+    let line = start(&["--mode=sampling", "--push", "https://pyroscope:4040"]);
+    assert!(line.contains("https are not supported yet"), "{line}");
+    let line = start(&["--mode=sampling", "--push", "pyroscope:4040"]);
+    assert!(
+        line.contains("must be http://HOST:PORT (Pyroscope) or parca://HOST:PORT"),
+        "{line}"
+    );
+    let line = start(&["--mode=sampling", "--push", "http://pyroscope"]);
+    assert!(line.contains("needs a host and port"), "{line}");
+    let line = start(&[
+        "--mode=sampling",
+        "--push",
+        "http://h:1",
+        "--push-period",
+        "500ms",
+    ]);
+    assert!(
+        line.contains("the push period must be from 1s to 1h"),
+        "{line}"
+    );
+    let line = start(&["--mode=counting", "--push", "http://h:1"]);
+    assert!(
+        line.contains("pushing profiles (--push) is for sampling sessions"),
+        "{line}"
+    );
+}

@@ -740,4 +740,116 @@ fn unsafe_listeners_are_refused() {
         err.contains("client 'x': a trace client needs the uid"),
         "{err}"
     );
+    // Which TLS options go together is checked before the files are used.
+    let pem = |name: &str| {
+        let f = dir.path().join(name);
+        std::fs::write(&f, "not checked yet").unwrap();
+        path(&f)
+    };
+    let (cert, key, ca) = (pem("cert.pem"), pem("key.pem"), pem("ca.pem"));
+    let tls = |more: &[&str]| {
+        let mut args = vec![
+            "--listen",
+            "tcp://127.0.0.1:7999",
+            "--access",
+            policy.to_str().unwrap(),
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+        ];
+        args.extend(more);
+        tracerd(&args)
+    };
+    let err = tls(&[]);
+    assert!(
+        err.contains("--auth mtls (the default) needs --client-ca"),
+        "{err}"
+    );
+    let err = tls(&["--auth", "token", "--client-ca", &ca]);
+    assert!(err.contains("--client-ca is for --auth mtls"), "{err}");
+    let err = tracerd(&[
+        "--listen",
+        "tcp://127.0.0.1:7999",
+        "--access",
+        &path(&policy),
+        "--insecure-plaintext",
+    ]);
+    assert!(err.contains("it goes with --auth token only"), "{err}");
+    let certs_only = dir.path().join("certs_only.toml");
+    std::fs::write(
+        &certs_only,
+        "[[client]]\nname = 'x'\ncert = 'x'\nrole = 'read'\n",
+    )
+    .unwrap();
+    let err = tracerd(&[
+        "--listen",
+        "tcp://127.0.0.1:7999",
+        "--access",
+        &path(&certs_only),
+        "--auth",
+        "token",
+        "--insecure-plaintext",
+    ]);
+    assert!(err.contains("names no client by token_sha256"), "{err}");
+    let err = tracerd(&["--metrics", "localhost:9464"]);
+    assert!(
+        err.contains("--metrics wants tcp://HOST:PORT, got 'localhost:9464'"),
+        "{err}"
+    );
+}
+
+#[test]
+fn fan_outs_tracerctl_cannot_do_are_refused_before_any_host_is_asked() {
+    let ctl = |args: &[&str]| {
+        tracer_tests::one_line_error(
+            &Command::new(tracer_tests::bin("tracerctl"))
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    };
+    let start = |more: &[&str]| {
+        let mut args = vec!["--hosts", "10.213.255.2:7070", "start", "--all"];
+        args.extend(more);
+        ctl(&args)
+    };
+    let line = start(&["--mode=counting"]);
+    assert!(line.contains("with --hosts, give --duration"), "{line}");
+    let line = start(&["--mode=sampling", "--duration", "1s"]);
+    assert!(
+        line.contains("sampling reports are merged as pprof"),
+        "{line}"
+    );
+    let line = start(&["--mode=tracing", "--duration", "1s", "--format", "perfetto"]);
+    assert!(
+        line.contains("tracing reports are merged as chrome"),
+        "{line}"
+    );
+    let line = start(&["--mode=counting", "--duration", "1s", "--format", "pstats"]);
+    assert!(
+        line.contains("counting reports are merged as table or json"),
+        "{line}"
+    );
+    let line = ctl(&[
+        "--hosts",
+        "10.213.255.2:7070",
+        "start",
+        "--mode=counting",
+        "--duration",
+        "1s",
+        "--",
+        "true",
+    ]);
+    assert!(
+        line.contains("a command cannot be launched on other hosts"),
+        "{line}"
+    );
+    let line = ctl(&["--hosts", "nohostport", "list"]);
+    assert!(line.contains("host 'nohostport' needs a port"), "{line}");
+    let line = ctl(&["--hosts", "10.213.255.2:7070", "status", "x"]);
+    assert!(
+        line.contains("start, list and capabilities run on every host"),
+        "{line}"
+    );
 }

@@ -105,6 +105,7 @@ pub struct Bpf {
     cuda_launches: HashMap<MapData, CudaLaunchKey, u64>,
     cuda_memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
     cuda_names: Option<RingBuf<MapData>>,
+    cuda_watch: Array<MapData, [SessionMask; 2]>,
     cuda_loaded: bool,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
@@ -157,6 +158,20 @@ impl Bpf {
             "sched",
             "sched_process_exit",
         )?;
+        // Libraries mapped by processes CUDA sessions watch (filtered in the kernel: idle
+        // while no CUDA session runs).
+        attach(
+            &mut ebpf,
+            "tracer_cuda_mmap_enter",
+            "syscalls",
+            "sys_enter_mmap",
+        )?;
+        attach(
+            &mut ebpf,
+            "tracer_cuda_mmap_exit",
+            "syscalls",
+            "sys_exit_mmap",
+        )?;
         let mut layouts: Array<MapData, PyLayout> = take(&mut ebpf, "PY_LAYOUTS")?;
         for v in VERSIONS {
             layouts
@@ -181,6 +196,7 @@ impl Bpf {
             cuda_launches: take(&mut ebpf, "CUDA_LAUNCHES")?,
             cuda_memory: take(&mut ebpf, "CUDA_MEMORY")?,
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
+            cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             cuda_loaded: false,
             fsbase_error,
             ebpf,
@@ -196,6 +212,18 @@ impl Bpf {
         self.py_sessions
             .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// Sets which session slots are CUDA sessions, and which of those follow every process:
+    /// the executable mappings of their processes are announced on the names ring.
+    pub fn set_cuda_sessions(
+        &mut self,
+        cuda: SessionMask,
+        all: SessionMask,
+    ) -> Result<(), BpfError> {
+        self.cuda_watch
+            .set(0, [cuda, all], 0)
+            .map_err(map_err("CUDA_WATCH"))
     }
 
     /// Sets which session slots are tracing (their probes emit events).
@@ -426,6 +454,12 @@ impl Bpf {
                 name,
                 source: Box::new(e),
             })
+    }
+
+    /// The sessions following `pid`, as the kernel has them (children join at fork, before
+    /// the daemon hears of it).
+    pub fn followers(&self, pid: u32) -> SessionMask {
+        self.tracked.get(&pid, 0).unwrap_or(0)
     }
 
     /// Adds `slot` to the sessions following `pid`.

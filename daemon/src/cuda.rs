@@ -156,6 +156,19 @@ impl Names {
         }
     }
 
+    /// The last handle `handle` stands for (itself when nothing was seen): for the runtime's
+    /// handles, the host stub when `__cudaGetKernel` was seen.
+    pub fn last(&self, pid: u32, handle: u64) -> u64 {
+        let mut h = handle;
+        for _ in 0..4 {
+            match self.stands_for.get(&(pid, h)) {
+                Some(&next) => h = next,
+                None => break,
+            }
+        }
+        h
+    }
+
     /// The device name of a launched handle, following what it stands for. The runtime's
     /// handles may also be the kernels (`CUkernel`) it got from the driver.
     pub fn name(&self, pid: u32, handle: u64) -> Option<&str> {
@@ -167,6 +180,26 @@ impl Names {
             h = *self.stands_for.get(&(pid, h))?;
         }
         None
+    }
+}
+
+/// Whether the executable mapping a process just made at `addr` (`len` bytes) is one of
+/// CUDA's libraries: one readlink, so that only those cost a look at all its mappings.
+pub fn mapped_library(pid: u32, addr: u64, len: u64) -> bool {
+    const PAGE: u64 = 4096;
+    let end = addr.saturating_add(len.div_ceil(PAGE) * PAGE);
+    std::fs::read_link(format!("/proc/{pid}/map_files/{addr:x}-{end:x}"))
+        // Unreadable (gone already, or a kernel without map_files): look anyway.
+        .map_or(true, |p| library(&p).is_some())
+}
+
+/// The kernel a host-side function stands for, from its symbol: nvcc names a kernel's host
+/// stub after the kernel (demangled by the symbolizer already) and its launch helper
+/// `__device_stub__` + the kernel's mangled name without its `_`.
+pub fn host_function_kernel(symbol: &str) -> String {
+    match symbol.strip_prefix("__device_stub__") {
+        Some(rest) if rest.starts_with('Z') => demangle(&format!("_{rest}")),
+        _ => symbol.to_owned(),
     }
 }
 
@@ -215,6 +248,20 @@ mod tests {
         assert_eq!(n.name(8, 0xd0), None, "handles are per process");
         assert_eq!(demangle("_Z4reluPfi"), "relu(float*, int)");
         assert_eq!(demangle("triton_poi_fused_add_0"), "triton_poi_fused_add_0");
+        assert_eq!(
+            n.last(7, 0xa0),
+            0x1000,
+            "a runtime handle leads to its host stub"
+        );
+        assert_eq!(n.last(7, 0xe0), 0xe0);
+        assert_eq!(
+            host_function_kernel("__device_stub__Z4reluPfi"),
+            "relu(float*, int)"
+        );
+        assert_eq!(
+            host_function_kernel("relu(float*, int)"),
+            "relu(float*, int)"
+        );
     }
 
     #[test]

@@ -56,6 +56,11 @@ pub struct CudaLibrary {
     pub probes: u32,
     /// Time from the session's start to the look that found it mapped.
     pub found_after_ms: u64,
+    /// What found it: "start" (mapped when the session started), "mmap" (the process was
+    /// seen mapping it; probed right after) or "look" (a periodic look at the process's
+    /// mappings, the fallback).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub found_by: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -68,12 +73,24 @@ pub struct CudaLaunch {
     pub api: String,
     /// Demangled device name.
     pub kernel: String,
+    /// Where `kernel` came from when no naming call was seen (the handle was made before
+    /// tracer probed the library): "host stub symbol" (the symbol at the host stub the handle
+    /// stands for) or "launching function" (the caller's symbol: the host stub itself in
+    /// nvcc's code, but any function for hand-written launches). Empty: a naming call.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub named_from: String,
+    /// The native function that made the call, `function (file:line)` or `binary+0xOFFSET`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub caller: String,
     pub handle: u64,
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub shared_mem: u32,
     pub stream: u64,
     pub launches: u64,
+    /// The row's `CudaLaunchKey::row_id`, which a trace's launch events carry.
+    #[serde(skip)]
+    pub row_id: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

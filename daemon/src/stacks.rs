@@ -250,6 +250,7 @@ impl Resolver {
                     name: n.to_owned(),
                     file: None,
                     line: None,
+                    offset: 0,
                 })
                 .or(sym);
             let frame = match sym {

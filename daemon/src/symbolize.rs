@@ -32,6 +32,8 @@ pub struct Sym {
     /// Line in `file`: the line of the address itself, or for inlined code the call site within
     /// the outermost function, so that `name`, `file` and `line` describe the same function.
     pub line: Option<u32>,
+    /// How far into the function (its outermost one) the address is: 0 at its first byte.
+    pub offset: u64,
 }
 
 /// What a binary's cached names are keyed by.
@@ -295,6 +297,7 @@ fn to_sym(found: Symbolized<'_>, code: &[Range<u64>]) -> Result<Option<Sym>, Rej
         name: sym.name.into_owned(),
         file: code.map(|c| c.to_path().display().to_string()),
         line: code.and_then(|c| c.line),
+        offset: sym.offset as u64,
     }))
 }
 

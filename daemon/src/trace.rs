@@ -47,13 +47,21 @@ pub struct Trace {
     /// CUDA launches and copies (`--cuda`).
     #[serde(default)]
     pub cuda_events: u64,
-    /// Names of the CUDA kernels launched: (pid, handle, demangled name), sorted by (pid,
-    /// handle) so that each launch's name is a binary search away.
+    /// The CUDA launch rows the launch events belong to (kernel, configuration, call sites),
+    /// sorted by (pid, row) so that each event's row is a binary search away.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub kernels: Vec<(u32, u64, String)>,
+    pub launches: Vec<TraceLaunch>,
     /// Names of the processes and threads in the events.
     pub processes: Vec<TraceThread>,
     pub threads: Vec<TraceThread>,
+}
+
+/// A launch row of the session's CUDA report, with the id its events carry.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TraceLaunch {
+    pub row: u64,
+    #[serde(flatten)]
+    pub launch: crate::report::CudaLaunch,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -95,8 +103,8 @@ pub enum Named<'a> {
     },
     Native(Option<&'a str>),
     Counter(Option<&'a TraceCounter>),
-    /// A CUDA launch: the kernel's name (if seen), the entry point.
-    CudaLaunch(Option<&'a str>, u32),
+    /// A CUDA launch: its row (kernel, configuration, call sites), if known; the entry point.
+    CudaLaunch(Option<&'a crate::report::CudaLaunch>, u32),
     /// A CUDA copy, allocation, free or synchronization: its `CudaMemKey::kind`.
     CudaMemory(u32),
     Unknown,
@@ -126,10 +134,10 @@ impl Trace {
             }
             trace_kind::COUNTER => Named::Counter(self.counters.get(ev.a as usize)),
             trace_kind::CUDA_LAUNCH => Named::CudaLaunch(
-                self.kernels
-                    .binary_search_by_key(&(ev.pid, ev.a), |(p, h, _)| (*p, *h))
+                self.launches
+                    .binary_search_by_key(&(ev.pid, ev.b), |l| (l.launch.pid, l.row))
                     .ok()
-                    .map(|i| self.kernels[i].2.as_str()),
+                    .map(|i| &self.launches[i].launch),
                 u32::from(ev.flags),
             ),
             trace_kind::CUDA_MEMORY => Named::CudaMemory(u32::from(ev.flags)),
@@ -155,7 +163,7 @@ impl Named<'_> {
             Named::Native(None) => "[unknown probe]".into(),
             Named::Counter(Some(c)) => c.event.clone(),
             Named::Counter(None) => "[unknown counter]".into(),
-            Named::CudaLaunch(Some(n), _) => (*n).to_owned(),
+            Named::CudaLaunch(Some(l), _) => l.kernel.clone(),
             Named::CudaLaunch(None, api) => {
                 format!("[{} of an unnamed kernel]", crate::cuda::api_name(*api))
             }

@@ -7,7 +7,7 @@
  * "done", and waits for stdin to close before it exits: 0 when everything it checked held.
  *
  * usage: cuda_app [n1=10] [n2=6] [n3=5] [n4=4] [n5=3] [n6=2] [graph=1] [k=8] [b1=4096] [m=2]
- *                 [b2=1024] [bad=1] */
+ *                 [b2=1024] [bad=1] [hold=0] [warm=0] */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
 
@@ -52,6 +52,8 @@ static struct {
                "cuLaunchKernel"},
     {"hold", 0, "1: once both libraries are mapped, print \"loaded\" and wait for a line before "
                 "the first CUDA call (a program that imports CUDA long before it uses it)"},
+    {"warm", 0, "1: once the kernels are registered and matmul's handle is fetched, print "
+                "\"registered\" and wait for a line (a warm process a tracer attaches to later)"},
 };
 #define NPARAMS (sizeof params / sizeof params[0])
 
@@ -273,9 +275,13 @@ static void fail(const char *what, int rc) {
 
 /* ---- host stubs: what nvcc 13 generates for a __global__ function ------------------------
  * The stub's address is the host-side identity of the kernel (__cudaRegisterFunction's
- * hostFun). A <<<grid, block, shmem, stream>>> launch pushes the configuration and calls the
+ * hostFun), and nvcc names it after the kernel: the stubs' symbols are the device names. A <<<grid, block, shmem, stream>>> launch pushes the configuration and calls the
  * stub, which pops it, looks the kernel handle up once with __cudaGetKernel and launches it
  * with cudaLaunchKernel. */
+
+#define matmul _Z6matmulPfS_S_i
+#define relu _Z4reluPfi
+#define reduce_sum_256 _Z9reduceSumILi256EEvPKfPfi
 
 static cudaKernel_t matmul_handle;
 static long matmul_failures, get_kernel_calls;
@@ -416,6 +422,18 @@ static void run(void) {
     rt.__cudaRegisterFunction(fatbin_handle, (const char *)reduce_sum_256, (char *)NAME_REDUCE,
                               NAME_REDUCE, -1, NULL, NULL, NULL, NULL, NULL);
     rt.__cudaRegisterFatBinaryEnd(fatbin_handle);
+
+    if (param("warm")) {
+        /* The stub's first launch would fetch the handle; a tracer attaching after that sees
+         * neither the registrations nor this. */
+        get_kernel_calls++;
+        if (rt.__cudaGetKernel(&matmul_handle, (const void *)matmul) != cudaSuccess)
+            matmul_failures++;
+        printf("registered\n");
+        fflush(stdout);
+        char cue[64];
+        if (!fgets(cue, sizeof cue, stdin)) cue[0] = 0;
+    }
 
     CHECK(rt.cudaFree(NULL)); /* creates the context: the runtime loads libcuda here */
     void *hcu = dlopen(DRIVER_SONAME, RTLD_NOW | RTLD_NOLOAD);

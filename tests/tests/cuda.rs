@@ -100,8 +100,8 @@ fn run_app_with(
     line.clear();
     out.read_line(&mut line).unwrap();
     assert_eq!(line, "loaded\n", "the libraries are mapped only now");
-    // tracerd looks for new libraries every 20 ms.
-    std::thread::sleep(Duration::from_millis(500));
+    // tracerd probes a library as the process maps it; a margin for a loaded machine.
+    std::thread::sleep(Duration::from_millis(300));
     stdin.write_all(b"go\n").unwrap();
     stdin.flush().unwrap();
     line.clear();
@@ -121,25 +121,9 @@ fn wait_ended(d: &Daemon, id: &str) {
     });
 }
 
-fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
-    let (id, truth) = run_app(d, libs, "--mode=counting", handle);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
-    let cuda = &report["cuda"];
-    assert_eq!(report["losses"], serde_json::json!([]));
-    assert_eq!(
-        cuda["libraries"].as_array().unwrap().len(),
-        2,
-        "{}",
-        cuda["libraries"]
-    );
-    // GPU metrics: said unavailable, with the reason, on a machine without NVIDIA's driver.
-    let gpu = &cuda["gpu"];
-    match gpu["unavailable"].as_str() {
-        Some(why) => assert!(why.starts_with("NVML: "), "{gpu}"),
-        None => assert!(gpu["devices"][0]["samples"].as_u64() > Some(0), "{gpu}"),
-    }
-
-    // Every launch, at the layer it was made and at the driver's, with its configuration.
+/// The program's launches as rows (entry point, demangled kernel, grid, block, shared
+/// memory): each at the layer it was made and at the driver's underneath. Unnamed: "".
+fn truth_rows(truth: &Value) -> BTreeMap<Row, u64> {
     let mut want: BTreeMap<Row, u64> = BTreeMap::new();
     for l in truth["launches"].as_array().unwrap() {
         let kernel = l["kernel"].as_str().map(demangle).unwrap_or_default();
@@ -160,6 +144,34 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
             *want.entry(shape(driver)).or_default() += n;
         }
     }
+    want
+}
+
+fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
+    let (id, truth) = run_app(d, libs, "--mode=counting", handle);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let cuda = &report["cuda"];
+    assert_eq!(report["losses"], serde_json::json!([]));
+    assert_eq!(
+        cuda["libraries"].as_array().unwrap().len(),
+        2,
+        "{}",
+        cuda["libraries"]
+    );
+    // Both mapped after the session started: probed when the kernel saw them mapped, not by
+    // the periodic fallback look.
+    for lib in cuda["libraries"].as_array().unwrap() {
+        assert_eq!(lib["found_by"], "mmap", "{lib}");
+    }
+    // GPU metrics: said unavailable, with the reason, on a machine without NVIDIA's driver.
+    let gpu = &cuda["gpu"];
+    match gpu["unavailable"].as_str() {
+        Some(why) => assert!(why.starts_with("NVML: "), "{gpu}"),
+        None => assert!(gpu["devices"][0]["samples"].as_u64() > Some(0), "{gpu}"),
+    }
+
+    // Every launch, at the layer it was made and at the driver's, with its configuration.
+    let want = truth_rows(&truth);
     let mut got: BTreeMap<Row, u64> = BTreeMap::new();
     for l in cuda["launches"].as_array().unwrap() {
         let api = l["api"].as_str().unwrap();
@@ -167,11 +179,24 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
             continue;
         }
         let kernel = l["kernel"].as_str().unwrap();
-        // Handles no call named (the program's deliberately bad ones) have no name.
-        let kernel = if kernel.starts_with("[kernel handle") {
-            ""
-        } else {
-            kernel
+        let caller = l["caller"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no caller: {l}"));
+        assert!(!caller.is_empty(), "every launch names its caller: {l}");
+        if api.starts_with("cuda") {
+            assert!(!caller.starts_with("cuda_app+"), "named by a symbol: {l}");
+        }
+        // Handles no call named (the program's deliberately bad ones) have no name; at the
+        // runtime's entry points the function that launched them stands in, and says so.
+        let kernel = match l["named_from"].as_str() {
+            _ if kernel.starts_with("[kernel handle") => "",
+            Some("launching function") => {
+                assert_eq!(kernel, "run", "{l}");
+                assert!(caller.starts_with("run (cuda_app.c:"), "{l}");
+                ""
+            }
+            None => kernel,
+            Some(other) => panic!("named from {other} though every naming call was seen: {l}"),
         };
         let key = (
             api.to_owned(),
@@ -263,6 +288,108 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
     assert!(table.contains("triton_poi_fused_add_0"), "{table}");
 }
 
+/// A process whose kernels were registered, and one handle fetched, before the session: the
+/// naming calls are not seen again. The runtime's launches are named from the host stub's
+/// symbol (launches given the stub) or the launching function (a handle fetched earlier).
+#[test]
+fn kernels_named_before_the_session_are_named_from_symbols() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let mut app = ChildGuard::spawn(
+        Command::new(libs.join("cuda_app"))
+            .arg("warm=1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(app.0.stdout.take().unwrap());
+    let mut stdin = app.0.stdin.take().unwrap();
+    let mut line = String::new();
+    for (cue, want) in [("", "ready\n"), ("go\n", "registered\n")] {
+        stdin.write_all(cue.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, want);
+    }
+    let pid = app.pid().to_string();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let truth: Value = serde_json::from_str(&line).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    drop(stdin);
+    let _ = app.0.wait();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let cuda = &report["cuda"];
+    for lib in cuda["libraries"].as_array().unwrap() {
+        assert_eq!(lib["found_by"], "start", "{lib}");
+    }
+    let want: BTreeMap<Row, u64> = truth_rows(&truth)
+        .into_iter()
+        .filter(|(k, _)| k.0.starts_with("cuda"))
+        .collect();
+    let mut got: BTreeMap<Row, u64> = BTreeMap::new();
+    let mut named_from: BTreeMap<String, String> = BTreeMap::new();
+    for l in cuda["launches"].as_array().unwrap() {
+        let api = l["api"].as_str().unwrap();
+        if !api.starts_with("cuda") || api.contains("Graph") {
+            continue;
+        }
+        let mut kernel = l["kernel"].as_str().unwrap().to_owned();
+        let from = l["named_from"].as_str().unwrap_or("").to_owned();
+        if kernel == "run" {
+            kernel.clear(); // the program's bad handle, launched from run()
+        } else {
+            named_from.insert(format!("{api} {kernel}"), from);
+        }
+        let key = (
+            api.to_owned(),
+            kernel,
+            dims(&l["grid"]),
+            dims(&l["block"]),
+            l["shared_mem"].as_u64().unwrap(),
+        );
+        *got.entry(key).or_default() += l["launches"].as_u64().unwrap();
+    }
+    assert_eq!(got, want);
+    let table = d.ok(&["report", &id, "--format", "kernels"]);
+    assert!(
+        table.contains("(named from its host stub symbol)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("← native: matmul(float*, float*, float*, int)"),
+        "{table}"
+    );
+    let matmul = demangle("_Z6matmulPfS_S_i");
+    let relu = demangle("_Z4reluPfi");
+    let reduce = demangle("_Z9reduceSumILi256EEvPKfPfi");
+    let expect = |api: &str, kernel: &str, from: &str| {
+        assert_eq!(
+            named_from
+                .get(&format!("{api} {kernel}"))
+                .map(String::as_str),
+            Some(from),
+            "{named_from:?}"
+        );
+    };
+    // matmul's stub launches the handle it fetched before the session.
+    expect("cudaLaunchKernel", &matmul, "launching function");
+    // The others hand the runtime their host stub itself.
+    expect("cudaLaunchKernelExC", &relu, "host stub symbol");
+    expect("cudaLaunchKernel", &reduce, "host stub symbol");
+    expect("cudaLaunchKernelExC", &reduce, "host stub symbol");
+}
+
 #[test]
 fn launches_name_their_python_call_site() {
     if !root_or_skip() {
@@ -346,7 +473,7 @@ fn traces_show_each_launch_and_copy() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let (id, _) = run_app(&d, &libs, "--mode=tracing", "function");
+    let (id, truth) = run_app(&d, &libs, "--mode=tracing", "function");
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     assert_eq!(report["losses"], serde_json::json!([]));
     let path = d.dir.path().join("cuda.json");
@@ -381,6 +508,32 @@ fn traces_show_each_launch_and_copy() {
         }
     }
     assert_eq!(got, want);
+    // Each launch instant carries its configuration and callers: grouped by them, the
+    // instants are the program's own account of its launches.
+    let mut shapes: BTreeMap<Row, u64> = BTreeMap::new();
+    for e in cuda.iter().filter(|e| !e["args"]["api"].is_null()) {
+        let a = &e["args"];
+        let api = a["api"].as_str().unwrap();
+        if api.contains("Graph") {
+            continue;
+        }
+        assert!(a["caller"].as_str().is_some_and(|c| !c.is_empty()), "{e}");
+        let name = e["name"].as_str().unwrap();
+        let unnamed = name.starts_with('[') || a["named_from"] == "launching function";
+        let key = (
+            api.to_owned(),
+            if unnamed {
+                String::new()
+            } else {
+                name.to_owned()
+            },
+            dims(&a["grid"]),
+            dims(&a["block"]),
+            a["shared_mem"].as_u64().unwrap(),
+        );
+        *shapes.entry(key).or_default() += 1;
+    }
+    assert_eq!(shapes, truth_rows(&truth));
     let launches: u64 = report["cuda"]["launches"]
         .as_array()
         .unwrap()

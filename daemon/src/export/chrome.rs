@@ -121,17 +121,22 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     value
                 )?;
             }
-            Named::CudaLaunch(..) => write!(
+            Named::CudaLaunch(row, api) => {
+                write!(
                     w,
-                    "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"api\":{},\"handle\":\"{:#x}\",\"stream\":\"{:#x}\"}}}}",
+                    "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"api\":{},\"handle\":\"{:#x}\"",
                     string(&named.name()),
                     ev.pid,
                     ev.tid,
                     us(ev.start_ns),
-                    string(crate::cuda::api_name(u32::from(ev.flags))),
+                    string(crate::cuda::api_name(api)),
                     ev.a,
-                    ev.b
-                )?,
+                )?;
+                if let Some(l) = row {
+                    launch_args(&mut w, l)?;
+                }
+                w.write_all(b"}}")?;
+            }
             Named::CudaMemory(_) => write!(
                 w,
                 "{{\"ph\":\"i\",\"s\":\"t\",\"cat\":\"cuda\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"args\":{{\"bytes\":{}}}}}",
@@ -153,6 +158,29 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
     }
     w.write_all(b"\n]}\n")?;
     w.flush()
+}
+
+/// A launch's configuration and call sites, from its row.
+fn launch_args(w: &mut impl Write, l: &crate::report::CudaLaunch) -> io::Result<()> {
+    let dim = |d: [u32; 3]| format!("[{},{},{}]", d[0], d[1], d[2]);
+    write!(
+        w,
+        ",\"stream\":\"{:#x}\",\"grid\":{},\"block\":{},\"shared_mem\":{}",
+        l.stream,
+        dim(l.grid),
+        dim(l.block),
+        l.shared_mem
+    )?;
+    for (key, value) in [
+        ("call_site", &l.call_site),
+        ("caller", &l.caller),
+        ("named_from", &l.named_from),
+    ] {
+        if !value.is_empty() {
+            write!(w, ",\"{key}\":{}", string(value))?;
+        }
+    }
+    Ok(())
 }
 
 fn flags(w: &mut impl Write, ev: &TraceEvent, trace: &Trace) -> io::Result<()> {

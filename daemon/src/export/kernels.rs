@@ -9,8 +9,8 @@ fn dims(d: [u32; 3]) -> String {
     format!("{}x{}x{}", d[0], d[1], d[2])
 }
 
-/// The CUDA section of the table: launches per kernel (PyProf's kernel table, without its
-/// Python call-site column yet), then copies and allocations.
+/// The CUDA section of the table: launches per kernel (PyProf's kernel table), each with its
+/// Python call site and native caller under it, then copies and allocations.
 pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     // Runtime launches reach the driver's entry points too: say each layer's count.
     let at = |driver: bool| -> u64 {
@@ -58,8 +58,14 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             l.pid,
             l.kernel
         );
+        if !l.named_from.is_empty() {
+            let _ = writeln!(out, "{:>10}  (named from its {})", "", l.named_from);
+        }
         if !l.call_site.is_empty() {
             let _ = writeln!(out, "{:>10}  ← {}", "", l.call_site);
+        }
+        if !l.caller.is_empty() {
+            let _ = writeln!(out, "{:>10}  ← native: {}", "", l.caller);
         }
     }
     if shown < c.launches.len() {
@@ -88,16 +94,21 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
         }
     }
     for l in &c.libraries {
+        let how = match l.found_by.as_str() {
+            "mmap" => ", as it was mapped",
+            "look" => ", by a periodic look (its mapping was not announced)",
+            _ => "",
+        };
         let _ = writeln!(
             out,
-            " probed {} ({} entry points) in pid {}, {} ms after the start",
+            " probed {} ({} entry points) in pid {}, {} ms after the start{how}",
             l.path, l.probes, l.pid, l.found_after_ms
         );
     }
     if c.unnamed > 0 {
         let _ = writeln!(
             out,
-            " {} rows launch handles no naming call was seen for (named before tracer probed their library, or not kernels)",
+            " {} rows launch handles with no name: no naming call was seen (made before tracer probed the library) and no symbol names them, or not kernels",
             c.unnamed
         );
     }

@@ -321,7 +321,8 @@ impl Collected {
                 // CUDA launches and copies: instants named after the kernel or the call.
                 trace_kind::CUDA_LAUNCH | trace_kind::CUDA_MEMORY => {
                     let key = match ev.kind {
-                        trace_kind::CUDA_LAUNCH => (ev.kind, ev.pid, ev.a),
+                        // Launches are named by their row (the kernel's name or its fallback).
+                        trace_kind::CUDA_LAUNCH => (ev.kind, ev.pid, ev.b),
                         _ => (ev.kind, 0, u64::from(ev.flags)),
                     };
                     let names = &mut c.names;

@@ -1,10 +1,14 @@
 //! Counting mode's CUDA source (`--cuda`): probes on each CUDA library the session's
-//! processes map — found at the start and looked for again while it runs, since programs
-//! map them late (`import torch`, or the runtime opening the driver at the first CUDA call)
-//! — names for the kernel handles launches carry, and the report.
+//! processes map — found at the start, and when a process maps one later (`import torch`,
+//! or the runtime opening the driver at its first call: the kernel announces executable
+//! mappings of watched processes) — names for the kernel handles launches carry, the native
+//! callers of launches, and the report.
 
 use std::{
     collections::HashMap,
+    fs::File,
+    os::fd::AsRawFd,
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -14,14 +18,140 @@ use crate::{
     bpf::{Bpf, UprobeLinks},
     cuda::{self, Names},
     report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport},
+    symbolize::{Sym, Symbolizer},
     unwind::ProcMaps,
 };
 
 /// How often GPU metrics are read unless asked otherwise.
 pub const GPU_PERIOD: Duration = Duration::from_millis(100);
 
-/// How often a session's processes are looked at for newly mapped CUDA libraries.
-pub const LOOK_EVERY: Duration = Duration::from_millis(20);
+/// How often a session's followed processes are looked at for CUDA libraries anyway: a
+/// fallback for mappings the kernel's announcement missed (its ring full, a loader that maps
+/// with something other than mmap). `--all` sessions: every process, less often.
+pub const LOOK_EVERY: Duration = Duration::from_secs(1);
+pub const LOOK_ALL_EVERY: Duration = Duration::from_secs(10);
+
+/// (pid, address).
+type ProcAddr = (u32, u64);
+
+/// A code address of a process, located in a binary kept open (the process may be gone when
+/// the session ends and names it).
+#[derive(Clone, Copy)]
+struct Located {
+    binary: usize,
+    file_offset: u64,
+}
+
+/// Binaries that launch addresses fall in, kept open and named at the session's end.
+#[derive(Default)]
+struct Callers {
+    /// (display path, open file): named through /proc/self/fd, whatever became of the path.
+    binaries: Vec<(String, File)>,
+    by_inode: HashMap<(u64, u64), usize>,
+    /// Each process's mappings as last read.
+    maps: HashMap<u32, ProcMaps>,
+    /// (pid, address) → where it is; None: in no file (JIT code, or the process was gone).
+    addrs: HashMap<ProcAddr, Option<Located>>,
+}
+
+impl Callers {
+    /// Locates the addresses of `pid` not located yet: through the process's mappings as
+    /// last read (a process may launch and exit before its rows are read), read again when
+    /// an address is not in them.
+    fn locate(&mut self, pid: u32, addrs: &[u64]) {
+        for &a in addrs {
+            if a == 0 || self.addrs.contains_key(&(pid, a)) {
+                continue;
+            }
+            let mut found = self.locate_in_known(pid, a);
+            if found.is_none() {
+                if let Ok(m) = ProcMaps::read(pid) {
+                    self.maps.insert(pid, m);
+                    found = self.locate_in_known(pid, a);
+                }
+            }
+            self.addrs.insert((pid, a), found);
+        }
+    }
+
+    fn locate_in_known(&mut self, pid: u32, a: u64) -> Option<Located> {
+        let m = self.maps.get(&pid)?.find(a)?;
+        let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+        let binary = match self.by_inode.get(&id) {
+            Some(&b) => b,
+            None => {
+                let path = if m.deleted() {
+                    format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)
+                } else if m.path.starts_with('/') {
+                    format!("/proc/{pid}/root{}", m.path)
+                } else {
+                    return None;
+                };
+                let b = self.binaries.len();
+                self.binaries
+                    .push((m.path.clone(), File::open(&path).ok()?));
+                self.by_inode.insert(id, b);
+                b
+            }
+        };
+        Some(Located {
+            binary,
+            file_offset: a - m.start + m.offset,
+        })
+    }
+
+    /// Names every located address, one symbolizer call per binary.
+    fn name_all(&self) -> HashMap<ProcAddr, Named> {
+        let mut symbolizer = Symbolizer::new();
+        // Binary → (pid, address) and its file offset.
+        let mut per_binary: HashMap<usize, Vec<(ProcAddr, u64)>> = HashMap::new();
+        for (&key, loc) in &self.addrs {
+            if let Some(l) = loc {
+                per_binary
+                    .entry(l.binary)
+                    .or_default()
+                    .push((key, l.file_offset));
+            }
+        }
+        let mut out = HashMap::new();
+        for (b, items) in per_binary {
+            let (display, file) = &self.binaries[b];
+            let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            let offsets: Vec<u64> = items.iter().map(|(_, o)| *o).collect();
+            let syms = symbolizer.user(&path, &offsets);
+            let base = display.rsplit('/').next().unwrap_or(display);
+            for ((key, off), sym) in items.into_iter().zip(syms) {
+                out.insert(
+                    key,
+                    Named {
+                        text: describe(sym.as_ref(), base, off),
+                        sym,
+                    },
+                );
+            }
+        }
+        out
+    }
+}
+
+/// A named address: the symbol, if any, and how reports show it.
+struct Named {
+    sym: Option<Sym>,
+    text: String,
+}
+
+fn describe(sym: Option<&Sym>, binary: &str, offset: u64) -> String {
+    match sym {
+        Some(Sym {
+            name,
+            file: Some(f),
+            line: Some(l),
+            ..
+        }) => format!("{name} ({}:{l})", f.rsplit('/').next().unwrap_or(f)),
+        Some(s) => format!("{} ({binary})", s.name),
+        None => format!("{binary}+{offset:#x}"),
+    }
+}
 
 pub struct CudaSession {
     slot: u8,
@@ -34,6 +164,7 @@ pub struct CudaSession {
     names: Names,
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
     call_sites: HashMap<(u32, u64, u64, u64), String>,
+    callers: Callers,
     warnings: Vec<String>,
     gpu: crate::gpu::GpuSampler,
 }
@@ -56,13 +187,25 @@ impl CudaSession {
             found: Vec::new(),
             names: Names::default(),
             call_sites: HashMap::new(),
+            callers: Callers::default(),
             warnings: Vec::new(),
             gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
         }
     }
 
     pub fn on_name(&mut self, ev: &CudaNameEvent, sampling: &super::sampling::Sampling) {
-        if ev.api != tracer_common::cuda_api::CALL_SITE {
+        if ev.api == api::LAUNCH_ROW {
+            // The caller, and for the runtime's launches what the handle leads to: a host
+            // stub's symbol names a kernel whose naming calls came before the probes.
+            let runtime = matches!(ev.extra as u32, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX);
+            let mut addrs = vec![ev.other];
+            if runtime && self.names.name(ev.pid, ev.handle).is_none() {
+                addrs.push(self.names.last(ev.pid, ev.handle));
+            }
+            self.callers.locate(ev.pid, &addrs);
+            return;
+        }
+        if ev.api != api::CALL_SITE {
             self.names.on_event(ev);
             return;
         }
@@ -80,9 +223,9 @@ impl CudaSession {
         self.call_sites.insert(key, site);
     }
 
-    /// Probes the CUDA libraries `pid` maps that are not probed yet.
     /// Probes the CUDA libraries `pid` maps that are not probed yet; whether it maps any.
-    pub fn look(&mut self, bpf: &mut Bpf, pid: u32) -> bool {
+    /// `found_by`: what made this look ("start", "mmap", "look").
+    pub fn look(&mut self, bpf: &mut Bpf, pid: u32, found_by: &str) -> bool {
         crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {
             return false;
@@ -127,20 +270,18 @@ impl CudaSession {
                 probes: u32::try_from(links.len()).unwrap_or(u32::MAX),
                 found_after_ms: u64::try_from(self.started.elapsed().as_millis())
                     .unwrap_or(u64::MAX),
+                found_by: found_by.to_owned(),
             });
             self.libs.insert(id, links);
         }
         maps_cuda
     }
 
-    /// A launched handle's demangled kernel name, if a naming call for it was seen.
-    pub fn kernel_name(&self, pid: u32, handle: u64) -> Option<String> {
-        self.names.name(pid, handle).map(cuda::demangle)
-    }
-
-    /// The launches and copies so far, named, left in the kernel (for live metrics).
+    /// The launches and copies so far, named, left in the kernel (for live metrics; native
+    /// callers are named at the end only).
     pub fn live(&self, bpf: &mut Bpf) -> CudaReport {
-        let (launches, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, false));
+        let (launches, memory, unnamed) =
+            self.rows(bpf.cuda_counts(self.slot, false), &HashMap::new());
         CudaReport {
             launches,
             memory,
@@ -154,7 +295,8 @@ impl CudaSession {
         for (_, links) in std::mem::take(&mut self.libs) {
             bpf.detach_uprobes(links);
         }
-        let (rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true));
+        let native = self.callers.name_all();
+        let (rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
         let mut warnings = self.warnings;
         if self.found.is_empty() {
             warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
@@ -170,22 +312,42 @@ impl CudaSession {
     }
 
     /// Launch and memory rows, named and sorted, and how many launch rows have no name.
+    /// `native`: named native addresses (pid, address), for callers and host stubs.
     fn rows(
         &self,
         (launches, memory): crate::bpf::CudaCounts,
+        native: &HashMap<ProcAddr, Named>,
     ) -> (Vec<CudaLaunch>, Vec<CudaMemory>, u64) {
         let mut unnamed = 0;
         let mut rows: Vec<CudaLaunch> = launches
             .into_iter()
             .map(|(k, n)| {
                 let graph = matches!(k.api, api::CU_GRAPH | api::CUDA_GRAPH);
+                let runtime = matches!(k.api, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX);
+                let caller = native.get(&(k.pid, k.caller));
+                let symbol = |addr: u64| native.get(&(k.pid, addr)).and_then(|n| n.sym.as_ref());
+                let mut named_from = "";
                 let kernel = match self.names.name(k.pid, k.func) {
                     _ if graph => format!("[graph exec {:#x}]", k.func),
                     Some(name) => cuda::demangle(name),
-                    None => {
-                        unnamed += 1;
-                        format!("[kernel handle {:#x}: no name seen: named before tracer probed its library, or not a kernel]", k.func)
-                    }
+                    None => match (
+                        symbol(self.names.last(k.pid, k.func)).filter(|s| s.offset == 0),
+                        caller.and_then(|c| c.sym.as_ref()),
+                    ) {
+                        // A symbol that starts at the handle's host stub is the kernel's.
+                        (Some(stub), _) if runtime => {
+                            named_from = "host stub symbol";
+                            cuda::host_function_kernel(&stub.name)
+                        }
+                        (_, Some(c)) if runtime => {
+                            named_from = "launching function";
+                            cuda::host_function_kernel(&c.name)
+                        }
+                        _ => {
+                            unnamed += 1;
+                            format!("[kernel handle {:#x}: no name seen: named before tracer probed its library, or not a kernel]", k.func)
+                        }
+                    },
                 };
                 let call_site = match k.py_code {
                     0 => String::new(),
@@ -200,6 +362,9 @@ impl CudaSession {
                     pid: k.pid,
                     api: cuda::api_name(k.api).into(),
                     kernel,
+                    named_from: named_from.into(),
+                    caller: caller.map(|c| c.text.clone()).unwrap_or_default(),
+                    row_id: k.row_id(),
                     handle: k.func,
                     grid: k.grid,
                     block: k.block,

@@ -249,17 +249,20 @@ impl Manager {
         readings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tokio::select! {
+                // Readiness is cleared before draining: a record submitted after the drain
+                // wakes the reader again only if it was caught up, so clearing it after the
+                // drain could lose that wakeup and leave records waiting.
                 guard = codes.readable_mut() => {
                     if let Ok(mut g) = guard {
-                        self.drain_codes(g.get_inner_mut());
                         g.clear_ready();
+                        self.drain_codes(g.get_inner_mut());
                     }
                     continue;
                 }
                 guard = kernel_names.readable_mut() => {
                     if let Ok(mut g) = guard {
-                        self.drain_kernel_names(g.get_inner_mut());
                         g.clear_ready();
+                        self.drain_kernel_names(g.get_inner_mut());
                     }
                     continue;
                 }
@@ -289,6 +292,7 @@ impl Manager {
                     self.sweep();
                 }
                 _ = readings.tick() => {
+                    self.drain_kernel_names(kernel_names.get_mut());
                     self.read_trace_counters(false);
                     self.look_for_cuda(false);
                 }
@@ -334,6 +338,7 @@ impl Manager {
     }
 
     fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
+        let mut mapped: Vec<(u32, u64, u64)> = Vec::new();
         while let Some(item) = ring.next() {
             if item.len() < std::mem::size_of::<tracer_common::CudaNameEvent>() {
                 continue;
@@ -342,6 +347,10 @@ impl Manager {
             let ev = unsafe {
                 std::ptr::read_unaligned(item.as_ptr().cast::<tracer_common::CudaNameEvent>())
             };
+            if ev.api == tracer_common::cuda_api::LIBRARY_MAPPED {
+                mapped.push((ev.pid, ev.handle, ev.other));
+                continue;
+            }
             // Names are per process: every CUDA session may keep them.
             for s in self.running.values_mut() {
                 if let Some(c) = s.cuda.as_mut() {
@@ -349,10 +358,33 @@ impl Manager {
                 }
             }
         }
+        // Probed now, before the process gets far: the ring's reader is woken per mapping.
+        for (pid, addr, len) in mapped {
+            if crate::cuda::mapped_library(pid, addr, len) {
+                self.look_at(pid, "mmap");
+            }
+        }
     }
 
-    /// CUDA sessions' processes looked at for newly mapped CUDA libraries: every 20 ms for
-    /// the processes a session follows, every second for `--all` (all: `force`).
+    /// Looks at one process's mappings for the CUDA sessions that watch it.
+    fn look_at(&mut self, pid: u32, found_by: &str) {
+        let followers = self.bpf.followers(pid);
+        for s in self.running.values_mut() {
+            let follows = s.follows_pid();
+            let followed = s.slot.is_some_and(|slot| followers & (1 << slot) != 0);
+            if follows && !followed && !s.live.contains(&pid) {
+                continue;
+            }
+            let Some(c) = s.cuda.as_mut() else { continue };
+            if c.look(&mut self.bpf, pid, found_by) || follows {
+                self.sampling.watch(pid);
+            }
+        }
+    }
+
+    /// CUDA sessions' processes looked at for CUDA libraries: all of them when a session
+    /// starts (`force`), then as a fallback to the kernel's announcements of new mappings,
+    /// every second for the processes a session follows and every 10 s for `--all`.
     fn look_for_cuda(&mut self, force: bool) {
         let now = Instant::now();
         let mut everyone = None;
@@ -362,20 +394,37 @@ impl Manager {
             if !force && now < c.next_look {
                 continue;
             }
+            let found_by = if force { "start" } else { "look" };
             let pids: Vec<u32> = if follows {
                 c.next_look = now + super::cuda::LOOK_EVERY;
                 s.live.iter().copied().collect()
             } else {
-                c.next_look = now + Duration::from_secs(1);
+                c.next_look = now + super::cuda::LOOK_ALL_EVERY;
                 everyone.get_or_insert_with(all_pids).clone()
             };
             for pid in pids {
                 // Launches read their Python call site through the sampling's process
                 // table: the followed processes, or (--all) those that map CUDA.
-                if c.look(&mut self.bpf, pid) || follows {
+                if c.look(&mut self.bpf, pid, found_by) || follows {
                     self.sampling.watch(pid);
                 }
             }
+        }
+    }
+
+    /// Which slots' processes have their executable mappings announced (CUDA sessions).
+    fn update_cuda_masks(&mut self) {
+        let (mut cuda, mut all) = (0u64, 0u64);
+        for s in self.running.values().filter(|s| s.cuda.is_some()) {
+            if let Some(slot) = s.slot {
+                cuda |= 1 << slot;
+                if !s.follows_pid() {
+                    all |= 1 << slot;
+                }
+            }
+        }
+        if let Err(e) = self.bpf.set_cuda_sessions(cuda, all) {
+            tracing::error!(%e, "updating CUDA session masks");
         }
     }
 
@@ -689,6 +738,7 @@ impl Manager {
         self.running.insert(id.clone(), session);
         self.update_python_masks();
         if options.cuda {
+            self.update_cuda_masks();
             self.look_for_cuda(true);
         }
         if trace_mode {
@@ -1021,17 +1071,18 @@ impl Manager {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
         };
-        // The trace's kernels are named before the CUDA part lets go of its names.
-        let mut kernels: Vec<(u32, u64, String)> = match (&s.trace, &s.cuda) {
-            (Some(t), Some(c)) => super::tracing::locked(&t.spool)
-                .kernels
-                .iter()
-                .filter_map(|&(pid, h)| Some((pid, h, c.kernel_name(pid, h)?)))
-                .collect(),
-            _ => Vec::new(),
-        };
-        kernels.sort_unstable();
         let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
+        self.update_cuda_masks();
+        // Launch events carry their row: the trace keeps the rows to name and describe them.
+        let mut launches: Vec<crate::trace::TraceLaunch> = cuda
+            .iter()
+            .flat_map(|c| &c.launches)
+            .map(|l| crate::trace::TraceLaunch {
+                row: l.row_id,
+                launch: l.clone(),
+            })
+            .collect();
+        launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
         self.release(s.slot);
         info.state = if error.is_some() {
             SessionState::Failed
@@ -1055,7 +1106,7 @@ impl Manager {
             if let Some(e) = write_error {
                 report.session.error.get_or_insert(e);
             }
-            report.trace = Some(crate::trace::Trace { kernels, ..trace });
+            report.trace = Some(crate::trace::Trace { launches, ..trace });
         }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.

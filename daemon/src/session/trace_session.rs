@@ -238,7 +238,7 @@ impl TraceSession {
             counter_readings: sp.by_kind[usize::from(trace_kind::COUNTER)],
             cuda_events: sp.by_kind[usize::from(trace_kind::CUDA_LAUNCH)]
                 + sp.by_kind[usize::from(trace_kind::CUDA_MEMORY)],
-            kernels: Vec::new(),
+            launches: Vec::new(),
             exits_inferred: sp.exits_inferred,
             unfinished: sp.unfinished,
             functions,

@@ -76,8 +76,6 @@ pub struct Spool {
     live: broadcast::Sender<Arc<Batch>>,
     /// (pid, code, names) of the Python functions seen, to be named at the end.
     pub codes: HashSet<(u32, u64, u64)>,
-    /// (pid, handle) of the CUDA kernels launched, likewise.
-    pub kernels: HashSet<(u32, u64)>,
     /// Threads and processes seen, named when first seen (they may be gone at the end).
     pub threads: HashMap<u32, TraceThread>,
     pub processes: HashMap<u32, String>,
@@ -105,7 +103,6 @@ impl Spool {
             seq: 0,
             live: broadcast::channel(WATCH_BACKLOG).0,
             codes: HashSet::new(),
-            kernels: HashSet::new(),
             threads: HashMap::new(),
             processes: HashMap::new(),
             last_tid: 0,
@@ -151,9 +148,6 @@ impl Spool {
         self.events += 1;
         if let Some(n) = self.by_kind.get_mut(usize::from(ev.kind)) {
             *n += 1;
-        }
-        if ev.kind == trace_kind::CUDA_LAUNCH {
-            self.kernels.insert((ev.pid, ev.a));
         }
         if ev.kind == trace_kind::PY_CALL {
             self.codes.insert((ev.pid, ev.a, ev.b));

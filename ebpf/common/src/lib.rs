@@ -374,7 +374,7 @@ pub mod trace_kind {
     /// Daemon-made: a perf counter's reading: `start_ns`, `a` = counter index, `b` = value.
     pub const COUNTER: u16 = 3;
     /// A CUDA launch (`--cuda`): `start_ns`, `flags` = its `cuda_api` entry point, `a` = the
-    /// kernel handle (or graph exec), `b` = the stream.
+    /// kernel handle (or graph exec), `b` = its launch row (`CudaLaunchKey::row_id`).
     pub const CUDA_LAUNCH: u16 = 4;
     /// A CUDA copy, allocation, free or synchronization: `start_ns`, `flags` = its
     /// `CudaMemKey::kind`, `a` = bytes.
@@ -448,6 +448,13 @@ pub mod cuda_api {
     /// Not an entry point: a `CudaNameEvent` announcing a launch's Python call site
     /// (`handle` = code object, `other` = instruction, `extra` = names id).
     pub const CALL_SITE: u32 = 30;
+    /// Not an entry point: a new launch row (`handle` = the launched handle, `other` = the
+    /// native caller's return address, `extra` = the entry point), sent once per row so that
+    /// user space names the caller (and an unnamed handle) while the process lives.
+    pub const LAUNCH_ROW: u32 = 31;
+    /// Not an entry point: a followed process mapped a file executable (`handle` = the
+    /// address, `other` = the length); it may be a CUDA library to probe now.
+    pub const LIBRARY_MAPPED: u32 = 32;
     pub const MASK: u64 = 0xff;
 }
 
@@ -483,6 +490,38 @@ pub struct CudaLaunchKey {
     pub py_code: u64,
     pub py_instr: u64,
     pub py_names: u64,
+    /// The return address of the probed call: the native code that launched (for nvcc's
+    /// code, inside the kernel's host stub).
+    pub caller: u64,
+}
+
+impl CudaLaunchKey {
+    /// Names the row within its session (the slot left out), so that a trace event can carry
+    /// it in one word and the exporter find the row's configuration and call sites.
+    pub fn row_id(&self) -> u64 {
+        let words = [
+            self.pid as u64 | (self.api as u64) << 32,
+            self.shared_mem as u64,
+            self.func,
+            self.stream,
+            self.grid[0] as u64 | (self.grid[1] as u64) << 32,
+            self.grid[2] as u64 | (self.block[0] as u64) << 32,
+            self.block[1] as u64 | (self.block[2] as u64) << 32,
+            self.py_code,
+            self.py_instr,
+            self.py_names,
+            self.caller,
+        ];
+        // FNV-1a over words, with a shift to spread the high bits: cheap enough for the probe.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut i = 0;
+        while i < words.len() {
+            h = (h ^ words[i]).wrapping_mul(0x0100_0000_01b3);
+            h ^= h >> 29;
+            i += 1;
+        }
+        h
+    }
 }
 
 /// Key of `CUDA_MEMORY`: copies or allocations of one kind, in one process, for one session.
@@ -592,7 +631,7 @@ mod tests {
     fn cuda_types_have_no_hidden_padding() {
         assert_eq!(
             core::mem::size_of::<super::CudaLaunchKey>(),
-            4 * 4 + 8 * 2 + 4 * 6 + 8 * 3
+            4 * 4 + 8 * 2 + 4 * 6 + 8 * 4
         );
         assert_eq!(
             core::mem::size_of::<super::CudaNameEvent>(),

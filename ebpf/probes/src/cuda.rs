@@ -11,14 +11,14 @@ use aya_ebpf::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes,
     },
-    macros::{map, uprobe, uretprobe},
-    maps::{HashMap, RingBuf},
-    programs::{ProbeContext, RetProbeContext},
+    macros::{map, tracepoint, uprobe, uretprobe},
+    maps::{Array, HashMap, RingBuf},
+    programs::{ProbeContext, RetProbeContext, TracePointContext},
     EbpfContext,
 };
 use tracer_common::{
     cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey, CudaMemKey, CudaMemStats,
-    CudaNameEvent, TraceEvent,
+    CudaNameEvent, SessionMask, TraceEvent,
 };
 
 use crate::{
@@ -45,6 +45,16 @@ static CUDA_PENDING: HashMap<[u32; 2], [u64; 2]> = HashMap::with_max_entries(16_
 
 #[map]
 static CUDA_NAMES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
+
+/// [CUDA sessions' slots, those of them that follow every process]: whose executable file
+/// mappings are announced, so that libraries mapped later are probed at once.
+#[map]
+static CUDA_WATCH: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
+
+/// Thread → length of the executable file mapping it is making (between the mmap
+/// tracepoints).
+#[map]
+static CUDA_MMAPS: HashMap<u32, u64> = HashMap::with_max_entries(4_096, 0);
 
 /// BPF_NOEXIST.
 const NOEXIST: u64 = 1;
@@ -151,8 +161,13 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     if let Some((code, instr, names)) = call_site(pid, tid) {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
     }
+    // The return address, on top of the stack at the function's first instruction.
+    // SAFETY: `regs` is this program's context.
+    key.caller = user::<u64>(unsafe { (*ctx.regs).rsp }).unwrap_or(0);
     count_launch(&key);
-    trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.stream);
+    if trace::tracing(1 << slot) != 0 {
+        trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.row_id());
+    }
     Some(())
 }
 
@@ -208,17 +223,19 @@ fn count_launch(key: &CudaLaunchKey) {
             return;
         }
         if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
-            // A new call site is named while its process lives.
+            // A new row's call sites are named while its process lives.
             if key.py_code != 0 {
-                send_site(key.pid, key.py_code, key.py_instr, key.py_names);
+                send_site(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
             }
+            send_site(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
             return;
         }
     }
     count_loss(loss::CUDA_MAP_FULL);
 }
 
-fn send_site(pid: u32, code: u64, instr: u64, names: u64) {
+/// A nameless record for user space (`api` says what the three words are).
+fn send_site(pid: u32, which: u32, handle: u64, other: u64, extra: u64, flags: u64) {
     let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
         count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
         return;
@@ -227,13 +244,72 @@ fn send_site(pid: u32, code: u64, instr: u64, names: u64) {
     // SAFETY: `ev` points to the reserved record, filled before it is submitted.
     unsafe {
         (*ev).pid = pid;
-        (*ev).api = api::CALL_SITE;
-        (*ev).handle = code;
-        (*ev).other = instr;
-        (*ev).extra = names;
+        (*ev).api = which;
+        (*ev).handle = handle;
+        (*ev).other = other;
+        (*ev).extra = extra;
         (*ev).name[0] = 0;
     }
-    entry.submit(0);
+    entry.submit(flags);
+}
+
+/// `syscalls:sys_enter_mmap` (`unsigned long` arguments from offset 16: addr, len, prot,
+/// flags, fd, off): notes an executable file mapping by a process a CUDA session watches.
+#[tracepoint]
+pub fn tracer_cuda_mmap_enter(ctx: TracePointContext) -> u32 {
+    let _ = try_mmap_enter(&ctx);
+    0
+}
+
+fn try_mmap_enter(ctx: &TracePointContext) -> Option<()> {
+    const PROT_EXEC: u64 = 4;
+    let [slots, all] = *CUDA_WATCH.get(0)?;
+    if slots == 0 {
+        return None;
+    }
+    // SAFETY (each): fixed offsets of the syscall tracepoint's record.
+    let len = unsafe { ctx.read_at::<u64>(24) }.ok()?;
+    let prot = unsafe { ctx.read_at::<u64>(32) }.ok()?;
+    let fd = unsafe { ctx.read_at::<u64>(48) }.ok()?;
+    if prot & PROT_EXEC == 0 || (fd as i32) < 0 {
+        return None;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if all == 0 {
+        // SAFETY: map values are valid for the duration of the program.
+        let followed = unsafe { TRACKED.get(&((pid_tgid >> 32) as u32)) }.copied().unwrap_or(0);
+        if followed & slots == 0 {
+            return None;
+        }
+    }
+    CUDA_MMAPS.insert(&(pid_tgid as u32), &len, 0).ok()
+}
+
+/// `syscalls:sys_exit_mmap` (`long ret` at 16): the mapping noted at the entry exists now;
+/// user space is woken at once to look at it.
+#[tracepoint]
+pub fn tracer_cuda_mmap_exit(ctx: TracePointContext) -> u32 {
+    let _ = try_mmap_exit(&ctx);
+    0
+}
+
+fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
+    const BPF_RB_FORCE_WAKEUP: u64 = 2;
+    if CUDA_WATCH.get(0)?[0] == 0 {
+        return None;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tid = pid_tgid as u32;
+    // SAFETY: map values are valid for the duration of the program.
+    let len = unsafe { CUDA_MMAPS.get(&tid) }.copied()?;
+    let _ = CUDA_MMAPS.remove(&tid);
+    // SAFETY: fixed offset of the syscall tracepoint's record.
+    let ret = unsafe { ctx.read_at::<i64>(16) }.ok()?;
+    if (-4095..0).contains(&ret) {
+        return None;
+    }
+    send_site((pid_tgid >> 32) as u32, api::LIBRARY_MAPPED, ret as u64, len, 0, BPF_RB_FORCE_WAKEUP);
+    Some(())
 }
 
 fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {

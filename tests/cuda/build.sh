@@ -35,6 +35,8 @@ ln -sf libcuda.so.1 "$OUT/libcuda.so"
 ln -sf libcudart.so.13 "$OUT/libcudart.so"
 # The app is linked against neither library: it dlopen()s them by soname after its cue.
 $CC $CFLAGS $WARN -o "$OUT/cuda_app" "$HERE/cuda_app.c" '-Wl,-rpath,$ORIGIN' -ldl -lpthread
+# The launch-bound loop of `cargo xtask bench cuda`, built the same way.
+$CC $CFLAGS $WARN -o "$OUT/launch_loop" "$HERE/launch_loop.c" '-Wl,-rpath,$ORIGIN' -ldl
 
 # Check the promise above on x86-64 when building with the default flags (objdump and nm come
 # with binutils, part of build-essential).

@@ -6,10 +6,13 @@
 //! - `sampling` (sampling.rs): the slowdown of a program sampled at 99 and 999 Hz, against
 //!   py-spy and perf;
 //! - `tracing` (tracing.rs): the highest event rate tracerd drains with no loss, and the
-//!   slowdown of a traced Python program next to counting mode's.
-//! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons.
+//!   slowdown of a traced Python program next to counting mode's;
+//! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons;
+//! - `cuda` (cuda.rs): the time tracer adds to each CUDA kernel launch, counting and tracing,
+//!   next to an untraced run.
 
 mod counting;
+mod cuda;
 mod fleet;
 mod sampling;
 mod tracing;
@@ -30,6 +33,7 @@ pub enum Which {
     Sampling,
     Tracing,
     Fleet,
+    Cuda,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -38,6 +42,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Sampling => sampling::run(),
         Which::Tracing => tracing::run(),
         Which::Fleet => fleet::run(),
+        Which::Cuda => cuda::run(),
     }
 }
 
@@ -50,6 +55,19 @@ fn seconds(out: &[u8]) -> Result<f64> {
         .trim()
         .parse()
         .context("bad time")
+}
+
+/// `1234567` as `1,234,567`.
+fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -116,6 +134,13 @@ impl Daemon {
     fn cpu_ticks(&self) -> u64 {
         cpu_ticks(self.pid())
     }
+}
+
+/// tracerctl talking to `daemon`.
+fn tracerctl(daemon: &Daemon) -> Command {
+    let mut cmd = Command::new(bin_dir().join("tracerctl"));
+    cmd.arg("--socket").arg(&daemon.socket);
+    cmd
 }
 
 impl Drop for Daemon {

@@ -24,7 +24,7 @@ use std::{
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::{clock_ticks, median, python_executable, seconds, Daemon};
+use super::{clock_ticks, group, median, python_executable, seconds, tracerctl, Daemon};
 use crate::bin_dir;
 
 /// The event generator. `tick` is built without optimisation so that it starts with
@@ -494,12 +494,6 @@ fn start_daemon(dir: &Path, ring_mb: u64) -> Result<Daemon> {
     Ok(daemon)
 }
 
-fn tracerctl(daemon: &Daemon) -> Command {
-    let mut cmd = Command::new(bin_dir().join("tracerctl"));
-    cmd.arg("--socket").arg(&daemon.socket);
-    cmd
-}
-
 /// One step: the generator as `spec` says, under `mode`.
 fn step(daemon: &Daemon, dir: &Path, gen: &Path, spec: Spec, mode: &str) -> Result<Step> {
     let report = dir.join("report.json");
@@ -822,17 +816,4 @@ fn py_run(
         ensure!(run.events > 0, "the trace holds no Python call");
     }
     Ok(run)
-}
-
-/// `1234567` as `1,234,567`.
-fn group(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }

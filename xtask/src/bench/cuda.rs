@@ -1,0 +1,566 @@
+//! `cargo xtask bench cuda`: the time tracer adds to each CUDA kernel launch, measured side
+//! by side in one run on a launch-bound loop: untraced, under bare uprobes (`perf stat`
+//! counting `perf probe` uprobes on the same two entry points: the floor any uprobe-based
+//! counter pays), under `--mode=counting --cuda` and under `--mode=tracing --cuda`.
+//!
+//! The loop is tests/cuda's `launch_loop`, against tests/cuda's libcudart/libcuda (CUDA's ABI,
+//! no GPU needed): each `cudaLaunchKernel` goes on to the driver's `cuLaunchKernel`, as the
+//! real runtime's launches do, so a launch crosses two probed entry points. The sessions
+//! attach with `--pid` while the loop waits for its cue, its libraries already mapped, and
+//! the report's launch counts are checked against the loop's own, so the figures are known to
+//! come from probed launches. Where PyTorch sees a GPU, a PyTorch loop of small in-place adds
+//! runs too, untraced and under counting.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader, Read, Write},
+    path::Path,
+    process::{Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, ensure, Context, Result};
+
+use super::{clock_ticks, group, median, python_executable, tracerctl, Daemon};
+use crate::root;
+
+/// Launches per timed round, and rounds per run (the run's figure is its median round).
+const N: u64 = 200_000;
+const ROUNDS: u64 = 5;
+/// Runs of each condition, interleaved.
+const RUNS: usize = 5;
+/// The project's target: time added per launch.
+const TARGET_NS: f64 = 1000.0;
+
+/// PyTorch part: `x.add_(1)` calls per round, rounds per run, runs per condition.
+const TORCH_N: u64 = 20_000;
+const TORCH_ROUNDS: u64 = 3;
+const TORCH_RUNS: usize = 3;
+
+/// A loop of small in-place adds on a CUDA tensor: one elementwise kernel launch each, far
+/// shorter on the GPU than its launch, so the loop is bound by launching. CUDA is initialised
+/// (and its libraries mapped) before the cue, as in launch_loop.
+const TORCH_SCRIPT: &str = r#"
+import sys, time, torch
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+x = torch.zeros(1024, device="cuda")
+for _ in range(1000):
+    x.add_(1)
+torch.cuda.synchronize()
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    torch.cuda.synchronize()
+    print(f"SECONDS {time.perf_counter() - t:.6f}", flush=True)
+print(f"LAUNCHES {n * rounds}", flush=True)
+"#;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cond {
+    Untraced,
+    Bare,
+    Counting,
+    Tracing,
+}
+
+impl Cond {
+    fn name(self) -> &'static str {
+        match self {
+            Cond::Untraced => "untraced",
+            Cond::Bare => "bare",
+            Cond::Counting => "counting",
+            Cond::Tracing => "tracing",
+        }
+    }
+
+    fn mode(self) -> Option<&'static str> {
+        match self {
+            Cond::Untraced | Cond::Bare => None,
+            Cond::Counting => Some("--mode=counting"),
+            Cond::Tracing => Some("--mode=tracing"),
+        }
+    }
+}
+
+const CONDS: [Cond; 4] = [Cond::Untraced, Cond::Bare, Cond::Counting, Cond::Tracing];
+
+/// One run of a loop.
+#[derive(Default)]
+struct Run {
+    /// Seconds of the median round.
+    seconds: f64,
+    /// Launches the loop made after its cue (timed and warm-up).
+    launches: u64,
+    /// The session's launches at the runtime's entry points (`cuda*`) and at the driver's
+    /// (`cu*`), graphs aside; bare: the hits of the uprobe on each.
+    runtime: u64,
+    driver: u64,
+    /// Tracing: the trace's CUDA events; all sessions: events lost.
+    events: u64,
+    lost: u64,
+    /// tracerd's CPU time over the run, in clock ticks.
+    daemon_ticks: u64,
+}
+
+pub(super) fn run() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let libs = dir.path().join("cuda");
+    let out = Command::new("sh")
+        .arg(root().join("tests/cuda/build.sh"))
+        .arg(&libs)
+        .output()
+        .context("running tests/cuda/build.sh")?;
+    if !out.status.success() {
+        bail!(
+            "tests/cuda/build.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let daemon = Daemon::start(dir.path())?;
+    let bare = BareProbes::create(&libs)?;
+    let program = libs.join("launch_loop");
+    let args = [N.to_string(), ROUNDS.to_string()];
+
+    println!("loop: tests/cuda/launch_loop {N} {ROUNDS}: step<<<64, 256>>>(x, n) the way nvcc 13 compiles it");
+    println!("      (__cudaPushCallConfiguration, the host stub's __cudaPopCallConfiguration and");
+    println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
+    println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
+    println!("      a launch crosses two probed entry points");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda --pid PID, started while the loop waits");
+    println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
+    println!(
+        "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
+        group(N)
+    );
+    println!("      condition, interleaved, median (min–max of the runs beneath)");
+    println!(
+        "bare: perf stat -e {} -p PID, uprobes",
+        BareProbes::EVENTS.join(",")
+    );
+    println!("      made by perf probe at both functions' entries, started at the same cue");
+    println!("columns: ns per launch; ns added per launch over untraced; ×: over untraced; vs bare: added");
+    println!("      over bare's added; launches the session counted (bare: hits) at the runtime's entry point");
+    println!("      and at the driver's, against the loop's own count; tracing: CUDA events in the trace;");
+    println!("      events lost; tracerd's CPU per run");
+    println!();
+
+    let mut runs: Vec<Vec<Run>> = (0..CONDS.len()).map(|_| Vec::new()).collect();
+    for round in 0..RUNS {
+        for k in 0..CONDS.len() {
+            let i = (k + round) % CONDS.len();
+            runs[i].push(one_run(
+                &daemon,
+                Some(&bare),
+                Command::new(&program).args(&args),
+                CONDS[i],
+            )?);
+        }
+    }
+    let per_launch = |r: &Run| r.seconds / N as f64 * 1e9;
+    let ns = |i: usize| median(runs[i].iter().map(per_launch).collect());
+    let range = |i: usize| {
+        let v: Vec<f64> = runs[i].iter().map(per_launch).collect();
+        let (lo, hi) = v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        });
+        format!("{lo:.0}–{hi:.0}")
+    };
+    let tick_ms = 1000.0 / clock_ticks();
+    let base = ns(0);
+    let bare_added = ns(1) - base;
+    println!(
+        "{:<9} {:>9} {:>9} {:>7} {:>7} {:>12} {:>12} {:>12} {:>5} {:>12} {:>5} {:>10}",
+        "condition",
+        "ns/launch",
+        "added ns",
+        "×",
+        "vs bare",
+        "runtime",
+        "driver",
+        "loop",
+        "",
+        "events",
+        "lost",
+        "tracerd ms"
+    );
+    let mut mismatches = Vec::new();
+    for (i, cond) in CONDS.iter().enumerate() {
+        let name = cond.name();
+        let t = ns(i);
+        if *cond == Cond::Untraced {
+            println!("{name:<9} {t:>9.0} {:>9} {:>7.2}", "-", 1.0);
+        } else {
+            // Every run must have counted every launch at both layers.
+            let bad: Vec<String> = runs[i]
+                .iter()
+                .filter(|r| r.runtime != r.launches || r.driver != r.launches)
+                .map(|r| {
+                    format!(
+                        "{name}: runtime {} driver {} loop {}",
+                        r.runtime, r.driver, r.launches
+                    )
+                })
+                .collect();
+            let last = runs[i].last().expect("RUNS > 0");
+            println!(
+                "{name:<9} {t:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>12} {:>12} {:>12} {:>5} {:>12} {:>5} {:>10}",
+                t - base,
+                t / base,
+                (t - base) / bare_added,
+                group(last.runtime),
+                group(last.driver),
+                group(last.launches),
+                if bad.is_empty() { "ok" } else { "BAD" },
+                if *cond == Cond::Tracing {
+                    group(median(runs[i].iter().map(|r| r.events as f64).collect()) as u64)
+                } else {
+                    "-".to_owned()
+                },
+                if *cond == Cond::Bare {
+                    "-".to_owned()
+                } else {
+                    group(runs[i].iter().map(|r| r.lost).sum())
+                },
+                if *cond == Cond::Bare {
+                    "-".to_owned()
+                } else {
+                    format!(
+                        "{:.0}",
+                        median(runs[i].iter().map(|r| r.daemon_ticks as f64).collect()) * tick_ms
+                    )
+                }
+            );
+            mismatches.extend(bad);
+        }
+        println!("{:<9} {:>9}", "", range(i));
+    }
+    let (counting, tracing) = (ns(2) - base, ns(3) - base);
+    let verdict = |added: f64| {
+        if added <= TARGET_NS {
+            "met"
+        } else {
+            "NOT met"
+        }
+    };
+    println!(
+        "added per launch: counting {counting:.0} ns, tracing {tracing:.0} ns, bare uprobes {bare_added:.0} ns (two probe hits"
+    );
+    println!(
+        "      each: cudaLaunchKernel and cuLaunchKernel); target ≤ {TARGET_NS:.0} ns: counting {}, tracing {}",
+        verdict(counting),
+        verdict(tracing)
+    );
+    println!();
+    torch_part(&daemon, dir.path())?;
+    if !mismatches.is_empty() {
+        bail!(
+            "sessions counted other launch totals than the loop made: {}",
+            mismatches.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// Runs `cmd` (a loop that prints `ready`, waits for a line, prints `SECONDS` per round and
+/// `LAUNCHES`), under a session of `cond` started on its pid between the two.
+fn one_run(
+    daemon: &Daemon,
+    bare: Option<&BareProbes>,
+    cmd: &mut Command,
+    cond: Cond,
+) -> Result<Run> {
+    let before = daemon.cpu_ticks();
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the loop")?;
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    stdout.read_line(&mut line)?;
+    if line.trim() != "ready" {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("the loop printed {line:?} instead of \"ready\"");
+    }
+    let mut perf = None;
+    let id = match cond.mode() {
+        None if cond == Cond::Bare => {
+            match bare
+                .context("no bare probes")
+                .and_then(|b| b.stat(child.id()))
+            {
+                Ok(p) => perf = Some(p),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(e);
+                }
+            }
+            // perf stat opens its events on the pid at start: well within this.
+            sleep(Duration::from_millis(500));
+            None
+        }
+        None => None,
+        Some(mode) => {
+            let out = tracerctl(daemon)
+                .args(["start", mode, "--cuda", "--pid", &child.id().to_string()])
+                .output()?;
+            if !out.status.success() {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "tracerctl start: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            // tracerd looks for CUDA libraries in the target's maps every 20 ms; both are
+            // mapped already, so they are probed well within this.
+            sleep(Duration::from_millis(500));
+            Some(String::from_utf8(out.stdout)?.trim().to_owned())
+        }
+    };
+    let mut stdin = child.stdin.take().expect("piped");
+    stdin.write_all(b"go\n")?;
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest)?;
+    let status = child.wait()?;
+    ensure!(status.success(), "the loop failed ({status}): {rest}");
+    let mut rounds = Vec::new();
+    let mut run = Run::default();
+    for l in rest.lines() {
+        if let Some(s) = l.strip_prefix("SECONDS ") {
+            rounds.push(s.trim().parse::<f64>().context("bad time")?);
+        } else if let Some(n) = l.strip_prefix("LAUNCHES ") {
+            run.launches = n.trim().parse().context("bad launch count")?;
+        }
+    }
+    ensure!(!rounds.is_empty(), "the loop printed no time");
+    run.seconds = median(rounds);
+    if let Some(perf) = perf {
+        // perf stat -p ends when its process does.
+        let out = perf.wait_with_output()?;
+        ensure!(
+            out.status.success(),
+            "perf stat failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        (run.runtime, run.driver) = BareProbes::hits(&String::from_utf8_lossy(&out.stderr));
+    }
+    if let Some(id) = id {
+        let json = report(daemon, &id)?;
+        for l in json["cuda"]["launches"].as_array().into_iter().flatten() {
+            let api = l["api"].as_str().unwrap_or("");
+            let n = l["launches"].as_u64().unwrap_or(0);
+            if api.contains("Graph") {
+                continue;
+            }
+            if api.starts_with("cuda") {
+                run.runtime += n;
+            } else {
+                run.driver += n;
+            }
+        }
+        run.events = json["trace"]["cuda_events"].as_u64().unwrap_or(0);
+        run.lost = json["losses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["count"].as_u64())
+            .sum();
+        // Gone once read: a traced run's file holds two events per launch.
+        let _ = tracerctl(daemon).args(["delete", &id]).output();
+    }
+    run.daemon_ticks = daemon.cpu_ticks() - before;
+    Ok(run)
+}
+
+/// The report of session `id`, once it has ended (it ends when its target exits).
+fn report(daemon: &Daemon, id: &str) -> Result<serde_json::Value> {
+    let start = Instant::now();
+    loop {
+        let out = tracerctl(daemon).args(["status", id]).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if out.status.success()
+            && !text
+                .lines()
+                .any(|l| l.starts_with("state:") && l.contains("running"))
+        {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "session {id} did not end within 30 s of its target"
+        );
+        sleep(Duration::from_millis(50));
+    }
+    let out = tracerctl(daemon)
+        .args(["report", id, "--format", "json"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "tracerctl report {id}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    serde_json::from_slice(&out.stdout).context("tracer's JSON report")
+}
+
+/// The PyTorch loop, untraced and under counting `--cuda`, where PyTorch sees a GPU.
+fn torch_part(daemon: &Daemon, dir: &Path) -> Result<()> {
+    let python = python_executable()?;
+    let probe = Command::new(&python)
+        .args([
+            "-c",
+            "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)",
+        ])
+        .output()
+        .context("running python3")?;
+    if !probe.status.success() {
+        let why = if probe.status.code() == Some(3) {
+            "torch.cuda.is_available() is False (no GPU or no driver)".to_owned()
+        } else if String::from_utf8_lossy(&probe.stderr).contains("No module named") {
+            format!("PyTorch is not installed for {}", python.display())
+        } else {
+            format!(
+                "importing torch failed: {}",
+                String::from_utf8_lossy(&probe.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            )
+        };
+        println!("GPU part skipped: {why}");
+        return Ok(());
+    }
+    let script = dir.join("torch_loop.py");
+    fs::write(&script, TORCH_SCRIPT)?;
+    let args = [
+        script.display().to_string(),
+        TORCH_N.to_string(),
+        TORCH_ROUNDS.to_string(),
+    ];
+    println!("== GPU: PyTorch ==");
+    println!(
+        "python: {}; {TORCH_ROUNDS} rounds of {} × x.add_(1) on a 1024-float CUDA tensor, then",
+        python.display(),
+        group(TORCH_N)
+    );
+    println!("      torch.cuda.synchronize(); a run's figure is its median round; {TORCH_RUNS} runs of each, interleaved, median");
+    println!("columns: ns per add_; ns added over untraced; ×; launches the session counted at the runtime's");
+    println!("      entry points and at the driver's (the whole session, warm-up excluded), against the adds made");
+    println!();
+    let conds = [Cond::Untraced, Cond::Counting];
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(), Vec::new()];
+    for round in 0..TORCH_RUNS {
+        for k in 0..conds.len() {
+            let i = (k + round) % conds.len();
+            runs[i].push(one_run(
+                daemon,
+                None,
+                Command::new(&python).args(&args),
+                conds[i],
+            )?);
+        }
+    }
+    let ns = |i: usize| {
+        median(
+            runs[i]
+                .iter()
+                .map(|r| r.seconds / TORCH_N as f64 * 1e9)
+                .collect(),
+        )
+    };
+    let base = ns(0);
+    let counted = ns(1);
+    let last = runs[1].last().expect("TORCH_RUNS > 0");
+    println!(
+        "{:<9} {:>9} {:>9} {:>7} {:>12} {:>12} {:>12}",
+        "condition", "ns/add_", "added ns", "×", "runtime", "driver", "adds"
+    );
+    println!("{:<9} {base:>9.0} {:>9} {:>7.2}", "untraced", "-", 1.0);
+    println!(
+        "{:<9} {counted:>9.0} {:>9.0} {:>7.2} {:>12} {:>12} {:>12}",
+        "counting",
+        counted - base,
+        counted / base,
+        group(last.runtime),
+        group(last.driver),
+        group(last.launches)
+    );
+    Ok(())
+}
+
+/// `perf probe` uprobes at the entries of tests/cuda's `cudaLaunchKernel` and
+/// `cuLaunchKernel`, counted by `perf stat`: what two uprobe traps a launch cost alone.
+struct BareProbes;
+
+const GROUP: &str = "tracerbench_cuda";
+
+impl BareProbes {
+    const EVENTS: [&'static str; 2] = [
+        "tracerbench_cuda:cudaLaunchKernel",
+        "tracerbench_cuda:cuLaunchKernel",
+    ];
+
+    fn create(libs: &Path) -> Result<Self> {
+        Self::remove();
+        let probes = Self;
+        for (lib, sym) in [
+            ("libcudart.so.13", "cudaLaunchKernel"),
+            ("libcuda.so.1", "cuLaunchKernel"),
+        ] {
+            let out = Command::new("perf")
+                .args(["probe", "-q", "-x"])
+                .arg(libs.join(lib))
+                .args(["-a", &format!("{GROUP}:{sym}={sym}")])
+                .output()
+                .context("running perf probe (Debian package linux-perf)")?;
+            ensure!(
+                out.status.success(),
+                "perf probe {sym}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(probes)
+    }
+
+    /// `perf stat` counting both probes' hits in `pid`, its output on stderr.
+    fn stat(&self, pid: u32) -> Result<std::process::Child> {
+        Command::new("perf")
+            .args(["stat", "-x", ",", "-e", &Self::EVENTS.join(","), "-p"])
+            .arg(pid.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("running perf stat")
+    }
+
+    /// (runtime, driver) hits in `perf stat -x ,`'s output.
+    fn hits(out: &str) -> (u64, u64) {
+        let count = |event: &str| {
+            out.lines()
+                .find(|l| l.split(',').nth(2) == Some(event))
+                .and_then(|l| l.split(',').next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        (count(Self::EVENTS[0]), count(Self::EVENTS[1]))
+    }
+
+    fn remove() {
+        let _ = Command::new("perf")
+            .args(["probe", "-q", "-d", &format!("{GROUP}:*")])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for BareProbes {
+    fn drop(&mut self) {
+        Self::remove();
+    }
+}

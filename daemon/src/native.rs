@@ -59,7 +59,25 @@ pub struct NativeTarget {
     pub spec: String,
     pub binary: PathBuf,
     pub symbol: String,
+    /// Where the probe goes: the function's first instruction, or the one after its leading
+    /// `endbr64` (see `past_landing_pad`).
     pub file_offset: u64,
+}
+
+/// `endbr64`, the landing pad CET-built code (Ubuntu's packages, for one) starts functions
+/// with.
+const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
+
+/// The offset to probe a function at: past a leading `endbr64`, which the kernel cannot
+/// emulate and would single-step on every hit (≈5× the cost of a probe on the `push` that
+/// follows). Calls still pass there, with the same registers and stack: the landing pad
+/// changes neither, and code branches to a function's start, not past its pad.
+fn past_landing_pad(data: &[u8], file_offset: u64) -> u64 {
+    let at = usize::try_from(file_offset).unwrap_or(usize::MAX);
+    match data.get(at..at.saturating_add(4)) {
+        Some(bytes) if cfg!(target_arch = "x86_64") && bytes == ENDBR64 => file_offset + 4,
+        _ => file_offset,
+    }
 }
 
 /// Resolves a spec into the functions it names. `pid`: a running target whose mappings are
@@ -116,7 +134,7 @@ pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, Native
                 spec: spec.into(),
                 binary: binary.clone(),
                 symbol,
-                file_offset,
+                file_offset: past_landing_pad(&data, file_offset),
             })
         })
         .collect()
@@ -287,6 +305,17 @@ fn in_dir(dir: &Path, name: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn probes_go_past_a_landing_pad() {
+        let code = [0x90, 0xf3, 0x0f, 0x1e, 0xfa, 0x55, 0x48, 0x89, 0xe5];
+        if cfg!(target_arch = "x86_64") {
+            assert_eq!(past_landing_pad(&code, 1), 5, "endbr64; push %rbp");
+        }
+        assert_eq!(past_landing_pad(&code, 5), 5, "push %rbp");
+        assert_eq!(past_landing_pad(&code, 7), 7, "too short to be endbr64");
+        assert_eq!(past_landing_pad(&code, 100), 100, "outside the file");
+    }
 
     #[test]
     fn globs() {

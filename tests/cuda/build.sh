@@ -17,12 +17,20 @@ CC=${CC:-cc}
 USER_CFLAGS=${CFLAGS:+yes}
 # -O2 with frame pointers, without shrink-wrapping, sibling calls or the scheduling pass that
 # moves instructions into the prologue: every exported function is a real, non-inlined symbol
-# (noinline in the sources) that starts with `push %rbp; mov %rsp,%rbp` on x86-64.
+# (noinline in the sources) that starts with `push %rbp; mov %rsp,%rbp` on x86-64 (after
+# `endbr64` in the CET-built driver).
 CFLAGS=${CFLAGS:--O2 -g -fno-omit-frame-pointer -fno-shrink-wrap -fno-optimize-sibling-calls \
 -fno-schedule-insns2}
 WARN="-std=gnu11 -Wall -Wextra -Wno-unused-parameter"
 
-$CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcuda.so.1 \
+# The driver is built the CET way where the compiler can (as distributions' packages are):
+# its functions start with an `endbr64` landing pad, which tracer probes past.
+CET=
+if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] &&
+  echo 'int f(void){return 0;}' | $CC -fcf-protection=full -x c -c -o /dev/null - 2>/dev/null; then
+  CET=-fcf-protection=full
+fi
+$CC $CFLAGS $CET $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcuda.so.1 \
   -o "$OUT/libcuda.so.1" "$HERE/fake_cuda.c" -lpthread
 # The runtime dlopen()s libcuda.so.1 itself; its own $ORIGIN runpath finds the fake one next
 # to it (a runpath is not inherited from the app).
@@ -48,6 +56,7 @@ if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] && command -v objdump >/d
       /^[0-9a-f]+ <.*>:$/ { name = substr($2, 2, length($2) - 3); n = 0; next }
       name in want && /^ +[0-9a-f]+:/ {
         n++; sub(/^ +[0-9a-f]+:[ \t]+/, ""); gsub(/[ \t]+/, " ")
+        if (n == 1 && $0 == "endbr64") { n = 0; next }
         if (n == 1) first = $0
         if (n == 2) {
           if (first != "push %rbp" || $0 != "mov %rsp,%rbp") {

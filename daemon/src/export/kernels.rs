@@ -36,7 +36,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     if !c.launches.is_empty() {
         let _ = writeln!(
             out,
-            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel  [Python call site]",
+            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel  [← Python call site] [← native caller]",
             "launches", "api", "grid", "block", "smem", "stream", "pid"
         );
     }

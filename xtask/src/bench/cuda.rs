@@ -141,7 +141,9 @@ pub(super) fn run() -> Result<()> {
         "bare: perf stat -e {} -p PID, uprobes",
         BareProbes::EVENTS.join(",")
     );
-    println!("      made by perf probe at both functions' entries, started at the same cue");
+    println!(
+        "      made by perf probe at both functions' entries (past endbr64, as tracer's), same cue"
+    );
     println!("columns: ns per launch; ns added per launch over untraced; ×: over untraced; vs bare: added");
     println!("      over bare's added; launches the session counted (bare: hits) at the runtime's entry point");
     println!("      and at the driver's, against the loop's own count; tracing: CUDA events in the trace;");
@@ -496,7 +498,9 @@ fn torch_part(daemon: &Daemon, dir: &Path) -> Result<()> {
 }
 
 /// `perf probe` uprobes at the entries of tests/cuda's `cudaLaunchKernel` and
-/// `cuLaunchKernel`, counted by `perf stat`: what two uprobe traps a launch cost alone.
+/// `cuLaunchKernel`, counted by `perf stat`: what two uprobe traps a launch cost alone. Like
+/// tracer's, they sit past an `endbr64` landing pad (the CET-built driver's), which the kernel
+/// would otherwise single-step on every hit.
 struct BareProbes;
 
 const GROUP: &str = "tracerbench_cuda";
@@ -514,10 +518,15 @@ impl BareProbes {
             ("libcudart.so.13", "cudaLaunchKernel"),
             ("libcuda.so.1", "cuLaunchKernel"),
         ] {
+            let at = if starts_with_endbr64(&libs.join(lib), sym)? {
+                format!("{sym}+4")
+            } else {
+                sym.to_owned()
+            };
             let out = Command::new("perf")
                 .args(["probe", "-q", "-x"])
                 .arg(libs.join(lib))
-                .args(["-a", &format!("{GROUP}:{sym}={sym}")])
+                .args(["-a", &format!("{GROUP}:{sym}={at}")])
                 .output()
                 .context("running perf probe (Debian package linux-perf)")?;
             ensure!(
@@ -557,6 +566,22 @@ impl BareProbes {
             .stderr(Stdio::null())
             .status();
     }
+}
+
+/// Whether `sym` in `lib` starts with `endbr64` (objdump, from binutils like perf's tools).
+fn starts_with_endbr64(lib: &Path, sym: &str) -> Result<bool> {
+    let out = Command::new("objdump")
+        .args(["-d", "--no-show-raw-insn", &format!("--disassemble={sym}")])
+        .arg(lib)
+        .output()
+        .context("running objdump (binutils)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text
+        .lines()
+        .skip_while(|l| !l.ends_with(&format!("<{sym}>:")))
+        .nth(1)
+        .unwrap_or("");
+    Ok(first.trim_end().ends_with("endbr64"))
 }
 
 impl Drop for BareProbes {

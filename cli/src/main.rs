@@ -90,6 +90,10 @@ struct StartArgs {
     /// With --cuda: period of the GPU metric readings (NVML), e.g. 50ms (default 100ms).
     #[arg(long, value_parser = duration::parse_ms, requires = "cuda")]
     gpu_period: Option<u64>,
+    /// With --cuda: also record each launch's stack (Python and native), weighted by launches:
+    /// `report --format folded|pprof|speedscope|svg` then draws where launches come from.
+    #[arg(long, requires = "cuda")]
+    cuda_stacks: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
@@ -416,6 +420,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
                 .gpu_period
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
+            cuda_stacks: args.cuda_stacks,
         }),
         sampling: (args.frequency.is_some() || args.push.is_some()).then(|| SamplingOptions {
             frequency_hz: args

@@ -151,13 +151,21 @@ impl Profile {
                 .then(a.0.cmp(&b.0))
         });
         let pct = |n: u64| 100.0 * n as f64 / total.max(1) as f64;
-        let _ = writeln!(
-            out,
-            "\n Stack samples: {total} at {} Hz ({}), {} distinct stacks\n",
-            self.frequency_hz,
-            self.event,
-            self.stacks.len()
-        );
+        let _ = match self.frequency_hz {
+            // Launch stacks: one a launch.
+            0 => writeln!(
+                out,
+                "\n Stacks of {total} {}es, {} distinct (self: launched from there; total: from there or below)\n",
+                self.event,
+                self.stacks.len()
+            ),
+            hz => writeln!(
+                out,
+                "\n Stack samples: {total} at {hz} Hz ({}), {} distinct stacks\n",
+                self.event,
+                self.stacks.len()
+            ),
+        };
         let _ = writeln!(
             out,
             "{:>8} {:>7} {:>8} {:>7}  function",

@@ -1,9 +1,15 @@
 """Launches through a CUDA runtime library (argv[1]) with ctypes, from a known line: prints
 "loaded" once the library is mapped, waits for a line on stdin, calls cudaLaunchKernel
-argv[2] times from launch(), prints "done", then waits for stdin to close. tracer's CUDA
-report must name launch() and that line as the launches' Python call site."""
+argv[2] times from launch() (and argv[3] times, default 0, from warm_up() first; with the
+driver's library, cuLaunchKernel), prints
+"done", then waits for stdin to close. tracer's CUDA report must name launch() and that line
+as the launches' Python call site."""
 import ctypes
+import os
 import sys
+
+# A driver library (libcuda.so*) is called through cuLaunchKernel instead.
+DRIVER = os.path.basename(sys.argv[1]).startswith("libcuda.so")
 
 
 class Dim3(ctypes.Structure):
@@ -12,13 +18,25 @@ class Dim3(ctypes.Structure):
 
 def launch(rt, n):
     for _ in range(n):
-        rt.cudaLaunchKernel(ctypes.c_void_p(0x1234), Dim3(2, 3, 4), Dim3(5, 6, 7), None, ctypes.c_size_t(64), None)  # the call site
+        if DRIVER:
+            rt.cuLaunchKernel(ctypes.c_void_p(0x1234), 2, 3, 4, 5, 6, 7, 64, None, None, None)
+        else:
+            rt.cudaLaunchKernel(ctypes.c_void_p(0x1234), Dim3(2, 3, 4), Dim3(5, 6, 7), None, ctypes.c_size_t(64), None)  # the call site
+
+
+def warm_up(rt, n):
+    for _ in range(n):
+        if DRIVER:
+            rt.cuLaunchKernel(ctypes.c_void_p(0x1234), 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        else:
+            rt.cudaLaunchKernel(ctypes.c_void_p(0x1234), Dim3(1, 1, 1), Dim3(1, 1, 1), None, ctypes.c_size_t(0), None)
 
 
 def main():
     rt = ctypes.CDLL(sys.argv[1])
     print("loaded", flush=True)
     sys.stdin.readline()
+    warm_up(rt, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     launch(rt, int(sys.argv[2]))
     print("done", flush=True)
     sys.stdin.read()

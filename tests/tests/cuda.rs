@@ -286,6 +286,10 @@ fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
         "{table}"
     );
     assert!(table.contains("triton_poi_fused_add_0"), "{table}");
+    assert!(
+        table.contains("GPU execution times: not measured"),
+        "said plainly: {table}"
+    );
 }
 
 /// A process whose kernels were registered, and one handle fetched, before the session: the
@@ -390,6 +394,108 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
     expect("cudaLaunchKernelExC", &reduce, "host stub symbol");
 }
 
+/// `--cuda-stacks`: every launch's stack (taken at the driver's entry points, which every
+/// kernel launch reaches), Python frames in native ones, as a profile weighted by launches;
+/// from two call sites the script made a known number of launches from.
+#[test]
+fn launch_stacks_show_where_launches_come_from() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::script("cuda_calls.py");
+    let mut py = ChildGuard::spawn(
+        Command::new(tracer_tests::python())
+            .arg(&script)
+            .arg(libs.join("libcuda.so.1"))
+            .args(["7", "3"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(py.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "loaded\n");
+    let pid = py.pid().to_string();
+    let id = d
+        .ok(&[
+            "start",
+            "--mode=counting",
+            "--cuda",
+            "--cuda-stacks",
+            "--pid",
+            &pid,
+        ])
+        .trim()
+        .to_owned();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut stdin = py.0.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "done\n");
+    drop(stdin);
+    let _ = py.0.wait();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    assert_eq!(report["losses"], serde_json::json!([]));
+    let launches: u64 = report["cuda"]["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["launches"].as_u64().unwrap())
+        .sum();
+    assert_eq!(launches, 10, "{}", report["cuda"]);
+    // One stack a launch, each from the Python function that made it down to the entry point.
+    let mut from: BTreeMap<&str, u64> = BTreeMap::new();
+    let folded = d.ok(&["report", &id, "--format", "folded"]);
+    for l in folded.lines() {
+        let (stack, n) = l.rsplit_once(' ').unwrap();
+        let frames: Vec<&str> = stack.split(';').collect();
+        assert_eq!(frames.last(), Some(&"cuLaunchKernel"), "{l}");
+        let caller = ["launch (", "warm_up ("]
+            .into_iter()
+            .find(|f| frames.iter().any(|x| x.starts_with(f)))
+            .unwrap_or_else(|| panic!("no launching Python function: {l}"));
+        assert!(frames.iter().any(|x| x.starts_with("main (")), "{l}");
+        *from.entry(caller).or_default() += n.parse::<u64>().unwrap();
+    }
+    assert_eq!(from, BTreeMap::from([("launch (", 7), ("warm_up (", 3)]));
+    // pprof, weighted by launches, as go tool pprof reads it.
+    if Command::new("go").arg("version").output().is_err() {
+        println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
+        return;
+    }
+    let file = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "pprof",
+        "-o",
+        file.path().to_str().unwrap(),
+    ]);
+    let top = Command::new("go")
+        .args(["tool", "pprof", "-top", "-nodecount=100"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    assert!(
+        top.status.success(),
+        "{}",
+        String::from_utf8_lossy(&top.stderr)
+    );
+    let top = String::from_utf8_lossy(&top.stdout);
+    assert!(top.contains("Type: cuda-launch"), "{top}");
+    assert!(
+        top.lines()
+            .any(|l| l.split_whitespace().next() == Some("10") && l.ends_with("cuLaunchKernel")),
+        "{top}"
+    );
+}
+
 #[test]
 fn launches_name_their_python_call_site() {
     if !root_or_skip() {
@@ -423,8 +529,8 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
         .ok(&[&["start", "--mode=counting", "--cuda"], target].concat())
         .trim()
         .to_owned();
-    // tracerd looks for new libraries (and Python processes) every 20 ms.
-    std::thread::sleep(Duration::from_millis(500));
+    // The library is mapped already (probed at the start); a margin for a loaded machine.
+    std::thread::sleep(Duration::from_millis(300));
     let mut stdin = py.0.stdin.take().unwrap();
     stdin.write_all(b"go\n").unwrap();
     stdin.flush().unwrap();

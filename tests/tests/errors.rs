@@ -115,6 +115,10 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             ],
             "--cuda",
         ),
+        (
+            &["start", "--mode=counting", "--cuda-stacks", "--pid", &pid],
+            "--cuda",
+        ),
         (&["watch", &keep], "is not a running tracing session"),
         (
             &["status", "nosuchsession"],

@@ -71,6 +71,10 @@ fn reflection_and_health_serve_generic_clients() {
     );
     assert_eq!(codes["huge_trace_buffer"][0], "INVALID_ARGUMENT", "{codes}");
     assert_eq!(codes["bad_frequency"][0], "INVALID_ARGUMENT", "{codes}");
+    assert_eq!(
+        codes["stacks_without_cuda"][0], "INVALID_ARGUMENT",
+        "{codes}"
+    );
     assert_eq!(codes["no_session"][0], "NOT_FOUND", "{codes}");
     assert_eq!(
         v["started"]["state"], "SESSION_STATE_RUNNING",

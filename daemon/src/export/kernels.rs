@@ -112,6 +112,11 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             c.unnamed
         );
     }
+    // Said plainly: launches are seen where the CPU makes them, not where the GPU runs them.
+    let _ = writeln!(
+        out,
+        " GPU execution times: not measured (launches are counted on the CPU side; kernel times need CUPTI, not supported yet)"
+    );
     match &c.gpu.unavailable {
         Some(why) => {
             let _ = writeln!(out, " GPU metrics: unavailable: {why}");

@@ -22,11 +22,21 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
     let origins: std::collections::HashMap<u32, &crate::container::Origin> =
         containers.iter().map(|c| (c.pid, &c.origin)).collect();
     let mut b = Builder::new(p.mappings.len());
-    let sample_type = vec![
-        b.value_type("samples", "count"),
-        b.value_type("cpu", "nanoseconds"),
-    ];
-    let period_type = Some(b.value_type("cpu", "nanoseconds"));
+    // Launch stacks (`--cuda-stacks`) count launches and stand for no time.
+    let timed = p.period_ns > 0;
+    let sample_type = if timed {
+        vec![
+            b.value_type("samples", "count"),
+            b.value_type("cpu", "nanoseconds"),
+        ]
+    } else {
+        vec![b.value_type(&p.event, "count")]
+    };
+    let period_type = Some(if timed {
+        b.value_type("cpu", "nanoseconds")
+    } else {
+        b.value_type(&p.event, "count")
+    });
     let mapping = p
         .mappings
         .iter()
@@ -46,7 +56,11 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
         .filter(|s| s.count > 0)
         .map(|s| pb::Sample {
             location_id: s.frames.iter().rev().map(|f| b.location(f)).collect(),
-            value: vec![int(s.count), int(s.count.saturating_mul(p.period_ns))],
+            value: if timed {
+                vec![int(s.count), int(s.count.saturating_mul(p.period_ns))]
+            } else {
+                vec![int(s.count)]
+            },
             label: {
                 let mut l = vec![
                     b.num_label("pid", s.pid.into()),
@@ -68,9 +82,11 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
             },
         })
         .collect();
-    let comment = vec![b
-        .strings
-        .id(&format!("tracer: {} at {} Hz", p.event, p.frequency_hz))];
+    let comment = vec![b.strings.id(&if timed {
+        format!("tracer: {} at {} Hz", p.event, p.frequency_hz)
+    } else {
+        format!("tracer: the stack of every {}", p.event)
+    })];
     let profile = pb::Profile {
         sample_type,
         sample,
@@ -81,7 +97,7 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
         time_nanos: int(p.start_unix_ns),
         duration_nanos: int(p.duration_ns),
         period_type,
-        period: int(p.period_ns),
+        period: if timed { int(p.period_ns) } else { 1 },
         comment,
     };
     let mut gz = GzEncoder::new(Vec::new(), Compression::default());

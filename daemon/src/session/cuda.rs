@@ -22,6 +22,9 @@ use crate::{
     unwind::ProcMaps,
 };
 
+/// The event a launch-stacks profile (`--cuda-stacks`) counts: one sample a launch.
+pub const LAUNCH_STACKS: &str = "cuda-launch";
+
 /// How often GPU metrics are read unless asked otherwise.
 pub const GPU_PERIOD: Duration = Duration::from_millis(100);
 
@@ -156,6 +159,8 @@ fn describe(sym: Option<&Sym>, binary: &str, offset: u64) -> String {
 pub struct CudaSession {
     slot: u8,
     all: bool,
+    /// `--cuda-stacks`: launches record their stacks.
+    pub stacks: bool,
     started: Instant,
     pub next_look: Instant,
     /// Probed libraries by (device, inode), with their probes.
@@ -175,12 +180,14 @@ impl CudaSession {
     pub fn new(
         slot: u8,
         all: bool,
+        stacks: bool,
         gpu_period: Duration,
         tracks: Option<crate::gpu::TraceTracks>,
     ) -> Self {
         Self {
             slot,
             all,
+            stacks,
             started: Instant::now(),
             next_look: Instant::now(),
             libs: HashMap::new(),
@@ -251,7 +258,16 @@ impl CudaSession {
                 let Some(t) = targets.into_iter().find(|t| t.symbol == ep.symbol) else {
                     continue;
                 };
-                let cookie = cuda_cookie::make(self.slot, self.all, ep.api);
+                // Stacks at the driver's launches only: every kernel launch reaches one
+                // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
+                let driver_launch =
+                    matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
+                let cookie = cuda_cookie::make(self.slot, self.all, ep.api)
+                    | if self.stacks && driver_launch {
+                        cuda_cookie::STACKS
+                    } else {
+                        0
+                    };
                 match bpf.attach_cuda(&t.binary, t.file_offset, cookie, ep.at_return) {
                     Ok(l) => links.extend(l),
                     Err(e) => {

@@ -516,6 +516,11 @@ impl Manager {
                 "--export prometheus is for counting sessions".into(),
             ));
         }
+        if options.cuda_stacks && !options.cuda {
+            return Err(Error::InvalidArgument(
+                "--cuda-stacks records the stacks of CUDA launches: it needs --cuda".into(),
+            ));
+        }
         if options.cuda && mode == Mode::Sampling {
             return Err(Error::Unimplemented(
                 "--cuda is for counting and tracing sessions; CUDA frames in sampled stacks are not available yet".into(),
@@ -628,6 +633,15 @@ impl Manager {
             },
             _ => None,
         };
+        if let (true, Some(slot)) = (options.cuda_stacks, slot) {
+            // Launch stacks go through the sampling ring and worker, one sample a launch.
+            self.sampling.add(
+                slot,
+                0,
+                super::cuda::LAUNCH_STACKS,
+                &pid.into_iter().collect::<Vec<_>>(),
+            );
+        }
         let python = if python {
             match self.start_python(pid, target.launched) {
                 Ok(py) => Some(py),
@@ -715,7 +729,13 @@ impl Manager {
                     0 => super::cuda::GPU_PERIOD,
                     ms => Duration::from_millis(u64::from(ms)),
                 };
-                super::cuda::CudaSession::new(slot, pid.is_none(), period, gpu_tracks)
+                super::cuda::CudaSession::new(
+                    slot,
+                    pid.is_none(),
+                    options.cuda_stacks,
+                    period,
+                    gpu_tracks,
+                )
             }),
             loss_base,
             command: pid.filter(|_| !target.launched).and_then(process::comm),
@@ -1057,7 +1077,7 @@ impl Manager {
         // Close the counters before anything else can fail.
         s.counting = None;
         // Stop sampling, then name what was sampled.
-        let profile = match (s.sampler.take(), s.slot) {
+        let mut profile = match (s.sampler.take(), s.slot) {
             (Some(sampler), Some(slot)) => {
                 drop(sampler);
                 self.sampling.finish(slot)
@@ -1071,8 +1091,13 @@ impl Manager {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
         };
+        let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.stacks);
         let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
         self.update_cuda_masks();
+        if let (true, Some(slot)) = (launch_stacks, s.slot) {
+            // The launch probes are gone: every stack they recorded is in the ring.
+            profile = self.sampling.finish(slot);
+        }
         // Launch events carry their row: the trace keeps the rows to name and describe them.
         let mut launches: Vec<crate::trace::TraceLaunch> = cuda
             .iter()

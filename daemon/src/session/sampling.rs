@@ -443,7 +443,11 @@ impl State {
         let mut unwinding = h.unwinding;
         unwinding.failed = h.failed.into_iter().collect();
         unwinding.notes = h.notes.into_iter().collect();
-        let period_ns = 1_000_000_000 / h.frequency_hz.max(1);
+        // Launch stacks (frequency 0) stand for launches, not for time.
+        let period_ns = match h.frequency_hz {
+            0 => 0,
+            hz => 1_000_000_000 / hz,
+        };
         Profile {
             event: h.event.into(),
             frequency_hz: h.frequency_hz,

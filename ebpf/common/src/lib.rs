@@ -463,6 +463,8 @@ pub mod cuda_api {
 pub mod cuda_cookie {
     pub const SLOT_SHIFT: u64 = 32;
     pub const ALL: u64 = 1 << 31;
+    /// `--cuda-stacks`: each launch also records its stack on the sampling ring.
+    pub const STACKS: u64 = 1 << 30;
 
     pub const fn make(slot: u8, all: bool, api: u32) -> u64 {
         ((slot as u64) << SLOT_SHIFT)

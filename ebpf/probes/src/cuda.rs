@@ -61,10 +61,14 @@ const NOEXIST: u64 = 1;
 /// cudaMemcpyKind values are multiplied into `CudaMemKey::kind` above the entry point.
 const MEMCPY_KIND_STEP: u32 = 100;
 
+fn cookie<C: EbpfContext>(ctx: &C) -> u64 {
+    // SAFETY: plain helper call on this program's context.
+    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
+}
+
 /// The probe's entry point and slot, if the current process is one its session follows.
 fn accepted<C: EbpfContext>(ctx: &C) -> Option<(u32, u32, u32)> {
-    // SAFETY: plain helper call on this program's context.
-    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let cookie = cookie(ctx);
     let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = (cookie >> cuda_cookie::SLOT_SHIFT) as u32 & 63;
     if cookie & cuda_cookie::ALL == 0 {
@@ -165,6 +169,9 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     // SAFETY: `regs` is this program's context.
     key.caller = user::<u64>(unsafe { (*ctx.regs).rsp }).unwrap_or(0);
     count_launch(&key);
+    if cookie(ctx) & cuda_cookie::STACKS != 0 {
+        crate::sample::launch_stack(slot, pid, tid);
+    }
     if trace::tracing(1 << slot) != 0 {
         trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.row_id());
     }

@@ -84,15 +84,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
     // SAFETY: `ev` points at the reserved record, ours until submitted; fields are written
     // one by one so that the 18 KiB record never lands on the 512-byte BPF stack.
     unsafe {
-        (*ev).slot = slot;
-        (*ev).cpu = bpf_get_smp_processor_id();
-        (*ev).pid = pid;
-        (*ev).tid = tid;
-        (*ev).ktime_ns = bpf_ktime_get_ns();
-        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
-        (*ev).flags = 0;
-        (*ev).py_depth = 0;
-        (*ev)._pad = 0;
+        header(ev, slot, pid, tid);
         let interrupted = ctx.as_ptr() as *const u8;
         let cs: u64 = bpf_probe_read_kernel(interrupted.add(REGS_CS) as *const u64).unwrap_or(3);
         (*ev).kernel_stack = if cs & 3 == 0 {
@@ -110,8 +102,43 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
     Ok(())
 }
 
+/// A CUDA launch's stack (`--cuda-stacks`), as a sample of the launching thread taken in
+/// the launch probe: its user stack and Python frames, no kernel stack.
+pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
+    let Some(mut entry) = SAMPLES.reserve::<SampleEvent>(0) else {
+        count_loss(loss::SAMPLES_RINGBUF_FULL);
+        return;
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: as in `try_sample`.
+    unsafe {
+        header(ev, slot, pid, tid);
+        (*ev).kernel_stack = -1;
+        user_stack(ev);
+        python(ev, pid, tid);
+    }
+    entry.submit(0);
+}
+
+/// The record's fixed fields.
+unsafe fn header(ev: *mut SampleEvent, slot: u32, pid: u32, tid: u32) {
+    // SAFETY: `ev` is a reserved record.
+    unsafe {
+        (*ev).slot = slot;
+        (*ev).cpu = bpf_get_smp_processor_id();
+        (*ev).pid = pid;
+        (*ev).tid = tid;
+        (*ev).ktime_ns = bpf_ktime_get_ns();
+        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        (*ev).flags = 0;
+        (*ev).py_depth = 0;
+        (*ev)._pad = 0;
+    }
+}
+
 /// The thread's user registers (saved at its entry to the kernel, whatever the interrupt
-/// hit) and the stack pages from the one holding its stack pointer up.
+/// hit; at a uprobe, the probed instruction's) and the stack pages from the one holding its
+/// stack pointer up.
 unsafe fn user_stack(ev: *mut SampleEvent) {
     // SAFETY (whole body): reads go through probe-read helpers, which fail cleanly.
     unsafe {

@@ -57,6 +57,12 @@ pub struct CountingOptions {
     /// (`tracerd --metrics`), live while it runs and for 5 minutes after it ends.
     #[prost(bool, tag = "6")]
     pub export_prometheus: bool,
+    /// With `cuda`: also record the stack of every kernel launch (native frames unwound by
+    /// tracerd, Python frames read in the probe, as sampling does), weighted by launches: the
+    /// report's profile, for the folded, pprof, speedscope and svg formats. Costs a stack copy
+    /// per launch; launches whose stack did not fit the sample ring are counted as losses.
+    #[prost(bool, tag = "7")]
+    pub cuda_stacks: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -65,6 +65,8 @@ enum Cond {
     Bare,
     Counting,
     Tracing,
+    /// Counting with `--cuda-stacks`: every launch's stack recorded too.
+    Stacks,
 }
 
 impl Cond {
@@ -74,19 +76,28 @@ impl Cond {
             Cond::Bare => "bare",
             Cond::Counting => "counting",
             Cond::Tracing => "tracing",
+            Cond::Stacks => "stacks",
         }
     }
 
-    fn mode(self) -> Option<&'static str> {
+    /// `tracerctl start` arguments besides `--cuda --pid PID`.
+    fn mode(self) -> Option<&'static [&'static str]> {
         match self {
             Cond::Untraced | Cond::Bare => None,
-            Cond::Counting => Some("--mode=counting"),
-            Cond::Tracing => Some("--mode=tracing"),
+            Cond::Counting => Some(&["--mode=counting"]),
+            Cond::Tracing => Some(&["--mode=tracing"]),
+            Cond::Stacks => Some(&["--mode=counting", "--cuda-stacks"]),
         }
     }
 }
 
-const CONDS: [Cond; 4] = [Cond::Untraced, Cond::Bare, Cond::Counting, Cond::Tracing];
+const CONDS: [Cond; 5] = [
+    Cond::Untraced,
+    Cond::Bare,
+    Cond::Counting,
+    Cond::Tracing,
+    Cond::Stacks,
+];
 
 /// One run of a loop.
 #[derive(Default)]
@@ -130,7 +141,7 @@ pub(super) fn run() -> Result<()> {
     println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
     println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
     println!("      a launch crosses two probed entry points");
-    println!("sessions: tracerctl start --mode=counting|tracing --cuda --pid PID, started while the loop waits");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda [--cuda-stacks: stacks] --pid PID, started while the loop waits");
     println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
     println!(
         "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
@@ -240,7 +251,7 @@ pub(super) fn run() -> Result<()> {
         }
         println!("{:<9} {:>9}", "", range(i));
     }
-    let (counting, tracing) = (ns(2) - base, ns(3) - base);
+    let (counting, tracing, stacks) = (ns(2) - base, ns(3) - base, ns(4) - base);
     let verdict = |added: f64| {
         if added <= TARGET_NS {
             "met"
@@ -249,8 +260,9 @@ pub(super) fn run() -> Result<()> {
         }
     };
     println!(
-        "added per launch: counting {counting:.0} ns, tracing {tracing:.0} ns, bare uprobes {bare_added:.0} ns (two probe hits"
+        "added per launch: counting {counting:.0} ns, tracing {tracing:.0} ns, counting with launch stacks {stacks:.0} ns,"
     );
+    println!("      bare uprobes {bare_added:.0} ns (two probe hits");
     println!(
         "      each: cudaLaunchKernel and cuLaunchKernel); target ≤ {TARGET_NS:.0} ns: counting {}, tracing {}",
         verdict(counting),
@@ -310,7 +322,9 @@ fn one_run(
         None => None,
         Some(mode) => {
             let out = tracerctl(daemon)
-                .args(["start", mode, "--cuda", "--pid", &child.id().to_string()])
+                .arg("start")
+                .args(mode)
+                .args(["--cuda", "--pid", &child.id().to_string()])
                 .output()?;
             if !out.status.success() {
                 let _ = child.kill();
@@ -320,8 +334,8 @@ fn one_run(
                     String::from_utf8_lossy(&out.stderr).trim()
                 );
             }
-            // tracerd looks for CUDA libraries in the target's maps every 20 ms; both are
-            // mapped already, so they are probed well within this.
+            // Both libraries are mapped already: probed as the session starts, well within
+            // this.
             sleep(Duration::from_millis(500));
             Some(String::from_utf8(out.stdout)?.trim().to_owned())
         }

@@ -2,8 +2,11 @@
 # `--cuda` on a PyTorch program, next to torch.profiler's kernel list for the same work.
 # Not part of CI: run by hand on a GPU machine, as root; results go in docs/GPU_VALIDATION.md.
 # usage: check_cuda.sh BIN_DIR
-# tracer follows the program from its start, so the kernels loaded during the warm-up are
+# The first run follows the program from its start, so the kernels loaded during the warm-up are
 # named; its counts cover the warm-up and the counted run (the profiler's, the latter only).
+# The second attaches to the warm process with --cuda-stacks: its kernels were named before
+# tracer came, so the runtime rows are named from symbols; the stacks show where launches
+# come from.
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -28,3 +31,25 @@ for l in c["launches"]:
     per[layer] += l["launches"]
 print("launches per layer:", dict(per), "rows without a name:", c["unnamed"])
 PY
+echo "== tracer --cuda --cuda-stacks attached to the warm process (kernels named before it)"
+python3 "$HERE/torch_launches.py" --wait "$STATE/ready" "$STATE/go" &
+WORK=$!
+while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
+ID=$($CTL start --mode=counting --cuda --cuda-stacks --pid $WORK)
+sleep 1
+touch "$STATE/go"
+wait $WORK
+for _ in $(seq 50); do
+  $CTL report "$ID" --format kernels --limit 30 2>/dev/null && break
+  sleep 0.2
+done
+$CTL report "$ID" --format json -o "$STATE/warm.json"
+python3 - "$STATE/warm.json" <<'PY'
+import collections, json, sys
+r = json.load(open(sys.argv[1]))
+c = r["cuda"]
+named = collections.Counter(l.get("named_from", "naming call") for l in c["launches"])
+print("rows by where their name came from:", dict(named), "unnamed rows:", c["unnamed"])
+print("launch stacks:", sum(s["count"] for s in r["profile"]["stacks"]), "losses:", r["losses"])
+PY
+$CTL report "$ID" --format folded | sort -t' ' -k2 -nr | head -5 | cut -c1-400

@@ -170,6 +170,9 @@ pub struct CudaSession {
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
     call_sites: HashMap<(u32, u64, u64, u64), String>,
     callers: Callers,
+    /// (pid, driver handle) → (runtime handle, runtime caller) of the runtime launch it was
+    /// made in (`ROW_LINK`).
+    links: HashMap<ProcAddr, (u64, u64)>,
     warnings: Vec<String>,
     gpu: crate::gpu::GpuSampler,
 }
@@ -195,6 +198,7 @@ impl CudaSession {
             names: Names::default(),
             call_sites: HashMap::new(),
             callers: Callers::default(),
+            links: HashMap::new(),
             warnings: Vec::new(),
             gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
         }
@@ -210,6 +214,13 @@ impl CudaSession {
                 addrs.push(self.names.last(ev.pid, ev.handle));
             }
             self.callers.locate(ev.pid, &addrs);
+            return;
+        }
+        if ev.api == api::ROW_LINK {
+            // The runtime launch above this driver row: what may name it.
+            self.links.insert((ev.pid, ev.handle), (ev.other, ev.extra));
+            let stub = self.names.last(ev.pid, ev.other);
+            self.callers.locate(ev.pid, &[ev.extra, stub]);
             return;
         }
         if ev.api != api::CALL_SITE {
@@ -328,6 +339,30 @@ impl CudaSession {
     }
 
     /// Launch and memory rows, named and sorted, and how many launch rows have no name.
+    /// A name for a launch row whose handle no naming call named: a runtime launch's from the
+    /// symbol at the host stub its handle leads to, else its caller's; a driver launch made
+    /// inside a runtime launch (`ROW_LINK`) from that runtime launch's. With where it came from.
+    fn fallback_name(
+        &self,
+        k: &tracer_common::CudaLaunchKey,
+        native: &HashMap<ProcAddr, Named>,
+    ) -> Option<(String, &'static str)> {
+        let (func, caller) = match k.api {
+            api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX => (k.func, k.caller),
+            _ => *self.links.get(&(k.pid, k.func))?,
+        };
+        if let Some(name) = self.names.name(k.pid, func) {
+            return Some((cuda::demangle(name), "runtime launch"));
+        }
+        let symbol = |addr: u64| native.get(&(k.pid, addr)).and_then(|n| n.sym.as_ref());
+        // A symbol that starts at the handle's host stub is the kernel's.
+        if let Some(stub) = symbol(self.names.last(k.pid, func)).filter(|s| s.offset == 0) {
+            return Some((cuda::host_function_kernel(&stub.name), "host stub symbol"));
+        }
+        let c = symbol(caller)?;
+        Some((cuda::host_function_kernel(&c.name), "launching function"))
+    }
+
     /// `native`: named native addresses (pid, address), for callers and host stubs.
     fn rows(
         &self,
@@ -339,27 +374,17 @@ impl CudaSession {
             .into_iter()
             .map(|(k, n)| {
                 let graph = matches!(k.api, api::CU_GRAPH | api::CUDA_GRAPH);
-                let runtime = matches!(k.api, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX);
                 let caller = native.get(&(k.pid, k.caller));
-                let symbol = |addr: u64| native.get(&(k.pid, addr)).and_then(|n| n.sym.as_ref());
                 let mut named_from = "";
                 let kernel = match self.names.name(k.pid, k.func) {
                     _ if graph => format!("[graph exec {:#x}]", k.func),
                     Some(name) => cuda::demangle(name),
-                    None => match (
-                        symbol(self.names.last(k.pid, k.func)).filter(|s| s.offset == 0),
-                        caller.and_then(|c| c.sym.as_ref()),
-                    ) {
-                        // A symbol that starts at the handle's host stub is the kernel's.
-                        (Some(stub), _) if runtime => {
-                            named_from = "host stub symbol";
-                            cuda::host_function_kernel(&stub.name)
+                    None => match self.fallback_name(&k, native) {
+                        Some((name, from)) => {
+                            named_from = from;
+                            name
                         }
-                        (_, Some(c)) if runtime => {
-                            named_from = "launching function";
-                            cuda::host_function_kernel(&c.name)
-                        }
-                        _ => {
+                        None => {
                             unnamed += 1;
                             format!("[kernel handle {:#x}: no name seen: named before tracer probed its library, or not a kernel]", k.func)
                         }

@@ -455,6 +455,11 @@ pub mod cuda_api {
     /// Not an entry point: a followed process mapped a file executable (`handle` = the
     /// address, `other` = the length); it may be a CUDA library to probe now.
     pub const LIBRARY_MAPPED: u32 = 32;
+    /// Not an entry point: a driver launch row made inside a runtime launch that had just
+    /// made a new row on the same thread (`handle` = the driver's handle, `other` = the
+    /// runtime's, `extra` = the runtime call's return address): names for the one serve
+    /// the other.
+    pub const ROW_LINK: u32 = 33;
     pub const MASK: u64 = 0xff;
 }
 

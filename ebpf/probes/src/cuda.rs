@@ -56,6 +56,16 @@ static CUDA_WATCH: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
 #[map]
 static CUDA_MMAPS: HashMap<u32, u64> = HashMap::with_max_entries(4_096, 0);
 
+/// Thread → [runtime handle, return address, time, stack pointer] of a runtime launch that
+/// just made a new row, for the driver launch it makes underneath (`ROW_LINK`). Written on
+/// new rows only, so repeated launches pay nothing for it.
+#[map]
+static CUDA_NEW_ROWS: HashMap<u32, [u64; 4]> = HashMap::with_max_entries(4_096, 0);
+
+/// A driver launch belongs to the runtime launch that made a new row on its thread this
+/// recently (the runtime's own work in between takes microseconds).
+const LINK_WINDOW_NS: u64 = 1_000_000;
+
 /// BPF_NOEXIST.
 const NOEXIST: u64 = 1;
 /// cudaMemcpyKind values are multiplied into `CudaMemKey::kind` above the entry point.
@@ -168,7 +178,10 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     // The return address, on top of the stack at the function's first instruction.
     // SAFETY: `regs` is this program's context.
     key.caller = user::<u64>(unsafe { (*ctx.regs).rsp }).unwrap_or(0);
-    count_launch(&key);
+    if count_launch(&key) {
+        // SAFETY: `regs` is this program's context.
+        link_rows(&key, tid, unsafe { (*ctx.regs).rsp });
+    }
     if cookie(ctx) & cuda_cookie::STACKS != 0 {
         crate::sample::launch_stack(slot, pid, tid);
     }
@@ -223,11 +236,12 @@ fn call_site(pid: u32, tid: u32) -> Option<(u64, u64, u64)> {
     Some((code, instr, py_names_id(qualname, filename)))
 }
 
-fn count_launch(key: &CudaLaunchKey) {
+/// Counts a launch; whether it made a new row.
+fn count_launch(key: &CudaLaunchKey) -> bool {
     for _ in 0..2 {
         if let Some(n) = CUDA_LAUNCHES.get_ptr_mut(key) {
             crate::python::add(n, 1);
-            return;
+            return false;
         }
         if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
             // A new row's call sites are named while its process lives.
@@ -235,10 +249,35 @@ fn count_launch(key: &CudaLaunchKey) {
                 send_site(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
             }
             send_site(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
-            return;
+            return true;
         }
     }
     count_loss(loss::CUDA_MAP_FULL);
+    false
+}
+
+/// A new runtime row is noted for its thread; a new driver row made inside it (deeper on the
+/// same stack, moments later: not a call the program made after the runtime's returned) is
+/// linked to it.
+fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    match key.api {
+        api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX => {
+            let _ = CUDA_NEW_ROWS.insert(&tid, &[key.func, key.caller, now, sp], 0);
+        }
+        api::CU_LAUNCH | api::CU_LAUNCH_EX => {
+            // SAFETY: map values are valid for the duration of the program.
+            let Some([func, caller, at, outer_sp]) = (unsafe { CUDA_NEW_ROWS.get(&tid) }).copied() else {
+                return;
+            };
+            let _ = CUDA_NEW_ROWS.remove(&tid);
+            if sp < outer_sp && now.wrapping_sub(at) < LINK_WINDOW_NS {
+                send_site(key.pid, api::ROW_LINK, key.func, func, caller, 0);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// A nameless record for user space (`api` says what the three words are).

@@ -65,6 +65,68 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     }
 }
 
+/// A session on every process: a program that maps CUDA's libraries after it started is
+/// announced by the kernel and probed at once, and its launches are all counted.
+#[test]
+fn sessions_on_every_process_probe_libraries_as_they_are_mapped() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let mut app = ChildGuard::spawn(
+        Command::new(libs.join("cuda_app"))
+            .arg("hold=1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(app.0.stdout.take().unwrap());
+    let mut stdin = app.0.stdin.take().unwrap();
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--all"])
+        .trim()
+        .to_owned();
+    for cue in ["loaded\n", ""] {
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        if !cue.is_empty() {
+            assert_eq!(line, cue);
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+    let truth: Value = serde_json::from_str(&line).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    drop(stdin);
+    let _ = app.0.wait();
+    d.ok(&["stop", &id]);
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let pid = u64::from(app.pid());
+    let libraries: Vec<&Value> = report["cuda"]["libraries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["pid"] == pid)
+        .collect();
+    assert_eq!(libraries.len(), 2, "{}", report["cuda"]["libraries"]);
+    for lib in libraries {
+        assert_eq!(lib["found_by"], "mmap", "{lib}");
+    }
+    let counted: u64 = report["cuda"]["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["pid"] == pid && !l["api"].as_str().unwrap().contains("Graph"))
+        .map(|l| l["launches"].as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, truth_rows(&truth).values().sum::<u64>());
+}
+
 /// Runs tests/cuda's program under a `--cuda` session of `mode`, the runtime handing the
 /// driver a `handle` ("function" or "kernel"): started before its cue, its libraries probed
 /// before the second. Returns the session, ended, and the program's account of its calls.

@@ -12,7 +12,7 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes,
     },
     macros::{map, tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
     EbpfContext,
 };
@@ -58,9 +58,10 @@ static CUDA_MMAPS: HashMap<u32, u64> = HashMap::with_max_entries(4_096, 0);
 
 /// Thread → [runtime handle, return address, time, stack pointer] of a runtime launch that
 /// just made a new row, for the driver launch it makes underneath (`ROW_LINK`). Written on
-/// new rows only, so repeated launches pay nothing for it.
+/// new rows only, so repeated launches pay nothing for it. LRU: entries of threads that
+/// never reached the driver make room.
 #[map]
-static CUDA_NEW_ROWS: HashMap<u32, [u64; 4]> = HashMap::with_max_entries(4_096, 0);
+static CUDA_NEW_ROWS: LruHashMap<u32, [u64; 4]> = LruHashMap::with_max_entries(4_096, 0);
 
 /// A driver launch belongs to the runtime launch that made a new row on its thread this
 /// recently (the runtime's own work in between takes microseconds).

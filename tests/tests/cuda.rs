@@ -74,39 +74,18 @@ fn sessions_on_every_process_probe_libraries_as_they_are_mapped() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = ChildGuard::spawn(
-        Command::new(libs.join("cuda_app"))
-            .arg("hold=1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
-    let mut out = BufReader::new(app.0.stdout.take().unwrap());
-    let mut stdin = app.0.stdin.take().unwrap();
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
+    let mut app = App::spawn(&libs, &["hold=1"], None);
+    let pid = u64::from(app.guard.pid());
     let id = d
         .ok(&["start", "--mode=counting", "--cuda", "--all"])
         .trim()
         .to_owned();
-    for cue in ["loaded\n", ""] {
-        stdin.write_all(b"go\n").unwrap();
-        stdin.flush().unwrap();
-        line.clear();
-        out.read_line(&mut line).unwrap();
-        if !cue.is_empty() {
-            assert_eq!(line, cue);
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    }
-    let truth: Value = serde_json::from_str(&line).expect("the program's account");
-    assert_eq!(truth["ok"], true, "the program's own checks");
-    drop(stdin);
-    let _ = app.0.wait();
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    std::thread::sleep(Duration::from_millis(300));
+    let truth = app.finish();
     d.ok(&["stop", &id]);
     wait_ended(&d, &id);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
-    let pid = u64::from(app.pid());
     let libraries: Vec<&Value> = report["cuda"]["libraries"]
         .as_array()
         .unwrap()
@@ -141,40 +120,73 @@ fn run_app_with(
     start: &[&str],
     handle: &str,
 ) -> (String, Value) {
-    let mut app = ChildGuard::spawn(
-        Command::new(libs.join("cuda_app"))
-            .arg("hold=1")
-            .env("FAKE_CUDART_LAUNCH_HANDLE", handle)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
-    let mut out = BufReader::new(app.0.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "ready\n");
-    let pid = app.pid().to_string();
+    let mut app = App::spawn(libs, &["hold=1"], Some(handle));
+    let pid = app.pid();
     let id = d
         .ok(&[&["start"], start, &["--cuda", "--pid", &pid]].concat())
         .trim()
         .to_owned();
-    let mut stdin = app.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "loaded\n", "the libraries are mapped only now");
+    assert_eq!(
+        app.cue("go\n"),
+        "loaded\n",
+        "the libraries are mapped only now"
+    );
     // tracerd probes a library as the process maps it; a margin for a loaded machine.
     std::thread::sleep(Duration::from_millis(300));
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    let truth: Value = serde_json::from_str(&line).expect("the program's account");
-    assert_eq!(truth["ok"], true, "the program's own checks");
+    let truth = app.finish();
     assert_eq!(truth["launch_handle_mode"], handle);
-    drop(stdin);
-    let _ = app.0.wait();
     wait_ended(d, &id);
     (id, truth)
+}
+
+/// tests/cuda's program, driven by its cues: a line in, a line out.
+struct App {
+    guard: ChildGuard,
+    out: BufReader<std::process::ChildStdout>,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl App {
+    /// Starts the program with `args` (and the runtime's handle mode, if given); it prints
+    /// "ready" first.
+    fn spawn(libs: &std::path::Path, args: &[&str], handle: Option<&str>) -> Self {
+        let mut cmd = Command::new(libs.join("cuda_app"));
+        cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+        if let Some(h) = handle {
+            cmd.env("FAKE_CUDART_LAUNCH_HANDLE", h);
+        }
+        let mut guard = ChildGuard::spawn(&mut cmd);
+        let out = BufReader::new(guard.0.stdout.take().unwrap());
+        let stdin = guard.0.stdin.take();
+        let mut app = App { guard, out, stdin };
+        assert_eq!(app.cue(""), "ready\n");
+        app
+    }
+
+    fn pid(&self) -> String {
+        self.guard.pid().to_string()
+    }
+
+    /// Sends `go` (a line, or nothing when empty) and returns the next line printed.
+    fn cue(&mut self, go: &str) -> String {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(go.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        line
+    }
+
+    /// The last cue: the program's account of its calls, checked by itself; then its stdin
+    /// closes and it exits.
+    fn finish(mut self) -> Value {
+        let line = self.cue("go\n");
+        let truth: Value = serde_json::from_str(&line).expect("the program's account");
+        assert_eq!(truth["ok"], true, "the program's own checks");
+        drop(self.stdin.take());
+        let _ = self.guard.0.wait();
+        truth
+    }
 }
 
 fn wait_ended(d: &Daemon, id: &str) {
@@ -364,35 +376,14 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = ChildGuard::spawn(
-        Command::new(libs.join("cuda_app"))
-            .arg("warm=1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
-    );
-    let mut out = BufReader::new(app.0.stdout.take().unwrap());
-    let mut stdin = app.0.stdin.take().unwrap();
-    let mut line = String::new();
-    for (cue, want) in [("", "ready\n"), ("go\n", "registered\n")] {
-        stdin.write_all(cue.as_bytes()).unwrap();
-        stdin.flush().unwrap();
-        line.clear();
-        out.read_line(&mut line).unwrap();
-        assert_eq!(line, want);
-    }
-    let pid = app.pid().to_string();
+    let mut app = App::spawn(&libs, &["warm=1"], None);
+    assert_eq!(app.cue("go\n"), "registered\n");
+    let pid = app.pid();
     let id = d
         .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
         .trim()
         .to_owned();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    let truth: Value = serde_json::from_str(&line).expect("the program's account");
-    assert_eq!(truth["ok"], true, "the program's own checks");
-    drop(stdin);
-    let _ = app.0.wait();
+    let truth = app.finish();
     wait_ended(&d, &id);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let cuda = &report["cuda"];

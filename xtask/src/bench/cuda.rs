@@ -383,12 +383,7 @@ fn one_run(
             }
         }
         run.events = json["trace"]["cuda_events"].as_u64().unwrap_or(0);
-        run.lost = json["losses"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|l| l["count"].as_u64())
-            .sum();
+        run.lost = super::losses(&json);
         // Gone once read: a traced run's file holds two events per launch.
         let _ = tracerctl(daemon).args(["delete", &id]).output();
     }

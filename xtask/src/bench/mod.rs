@@ -70,6 +70,16 @@ fn group(n: u64) -> String {
     out
 }
 
+/// Events a session lost, all causes, from its JSON report.
+fn losses(report: &serde_json::Value) -> u64 {
+    report["losses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["count"].as_u64())
+        .sum()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

@@ -807,12 +807,7 @@ fn py_run(
         run.events = json["trace"]["python_calls"]
             .as_u64()
             .context("no trace.python_calls in the report")?;
-        run.lost = json["losses"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|l| l["count"].as_u64())
-            .sum();
+        run.lost = super::losses(&json);
         ensure!(run.events > 0, "the trace holds no Python call");
     }
     Ok(run)

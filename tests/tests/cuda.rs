@@ -459,41 +459,13 @@ fn launch_stacks_show_where_launches_come_from() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let script = tracer_tests::script("cuda_calls.py");
-    let mut py = ChildGuard::spawn(
-        Command::new(tracer_tests::python())
-            .arg(&script)
-            .arg(libs.join("libcuda.so.1"))
-            .args(["7", "3"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped()),
+    let (id, _) = run_cuda_calls(
+        &d,
+        &libs.join("libcuda.so.1"),
+        &["7", "3"],
+        &["--mode=counting", "--cuda", "--cuda-stacks"],
+        false,
     );
-    let mut out = BufReader::new(py.0.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "loaded\n");
-    let pid = py.pid().to_string();
-    let id = d
-        .ok(&[
-            "start",
-            "--mode=counting",
-            "--cuda",
-            "--cuda-stacks",
-            "--pid",
-            &pid,
-        ])
-        .trim()
-        .to_owned();
-    std::thread::sleep(Duration::from_millis(300));
-    let mut stdin = py.0.stdin.take().unwrap();
-    stdin.write_all(b"go\n").unwrap();
-    stdin.flush().unwrap();
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line, "done\n");
-    drop(stdin);
-    let _ = py.0.wait();
-    wait_ended(&d, &id);
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     assert_eq!(report["losses"], serde_json::json!([]));
     let launches: u64 = report["cuda"]["launches"]
@@ -564,13 +536,21 @@ fn launches_name_their_python_call_site() {
     }
 }
 
-fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
-    let script = tracer_tests::script("cuda_calls.py");
+/// Runs tests/scripts/cuda_calls.py on `lib` with `args` under a session started with
+/// `start` (on its pid, or on every process with `all`), its library mapped before; returns
+/// the ended session and the script's pid.
+fn run_cuda_calls(
+    d: &Daemon,
+    lib: &std::path::Path,
+    args: &[&str],
+    start: &[&str],
+    all: bool,
+) -> (String, String) {
     let mut py = ChildGuard::spawn(
         Command::new(tracer_tests::python())
-            .arg(&script)
-            .arg(libs.join("libcudart.so.13"))
-            .arg("7")
+            .arg(tracer_tests::script("cuda_calls.py"))
+            .arg(lib)
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped()),
     );
@@ -581,7 +561,7 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
     let pid = py.pid().to_string();
     let target: &[&str] = if all { &["--all"] } else { &["--pid", &pid] };
     let id = d
-        .ok(&[&["start", "--mode=counting", "--cuda"], target].concat())
+        .ok(&[&["start"], start, target].concat())
         .trim()
         .to_owned();
     // The library is mapped already (probed at the start); a margin for a loaded machine.
@@ -598,6 +578,18 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
         d.ok(&["stop", &id]);
     }
     wait_ended(d, &id);
+    (id, pid)
+}
+
+fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
+    let script = tracer_tests::script("cuda_calls.py");
+    let (id, pid) = run_cuda_calls(
+        d,
+        &libs.join("libcudart.so.13"),
+        &["7"],
+        &["--mode=counting", "--cuda"],
+        all,
+    );
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let rows: Vec<&Value> = report["cuda"]["launches"]
         .as_array()

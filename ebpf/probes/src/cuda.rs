@@ -52,9 +52,9 @@ static CUDA_NAMES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 static CUDA_WATCH: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
 
 /// Thread → length of the executable file mapping it is making (between the mmap
-/// tracepoints).
+/// tracepoints). LRU: a thread killed inside mmap leaves its entry behind.
 #[map]
-static CUDA_MMAPS: HashMap<u32, u64> = HashMap::with_max_entries(4_096, 0);
+static CUDA_MMAPS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
 
 /// Thread → [runtime handle, return address, time, stack pointer] of a runtime launch that
 /// just made a new row, for the driver launch it makes underneath (`ROW_LINK`). Written on

@@ -12,7 +12,6 @@
 //! runs too, untraced and under counting.
 
 use std::{
-    fs,
     io::{BufRead, BufReader, Read, Write},
     path::Path,
     process::{Command, Stdio},
@@ -37,27 +36,6 @@ const TARGET_NS: f64 = 1000.0;
 const TORCH_N: u64 = 20_000;
 const TORCH_ROUNDS: u64 = 3;
 const TORCH_RUNS: usize = 3;
-
-/// A loop of small in-place adds on a CUDA tensor: one elementwise kernel launch each, far
-/// shorter on the GPU than its launch, so the loop is bound by launching. CUDA is initialised
-/// (and its libraries mapped) before the cue, as in launch_loop.
-const TORCH_SCRIPT: &str = r#"
-import sys, time, torch
-n, rounds = int(sys.argv[1]), int(sys.argv[2])
-x = torch.zeros(1024, device="cuda")
-for _ in range(1000):
-    x.add_(1)
-torch.cuda.synchronize()
-print("ready", flush=True)
-sys.stdin.readline()
-for _ in range(rounds):
-    t = time.perf_counter()
-    for _ in range(n):
-        x.add_(1)
-    torch.cuda.synchronize()
-    print(f"SECONDS {time.perf_counter() - t:.6f}", flush=True)
-print(f"LAUNCHES {n * rounds}", flush=True)
-"#;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Cond {
@@ -269,7 +247,7 @@ pub(super) fn run() -> Result<()> {
         verdict(tracing)
     );
     println!();
-    torch_part(&daemon, dir.path())?;
+    torch_part(&daemon)?;
     if !mismatches.is_empty() {
         bail!(
             "sessions counted other launch totals than the loop made: {}",
@@ -422,7 +400,7 @@ fn report(daemon: &Daemon, id: &str) -> Result<serde_json::Value> {
 }
 
 /// The PyTorch loop, untraced and under counting `--cuda`, where PyTorch sees a GPU.
-fn torch_part(daemon: &Daemon, dir: &Path) -> Result<()> {
+fn torch_part(daemon: &Daemon) -> Result<()> {
     let python = python_executable()?;
     let probe = Command::new(&python)
         .args([
@@ -448,8 +426,8 @@ fn torch_part(daemon: &Daemon, dir: &Path) -> Result<()> {
         println!("GPU part skipped: {why}");
         return Ok(());
     }
-    let script = dir.join("torch_loop.py");
-    fs::write(&script, TORCH_SCRIPT)?;
+    // Also run by hand on GPU machines without a build tree: tests/gpu/bench_cuda.sh.
+    let script = root().join("tests/gpu/torch_launch_loop.py");
     let args = [
         script.display().to_string(),
         TORCH_N.to_string(),

@@ -1,0 +1,65 @@
+#!/bin/sh
+# The PyTorch part of `cargo xtask bench cuda`, for a GPU machine with the built binaries and
+# no build tree: ns per launch of tests/gpu/torch_launch_loop.py untraced and under
+# `--mode=counting --cuda` attached before its timed rounds, RUNS runs of each, interleaved.
+# Not part of CI: run by hand as root; results go in docs/GPU_VALIDATION.md.
+# usage: bench_cuda.sh BIN_DIR [N=20000] [ROUNDS=3] [RUNS=3]
+set -eu
+BIN=$(cd "$1" && pwd)
+N=${2:-20000}
+ROUNDS=${3:-3}
+RUNS=${4:-3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+STATE=$(mktemp -d)
+"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
+DAEMON=$!
+trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
+while [ ! -S "$STATE/s" ]; do sleep 0.1; done
+CTL="$BIN/tracerctl --socket $STATE/s"
+
+# One run: prints the median round's ns per launch (and the session's counts when traced).
+run() {
+  mkfifo "$STATE/in"
+  python3 "$HERE/torch_launch_loop.py" "$N" "$ROUNDS" <"$STATE/in" >"$STATE/out" &
+  LOOP=$!
+  exec 3>"$STATE/in"
+  while ! grep -q ready "$STATE/out" 2>/dev/null; do sleep 0.1; done
+  ID=
+  if [ "$1" = counting ]; then
+    ID=$($CTL start --mode=counting --cuda --pid $LOOP)
+    sleep 1
+  fi
+  echo go >&3
+  wait $LOOP
+  exec 3>&-
+  rm "$STATE/in"
+  NS=$(sed -n 's/^SECONDS //p' "$STATE/out" | sort -n | awk -v n="$N" '{ t[NR] = $1 } END { printf "%.0f", t[int((NR + 1) / 2)] / n * 1e9 }')
+  COUNTS=
+  if [ -n "$ID" ]; then
+    for _ in $(seq 50); do
+      $CTL report "$ID" --format json -o "$STATE/r.json" 2>/dev/null && break
+      sleep 0.2
+    done
+    COUNTS=$(python3 - "$STATE/r.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["cuda"]["launches"]
+rt = sum(l["launches"] for l in c if l["api"].startswith("cuda") and "Graph" not in l["api"])
+dr = sum(l["launches"] for l in c if not l["api"].startswith("cuda") and "Graph" not in l["api"])
+print(f"runtime {rt} driver {dr}")
+PY
+)
+  fi
+  echo "$1 $NS $COUNTS"
+}
+
+echo "torch_launch_loop.py $N x $ROUNDS rounds, $RUNS runs each; ns per x.add_(1) (median round)"
+for i in $(seq "$RUNS"); do
+  run untraced
+  run counting
+done | tee "$STATE/runs"
+median() {
+  awk -v c="$1" '$1 == c { print $2 }' "$STATE/runs" | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
+}
+U=$(median untraced)
+C=$(median counting)
+echo "median: untraced $U ns, counting $C ns: $((C - U)) ns added per launch"

@@ -3,6 +3,7 @@
 //! [`manager`] owns every session in one task; the gRPC service talks to it through a
 //! [`manager::Handle`]. Each mode's sources live in their own module ([`counting`]).
 
+mod callers;
 pub mod counting;
 pub mod cuda;
 pub mod manager;

@@ -1,0 +1,132 @@
+//! Native callers of CUDA launches: the return addresses launch probes read, located in
+//! their process's mappings when a row is new (the binary kept open) and named with the
+//! symbolizer when the session ends, also for processes gone by then.
+
+use std::{collections::HashMap, fs::File, os::fd::AsRawFd, path::PathBuf};
+
+use crate::{
+    symbolize::{Sym, Symbolizer},
+    unwind::ProcMaps,
+};
+
+/// (pid, address).
+pub(super) type ProcAddr = (u32, u64);
+
+/// A code address of a process, located in a binary kept open (the process may be gone when
+/// the session ends and names it).
+#[derive(Clone, Copy)]
+struct Located {
+    binary: usize,
+    file_offset: u64,
+}
+
+/// Binaries that launch addresses fall in, kept open and named at the session's end.
+#[derive(Default)]
+pub(super) struct Callers {
+    /// (display path, open file): named through /proc/self/fd, whatever became of the path.
+    binaries: Vec<(String, File)>,
+    by_inode: HashMap<(u64, u64), usize>,
+    /// Each process's mappings as last read.
+    maps: HashMap<u32, ProcMaps>,
+    /// (pid, address) → where it is; None: in no file (JIT code, or the process was gone).
+    addrs: HashMap<ProcAddr, Option<Located>>,
+}
+
+impl Callers {
+    /// Locates the addresses of `pid` not located yet: through the process's mappings as
+    /// last read (a process may launch and exit before its rows are read), read again when
+    /// an address is not in them.
+    pub(super) fn locate(&mut self, pid: u32, addrs: &[u64]) {
+        for &a in addrs {
+            if a == 0 || self.addrs.contains_key(&(pid, a)) {
+                continue;
+            }
+            let mut found = self.locate_in_known(pid, a);
+            if found.is_none() {
+                if let Ok(m) = ProcMaps::read(pid) {
+                    self.maps.insert(pid, m);
+                    found = self.locate_in_known(pid, a);
+                }
+            }
+            self.addrs.insert((pid, a), found);
+        }
+    }
+
+    fn locate_in_known(&mut self, pid: u32, a: u64) -> Option<Located> {
+        let m = self.maps.get(&pid)?.find(a)?;
+        let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+        let binary = match self.by_inode.get(&id) {
+            Some(&b) => b,
+            None => {
+                let path = if m.deleted() {
+                    format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)
+                } else if m.path.starts_with('/') {
+                    format!("/proc/{pid}/root{}", m.path)
+                } else {
+                    return None;
+                };
+                let b = self.binaries.len();
+                self.binaries
+                    .push((m.path.clone(), File::open(&path).ok()?));
+                self.by_inode.insert(id, b);
+                b
+            }
+        };
+        Some(Located {
+            binary,
+            file_offset: a - m.start + m.offset,
+        })
+    }
+
+    /// Names every located address, one symbolizer call per binary.
+    pub(super) fn name_all(&self) -> HashMap<ProcAddr, Named> {
+        let mut symbolizer = Symbolizer::new();
+        // Binary → (pid, address) and its file offset.
+        let mut per_binary: HashMap<usize, Vec<(ProcAddr, u64)>> = HashMap::new();
+        for (&key, loc) in &self.addrs {
+            if let Some(l) = loc {
+                per_binary
+                    .entry(l.binary)
+                    .or_default()
+                    .push((key, l.file_offset));
+            }
+        }
+        let mut out = HashMap::new();
+        for (b, items) in per_binary {
+            let (display, file) = &self.binaries[b];
+            let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            let offsets: Vec<u64> = items.iter().map(|(_, o)| *o).collect();
+            let syms = symbolizer.user(&path, &offsets);
+            let base = display.rsplit('/').next().unwrap_or(display);
+            for ((key, off), sym) in items.into_iter().zip(syms) {
+                out.insert(
+                    key,
+                    Named {
+                        text: describe(sym.as_ref(), base, off),
+                        sym,
+                    },
+                );
+            }
+        }
+        out
+    }
+}
+
+/// A named address: the symbol, if any, and how reports show it.
+pub(super) struct Named {
+    pub sym: Option<Sym>,
+    pub text: String,
+}
+
+fn describe(sym: Option<&Sym>, binary: &str, offset: u64) -> String {
+    match sym {
+        Some(Sym {
+            name,
+            file: Some(f),
+            line: Some(l),
+            ..
+        }) => format!("{name} ({}:{l})", f.rsplit('/').next().unwrap_or(f)),
+        Some(s) => format!("{} ({binary})", s.name),
+        None => format!("{binary}+{offset:#x}"),
+    }
+}

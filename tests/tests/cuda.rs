@@ -459,12 +459,34 @@ fn launch_stacks_show_where_launches_come_from() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
+    // In a tracing session too, beside its timeline.
+    let (traced, _) = run_cuda_calls(
+        &d,
+        &libs.join("libcuda.so.1"),
+        &["7", "3"],
+        &["--mode=tracing", "--cuda", "--cuda-stacks"],
+        false,
+    );
     let (id, _) = run_cuda_calls(
         &d,
         &libs.join("libcuda.so.1"),
         &["7", "3"],
         &["--mode=counting", "--cuda", "--cuda-stacks"],
         false,
+    );
+    let stacks = |id: &str| {
+        let mut s: Vec<String> = d
+            .ok(&["report", id, "--format", "folded"])
+            .lines()
+            .map(|l| l.split_once(';').unwrap().1.to_owned())
+            .collect();
+        s.sort();
+        s
+    };
+    assert_eq!(
+        stacks(&traced),
+        stacks(&id),
+        "the same stacks, past the process frame"
     );
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     assert_eq!(report["losses"], serde_json::json!([]));

@@ -94,6 +94,10 @@ struct StartArgs {
     /// `report --format folded|pprof|speedscope|svg` then draws where launches come from.
     #[arg(long, requires = "cuda")]
     cuda_stacks: bool,
+    /// With --cuda: probe launches at the driver's entry points only (one probe a launch,
+    /// not two; no rows for the runtime's entry points).
+    #[arg(long, requires = "cuda")]
+    cuda_driver_only: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
@@ -421,6 +425,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
             cuda_stacks: args.cuda_stacks,
+            cuda_driver_only: args.cuda_driver_only,
         }),
         sampling: (args.frequency.is_some() || args.push.is_some()).then(|| SamplingOptions {
             frequency_hz: args

@@ -80,6 +80,37 @@ fn past_landing_pad(data: &[u8], file_offset: u64) -> u64 {
     }
 }
 
+/// The file offsets to probe `symbols` at in `binary` (those it defines), read and parsed
+/// once: CUDA's driver library is large, and its entry points many.
+pub fn resolve_exact(
+    binary: &std::path::Path,
+    symbols: &[&str],
+) -> Result<std::collections::HashMap<String, u64>, String> {
+    let data = fs::read(binary).map_err(|e| e.to_string())?;
+    let file = object::File::parse(&*data).map_err(|e| e.to_string())?;
+    let mut out = std::collections::HashMap::new();
+    for sym in file.dynamic_symbols().chain(file.symbols()) {
+        if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        let bare = name.split('@').next().unwrap_or(name);
+        if out.contains_key(bare) || !symbols.contains(&bare) {
+            continue;
+        }
+        let addr = sym.address();
+        let offset = file.segments().find_map(|seg| {
+            let (off, size) = seg.file_range();
+            (addr >= seg.address() && addr < seg.address() + size)
+                .then(|| addr - seg.address() + off)
+        });
+        if let Some(offset) = offset {
+            out.insert(bare.to_owned(), past_landing_pad(&data, offset));
+        }
+    }
+    Ok(out)
+}
+
 /// Resolves a spec into the functions it names. `pid`: a running target whose mappings are
 /// searched first for a library named without a path.
 pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, NativeError> {

@@ -119,6 +119,16 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             &["start", "--mode=counting", "--cuda-stacks", "--pid", &pid],
             "--cuda",
         ),
+        (
+            &[
+                "start",
+                "--mode=counting",
+                "--cuda-driver-only",
+                "--pid",
+                &pid,
+            ],
+            "--cuda",
+        ),
         (&["watch", &keep], "is not a running tracing session"),
         (
             &["status", "nosuchsession"],

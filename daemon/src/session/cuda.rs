@@ -32,11 +32,26 @@ pub const GPU_PERIOD: Duration = Duration::from_millis(100);
 pub const LOOK_EVERY: Duration = Duration::from_secs(1);
 pub const LOOK_ALL_EVERY: Duration = Duration::from_secs(10);
 
+/// How a session's launches are probed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Probing {
+    /// `--cuda-stacks`: the driver's launches record their stacks.
+    pub stacks: bool,
+    /// `--cuda-driver-only`: launches at the driver's entry points only.
+    pub driver_only: bool,
+}
+
+fn runtime_launch(which: u32) -> bool {
+    matches!(
+        which,
+        api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX | api::CUDA_GRAPH
+    )
+}
+
 pub struct CudaSession {
     slot: u8,
     all: bool,
-    /// `--cuda-stacks`: launches record their stacks.
-    pub stacks: bool,
+    pub probing: Probing,
     started: Instant,
     pub next_look: Instant,
     /// Probed libraries by (device, inode), with their probes.
@@ -59,14 +74,14 @@ impl CudaSession {
     pub fn new(
         slot: u8,
         all: bool,
-        stacks: bool,
+        probing: Probing,
         gpu_period: Duration,
         tracks: Option<crate::gpu::TraceTracks>,
     ) -> Self {
         Self {
             slot,
             all,
-            stacks,
+            probing,
             started: Instant::now(),
             next_look: Instant::now(),
             libs: HashMap::new(),
@@ -137,12 +152,22 @@ impl CudaSession {
             // Through the process's root: it may live in a container.
             let path = format!("/proc/{pid}/root{}", m.path);
             let mut links = Vec::new();
-            for ep in cuda::entry_points(lib) {
-                let Ok(targets) = crate::native::resolve(&format!("{path}:{}", ep.symbol), None)
-                else {
-                    continue; // Not every version exports every variant.
-                };
-                let Some(t) = targets.into_iter().find(|t| t.symbol == ep.symbol) else {
+            let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
+                .iter()
+                .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
+                .collect();
+            let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
+            let offsets = match crate::native::resolve_exact(std::path::Path::new(&path), &symbols)
+            {
+                Ok(o) => o,
+                Err(e) => {
+                    self.warnings.push(format!("{}: {e}", m.path));
+                    HashMap::new()
+                }
+            };
+            for ep in points {
+                // Not every version exports every variant.
+                let Some(&offset) = offsets.get(ep.symbol) else {
                     continue;
                 };
                 // Stacks at the driver's launches only: every kernel launch reaches one
@@ -150,12 +175,12 @@ impl CudaSession {
                 let driver_launch =
                     matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
                 let cookie = cuda_cookie::make(self.slot, self.all, ep.api)
-                    | if self.stacks && driver_launch {
+                    | if self.probing.stacks && driver_launch {
                         cuda_cookie::STACKS
                     } else {
                         0
                     };
-                match bpf.attach_cuda(&t.binary, t.file_offset, cookie, ep.at_return) {
+                match bpf.attach_cuda(std::path::Path::new(&path), offset, cookie, ep.at_return) {
                     Ok(l) => links.extend(l),
                     Err(e) => {
                         // One failure says it for the library (a program that does not load

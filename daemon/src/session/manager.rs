@@ -516,9 +516,9 @@ impl Manager {
                 "--export prometheus is for counting sessions".into(),
             ));
         }
-        if options.cuda_stacks && !options.cuda {
+        if (options.cuda_stacks || options.cuda_driver_only) && !options.cuda {
             return Err(Error::InvalidArgument(
-                "--cuda-stacks records the stacks of CUDA launches: it needs --cuda".into(),
+                "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
             ));
         }
         if options.cuda && mode == Mode::Sampling {
@@ -732,7 +732,10 @@ impl Manager {
                 super::cuda::CudaSession::new(
                     slot,
                     pid.is_none(),
-                    options.cuda_stacks,
+                    super::cuda::Probing {
+                        stacks: options.cuda_stacks,
+                        driver_only: options.cuda_driver_only,
+                    },
                     period,
                     gpu_tracks,
                 )
@@ -1091,7 +1094,7 @@ impl Manager {
             (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
             _ => None,
         };
-        let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.stacks);
+        let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.probing.stacks);
         let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
         self.update_cuda_masks();
         if let (true, Some(slot)) = (launch_stacks, s.slot) {

@@ -63,6 +63,12 @@ pub struct CountingOptions {
     /// per launch; launches whose stack did not fit the sample ring are counted as losses.
     #[prost(bool, tag = "7")]
     pub cuda_stacks: bool,
+    /// With `cuda`: probe launches at the driver's entry points only (every kernel launch
+    /// reaches one), not at the runtime's too: one probe hit a launch instead of two for
+    /// runtime launches, without the runtime's rows (their entry point, host-stub names and
+    /// callers in the program's own code). Copies, allocations and names are probed as before.
+    #[prost(bool, tag = "8")]
+    pub cuda_driver_only: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

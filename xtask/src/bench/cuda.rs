@@ -45,6 +45,8 @@ enum Cond {
     Tracing,
     /// Counting with `--cuda-stacks`: every launch's stack recorded too.
     Stacks,
+    /// Counting with `--cuda-driver-only`: one probe a launch.
+    DriverOnly,
 }
 
 impl Cond {
@@ -55,6 +57,7 @@ impl Cond {
             Cond::Counting => "counting",
             Cond::Tracing => "tracing",
             Cond::Stacks => "stacks",
+            Cond::DriverOnly => "driver",
         }
     }
 
@@ -65,16 +68,18 @@ impl Cond {
             Cond::Counting => Some(&["--mode=counting"]),
             Cond::Tracing => Some(&["--mode=tracing"]),
             Cond::Stacks => Some(&["--mode=counting", "--cuda-stacks"]),
+            Cond::DriverOnly => Some(&["--mode=counting", "--cuda-driver-only"]),
         }
     }
 }
 
-const CONDS: [Cond; 5] = [
+const CONDS: [Cond; 6] = [
     Cond::Untraced,
     Cond::Bare,
     Cond::Counting,
     Cond::Tracing,
     Cond::Stacks,
+    Cond::DriverOnly,
 ];
 
 /// One run of a loop.
@@ -119,7 +124,7 @@ pub(super) fn run() -> Result<()> {
     println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
     println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
     println!("      a launch crosses two probed entry points");
-    println!("sessions: tracerctl start --mode=counting|tracing --cuda [--cuda-stacks: stacks] --pid PID, started while the loop waits");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda [stacks: --cuda-stacks; driver: --cuda-driver-only] --pid PID, started while the loop waits");
     println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
     println!(
         "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
@@ -185,10 +190,18 @@ pub(super) fn run() -> Result<()> {
         if *cond == Cond::Untraced {
             println!("{name:<9} {t:>9.0} {:>9} {:>7.2}", "-", 1.0);
         } else {
-            // Every run must have counted every launch at both layers.
+            // Every run must have counted every launch at both layers (driver-only: at the
+            // driver's alone).
+            let runtime_want = |r: &Run| {
+                if *cond == Cond::DriverOnly {
+                    0
+                } else {
+                    r.launches
+                }
+            };
             let bad: Vec<String> = runs[i]
                 .iter()
-                .filter(|r| r.runtime != r.launches || r.driver != r.launches)
+                .filter(|r| r.runtime != runtime_want(r) || r.driver != r.launches)
                 .map(|r| {
                     format!(
                         "{name}: runtime {} driver {} loop {}",
@@ -229,7 +242,8 @@ pub(super) fn run() -> Result<()> {
         }
         println!("{:<9} {:>9}", "", range(i));
     }
-    let (counting, tracing, stacks) = (ns(2) - base, ns(3) - base, ns(4) - base);
+    let (counting, tracing, stacks, driver) =
+        (ns(2) - base, ns(3) - base, ns(4) - base, ns(5) - base);
     let verdict = |added: f64| {
         if added <= TARGET_NS {
             "met"
@@ -242,9 +256,13 @@ pub(super) fn run() -> Result<()> {
     );
     println!("      bare uprobes {bare_added:.0} ns (two probe hits");
     println!(
-        "      each: cudaLaunchKernel and cuLaunchKernel); target ≤ {TARGET_NS:.0} ns: counting {}, tracing {}",
+        "      each: cudaLaunchKernel and cuLaunchKernel), counting at the driver only {driver:.0} ns (one hit)"
+    );
+    println!(
+        "      target ≤ {TARGET_NS:.0} ns: counting {}, tracing {}, counting at the driver only {}",
         verdict(counting),
-        verdict(tracing)
+        verdict(tracing),
+        verdict(driver)
     );
     println!();
     torch_part(&daemon)?;

@@ -4,6 +4,7 @@
 # `--mode=counting --cuda` attached before its timed rounds, RUNS runs of each, interleaved.
 # Not part of CI: run by hand as root; results go in docs/GPU_VALIDATION.md.
 # usage: bench_cuda.sh BIN_DIR [N=20000] [ROUNDS=3] [RUNS=3]
+#        (START_ARGS=--cuda-driver-only adds arguments to the session's start)
 set -eu
 BIN=$(cd "$1" && pwd)
 N=${2:-20000}
@@ -26,7 +27,7 @@ run() {
   while ! grep -q ready "$STATE/out" 2>/dev/null; do sleep 0.1; done
   ID=
   if [ "$1" = counting ]; then
-    ID=$($CTL start --mode=counting --cuda --pid $LOOP)
+    ID=$($CTL start --mode=counting --cuda ${START_ARGS:-} --pid $LOOP)
     sleep 1
   fi
   echo go >&3

@@ -69,8 +69,8 @@ pub struct NativeTarget {
 const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 
 /// The offset to probe a function at: past a leading `endbr64`, which the kernel cannot
-/// emulate and would single-step on every hit (≈5× the cost of a probe on the `push` that
-/// follows). Calls still pass there, with the same registers and stack: the landing pad
+/// emulate and would single-step on every hit (several times the cost of a probe on the
+/// `push` that follows). Calls still pass there, with the same registers and stack: the landing pad
 /// changes neither, and code branches to a function's start, not past its pad.
 fn past_landing_pad(data: &[u8], file_offset: u64) -> u64 {
     let at = usize::try_from(file_offset).unwrap_or(usize::MAX);
@@ -89,26 +89,37 @@ pub fn resolve_exact(
     let data = fs::read(binary).map_err(|e| e.to_string())?;
     let file = object::File::parse(&*data).map_err(|e| e.to_string())?;
     let mut out = std::collections::HashMap::new();
-    for sym in file.dynamic_symbols().chain(file.symbols()) {
-        if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
+    for (addr, name) in defined_functions(&file) {
+        if out.contains_key(name) || !symbols.contains(&name) {
             continue;
         }
-        let Ok(name) = sym.name() else { continue };
-        let bare = name.split('@').next().unwrap_or(name);
-        if out.contains_key(bare) || !symbols.contains(&bare) {
-            continue;
-        }
-        let addr = sym.address();
-        let offset = file.segments().find_map(|seg| {
-            let (off, size) = seg.file_range();
-            (addr >= seg.address() && addr < seg.address() + size)
-                .then(|| addr - seg.address() + off)
-        });
-        if let Some(offset) = offset {
-            out.insert(bare.to_owned(), past_landing_pad(&data, offset));
+        if let Some(offset) = probe_offset(&file, &data, addr) {
+            out.insert(name.to_owned(), offset);
         }
     }
     Ok(out)
+}
+
+/// Defined functions by (address, name); versioned names (`memcpy@@GLIBC_2.14`) by their
+/// bare name. Exported ones first.
+fn defined_functions<'a>(file: &'a object::File) -> impl Iterator<Item = (u64, &'a str)> {
+    file.dynamic_symbols()
+        .chain(file.symbols())
+        .filter(|sym| sym.kind() == SymbolKind::Text && !sym.is_undefined() && sym.address() != 0)
+        .filter_map(|sym| {
+            let name = sym.name().ok()?;
+            Some((sym.address(), name.split('@').next().unwrap_or(name)))
+        })
+}
+
+/// The file offset to probe the function at `addr` at (past its landing pad), if a
+/// loadable segment holds it.
+fn probe_offset(file: &object::File, data: &[u8], addr: u64) -> Option<u64> {
+    let offset = file.segments().find_map(|seg| {
+        let (off, size) = seg.file_range();
+        (addr >= seg.address() && addr < seg.address() + size).then(|| addr - seg.address() + off)
+    })?;
+    Some(past_landing_pad(data, offset))
 }
 
 /// Resolves a spec into the functions it names. `pid`: a running target whose mappings are
@@ -144,28 +155,17 @@ pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, Native
             count: functions.len(),
         });
     }
-    let segments: Vec<(u64, u64, u64)> = file
-        .segments()
-        .map(|s| {
-            let (off, size) = s.file_range();
-            (s.address(), off, size)
-        })
-        .collect();
     functions
         .into_iter()
         .map(|(addr, symbol)| {
-            let file_offset = segments
-                .iter()
-                .find(|(va, _, size)| addr >= *va && addr < va + size)
-                .map(|(va, off, _)| addr - va + off)
-                .ok_or_else(|| {
-                    read_err(format!("{symbol} at {addr:#x} is in no loadable segment"))
-                })?;
+            let file_offset = probe_offset(&file, &data, addr).ok_or_else(|| {
+                read_err(format!("{symbol} at {addr:#x} is in no loadable segment"))
+            })?;
             Ok(NativeTarget {
                 spec: spec.into(),
                 binary: binary.clone(),
                 symbol,
-                file_offset: past_landing_pad(&data, file_offset),
+                file_offset,
             })
         })
         .collect()
@@ -175,15 +175,9 @@ pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, Native
 /// `getpid`/`__getpid` are one function: the first matching name, exported ones first).
 fn matching_functions(file: &object::File, pattern: &str) -> BTreeMap<u64, String> {
     let mut out = BTreeMap::new();
-    for sym in file.dynamic_symbols().chain(file.symbols()) {
-        if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
-            continue;
-        }
-        let Ok(name) = sym.name() else { continue };
-        // Versioned names (`memcpy@@GLIBC_2.14`) match on the bare name.
-        let bare = name.split('@').next().unwrap_or(name);
-        if glob(pattern, bare) {
-            out.entry(sym.address()).or_insert_with(|| bare.to_owned());
+    for (addr, name) in defined_functions(file) {
+        if glob(pattern, name) {
+            out.entry(addr).or_insert_with(|| name.to_owned());
         }
     }
     out

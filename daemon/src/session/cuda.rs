@@ -41,11 +41,14 @@ pub struct Probing {
     pub driver_only: bool,
 }
 
+/// A kernel launch at the runtime's entry points (whose handle may lead to a host stub).
+fn runtime_kernel_launch(which: u32) -> bool {
+    matches!(which, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX)
+}
+
+/// A launch at the runtime's entry points, graphs included (`--cuda-driver-only` skips them).
 fn runtime_launch(which: u32) -> bool {
-    matches!(
-        which,
-        api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX | api::CUDA_GRAPH
-    )
+    runtime_kernel_launch(which) || which == api::CUDA_GRAPH
 }
 
 pub struct CudaSession {
@@ -99,9 +102,10 @@ impl CudaSession {
         if ev.api == api::LAUNCH_ROW {
             // The caller, and for the runtime's launches what the handle leads to: a host
             // stub's symbol names a kernel whose naming calls came before the probes.
-            let runtime = matches!(ev.extra as u32, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX);
             let mut addrs = vec![ev.other];
-            if runtime && self.names.name(ev.pid, ev.handle).is_none() {
+            if runtime_kernel_launch(ev.extra as u32)
+                && self.names.name(ev.pid, ev.handle).is_none()
+            {
                 addrs.push(self.names.last(ev.pid, ev.handle));
             }
             self.callers.locate(ev.pid, &addrs);
@@ -239,7 +243,6 @@ impl CudaSession {
         }
     }
 
-    /// Launch and memory rows, named and sorted, and how many launch rows have no name.
     /// A name for a launch row whose handle no naming call named: a runtime launch's from the
     /// symbol at the host stub its handle leads to, else its caller's; a driver launch made
     /// inside a runtime launch (`ROW_LINK`) from that runtime launch's. With where it came from.
@@ -248,9 +251,10 @@ impl CudaSession {
         k: &tracer_common::CudaLaunchKey,
         native: &HashMap<ProcAddr, Named>,
     ) -> Option<(String, &'static str)> {
-        let (func, caller) = match k.api {
-            api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX => (k.func, k.caller),
-            _ => *self.links.get(&(k.pid, k.func))?,
+        let (func, caller) = if runtime_kernel_launch(k.api) {
+            (k.func, k.caller)
+        } else {
+            *self.links.get(&(k.pid, k.func))?
         };
         if let Some(name) = self.names.name(k.pid, func) {
             return Some((cuda::demangle(name), "runtime launch"));
@@ -264,6 +268,7 @@ impl CudaSession {
         Some((cuda::host_function_kernel(&c.name), "launching function"))
     }
 
+    /// Launch and memory rows, named and sorted, and how many launch rows have no name.
     /// `native`: named native addresses (pid, address), for callers and host stubs.
     fn rows(
         &self,

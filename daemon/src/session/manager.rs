@@ -1101,16 +1101,6 @@ impl Manager {
             // The launch probes are gone: every stack they recorded is in the ring.
             profile = self.sampling.finish(slot);
         }
-        // Launch events carry their row: the trace keeps the rows to name and describe them.
-        let mut launches: Vec<crate::trace::TraceLaunch> = cuda
-            .iter()
-            .flat_map(|c| &c.launches)
-            .map(|l| crate::trace::TraceLaunch {
-                row: l.row_id,
-                launch: l.clone(),
-            })
-            .collect();
-        launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
         self.release(s.slot);
         info.state = if error.is_some() {
             SessionState::Failed
@@ -1134,6 +1124,17 @@ impl Manager {
             if let Some(e) = write_error {
                 report.session.error.get_or_insert(e);
             }
+            // Launch events carry their row: the trace keeps the rows to name and describe them.
+            let mut launches: Vec<crate::trace::TraceLaunch> = report
+                .cuda
+                .iter()
+                .flat_map(|c| &c.launches)
+                .map(|l| crate::trace::TraceLaunch {
+                    row: l.row_id,
+                    launch: l.clone(),
+                })
+                .collect();
+            launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
             report.trace = Some(crate::trace::Trace { launches, ..trace });
         }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {

@@ -72,14 +72,11 @@ const NOEXIST: u64 = 1;
 /// cudaMemcpyKind values are multiplied into `CudaMemKey::kind` above the entry point.
 const MEMCPY_KIND_STEP: u32 = 100;
 
-fn cookie<C: EbpfContext>(ctx: &C) -> u64 {
+/// The probe's entry point, slot and cookie, if the current process is one its session
+/// follows.
+fn accepted<C: EbpfContext>(ctx: &C) -> Option<(u32, u32, u32, u64)> {
     // SAFETY: plain helper call on this program's context.
-    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
-}
-
-/// The probe's entry point and slot, if the current process is one its session follows.
-fn accepted<C: EbpfContext>(ctx: &C) -> Option<(u32, u32, u32)> {
-    let cookie = cookie(ctx);
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
     let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
     let slot = (cookie >> cuda_cookie::SLOT_SHIFT) as u32 & 63;
     if cookie & cuda_cookie::ALL == 0 {
@@ -89,7 +86,7 @@ fn accepted<C: EbpfContext>(ctx: &C) -> Option<(u32, u32, u32)> {
             return None;
         }
     }
-    Some(((cookie & api::MASK) as u32, slot, pid))
+    Some(((cookie & api::MASK) as u32, slot, pid, cookie))
 }
 
 fn user<T>(addr: u64) -> Option<T> {
@@ -122,7 +119,7 @@ pub fn tracer_cuda_call(ctx: ProbeContext) -> u32 {
 }
 
 fn try_call(ctx: &ProbeContext) -> Option<()> {
-    let (which, slot, pid) = accepted(ctx)?;
+    let (which, slot, pid, cookie) = accepted(ctx)?;
     let a = args(ctx);
     let arg = |n: usize| a.get(n).copied();
     let mut key = CudaLaunchKey { slot, pid, api: which, ..CudaLaunchKey::default() };
@@ -176,14 +173,14 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     if let Some((code, instr, names)) = call_site(pid, tid) {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
     }
-    // The return address, on top of the stack at the function's first instruction.
     // SAFETY: `regs` is this program's context.
-    key.caller = user::<u64>(unsafe { (*ctx.regs).rsp }).unwrap_or(0);
+    let sp = unsafe { (*ctx.regs).rsp };
+    // The return address, on top of the stack at the function's first instruction.
+    key.caller = user::<u64>(sp).unwrap_or(0);
     if count_launch(&key) {
-        // SAFETY: `regs` is this program's context.
-        link_rows(&key, tid, unsafe { (*ctx.regs).rsp });
+        link_rows(&key, tid, sp);
     }
-    if cookie(ctx) & cuda_cookie::STACKS != 0 {
+    if cookie & cuda_cookie::STACKS != 0 {
         crate::sample::launch_stack(slot, pid, tid);
     }
     if trace::tracing(1 << slot) != 0 {
@@ -247,9 +244,9 @@ fn count_launch(key: &CudaLaunchKey) -> bool {
         if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
             // A new row's call sites are named while its process lives.
             if key.py_code != 0 {
-                send_site(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
+                send(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
             }
-            send_site(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
+            send(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
             return true;
         }
     }
@@ -274,15 +271,19 @@ fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
             };
             let _ = CUDA_NEW_ROWS.remove(&tid);
             if sp < outer_sp && now.wrapping_sub(at) < LINK_WINDOW_NS {
-                send_site(key.pid, api::ROW_LINK, key.func, func, caller, 0);
+                send(key.pid, api::ROW_LINK, key.func, func, caller, 0);
             }
         }
         _ => {}
     }
 }
 
-/// A nameless record for user space (`api` says what the three words are).
-fn send_site(pid: u32, which: u32, handle: u64, other: u64, extra: u64, flags: u64) {
+/// A record for user space on `CUDA_NAMES`: `which` says what the three words are; `name`
+/// is a user string to copy in (0: none). A mapped library wakes the reader at once, to be
+/// probed before the process gets far.
+#[inline(always)]
+fn send(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64) {
+    const BPF_RB_FORCE_WAKEUP: u64 = 2;
     let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
         count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
         return;
@@ -296,8 +297,11 @@ fn send_site(pid: u32, which: u32, handle: u64, other: u64, extra: u64, flags: u
         (*ev).other = other;
         (*ev).extra = extra;
         (*ev).name[0] = 0;
+        if name != 0 {
+            let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);
+        }
     }
-    entry.submit(flags);
+    entry.submit(if which == api::LIBRARY_MAPPED { BPF_RB_FORCE_WAKEUP } else { 0 });
 }
 
 /// `syscalls:sys_enter_mmap` (`unsigned long` arguments from offset 16: addr, len, prot,
@@ -341,7 +345,6 @@ pub fn tracer_cuda_mmap_exit(ctx: TracePointContext) -> u32 {
 }
 
 fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
-    const BPF_RB_FORCE_WAKEUP: u64 = 2;
     if CUDA_WATCH.get(0)?[0] == 0 {
         return None;
     }
@@ -355,7 +358,7 @@ fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
     if (-4095..0).contains(&ret) {
         return None;
     }
-    send_site((pid_tgid >> 32) as u32, api::LIBRARY_MAPPED, ret as u64, len, 0, BPF_RB_FORCE_WAKEUP);
+    send((pid_tgid >> 32) as u32, api::LIBRARY_MAPPED, ret as u64, len, 0, 0);
     Some(())
 }
 
@@ -411,7 +414,7 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
             let _ = CUDA_PENDING.insert(&[tid, which], &[arg(0)?, third], 0);
         }
         // __cudaRegisterFunction(module, host_stub, device_fun, device_name, …).
-        api::CUDA_REGISTER_FUNCTION => send_name(pid, which, arg(1)?, 0, arg(3)?),
+        api::CUDA_REGISTER_FUNCTION => send(pid, which, arg(1)?, 0, 0, arg(3)?),
         _ => {}
     }
     Some(())
@@ -425,7 +428,7 @@ pub fn tracer_cuda_return(ctx: RetProbeContext) -> u32 {
 }
 
 fn try_return(ctx: &RetProbeContext) -> Option<()> {
-    let (which, slot, pid) = accepted(ctx)?;
+    let (which, slot, pid, _) = accepted(ctx)?;
     let key = [bpf_get_current_pid_tgid() as u32, which];
     // SAFETY: map values are valid for the duration of the program.
     let [out, extra] = unsafe { CUDA_PENDING.get(&key) }.copied()?;
@@ -440,8 +443,8 @@ fn try_return(ctx: &RetProbeContext) -> Option<()> {
             let _ = CUDA_ALLOCS.insert(&[alloc_owner(pid, which), handle], &extra, 0);
             add_memory(slot, pid, which, extra);
         }
-        api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => send_name(pid, which, handle, 0, extra),
-        _ => send_name(pid, which, handle, extra, 0),
+        api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => send(pid, which, handle, 0, 0, extra),
+        _ => send(pid, which, handle, extra, 0, 0),
     }
     Some(())
 }
@@ -450,26 +453,4 @@ fn try_return(ctx: &RetProbeContext) -> Option<()> {
 fn alloc_owner(pid: u32, which: u32) -> u64 {
     let driver = matches!(which, api::CU_MEM_ALLOC | api::CU_MEM_FREE);
     u64::from(pid) | u64::from(driver) << 32
-}
-
-/// (handle → name, or handle → the kernel or host stub it stands for) to user space.
-fn send_name(pid: u32, which: u32, handle: u64, other: u64, name: u64) {
-    let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
-        count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
-        return;
-    };
-    let ev = entry.as_mut_ptr();
-    // SAFETY: `ev` points to the reserved record, filled before it is submitted.
-    unsafe {
-        (*ev).pid = pid;
-        (*ev).api = which;
-        (*ev).handle = handle;
-        (*ev).other = other;
-        (*ev).extra = 0;
-        (*ev).name[0] = 0;
-        if name != 0 {
-            let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);
-        }
-    }
-    entry.submit(0);
 }

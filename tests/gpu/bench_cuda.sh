@@ -11,12 +11,7 @@ N=${2:-20000}
 ROUNDS=${3:-3}
 RUNS=${4:-3}
 HERE=$(cd "$(dirname "$0")" && pwd)
-STATE=$(mktemp -d)
-"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
-DAEMON=$!
-trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
-while [ ! -S "$STATE/s" ]; do sleep 0.1; done
-CTL="$BIN/tracerctl --socket $STATE/s"
+. "$HERE/tracerd.sh"
 
 # One run: prints the median round's ns per launch (and the session's counts when traced).
 run() {
@@ -37,10 +32,7 @@ run() {
   NS=$(sed -n 's/^SECONDS //p' "$STATE/out" | sort -n | awk -v n="$N" '{ t[NR] = $1 } END { printf "%.0f", t[int((NR + 1) / 2)] / n * 1e9 }')
   COUNTS=
   if [ -n "$ID" ]; then
-    for _ in $(seq 50); do
-      $CTL report "$ID" --format json -o "$STATE/r.json" 2>/dev/null && break
-      sleep 0.2
-    done
+    report_when_ended "$ID" --format json -o "$STATE/r.json"
     COUNTS=$(python3 - "$STATE/r.json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["cuda"]["launches"]

@@ -10,12 +10,7 @@
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
-STATE=$(mktemp -d)
-"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
-DAEMON=$!
-trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
-while [ ! -S "$STATE/s" ]; do sleep 0.1; done
-CTL="$BIN/tracerctl --socket $STATE/s"
+. "$HERE/tracerd.sh"
 echo "== torch.profiler (the counted run)"
 python3 "$HERE/torch_launches.py" --profile | head -30
 echo "== tracer --cuda, the whole program (warm-up and counted run)"
@@ -39,10 +34,7 @@ ID=$($CTL start --mode=counting --cuda --cuda-stacks --pid $WORK)
 sleep 1
 touch "$STATE/go"
 wait $WORK
-for _ in $(seq 50); do
-  $CTL report "$ID" --format kernels --limit 30 2>/dev/null && break
-  sleep 0.2
-done
+report_when_ended "$ID" --format kernels --limit 30
 $CTL report "$ID" --format json -o "$STATE/warm.json"
 python3 - "$STATE/warm.json" <<'PY'
 import collections, json, sys

@@ -5,11 +5,7 @@
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
-STATE=$(mktemp -d)
-"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
-DAEMON=$!
-trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
-while [ ! -S "$STATE/s" ]; do sleep 0.1; done
+. "$HERE/tracerd.sh"
 CUDART=$(python3 -c "import glob, os, nvidia; print(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], '*/lib/libcudart.so*')))[0])")
 echo "libcudart: $CUDART"
 echo "== torch.profiler (second run of the work, warm)"
@@ -18,12 +14,9 @@ echo "== tracer, attached to the warm process: driver and runtime launch entry p
 python3 "$HERE/torch_launches.py" --wait "$STATE/ready" "$STATE/go" &
 WORK=$!
 while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
-ID=$("$BIN/tracerctl" --socket "$STATE/s" start --mode=counting --pid $WORK \
+ID=$($CTL start --mode=counting --pid $WORK \
   --uprobe 'libcuda:cuLaunchKernel*' --uprobe 'libcuda:cuGraphLaunch*' \
   --uprobe "$CUDART:cudaLaunchKernel*" --uprobe "$CUDART:cudaGraphLaunch*")
 touch "$STATE/go"
 wait $WORK
-for _ in $(seq 50); do
-  "$BIN/tracerctl" --socket "$STATE/s" report "$ID" 2>/dev/null && break
-  sleep 0.2
-done
+report_when_ended "$ID"

@@ -6,12 +6,7 @@ set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
 SCRIPT=${2:-$HERE/torch_loop.py}
-STATE=$(mktemp -d)
-"$BIN/tracerd" --socket "$STATE/s" --state-dir "$STATE/st" 2>"$STATE/log" &
-DAEMON=$!
-trap 'kill $DAEMON; wait $DAEMON 2>/dev/null || true' EXIT
-while [ ! -S "$STATE/s" ]; do sleep 0.1; done
-CTL="$BIN/tracerctl --socket $STATE/s"
+. "$HERE/tracerd.sh"
 echo "== tracer, 999 Hz, $SCRIPT"
 $CTL start --mode=sampling --frequency 999 --limit 25 -- python3 "$SCRIPT" | tee "$STATE/table"
 ID=$(sed -n 's/^session \([0-9a-f]*\) .*/\1/p' "$STATE/table")

@@ -54,6 +54,7 @@ def main():
         "tracing_options_elsewhere": call("StartSession", {"mode": "MODE_COUNTING", "target": {"all": True}, "tracing": {"bufferMb": 8}})[1],
         "huge_trace_buffer": call("StartSession", {"mode": "MODE_TRACING", "target": {"all": True}, "tracing": {"bufferMb": 100000}})[1],
         "stacks_without_cuda": call("StartSession", {"mode": "MODE_COUNTING", "target": {"all": True}, "counting": {"cudaStacks": True}})[1],
+        "driver_only_without_cuda": call("StartSession", {"mode": "MODE_COUNTING", "target": {"all": True}, "counting": {"cudaDriverOnly": True}})[1],
         "bad_frequency": call("StartSession", {"mode": "MODE_SAMPLING", "target": {"all": True}, "sampling": {"frequencyHz": "20000"}})[1],
         "no_session": call("GetSession", {"id": "nope"})[1],
     }

@@ -75,6 +75,18 @@ fn reflection_and_health_serve_generic_clients() {
         codes["stacks_without_cuda"][0], "INVALID_ARGUMENT",
         "{codes}"
     );
+    assert_eq!(
+        codes["driver_only_without_cuda"][0], "INVALID_ARGUMENT",
+        "{codes}"
+    );
+    for bad in ["stacks_without_cuda", "driver_only_without_cuda"] {
+        assert!(
+            codes[bad][1]
+                .as_str()
+                .is_some_and(|m| m.ends_with("they need --cuda")),
+            "{codes}"
+        );
+    }
     assert_eq!(codes["no_session"][0], "NOT_FOUND", "{codes}");
     assert_eq!(
         v["started"]["state"], "SESSION_STATE_RUNNING",

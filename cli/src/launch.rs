@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use nix::{
     sys::{
         signal::{kill, Signal},
@@ -83,4 +83,43 @@ pub fn wait(pid: Pid) -> i32 {
             Err(_) => return 1,
         }
     }
+}
+
+/// The file CUDA's driver loads into a process whose environment names it.
+const INJECTION: &str = "libtracer_cupti.so";
+
+/// `--gpu-times`: the command will run with tracer's CUPTI injection library, found beside
+/// tracerctl (as `cargo build` leaves it) or in `../lib/tracer/` (an installed layout).
+/// Called before the fork, while single-threaded, so that the command inherits the variable.
+pub fn inject_cupti(cmd: &[String]) -> Result<()> {
+    const VAR: &str = "CUDA_INJECTION64_PATH";
+    if cmd.is_empty() {
+        bail!("--gpu-times needs a command to start (-- CMD ARGS…): CUDA loads the injection library only at a process's start");
+    }
+    let exe = std::env::current_exe().context("finding tracerctl's own path")?;
+    let dir = exe.parent().context("tracerctl's directory")?;
+    let candidates = [
+        dir.join(INJECTION),
+        dir.join("../lib/tracer").join(INJECTION),
+    ];
+    let Some(lib) = candidates.iter().find(|p| p.is_file()) else {
+        bail!(
+            "--gpu-times: {INJECTION} not found at {} or {} (cargo build --release builds it beside tracerctl)",
+            candidates[0].display(),
+            candidates[1].display()
+        );
+    };
+    let lib = lib
+        .canonicalize()
+        .context("resolving the injection library's path")?;
+    match std::env::var_os(VAR) {
+        Some(v) if std::path::Path::new(&v) != lib => bail!(
+            "--gpu-times: {VAR} is already set ({}): a process takes one injection library",
+            v.to_string_lossy()
+        ),
+        _ => {}
+    }
+    // Before any other thread exists: nothing reads the environment meanwhile.
+    std::env::set_var(VAR, &lib);
+    Ok(())
 }

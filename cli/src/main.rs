@@ -98,6 +98,10 @@ struct StartArgs {
     /// not two; no rows for the runtime's entry points).
     #[arg(long, requires = "cuda")]
     cuda_driver_only: bool,
+    /// With --cuda and -- CMD: GPU execution time per kernel, from CUPTI: the command runs with
+    /// tracer's injection library (CUDA_INJECTION64_PATH=…/libtracer_cupti.so).
+    #[arg(long, requires = "cuda")]
+    gpu_times: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     frequency: Option<u64>,
@@ -238,6 +242,13 @@ fn main() -> ExitCode {
         }
     };
     // `-- CMD` is forked before any thread exists (tokio's included).
+    if let Command::Start(a) = &cli.command {
+        if a.gpu_times {
+            if let Err(e) = launch::inject_cupti(&a.command) {
+                return fail(&e);
+            }
+        }
+    }
     let held = match &cli.command {
         Command::Start(a) if !a.command.is_empty() => match launch::hold(&a.command) {
             Ok(h) => Some(h),

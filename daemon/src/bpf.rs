@@ -16,8 +16,9 @@ use aya::{
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
-    globals, loss, native_cookie, py_role, CudaLaunchKey, CudaMemKey, CudaMemStats, NativeCallKey,
-    ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout, PySampleProc, PyStack, SessionMask,
+    globals, loss, native_cookie, py_role, CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey,
+    GpuKernelStats, NativeCallKey, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout,
+    PySampleProc, PyStack, SessionMask,
 };
 
 use crate::python::{layout::VERSIONS, runtime::Runtime};
@@ -104,6 +105,7 @@ pub struct Bpf {
     native_loaded: bool,
     cuda_launches: HashMap<MapData, CudaLaunchKey, u64>,
     cuda_memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
+    gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
     cuda_names: Option<RingBuf<MapData>>,
     cuda_watch: Array<MapData, [SessionMask; 2]>,
     cuda_loaded: bool,
@@ -195,6 +197,7 @@ impl Bpf {
             native_loaded: false,
             cuda_launches: take(&mut ebpf, "CUDA_LAUNCHES")?,
             cuda_memory: take(&mut ebpf, "CUDA_MEMORY")?,
+            gpu_kernels: take(&mut ebpf, "GPU_KERNELS")?,
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             cuda_loaded: false,
@@ -429,6 +432,16 @@ impl Bpf {
         )
     }
 
+    /// A session's GPU kernel times (CUPTI), taken out of the map with `take`.
+    pub fn gpu_kernel_times(
+        &mut self,
+        slot: u8,
+        take: bool,
+    ) -> Vec<(GpuKernelKey, GpuKernelStats)> {
+        let slot = u32::from(slot);
+        slot_entries(&mut self.gpu_kernels, |k| k.slot == slot, take)
+    }
+
     pub fn detach_native(&mut self, links: Vec<UProbeLinkId>) {
         if let Ok(p) = self.uprobe("tracer_native_call") {
             for link in links {
@@ -555,6 +568,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::TRACE_RINGBUF_FULL => "trace_ringbuf_full",
         loss::CUDA_MAP_FULL => "cuda_maps_full",
         loss::CUDA_NAMES_RINGBUF_FULL => "cuda_names_ringbuf_full",
+        loss::CUPTI_RECORDS_DROPPED => "cupti_records_dropped",
         _ => "unknown",
     }
 }

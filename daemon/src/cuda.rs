@@ -11,15 +11,23 @@ use tracer_common::{cuda_api as api, CudaNameEvent};
 pub enum Library {
     Runtime,
     Driver,
+    /// tracer's CUPTI injection library (`libtracer_cupti.so`): GPU kernel times.
+    Cupti,
 }
 
-/// `libcudart.so*` (the runtime, often inside a wheel) or `libcuda.so*` (the driver's).
+/// The file name of tracer's CUPTI injection library.
+pub const INJECTION_LIBRARY: &str = "libtracer_cupti.so";
+
+/// `libcudart.so*` (the runtime, often inside a wheel), `libcuda.so*` (the driver's) or
+/// tracer's CUPTI injection library.
 pub fn library(path: &Path) -> Option<Library> {
     let name = path.file_name()?.to_str()?;
     if name.starts_with("libcudart.so") {
         Some(Library::Runtime)
     } else if name.starts_with("libcuda.so") {
         Some(Library::Driver)
+    } else if name == INJECTION_LIBRARY {
+        Some(Library::Cupti)
     } else {
         None
     }
@@ -76,11 +84,56 @@ pub const DRIVER: &[EntryPoint] = &[
     entry("cuKernelGetFunction", api::CU_KERNEL_GET_FUNCTION, true),
 ];
 
+/// The injection library's probe points: a kernel record, dropped records, its setup's outcome.
+pub const CUPTI: &[EntryPoint] = &[
+    entry("tracer_cupti_kernel", api::CUPTI_KERNEL, false),
+    entry("tracer_cupti_dropped", api::CUPTI_DROPPED, false),
+    entry("tracer_cupti_initialized", api::CUPTI_STATUS, false),
+];
+
 pub fn entry_points(lib: Library) -> &'static [EntryPoint] {
     match lib {
         Library::Runtime => RUNTIME,
         Library::Driver => DRIVER,
+        Library::Cupti => CUPTI,
     }
+}
+
+/// The status line tracer's injection library keeps in `tracer_cupti_status` (what it found
+/// and turned on, or why it could not), read from process `pid`'s memory. `file`: the
+/// library (through the process's root); `maps`: the process's mappings of it.
+pub fn injection_status(
+    pid: u32,
+    file: &Path,
+    maps: &[&crate::unwind::MapEntry],
+) -> Result<String, String> {
+    use object::{Object, ObjectSegment, ObjectSymbol};
+    use std::os::unix::fs::FileExt;
+    const STATUS_LEN: usize = 256;
+    let data = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let elf = object::File::parse(&*data).map_err(|e| e.to_string())?;
+    let sym = elf
+        .dynamic_symbols()
+        .find(|s| s.name() == Ok("tracer_cupti_status"))
+        .ok_or("no tracer_cupti_status symbol: not tracer's injection library")?;
+    // The load bias, from the mapping of the file's start: the first loadable segment's.
+    // (File offsets are ambiguous: a data page's bytes may be mapped by two segments.)
+    let first = elf
+        .segments()
+        .find(|seg| seg.file_range().0 == 0)
+        .ok_or("no segment maps the file's start")?;
+    let bias = maps
+        .iter()
+        .find(|m| m.offset == 0)
+        .map(|m| m.start.wrapping_sub(first.address() & !0xfff))
+        .ok_or("the library's first page is not mapped")?;
+    let addr = bias.wrapping_add(sym.address());
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; STATUS_LEN];
+    mem.read_exact_at(&mut buf, addr)
+        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))?;
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(STATUS_LEN);
+    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
 }
 
 /// The entry point's name as reports show it.
@@ -102,6 +155,8 @@ pub fn api_name(which: u32) -> &'static str {
         api::CU_MEM_FREE => "cuMemFree",
         api::CUDA_DEVICE_SYNCHRONIZE => "cudaDeviceSynchronize",
         api::CUDA_STREAM_SYNCHRONIZE => "cudaStreamSynchronize",
+        api::CUPTI_KERNEL => "tracer_cupti_kernel",
+        api::CUPTI_DROPPED => "tracer_cupti_dropped",
         _ => "?",
     }
 }
@@ -124,6 +179,16 @@ pub fn is_memcpy(kind: u32) -> bool {
     matches!(kind % 100, api::CUDA_MEMCPY | api::CUDA_MEMCPY_ASYNC)
 }
 
+/// A name record's string (up to its NUL).
+pub fn event_name(ev: &CudaNameEvent) -> String {
+    let len = ev
+        .name
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(ev.name.len());
+    String::from_utf8_lossy(&ev.name[..len]).into_owned()
+}
+
 /// Kernel handles → names, per process, from the naming calls seen.
 #[derive(Default)]
 pub struct Names {
@@ -137,12 +202,7 @@ pub struct Names {
 
 impl Names {
     pub fn on_event(&mut self, ev: &CudaNameEvent) {
-        let len = ev
-            .name
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(ev.name.len());
-        let name = String::from_utf8_lossy(&ev.name[..len]).into_owned();
+        let name = event_name(ev);
         match ev.api {
             api::CU_MODULE_GET_FUNCTION
             | api::CU_LIBRARY_GET_KERNEL

@@ -47,6 +47,36 @@ pub struct CudaReport {
     /// GPU metrics sampled during the session (NVML).
     #[serde(default)]
     pub gpu: crate::gpu::GpuReport,
+    /// GPU time per kernel, most first: CUPTI's records of the kernels that ran while the
+    /// session did, in processes that run tracer's injection library.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_kernels: Vec<GpuKernelTime>,
+    /// The injection library's own account in each process that has it: what it found and
+    /// turned on, or why it could not. Empty: no process had it (no GPU times).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_times: Vec<GpuTimesStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GpuKernelTime {
+    pub pid: u32,
+    pub device: u32,
+    /// Demangled, from CUPTI's name.
+    pub kernel: String,
+    pub executions: u64,
+    pub total_ns: u64,
+    pub min_ns: u64,
+    pub max_ns: u64,
+    /// CUPTI's pointer to the name, which a trace's GPU kernel events carry.
+    #[serde(skip)]
+    pub name_ptr: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GpuTimesStatus {
+    pub pid: u32,
+    /// "ok: CUPTI from …" or "error: …", as the library put it.
+    pub status: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -307,11 +337,12 @@ impl Report {
         if let Some(t) = &self.trace {
             let _ = writeln!(
                 out,
-                "\n Trace: {} events ({} Python calls, {} native calls, {} CUDA calls, {} counter readings) over {}",
+                "\n Trace: {} events ({} Python calls, {} native calls, {} CUDA calls, {} GPU kernels, {} counter readings) over {}",
                 group(t.events),
                 group(t.python_calls),
                 group(t.native_calls),
                 group(t.cuda_events),
+                group(t.gpu_kernels),
                 group(t.counter_readings),
                 seconds(t.end_ns.saturating_sub(t.start_ns) / 1_000_000)
             );

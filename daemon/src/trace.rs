@@ -51,6 +51,12 @@ pub struct Trace {
     /// sorted by (pid, row) so that each event's row is a binary search away.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub launches: Vec<TraceLaunch>,
+    /// Kernel executions on the GPU (CUPTI, through tracer's injection library).
+    #[serde(default)]
+    pub gpu_kernels: u64,
+    /// Names of the kernels in those events, by (pid, CUPTI's name pointer), sorted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_kernel_names: Vec<TraceGpuKernel>,
     /// Names of the processes and threads in the events.
     pub processes: Vec<TraceThread>,
     pub threads: Vec<TraceThread>,
@@ -62,6 +68,14 @@ pub struct TraceLaunch {
     pub row: u64,
     #[serde(flatten)]
     pub launch: crate::report::CudaLaunch,
+}
+
+/// A GPU kernel's name, for the events that carry CUPTI's pointer to it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TraceGpuKernel {
+    pub pid: u32,
+    pub name: u64,
+    pub kernel: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -107,6 +121,8 @@ pub enum Named<'a> {
     CudaLaunch(Option<&'a crate::report::CudaLaunch>, u32),
     /// A CUDA copy, allocation, free or synchronization: its `CudaMemKey::kind`.
     CudaMemory(u32),
+    /// A kernel's execution on the GPU: its name, if known; device and stream.
+    GpuKernel(Option<&'a str>, GpuTrack),
     Unknown,
 }
 
@@ -141,6 +157,13 @@ impl Trace {
                 u32::from(ev.flags),
             ),
             trace_kind::CUDA_MEMORY => Named::CudaMemory(u32::from(ev.flags)),
+            trace_kind::GPU_KERNEL => Named::GpuKernel(
+                self.gpu_kernel_names
+                    .binary_search_by_key(&(ev.pid, ev.a), |k| (k.pid, k.name))
+                    .ok()
+                    .map(|i| self.gpu_kernel_names[i].kernel.as_str()),
+                GpuTrack::of(ev),
+            ),
             _ => Named::Unknown,
         }
     }
@@ -175,8 +198,37 @@ impl Named<'_> {
                     false => api.to_owned(),
                 }
             }
+            Named::GpuKernel(Some(k), _) => (*k).to_owned(),
+            Named::GpuKernel(None, _) => "[GPU kernel]".into(),
             Named::Unknown => "[unknown event]".into(),
         }
+    }
+}
+
+/// Where a GPU kernel ran: exporters draw a track per (process, device, stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GpuTrack {
+    pub device: u32,
+    pub stream: u32,
+}
+
+impl GpuTrack {
+    pub fn of(ev: &TraceEvent) -> Self {
+        Self {
+            device: (ev.b >> 32) as u32,
+            stream: ev.b as u32,
+        }
+    }
+
+    /// The track's name.
+    pub fn name(&self) -> String {
+        format!("GPU {} stream {}", self.device, self.stream)
+    }
+
+    /// A thread id for viewers that draw tracks by tid (Chrome JSON): above Linux's tids
+    /// (< 2^22), unique per (device, stream) for devices < 256 and streams < 2^20.
+    pub fn tid(&self) -> u64 {
+        1 << 40 | u64::from(self.device & 0xff) << 20 | u64::from(self.stream & 0xf_ffff)
     }
 }
 

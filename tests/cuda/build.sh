@@ -1,6 +1,7 @@
 #!/bin/sh
 # Builds the fake CUDA driver (libcuda.so.1), the fake runtime (libcudart.so.13), the fake
-# management library (libnvidia-ml.so.1, for tracerd's GPU metrics) and the test program
+# management library (libnvidia-ml.so.1, for tracerd's GPU metrics), the fake CUPTI
+# (libcupti.so.13, for GPU kernel times) and the test program
 # (cuda_app) into OUT_DIR. Needs only a C compiler and libc headers (Debian 12:
 # build-essential). The app finds the libraries through its $ORIGIN rpath or LD_LIBRARY_PATH.
 # usage: build.sh OUT_DIR        (CC and CFLAGS are honoured; with CFLAGS set, the prologue
@@ -31,13 +32,17 @@ if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] &&
   CET=-fcf-protection=full
 fi
 $CC $CFLAGS $CET $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcuda.so.1 \
-  -o "$OUT/libcuda.so.1" "$HERE/fake_cuda.c" -lpthread
+  -o "$OUT/libcuda.so.1" "$HERE/fake_cuda.c" -ldl -lpthread
 # The runtime dlopen()s libcuda.so.1 itself; its own $ORIGIN runpath finds the fake one next
 # to it (a runpath is not inherited from the app).
 $CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcudart.so.13 \
   '-Wl,-rpath,$ORIGIN' -o "$OUT/libcudart.so.13" "$HERE/fake_cudart.c" -ldl -lpthread
 $CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libnvidia-ml.so.1 \
   -o "$OUT/libnvidia-ml.so.1" "$HERE/fake_nvml.c"
+# CUPTI, for tracer's injection library (GPU kernel times): found beside the runtime, as in a
+# CUDA 13 wheel.
+$CC $CFLAGS $WARN -fPIC -fvisibility=hidden -shared -Wl,-soname,libcupti.so.13 \
+  -o "$OUT/libcupti.so.13" "$HERE/fake_cupti.c" -lpthread
 # The development names, for tools that look for libcuda.so / libcudart.so.
 ln -sf libcuda.so.1 "$OUT/libcuda.so"
 ln -sf libcudart.so.13 "$OUT/libcudart.so"
@@ -73,4 +78,4 @@ if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] && command -v objdump >/d
     }
   done
 fi
-echo "built $OUT/libcuda.so.1 $OUT/libcudart.so.13 $OUT/libnvidia-ml.so.1 $OUT/cuda_app"
+echo "built $OUT/libcuda.so.1 $OUT/libcudart.so.13 $OUT/libnvidia-ml.so.1 $OUT/libcupti.so.13 $OUT/cuda_app"

@@ -7,9 +7,10 @@
  * "done", and waits for stdin to close before it exits: 0 when everything it checked held.
  *
  * usage: cuda_app [n1=10] [n2=6] [n3=5] [n4=4] [n5=3] [n6=2] [graph=1] [k=8] [b1=4096] [m=2]
- *                 [b2=1024] [bad=1] [hold=0] [warm=0] */
+ *                 [b2=1024] [bad=1] [hold=0] [init=0] [warm=0] */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
+#include "fake_cupti_abi.h"
 
 #include <dlfcn.h>
 #include <inttypes.h>
@@ -52,6 +53,8 @@ static struct {
                "cuLaunchKernel"},
     {"hold", 0, "1: once both libraries are mapped, print \"loaded\" and wait for a line before "
                 "the first CUDA call (a program that imports CUDA long before it uses it)"},
+    {"init", 0, "1: with hold=1, cuInit before printing \"loaded\" (a program that initializes "
+                "CUDA, loading any CUDA_INJECTION64_PATH library, long before its first launch)"},
     {"warm", 0, "1: once the kernels are registered and matmul's handle is fetched, print "
                 "\"registered\" and wait for a line (a warm process a tracer attaches to later)"},
 };
@@ -402,9 +405,14 @@ static void run(void) {
     resolve_runtime(hrt);
     if (param("hold")) {
         /* The driver too, as the runtime will map it; it stays mapped through our handle. */
-        if (!dlopen(DRIVER_SONAME, RTLD_NOW | RTLD_GLOBAL)) {
+        void *hdrv = dlopen(DRIVER_SONAME, RTLD_NOW | RTLD_GLOBAL);
+        if (!hdrv) {
             fprintf(stderr, "cuda_app: %s\n", dlerror());
             exit(3);
+        }
+        if (param("init")) {
+            CUresult (*init)(unsigned int) = (CUresult(*)(unsigned int))dlsym(hdrv, "cuInit");
+            if (!init || init(0) != CUDA_SUCCESS) fail("cuInit", -1);
         }
         printf("loaded\n");
         fflush(stdout);
@@ -996,6 +1004,29 @@ static int print_ground_truth(int runtime_before, int driver_before) {
         fputc('}', f);
     } else {
         fputs(",\"driver_observed\":null", f);
+    }
+
+    /* what the fake CUPTI recorded (a CUDA_INJECTION64_PATH library turned it on): one record
+     * per kernel execution, which must be every launch that ran */
+    fake_cupti_tally_fn cupti_tally = NULL;
+    void *hcupti = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
+    if (hcupti) cupti_tally = (fake_cupti_tally_fn)dlsym(hcupti, "fake_cupti_tally");
+    if (cupti_tally) {
+        fputs(",\"cupti_observed\":[", f);
+        const char *name;
+        unsigned long long runs, ns;
+        for (int i = 0; cupti_tally(i, &name, &runs, &ns); i++) {
+            fprintf(f, "%s{\"name\":\"%s\",\"executions\":%llu,\"total_ns\":%llu}", i ? "," : "",
+                    name, runs, ns);
+            if (runs != tally_get(by_kernel, name)) {
+                fprintf(stderr, "cuda_app: CUPTI recorded %llu runs of %s, expected %llu\n", runs,
+                        name, tally_get(by_kernel, name));
+                counts_ok = 0;
+            }
+        }
+        fputc(']', f);
+    } else {
+        fputs(",\"cupti_observed\":null", f);
     }
 
     int late = !runtime_before && !driver_before;

@@ -7,6 +7,10 @@
  * only the application's (or the runtime's) calls to it. */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
+#include "fake_cupti_abi.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
 
 #include <ctype.h>
 #include <pthread.h>
@@ -46,6 +50,7 @@ struct fk_image { /* a module (functions) or a library (kernels) */
 };
 struct fk_stream {
     unsigned int flags;
+    uint32_t id; /* CUPTI's stream id */
 };
 struct fk_node {
     struct fk_graph *graph;
@@ -239,10 +244,53 @@ static void *image_lookup(struct fk_image *img, const char *name) {
 
 /* ---- initialization, devices, contexts -------------------------------------------------- */
 
+/* ---- CUDA_INJECTION64_PATH and CUPTI ---------------------------------------------------- */
+
+/* The fake CUPTI's hook, once an injected library loaded it: launches that succeed report the
+ * kernel there, as the real driver's instrumentation makes CUPTI records. */
+static fake_cupti_kernel_ran_fn cupti_kernel_ran;
+
+/* As the real driver does at cuInit: load the library CUDA_INJECTION64_PATH names and call its
+ * InitializeInjection. */
+static void inject(void) {
+    const char *path = getenv("CUDA_INJECTION64_PATH");
+    if (!path || !*path) return;
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    int (*init)(void) = h ? (int (*)(void))dlsym(h, "InitializeInjection") : NULL;
+    if (!init) {
+        fprintf(stderr, "fake libcuda: CUDA_INJECTION64_PATH=%s: %s\n", path,
+                h ? "no InitializeInjection" : dlerror());
+        return;
+    }
+    init();
+    void *cupti = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
+    if (cupti) cupti_kernel_ran = (fake_cupti_kernel_ran_fn)dlsym(cupti, "fake_cupti_kernel_ran");
+}
+
+static uint32_t stream_id(CUstream s) {
+    if (s == NULL || s == CU_STREAM_LEGACY) return 7;
+    if (s == CU_STREAM_PER_THREAD) return 8;
+    return ((struct fk_stream *)s)->id;
+}
+
+/* A launch that succeeded, for CUPTI. */
+static void ran(const void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                unsigned bz, unsigned shmem, CUstream s) {
+    if (!cupti_kernel_ran) return;
+    pthread_mutex_lock(&lock);
+    const char *name = launchable_name(f);
+    uint32_t id = stream_ok(s) ? stream_id(s) : 0;
+    pthread_mutex_unlock(&lock);
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    if (name) cupti_kernel_ran(name, id, grid, block, shmem);
+}
+
 API CUresult cuInit(unsigned int Flags) {
     FRAME();
     if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
     __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    pthread_once(&once, inject);
     return CUDA_SUCCESS;
 }
 
@@ -490,7 +538,10 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
                        void **extra) {
     COUNT(cuLaunchKernel_calls, 1);
     CUresult rc = check_launch(f, gx, gy, gz, bx, by, bz, shmem, s, kernelParams, extra);
-    if (rc == CUDA_SUCCESS) COUNT(cuLaunchKernel_ok, 1);
+    if (rc == CUDA_SUCCESS) {
+        COUNT(cuLaunchKernel_ok, 1);
+        ran(f, gx, gy, gz, bx, by, bz, shmem, s);
+    }
     return rc;
 }
 
@@ -523,7 +574,11 @@ static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **kernelPa
     CUresult rc = check_launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX,
                                c->blockDimY, c->blockDimZ, c->sharedMemBytes, s, kernelParams,
                                extra);
-    if (rc == CUDA_SUCCESS) COUNT(cuLaunchKernelEx_ok, 1);
+    if (rc == CUDA_SUCCESS) {
+        COUNT(cuLaunchKernelEx_ok, 1);
+        ran(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY, c->blockDimZ,
+            c->sharedMemBytes, s);
+    }
     return rc;
 }
 
@@ -637,6 +692,11 @@ static CUresult graph_launch(CUgraphExec hGraphExec, CUstream s) {
     }
     size_t n = e->nnodes;
     pthread_mutex_unlock(&lock);
+    for (size_t i = 0; i < n; i++) {
+        const CUDA_KERNEL_NODE_PARAMS *p = &e->nodes[i];
+        ran(p->func ? (const void *)p->func : (const void *)p->kern, p->gridDimX, p->gridDimY,
+            p->gridDimZ, p->blockDimX, p->blockDimY, p->blockDimZ, p->sharedMemBytes, s);
+    }
     COUNT(graph_kernel_nodes_run, n);
     COUNT(cuGraphLaunch_ok, 1);
     return CUDA_SUCCESS;
@@ -688,8 +748,10 @@ API CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
     CUresult rc = need_ctx();
     if (rc) return rc;
     if (!phStream || Flags > 1) return CUDA_ERROR_INVALID_VALUE;
+    static uint32_t next_id = 13;
     struct fk_stream *s = calloc(1, sizeof *s);
     s->flags = Flags;
+    s->id = __atomic_fetch_add(&next_id, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&lock);
     add_handle(s, K_STREAM);
     pthread_mutex_unlock(&lock);

@@ -6,13 +6,15 @@
 # named; its counts cover the warm-up and the counted run (the profiler's, the latter only).
 # The second attaches to the warm process with --cuda-stacks: its kernels were named before
 # tracer came, so the runtime rows are named from symbols; the stacks show where launches
-# come from.
+# come from. The third starts the program with --gpu-times (CUPTI through tracer's injection
+# library): GPU time per kernel, next to the profiler's for the counted run (the program runs
+# the same work twice, so each kernel should run twice as often as the profiler saw).
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/tracerd.sh"
 echo "== torch.profiler (the counted run)"
-python3 "$HERE/torch_launches.py" --profile | head -30
+python3 "$HERE/torch_launches.py" --profile | tee "$STATE/profiler" | head -30
 echo "== tracer --cuda, the whole program (warm-up and counted run)"
 $CTL start --mode=counting --cuda --limit 40 -- python3 "$HERE/torch_launches.py" | tee "$STATE/table"
 ID=$(sed -n 's/^session \([0-9a-f]*\) .*/\1/p' "$STATE/table")
@@ -45,3 +47,27 @@ print("rows by where their name came from:", dict(named), "unnamed rows:", c["un
 print("launch stacks:", sum(s["count"] for s in r["profile"]["stacks"]), "losses:", r["losses"])
 PY
 $CTL report "$ID" --format folded | sort -t' ' -k2 -nr | head -5 | cut -c1-400
+echo "== tracer --cuda --gpu-times, the whole program (warm-up and counted run)"
+$CTL start --mode=counting --cuda --gpu-times --format json -o "$STATE/times.json" \
+  -- python3 "$HERE/torch_launches.py"
+$CTL report "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["session"]["id"])' "$STATE/times.json")" \
+  --format kernels --limit 20 | sed -n '/GPU kernel times/,$p'
+python3 - "$STATE/times.json" "$STATE/profiler" <<'PY'
+import json, re, sys
+c = json.load(open(sys.argv[1]))["cuda"]
+print("status:", [g["status"] for g in c.get("gpu_times", [])])
+ours = {}
+for k in c.get("gpu_kernels", []):
+    n, ns = ours.get(k["kernel"], (0, 0))
+    ours[k["kernel"]] = (n + k["executions"], ns + k["total_ns"])
+prof = {}
+for line in open(sys.argv[2]):
+    m = re.match(r"\s+(\d+)\s+([\d.]+)\s+(.*)$", line)
+    if m:
+        prof[m.group(3)] = (int(m.group(1)), float(m.group(2)))
+print("executions: tracer", sum(n for n, _ in ours.values()), "profiler x2", 2 * sum(n for n, _ in prof.values()))
+for name, (n, ns) in sorted(ours.items(), key=lambda kv: -kv[1][1])[:15]:
+    p = prof.get(name[:110])
+    pavg = f"{p[1] / p[0]:9.2f}" if p else "        -"
+    print(f"{n:6d} {ns / n / 1e3:9.2f} us avg | profiler {p[0] if p else '-':>5} {pavg} us avg  {name[:90]}")
+PY

@@ -1,6 +1,7 @@
 """CUDA work whose kernel count torch.profiler gives: 100 x (matmul, relu, div) and 20
 convolutions, after a warm-up outside the count. With --profile, runs the counted part under
-torch.profiler and prints the number of GPU kernels it saw and their names."""
+torch.profiler and prints the number of GPU kernels it saw, and per kernel name its count and
+GPU time."""
 import sys
 
 import torch
@@ -33,9 +34,11 @@ def main():
         print("PROFILER_KERNELS", len(kernels))
         names = {}
         for k in kernels:
-            names[k.name] = names.get(k.name, 0) + 1
-        for n, c in sorted(names.items(), key=lambda kv: -kv[1]):
-            print(f"  {c:5d}  {n[:110]}")
+            n, us = names.get(k.name, (0, 0.0))
+            names[k.name] = (n + 1, us + k.time_range.elapsed_us())
+        # count, GPU time in µs, name: what tracer's --gpu-times table is compared with.
+        for n, (c, us) in sorted(names.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {c:5d} {us:12.1f}  {n[:110]}")
     elif "--wait" in sys.argv:
         # Warm: tell the runner, wait until a session is attached, then do the counted part.
         import os

@@ -893,3 +893,226 @@ fn launch_counts_reach_prometheus() {
         assert!(text.contains(&series), "no {series} in:\n{text}");
     }
 }
+
+/// `--gpu-times`: the command runs with tracer's CUPTI injection library, which tests/cuda's
+/// fake driver loads at cuInit as CUDA's does, and which finds tests/cuda's fake CUPTI beside
+/// the runtime (as in a CUDA 13 wheel). The report's GPU time per kernel must be the fake
+/// CUPTI's own tally; each execution is a slice on a GPU track of the trace, in the session's
+/// clock (the fake stamps records with CLOCK_REALTIME, as CUPTI does).
+#[test]
+fn gpu_kernel_times_come_from_cupti() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let app = libs.join("cuda_app");
+    let app = app.to_str().unwrap();
+    // The program is tracerctl's child and shares its stdin and stdout: driven by its cues.
+    let run = |mode: &str, env: &[(&str, &str)], out: &std::path::Path| -> (Value, Value) {
+        let mut ctl = d.ctl();
+        ctl.args([
+            "start",
+            mode,
+            "--cuda",
+            "--gpu-times",
+            "--format",
+            "json",
+            "-o",
+        ])
+        .arg(out)
+        .args(["--", app, "hold=1", "init=1"])
+        .env_remove("CUDA_INJECTION64_PATH")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+        for (k, v) in env {
+            ctl.env(k, v);
+        }
+        let mut guard = ChildGuard::spawn(&mut ctl);
+        let out_pipe = BufReader::new(guard.0.stdout.take().unwrap());
+        let stdin = guard.0.stdin.take();
+        let mut app = App {
+            guard,
+            out: out_pipe,
+            stdin,
+        };
+        assert_eq!(app.cue(""), "ready\n");
+        // CUDA initialized, so the injection library loaded and probed as it was mapped: a
+        // margin for a loaded machine.
+        assert_eq!(app.cue("go\n"), "loaded\n");
+        std::thread::sleep(Duration::from_millis(300));
+        let truth = app.finish();
+        let report = serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap();
+        (truth, report)
+    };
+
+    // Counting, with CUPTI reporting dropped records as well.
+    let path = d.dir.path().join("gpu-times.json");
+    let (truth, report) = run("--mode=counting", &[("FAKE_CUPTI_DROPPED", "5")], &path);
+    let pid = truth["pid"].as_u64().unwrap();
+    let status = &report["cuda"]["gpu_times"];
+    assert_eq!(status[0]["pid"], pid, "{status}");
+    let line = status[0]["status"].as_str().unwrap();
+    let beside = libs.join("libcupti.so.13");
+    assert!(
+        line.starts_with("ok: CUPTI from") && line.contains(beside.to_str().unwrap()),
+        "{line}"
+    );
+    let handed = truth["cupti_observed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["executions"].as_u64().unwrap())
+        .sum::<u64>();
+    assert!(
+        line.ends_with(&format!(
+            "at exit: {handed} kernel records handed over, 5 dropped"
+        )),
+        "{line}"
+    );
+    let observed: BTreeMap<String, (u64, u64)> = truth["cupti_observed"]
+        .as_array()
+        .expect("the fake CUPTI's tally")
+        .iter()
+        .map(|k| {
+            let name = demangle(k["name"].as_str().unwrap());
+            let n = (
+                k["executions"].as_u64().unwrap(),
+                k["total_ns"].as_u64().unwrap(),
+            );
+            (name, n)
+        })
+        .collect();
+    let got: BTreeMap<String, (u64, u64)> = report["cuda"]["gpu_kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            assert_eq!(k["pid"], pid);
+            let (n, total) = (
+                k["executions"].as_u64().unwrap(),
+                k["total_ns"].as_u64().unwrap(),
+            );
+            let (min, max) = (k["min_ns"].as_u64().unwrap(), k["max_ns"].as_u64().unwrap());
+            assert!(min * n <= total && total <= max * n, "{k}");
+            (k["kernel"].as_str().unwrap().to_owned(), (n, total))
+        })
+        .collect();
+    assert_eq!(got, observed);
+    let launched: u64 = truth["totals"]["kernel_launches"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(got.values().map(|v| v.0).sum::<u64>(), launched);
+    assert!(
+        report["losses"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!({"cause": "cupti_records_dropped", "count": 5})),
+        "{}",
+        report["losses"]
+    );
+    let table = d.ok(&["report", report["session"]["id"].as_str().unwrap()]);
+    assert!(table.contains("GPU kernel times (CUPTI)"), "{table}");
+
+    // Tracing: one slice per execution on its stream's GPU track, inside the session.
+    let path = d.dir.path().join("gpu-trace.json");
+    let (_, report) = run("--mode=tracing", &[], &path);
+    let id = report["session"]["id"].as_str().unwrap();
+    let chrome_path = d.dir.path().join("gpu-trace.chrome.json");
+    d.ok(&[
+        "report",
+        id,
+        "--format",
+        "chrome",
+        "-o",
+        chrome_path.to_str().unwrap(),
+    ]);
+    let chrome: Value = serde_json::from_slice(&std::fs::read(&chrome_path).unwrap()).unwrap();
+    let (start, end) = (
+        chrome["otherData"]["start_ns"].as_f64().unwrap() / 1e3,
+        chrome["otherData"]["end_ns"].as_f64().unwrap() / 1e3,
+    );
+    let events = chrome["traceEvents"].as_array().unwrap();
+    let mut slices: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["cat"] == "gpu") {
+        let ts = e["ts"].as_f64().unwrap();
+        assert!(
+            ts >= start && ts <= end,
+            "a GPU slice outside the session: {e}"
+        );
+        let track = events
+            .iter()
+            .find(|m| m["ph"] == "M" && m["tid"] == e["tid"] && m["pid"] == e["pid"])
+            .expect("the GPU track's name");
+        assert_eq!(
+            track["args"]["name"],
+            format!("GPU 0 stream {}", e["args"]["stream"])
+        );
+        let s = slices
+            .entry(e["name"].as_str().unwrap().to_owned())
+            .or_default();
+        s.0 += 1;
+        s.1 += (e["dur"].as_f64().unwrap() * 1e3).round() as u64;
+    }
+    let in_report: BTreeMap<String, (u64, u64)> = report["cuda"]["gpu_kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            let n = (
+                k["executions"].as_u64().unwrap(),
+                k["total_ns"].as_u64().unwrap(),
+            );
+            (k["kernel"].as_str().unwrap().to_owned(), n)
+        })
+        .collect();
+    assert_eq!(slices, in_report);
+    assert_eq!(slices, observed, "every execution, in a session of its own");
+    let executions: u64 = slices.values().map(|s| s.0).sum();
+    assert_eq!(report["trace"]["gpu_kernels"], executions);
+    let pf_path = d.dir.path().join("gpu-trace.pftrace");
+    d.ok(&[
+        "report",
+        id,
+        "--format",
+        "perfetto",
+        "-o",
+        pf_path.to_str().unwrap(),
+    ]);
+    let p = tracer_tests::timeline::perfetto_summary(&std::fs::read(pf_path).unwrap());
+    assert_eq!((p.begins, p.ends), (executions, executions));
+
+    // No CUPTI to be found: the program runs as ever, and the report says why.
+    let path = d.dir.path().join("no-cupti.json");
+    let (_, report) = run(
+        "--mode=counting",
+        &[("TRACER_CUPTI_PATH", "/nonexistent/libcupti.so")],
+        &path,
+    );
+    let line = report["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
+    assert!(
+        line.starts_with("error: TRACER_CUPTI_PATH=/nonexistent/libcupti.so"),
+        "{line}"
+    );
+    assert!(report["cuda"]["gpu_kernels"].is_null(), "{report}");
+    assert!(report["cuda"]["launches"]
+        .as_array()
+        .is_some_and(|l| !l.is_empty()));
+
+    // --gpu-times needs a command started under it.
+    let refused = d.run(&[
+        "start",
+        "--mode=counting",
+        "--cuda",
+        "--gpu-times",
+        "--pid",
+        "1",
+    ]);
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("--gpu-times needs a command"), "{err}");
+}

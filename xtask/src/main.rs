@@ -90,6 +90,12 @@ fn cargo() -> Command {
 
 fn build() -> Result<()> {
     toolchain::setup()?;
+    build_binaries()
+}
+
+/// tracerd and tracerctl, and the CUPTI injection library tracerctl's `--gpu-times` puts
+/// beside them (target/release/libtracer_cupti.so).
+fn build_binaries() -> Result<()> {
     run(cargo().args([
         "build",
         "--release",
@@ -97,7 +103,8 @@ fn build() -> Result<()> {
         "tracerd",
         "--bin",
         "tracerctl",
-    ]))
+    ]))?;
+    run(cargo().args(["build", "--release", "-p", "tracer-cupti"]))
 }
 
 fn demo() -> Result<()> {
@@ -240,14 +247,7 @@ fn test() -> Result<()> {
     ]))?;
     let venv = toolchain::python_test_env()?;
     toolchain::ensure_test_tools()?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "--bin",
-        "tracerd",
-        "--bin",
-        "tracerctl",
-    ]))?;
+    build_binaries()?;
     run(cargo()
         .args([
             "test",

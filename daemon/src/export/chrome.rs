@@ -1,7 +1,8 @@
 //! Chrome's trace event JSON (the "JSON Object Format" that chrome://tracing, Perfetto UI and
-//! speedscope open): a complete event ("X") per Python call, an instant ("i") per native
-//! probe hit, a counter event ("C") per perf counter reading, and names for every process
-//! and thread. One track per thread, as the viewers draw `tid`s.
+//! speedscope open): a complete event ("X") per Python call and per GPU kernel execution, an
+//! instant ("i") per native probe hit or CUDA call, a counter event ("C") per perf counter
+//! reading, and names for every process and thread. One track per thread, as the viewers
+//! draw `tid`s, and one per (GPU, stream) for kernels as they ran.
 //!
 //! Times are the host's CLOCK_MONOTONIC in microseconds with nanosecond decimals, so traces
 //! of one host line up with each other and with perf's.
@@ -13,7 +14,7 @@ use std::{
 
 use tracer_common::TraceEvent;
 
-use crate::trace::{exit_inferred, unfinished, Named, Trace};
+use crate::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace};
 
 /// `ns` as a JSON number of microseconds, exactly (no float rounding).
 fn us(ns: u64) -> String {
@@ -63,6 +64,8 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
     let functions = trace.function_index();
     // Counters are cumulative; the tracks show what each period added.
     let mut last: HashMap<(u32, u64), u64> = HashMap::new();
+    // GPU tracks named as they first appear.
+    let mut gpu_tracks: std::collections::HashSet<(u32, GpuTrack)> = Default::default();
     for ev in trace.events()? {
         let ev = ev?;
         let named = trace.named(&functions, &ev);
@@ -146,6 +149,29 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                 us(ev.start_ns),
                 ev.a
             )?,
+            Named::GpuKernel(_, track) => {
+                if gpu_tracks.insert((ev.pid, track)) {
+                    write!(
+                        w,
+                        "{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":{}}}}},",
+                        ev.pid,
+                        track.tid(),
+                        string(&track.name())
+                    )?;
+                    w.write_all(b"\n")?;
+                }
+                write!(
+                    w,
+                    "{{\"ph\":\"X\",\"cat\":\"gpu\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"dur\":{},\"args\":{{\"device\":{},\"stream\":{}}}}}",
+                    string(&named.name()),
+                    ev.pid,
+                    track.tid(),
+                    us(ev.start_ns),
+                    us(ev.end_ns.saturating_sub(ev.start_ns)),
+                    track.device,
+                    track.stream
+                )?;
+            }
             Named::Unknown => write!(
                 w,
                 "{{\"ph\":\"i\",\"s\":\"t\",\"name\":\"[unknown event kind {}]\",\"pid\":{},\"tid\":{},\"ts\":{}}}",

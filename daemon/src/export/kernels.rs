@@ -112,11 +112,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             c.unnamed
         );
     }
-    // Said plainly: launches are seen where the CPU makes them, not where the GPU runs them.
-    let _ = writeln!(
-        out,
-        " GPU execution times: not measured (launches are counted on the CPU side; kernel times need CUPTI, not supported yet)"
-    );
+    gpu_times(out, c, limit);
     match &c.gpu.unavailable {
         Some(why) => {
             let _ = writeln!(out, " GPU metrics: unavailable: {why}");
@@ -140,5 +136,70 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     }
     for w in &c.warnings {
         let _ = writeln!(out, " warning: {w}");
+    }
+}
+
+/// Time in ms with µs decimals.
+fn ms(ns: u64) -> String {
+    format!("{}.{:03}", ns / 1_000_000, ns / 1000 % 1000)
+}
+
+/// GPU time per kernel (CUPTI), as Nsight Systems' kernel summary has it; or why there is none.
+fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
+    if c.gpu_times.is_empty() {
+        // Said plainly: launches are seen where the CPU makes them, not where the GPU runs them.
+        let _ = writeln!(
+            out,
+            " GPU execution times: not measured: no followed process runs tracer's CUPTI injection library (start the program with `tracerctl start --cuda --gpu-times -- CMD`)"
+        );
+        return;
+    }
+    for g in &c.gpu_times {
+        let _ = writeln!(out, " GPU kernel times in pid {}: {}", g.pid, g.status);
+    }
+    let total: u64 = c.gpu_kernels.iter().map(|k| k.total_ns).sum();
+    let executions: u64 = c.gpu_kernels.iter().map(|k| k.executions).sum();
+    let _ = writeln!(
+        out,
+        "\n GPU kernel times (CUPTI): {} executions, {} ms of GPU time",
+        group(executions),
+        ms(total)
+    );
+    if c.gpu_kernels.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "{:>7} {:>12} {:>10} {:>11} {:>11} {:>11} {:>4} {:>8}  kernel",
+        "time %", "total ms", "runs", "avg µs", "min µs", "max µs", "gpu", "pid"
+    );
+    let shown = if limit == 0 {
+        c.gpu_kernels.len()
+    } else {
+        limit.min(c.gpu_kernels.len())
+    };
+    let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
+    for k in &c.gpu_kernels[..shown] {
+        let _ = writeln!(
+            out,
+            "{:>7.1} {:>12} {:>10} {:>11} {:>11} {:>11} {:>4} {:>8}  {}",
+            100.0 * k.total_ns as f64 / total.max(1) as f64,
+            ms(k.total_ns),
+            group(k.executions),
+            us(k.total_ns / k.executions.max(1)),
+            us(k.min_ns),
+            us(k.max_ns),
+            k.device,
+            k.pid,
+            k.kernel
+        );
+    }
+    if shown < c.gpu_kernels.len() {
+        let _ = writeln!(
+            out,
+            "{:>7}  {} more kernels (--limit 0 shows all)",
+            "",
+            c.gpu_kernels.len() - shown
+        );
     }
 }

@@ -4,8 +4,9 @@
 //! as in Perfetto's .proto files, so no `protoc` or generated code is needed.
 //!
 //! Layout: a clock snapshot that makes CLOCK_MONOTONIC (the events' clock) the trace's
-//! clock, one packet of interned names, a track per process, thread and (process, counter),
-//! then each thread's slices and instants and each counter's readings. Every packet is
+//! clock, one packet of interned names, a track per process, thread, (process, counter) and
+//! (process, GPU, stream), then GPU kernels' slices, each thread's slices and instants and
+//! each counter's readings. Every packet is
 //! `Trace.packet` (field 1), so they are streamed one by one; trace_processor sorts them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -16,7 +17,7 @@ use prost::encoding::{encode_key, WireType};
 use prost::Message;
 use tracer_common::{trace_kind, TraceEvent};
 
-use crate::trace::{exit_inferred, unfinished, Named, Trace, TraceFunction};
+use crate::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace, TraceFunction};
 
 mod pb {
     #[derive(Clone, PartialEq, prost::Message)]
@@ -173,6 +174,7 @@ const CHUNK: usize = 1 << 20;
 /// Interned category ids.
 const CAT_PYTHON: u64 = 1;
 const CAT_NATIVE: u64 = 2;
+const CAT_GPU: u64 = 3;
 /// Interned debug annotation names, by iid (index + 1).
 const ANNOTATIONS: [&str; 5] = [
     "file",
@@ -210,6 +212,29 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
             track_descriptor: Some(d),
             ..packet()
         })?;
+    }
+    // Kernels on one stream run one after another; an overlap (clock noise) is cut so that
+    // the slices stay balanced.
+    for (key, kernels) in &mut ev.gpu {
+        let track = tracks.gpu[key];
+        kernels.sort_unstable();
+        let mut free_from = 0;
+        for &(start, end, name) in kernels.iter() {
+            let start = start.max(free_from);
+            let end = end.max(start);
+            w.event(
+                start,
+                pb::TrackEvent {
+                    r#type: Some(SLICE_BEGIN),
+                    category_iids: vec![CAT_GPU],
+                    name_iid: Some(name),
+                    track_uuid: Some(track),
+                    ..Default::default()
+                },
+            )?;
+            w.end(track, end)?;
+            free_from = end;
+        }
     }
     // Each thread's calls are dropped once written.
     while let Some((key, mut t)) = ev.threads.pop_first() {
@@ -255,6 +280,9 @@ struct Slice {
     flags: u8,
 }
 
+/// A kernel's execution: (start, end, interned name).
+type GpuSlice = (u64, u64, u64);
+
 /// A Python function's interned name and, when known, file and first line.
 struct Func {
     name: u64,
@@ -275,6 +303,8 @@ struct Collected {
     threads: BTreeMap<(u32, u32), ThreadEvents>,
     /// (pid, counter index) → (time, cumulative value).
     counters: BTreeMap<(u32, u64), Vec<(u64, u64)>>,
+    /// GPU kernel executions per (pid, device and stream).
+    gpu: BTreeMap<(u32, GpuTrack), Vec<GpuSlice>>,
     functions: Vec<Func>,
     names: Interner,
     files: Interner,
@@ -335,6 +365,14 @@ impl Collected {
                     let readings = c.counters.entry((ev.pid, ev.a)).or_default();
                     readings.push((ev.start_ns, ev.b));
                 }
+                trace_kind::GPU_KERNEL => {
+                    let names = &mut c.names;
+                    let name = *cuda
+                        .entry((ev.kind, ev.pid, ev.a))
+                        .or_insert_with(|| names.id(&trace.named(&index, &ev).name()));
+                    let on = c.gpu.entry((ev.pid, GpuTrack::of(&ev))).or_default();
+                    on.push((ev.start_ns, ev.end_ns.max(ev.start_ns), name));
+                }
                 // A kind this export does not know: nothing to show for it.
                 _ => {}
             }
@@ -376,7 +414,11 @@ impl Collected {
                 .collect()
         };
         pb::InternedData {
-            event_categories: interned(vec![(CAT_PYTHON, "python"), (CAT_NATIVE, "native")]),
+            event_categories: interned(vec![
+                (CAT_PYTHON, "python"),
+                (CAT_NATIVE, "native"),
+                (CAT_GPU, "gpu"),
+            ]),
             event_names: interned(self.names.all()),
             debug_annotation_names: interned((1..).zip(ANNOTATIONS).collect()),
             debug_annotation_string_values: interned(self.files.all()),
@@ -412,6 +454,7 @@ struct Tracks {
     processes: BTreeMap<u32, u64>,
     threads: BTreeMap<(u32, u32), u64>,
     counters: BTreeMap<(u32, u64), u64>,
+    gpu: BTreeMap<(u32, GpuTrack), u64>,
 }
 
 impl Tracks {
@@ -429,6 +472,7 @@ impl Tracks {
             .map(|p| p.pid)
             .chain(threads.iter().map(|t| t.0))
             .chain(ev.counters.keys().map(|c| c.0))
+            .chain(ev.gpu.keys().map(|g| g.0))
             .collect();
         let mut next = 0u64;
         let mut uuid = || {
@@ -439,6 +483,7 @@ impl Tracks {
             processes: pids.into_iter().map(|p| (p, uuid())).collect(),
             threads: threads.into_iter().map(|t| (t, uuid())).collect(),
             counters: ev.counters.keys().map(|&c| (c, uuid())).collect(),
+            gpu: ev.gpu.keys().map(|&g| (g, uuid())).collect(),
         }
     }
 
@@ -501,7 +546,21 @@ impl Tracks {
                 ..Default::default()
             }
         });
-        processes.chain(threads).chain(counters).collect()
+        let gpu = self
+            .gpu
+            .iter()
+            .map(|(&(p, track), &uuid)| pb::TrackDescriptor {
+                uuid: Some(uuid),
+                name: Some(track.name()),
+                parent_uuid: Some(self.processes[&p]),
+                description: Some("kernels as they ran on the GPU (CUPTI)".into()),
+                ..Default::default()
+            });
+        processes
+            .chain(threads)
+            .chain(counters)
+            .chain(gpu)
+            .collect()
     }
 }
 

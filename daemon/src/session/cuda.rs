@@ -14,7 +14,7 @@ use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 use crate::{
     bpf::{Bpf, UprobeLinks},
     cuda::{self, Names},
-    report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport},
+    report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus},
     unwind::ProcMaps,
 };
 
@@ -69,6 +69,10 @@ pub struct CudaSession {
     links: HashMap<ProcAddr, (u64, u64)>,
     warnings: Vec<String>,
     gpu: crate::gpu::GpuSampler,
+    /// (pid, CUPTI's name pointer) → kernel name, from tracer's injection library.
+    gpu_names: HashMap<ProcAddr, String>,
+    /// pid → the injection library's status line, as last read or announced.
+    injections: HashMap<u32, String>,
 }
 
 impl CudaSession {
@@ -95,6 +99,8 @@ impl CudaSession {
             links: HashMap::new(),
             warnings: Vec::new(),
             gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
+            gpu_names: HashMap::new(),
+            injections: HashMap::new(),
         }
     }
 
@@ -116,6 +122,14 @@ impl CudaSession {
             self.links.insert((ev.pid, ev.handle), (ev.other, ev.extra));
             let stub = self.names.last(ev.pid, ev.other);
             self.callers.locate(ev.pid, &[ev.extra, stub]);
+            return;
+        }
+        if matches!(ev.api, api::CUPTI_KERNEL | api::CUPTI_STATUS) {
+            let text = cuda::event_name(ev);
+            match ev.api {
+                api::CUPTI_KERNEL => self.gpu_names.insert((ev.pid, ev.handle), text),
+                _ => self.injections.insert(ev.pid, text),
+            };
             return;
         }
         if ev.api != api::CALL_SITE {
@@ -195,6 +209,17 @@ impl CudaSession {
                     }
                 }
             }
+            if lib == cuda::Library::Cupti {
+                // Set up already (a warm process), or about to be (its probe will say).
+                let mine: Vec<_> = maps
+                    .entries()
+                    .iter()
+                    .filter(|e| e.inode == m.inode && e.dev == m.dev)
+                    .collect();
+                let status = cuda::injection_status(pid, std::path::Path::new(&path), &mine)
+                    .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
+                self.injections.entry(pid).or_insert(status);
+            }
             tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
             self.found.push(CudaLibrary {
                 pid,
@@ -229,6 +254,12 @@ impl CudaSession {
         }
         let native = self.callers.name_all();
         let (rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
+        let gpu_kernels = self.gpu_kernels(bpf.gpu_kernel_times(self.slot, true));
+        let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injections)
+            .into_iter()
+            .map(|(pid, status)| GpuTimesStatus { pid, status })
+            .collect();
+        gpu_times.sort_by_key(|g| g.pid);
         let mut warnings = self.warnings;
         if self.found.is_empty() {
             warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
@@ -240,7 +271,38 @@ impl CudaSession {
             memory,
             unnamed,
             warnings,
+            gpu_kernels,
+            gpu_times,
         }
+    }
+
+    /// GPU time rows, named from CUPTI's names, most time first.
+    fn gpu_kernels(
+        &self,
+        times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
+    ) -> Vec<GpuKernelTime> {
+        let mut rows: Vec<GpuKernelTime> = times
+            .into_iter()
+            .map(|(k, s)| GpuKernelTime {
+                pid: k.pid,
+                device: k.device,
+                kernel: self.gpu_names.get(&(k.pid, k.name)).map_or_else(
+                    || format!("[kernel name {:#x} not received]", k.name),
+                    |n| cuda::demangle(n),
+                ),
+                executions: s.executions,
+                total_ns: s.total_ns,
+                min_ns: s.min_ns,
+                max_ns: s.max_ns,
+                name_ptr: k.name,
+            })
+            .collect();
+        rows.sort_by(|a, b| {
+            b.total_ns
+                .cmp(&a.total_ns)
+                .then_with(|| a.kernel.cmp(&b.kernel))
+        });
+        rows
     }
 
     /// A name for a launch row whose handle no naming call named: a runtime launch's from the

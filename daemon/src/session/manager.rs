@@ -1135,7 +1135,23 @@ impl Manager {
                 })
                 .collect();
             launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
-            report.trace = Some(crate::trace::Trace { launches, ..trace });
+            let mut gpu_kernel_names: Vec<crate::trace::TraceGpuKernel> = report
+                .cuda
+                .iter()
+                .flat_map(|c| &c.gpu_kernels)
+                .map(|k| crate::trace::TraceGpuKernel {
+                    pid: k.pid,
+                    name: k.name_ptr,
+                    kernel: k.kernel.clone(),
+                })
+                .collect();
+            gpu_kernel_names.sort_unstable_by_key(|k| (k.pid, k.name));
+            gpu_kernel_names.dedup_by_key(|k| (k.pid, k.name));
+            report.trace = Some(crate::trace::Trace {
+                launches,
+                gpu_kernel_names,
+                ..trace
+            });
         }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.

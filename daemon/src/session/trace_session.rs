@@ -239,6 +239,8 @@ impl TraceSession {
             cuda_events: sp.by_kind[usize::from(trace_kind::CUDA_LAUNCH)]
                 + sp.by_kind[usize::from(trace_kind::CUDA_MEMORY)],
             launches: Vec::new(),
+            gpu_kernels: sp.by_kind[usize::from(trace_kind::GPU_KERNEL)],
+            gpu_kernel_names: Vec::new(),
             exits_inferred: sp.exits_inferred,
             unfinished: sp.unfinished,
             functions,

@@ -71,8 +71,11 @@ pub mod loss {
     pub const CUDA_MAP_FULL: u32 = 13;
     /// The `CUDA_NAMES` ring buffer was full: a kernel's name was not sent.
     pub const CUDA_NAMES_RINGBUF_FULL: u32 = 14;
+    /// CUPTI dropped kernel activity records (its buffers were full), as tracer's injection
+    /// library reported them: kernels whose GPU time is missing.
+    pub const CUPTI_RECORDS_DROPPED: u32 = 15;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 16;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).
@@ -379,8 +382,12 @@ pub mod trace_kind {
     /// A CUDA copy, allocation, free or synchronization: `start_ns`, `flags` = its
     /// `CudaMemKey::kind`, `a` = bytes.
     pub const CUDA_MEMORY: u16 = 5;
+    /// A kernel's execution on the GPU (CUPTI, through tracer's injection library):
+    /// `start_ns`..`end_ns`, `a` = CUPTI's name pointer, `b` = device << 32 | stream;
+    /// `tid` is CUPTI's thread, not the launcher's.
+    pub const GPU_KERNEL: u16 = 6;
     /// Kinds there are, for per-kind tables.
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
 }
 
 /// `TraceEvent::flags`: the call's exit was inferred (an exception unwound it unseen).
@@ -460,6 +467,15 @@ pub mod cuda_api {
     /// runtime's, `extra` = the runtime call's return address): names for the one serve
     /// the other.
     pub const ROW_LINK: u32 = 33;
+    /// `tracer_cupti_kernel(const CuptiKernel *)` in tracer's CUPTI injection library: a
+    /// kernel's execution on the GPU. As a `CudaNameEvent`: a kernel name CUPTI gave
+    /// (`handle` = its pointer).
+    pub const CUPTI_KERNEL: u32 = 40;
+    /// `tracer_cupti_dropped(u64 records)`: CUPTI dropped kernel records.
+    pub const CUPTI_DROPPED: u32 = 41;
+    /// `tracer_cupti_initialized(const char *status)`: the injection library set up CUPTI
+    /// (or failed to); sent as a `CudaNameEvent` with the status line as its name.
+    pub const CUPTI_STATUS: u32 = 42;
     pub const MASK: u64 = 0xff;
 }
 
@@ -552,6 +568,49 @@ pub struct CudaMemStats {
 
 pub const CUDA_NAME_LEN: usize = 512;
 
+/// A kernel's execution on the GPU, as tracer's CUPTI injection library (`libtracer_cupti.so`)
+/// passes it to `tracer_cupti_kernel`, whose probe reads it. Times are CLOCK_MONOTONIC ns
+/// (the library converts CUPTI's timestamps), the clock of every other trace event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CuptiKernel {
+    /// The kernel's name as CUPTI gives it (`const char *`, mangled; CUPTI keeps one string
+    /// per kernel for the process's life).
+    pub name: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub device: u32,
+    pub stream: u32,
+    /// CUPTI's correlation id of the launch.
+    pub correlation: u32,
+    /// Static plus dynamic shared memory, bytes.
+    pub shared_mem: u32,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+/// Key of `GPU_KERNELS`: executions of one kernel (by CUPTI's name pointer) on one device,
+/// in one process, for one session.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GpuKernelKey {
+    pub slot: u32,
+    pub pid: u32,
+    pub name: u64,
+    pub device: u32,
+    pub _pad: u32,
+}
+
+/// Value of `GPU_KERNELS`: GPU time, ns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuKernelStats {
+    pub executions: u64,
+    pub total_ns: u64,
+    pub min_ns: u64,
+    pub max_ns: u64,
+}
+
 /// Sent on `CUDA_NAMES` when a process names a kernel handle: `handle` is what launches
 /// will pass; `other` is the kernel (`CU_KERNEL_GET_FUNCTION`) or host stub
 /// (`CUDA_GET_KERNEL`, `CUDA_REGISTER_FUNCTION`) it stands for; `name` the device name when
@@ -584,6 +643,8 @@ mod pod {
     unsafe impl aya::Pod for super::CudaLaunchKey {}
     unsafe impl aya::Pod for super::CudaMemKey {}
     unsafe impl aya::Pod for super::CudaMemStats {}
+    unsafe impl aya::Pod for super::GpuKernelKey {}
+    unsafe impl aya::Pod for super::GpuKernelStats {}
 }
 
 /// Key of `NATIVE_CALLS`: calls of one probed native function in one process, for one
@@ -644,6 +705,11 @@ mod tests {
             core::mem::size_of::<super::CudaNameEvent>(),
             4 * 2 + 8 * 3 + super::CUDA_NAME_LEN
         );
+        assert_eq!(
+            core::mem::size_of::<super::CuptiKernel>(),
+            8 * 3 + 4 * 4 + 4 * 6
+        );
+        assert_eq!(core::mem::size_of::<super::GpuKernelKey>(), 24);
     }
 
     #[test]

@@ -18,11 +18,11 @@ use aya_ebpf::{
 };
 use tracer_common::{
     cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey, CudaMemKey, CudaMemStats,
-    CudaNameEvent, SessionMask, TraceEvent,
+    CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats, SessionMask, TraceEvent,
 };
 
 use crate::{
-    proc::{count_loss, TRACKED},
+    proc::{count_loss, count_losses, TRACKED},
     sample::{python_thread, PyThread},
     trace,
 };
@@ -42,6 +42,10 @@ static CUDA_ALLOCS: HashMap<[u64; 2], u64> = HashMap::with_max_entries(262_144, 
 /// Keyed by entry point too: the runtime's calls run the driver's inside them.
 #[map]
 static CUDA_PENDING: HashMap<[u32; 2], [u64; 2]> = HashMap::with_max_entries(16_384, 0);
+
+/// GPU time per kernel, from CUPTI's records (tracer's injection library).
+#[map]
+static GPU_KERNELS: HashMap<GpuKernelKey, GpuKernelStats> = HashMap::with_max_entries(16_384, 0);
 
 #[map]
 static CUDA_NAMES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
@@ -167,6 +171,11 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
             key.func = arg(0)?;
             key.stream = arg(1)?;
         }
+        api::CUPTI_KERNEL => return gpu_kernel(slot, pid, arg(0)?),
+        api::CUPTI_DROPPED => {
+            count_losses(loss::CUPTI_RECORDS_DROPPED, arg(0)?);
+            return Some(());
+        }
         _ => return memory_or_name(&a, which, slot, pid),
     }
     let tid = bpf_get_current_pid_tgid() as u32;
@@ -185,6 +194,58 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     }
     if trace::tracing(1 << slot) != 0 {
         trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.row_id());
+    }
+    Some(())
+}
+
+/// A kernel's execution on the GPU, from CUPTI (on CUPTI's thread, at a buffer's completion):
+/// its time added to the kernel's; its name sent once; a trace event for tracing sessions.
+fn gpu_kernel(slot: u32, pid: u32, record: u64) -> Option<()> {
+    let k: CuptiKernel = user(record)?;
+    let ns = k.end_ns.saturating_sub(k.start_ns);
+    let key = GpuKernelKey { slot, pid, name: k.name, device: k.device, _pad: 0 };
+    let mut counted = false;
+    for _ in 0..2 {
+        if let Some(s) = GPU_KERNELS.get_ptr_mut(&key) {
+            // SAFETY: a live map value. Records of one kernel come from CUPTI's one thread,
+            // but sessions' probes on several processes may share nothing else: atomics anyway.
+            unsafe {
+                crate::python::add(&raw mut (*s).executions, 1);
+                crate::python::add(&raw mut (*s).total_ns, ns);
+                if ns < (*s).min_ns {
+                    (*s).min_ns = ns;
+                }
+                if ns > (*s).max_ns {
+                    (*s).max_ns = ns;
+                }
+            }
+            counted = true;
+            break;
+        }
+        let first = GpuKernelStats { executions: 1, total_ns: ns, min_ns: ns, max_ns: ns };
+        if GPU_KERNELS.insert(&key, &first, NOEXIST).is_ok() {
+            send(pid, api::CUPTI_KERNEL, k.name, 0, 0, k.name);
+            counted = true;
+            break;
+        }
+    }
+    if !counted {
+        count_loss(loss::CUDA_MAP_FULL);
+    }
+    let traced = trace::tracing(1 << slot);
+    if traced != 0 {
+        trace::emit(&TraceEvent {
+            kind: trace_kind::GPU_KERNEL,
+            flags: 0,
+            pid,
+            tid: bpf_get_current_pid_tgid() as u32,
+            sessions: traced,
+            start_ns: k.start_ns,
+            end_ns: k.end_ns,
+            a: k.name,
+            b: u64::from(k.device) << 32 | u64::from(k.stream),
+            ..TraceEvent::default()
+        });
     }
     Some(())
 }
@@ -415,6 +476,7 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
         }
         // __cudaRegisterFunction(module, host_stub, device_fun, device_name, …).
         api::CUDA_REGISTER_FUNCTION => send(pid, which, arg(1)?, 0, 0, arg(3)?),
+        api::CUPTI_STATUS => send(pid, which, 0, 0, 0, arg(0)?),
         _ => {}
     }
     Some(())

@@ -42,9 +42,13 @@ pub(crate) fn global(v: &u32) -> u32 {
 }
 
 pub(crate) fn count_loss(cause: u32) {
+    count_losses(cause, 1);
+}
+
+pub(crate) fn count_losses(cause: u32, n: u64) {
     if let Some(slot) = LOSSES.get_ptr_mut(cause) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
-        unsafe { *slot += 1 };
+        unsafe { *slot += n };
     }
 }
 

@@ -1,0 +1,235 @@
+//! The slice of CUPTI's activity API this library calls, loaded with dlsym (CUPTI's location
+//! varies: a wheel's `nvidia/…/lib`, the toolkit's `extras/CUPTI/lib64`), and the layout of
+//! its kernel records. Prototypes, enum values and offsets are those of NVIDIA's
+//! `cupti_activity.h` and `cupti_result.h` (CUDA 12.x and 13.0).
+
+use std::ffi::{c_char, c_void};
+
+use tracer_common::CuptiKernel;
+
+type CuptiResult = u32;
+const CUPTI_SUCCESS: CuptiResult = 0;
+
+/// `CUpti_ActivityKind`: `CUPTI_ACTIVITY_KIND_KERNEL` serializes kernels;
+/// `CONCURRENT_KERNEL` lets them overlap as they would untraced, so it is tried first.
+pub const ACTIVITY_KIND_KERNEL: u32 = 3;
+pub const ACTIVITY_KIND_CONCURRENT_KERNEL: u32 = 10;
+/// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`: also hand over buffers not full yet.
+const FLUSH_FORCED: u32 = 1;
+
+/// Byte offsets in `CUpti_ActivityKernel*`: versions 3 to 13 (CUDA 12's Kernel9, 13.0's
+/// Kernel10, 13.1's Kernel11…) agree on everything read here and only append fields (packed,
+/// aligned to 8, every field at its natural alignment).
+mod kernel {
+    pub const KIND: usize = 0;
+    pub const START: usize = 16;
+    pub const END: usize = 24;
+    pub const DEVICE_ID: usize = 40;
+    pub const STREAM_ID: usize = 48;
+    pub const GRID_X: usize = 52;
+    pub const BLOCK_X: usize = 64;
+    pub const STATIC_SHARED: usize = 76;
+    pub const DYNAMIC_SHARED: usize = 80;
+    pub const CORRELATION_ID: usize = 92;
+    pub const NAME: usize = 104;
+    /// Bytes up to and including `name`: a record must be at least this long.
+    pub const READ: usize = NAME + 8;
+}
+
+type BufferRequested = extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
+type BufferCompleted = extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
+
+/// CUPTI's entry points, from dlsym.
+pub(crate) struct Cupti {
+    register_callbacks: unsafe extern "C" fn(BufferRequested, BufferCompleted) -> CuptiResult,
+    enable: unsafe extern "C" fn(u32) -> CuptiResult,
+    next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult,
+    flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
+    get_timestamp: unsafe extern "C" fn(*mut u64) -> CuptiResult,
+    dropped: unsafe extern "C" fn(*mut c_void, u32, *mut usize) -> CuptiResult,
+    result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
+}
+
+/// dlsym of `name` in `lib`, as a function pointer type `F`.
+fn sym<F: Copy>(lib: *mut c_void, name: &str) -> Option<F> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: a valid handle and a NUL-terminated name.
+    let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    debug_assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: `F` is the function pointer type of the symbol's C prototype.
+    Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+impl Cupti {
+    /// CUPTI's entry points in the dlopen()ed `lib`.
+    pub fn load(lib: *mut c_void) -> Result<Self, String> {
+        fn need<F: Copy>(lib: *mut c_void, name: &str) -> Result<F, String> {
+            sym(lib, name).ok_or_else(|| format!("libcupti has no {name}"))
+        }
+        Ok(Self {
+            register_callbacks: need(lib, "cuptiActivityRegisterCallbacks")?,
+            enable: need(lib, "cuptiActivityEnable")?,
+            next_record: need(lib, "cuptiActivityGetNextRecord")?,
+            flush_all: need(lib, "cuptiActivityFlushAll")?,
+            get_timestamp: need(lib, "cuptiGetTimestamp")?,
+            dropped: need(lib, "cuptiActivityGetNumDroppedRecords")?,
+            result_string: sym(lib, "cuptiGetResultString"),
+        })
+    }
+
+    fn check(&self, what: &str, r: CuptiResult) -> Result<(), String> {
+        if r == CUPTI_SUCCESS {
+            return Ok(());
+        }
+        let mut text: *const c_char = std::ptr::null();
+        if let Some(f) = self.result_string {
+            // SAFETY: CUPTI writes a static string's address.
+            unsafe { f(r, &mut text) };
+        }
+        Err(format!("{what}: CUPTI error {r} {}", super::c_str(text)))
+    }
+
+    pub fn register_buffers(
+        &self,
+        requested: BufferRequested,
+        completed: BufferCompleted,
+    ) -> Result<(), String> {
+        // SAFETY: two functions with CUPTI's callback prototypes.
+        let r = unsafe { (self.register_callbacks)(requested, completed) };
+        self.check("cuptiActivityRegisterCallbacks", r)
+    }
+
+    /// Turns on kernel records: concurrent ones, else serialized ones. Which it got.
+    pub fn enable_kernel_records(&self) -> Result<&'static str, String> {
+        // SAFETY: plain calls.
+        if unsafe { (self.enable)(ACTIVITY_KIND_CONCURRENT_KERNEL) } == CUPTI_SUCCESS {
+            return Ok("concurrent kernel");
+        }
+        let r = unsafe { (self.enable)(ACTIVITY_KIND_KERNEL) };
+        self.check("cuptiActivityEnable(KERNEL)", r)?;
+        Ok("kernel (serialized)")
+    }
+
+    pub fn flush(&self, forced: bool) {
+        // SAFETY: plain call.
+        unsafe { (self.flush_all)(if forced { FLUSH_FORCED } else { 0 }) };
+    }
+
+    pub fn timestamp(&self) -> Option<u64> {
+        let mut t = 0;
+        // SAFETY: CUPTI fills `t`.
+        (unsafe { (self.get_timestamp)(&mut t) } == CUPTI_SUCCESS).then_some(t)
+    }
+
+    /// Records CUPTI dropped from this context's stream's buffers.
+    pub fn dropped(&self, ctx: *mut c_void, stream: u32) -> u64 {
+        let mut n = 0usize;
+        // SAFETY: CUPTI fills `n`.
+        if unsafe { (self.dropped)(ctx, stream, &mut n) } != CUPTI_SUCCESS {
+            return 0;
+        }
+        n as u64
+    }
+
+    /// Calls `f` with each record of a completed buffer, as a byte slice of at least
+    /// `kernel::READ` bytes (or up to the buffer's end).
+    pub fn each_record(&self, buffer: *mut u8, valid: usize, mut f: impl FnMut(&[u8])) {
+        if buffer.is_null() || valid == 0 {
+            return;
+        }
+        let end = buffer as usize + valid;
+        let mut record: *mut u8 = std::ptr::null_mut();
+        // SAFETY: CUPTI walks its own buffer; `record` points inside it.
+        while unsafe { (self.next_record)(buffer, valid, &mut record) } == CUPTI_SUCCESS {
+            let len = (end - record as usize).min(kernel::READ);
+            // SAFETY: `record` .. `record + len` lies inside the valid part of the buffer.
+            f(unsafe { std::slice::from_raw_parts(record, len) });
+        }
+    }
+}
+
+fn u32_at(r: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(r.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(r: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_ne_bytes(r.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// A kernel record's fields, in CUPTI's clock; `None` for other kinds of record.
+pub(crate) fn kernel_record(r: &[u8]) -> Option<CuptiKernel> {
+    let kind = u32_at(r, kernel::KIND)?;
+    if kind != ACTIVITY_KIND_KERNEL && kind != ACTIVITY_KIND_CONCURRENT_KERNEL {
+        return None;
+    }
+    let dims = |at: usize| -> Option<[u32; 3]> {
+        Some([u32_at(r, at)?, u32_at(r, at + 4)?, u32_at(r, at + 8)?])
+    };
+    Some(CuptiKernel {
+        name: u64_at(r, kernel::NAME)?,
+        start_ns: u64_at(r, kernel::START)?,
+        end_ns: u64_at(r, kernel::END)?,
+        device: u32_at(r, kernel::DEVICE_ID)?,
+        stream: u32_at(r, kernel::STREAM_ID)?,
+        correlation: u32_at(r, kernel::CORRELATION_ID)?,
+        shared_mem: u32_at(r, kernel::STATIC_SHARED)?
+            .saturating_add(u32_at(r, kernel::DYNAMIC_SHARED)?),
+        grid: dims(kernel::GRID_X)?,
+        block: dims(kernel::BLOCK_X)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CUpti_ActivityKernel10 record as CUDA 13.0 lays it out (216 bytes), written field by
+    /// field at the header's offsets.
+    fn record(kind: u32) -> Vec<u8> {
+        let mut r = vec![0u8; 216];
+        let mut put = |at: usize, bytes: &[u8]| r[at..at + bytes.len()].copy_from_slice(bytes);
+        put(0, &kind.to_ne_bytes());
+        put(6, &32u16.to_ne_bytes()); // registersPerThread
+        put(16, &1_000u64.to_ne_bytes());
+        put(24, &4_500u64.to_ne_bytes());
+        put(32, &4_600u64.to_ne_bytes()); // completed
+        put(40, &1u32.to_ne_bytes());
+        put(44, &9u32.to_ne_bytes()); // contextId
+        put(48, &13u32.to_ne_bytes());
+        for (i, v) in [8u32, 4, 2, 32, 4, 1].iter().enumerate() {
+            put(52 + 4 * i, &v.to_ne_bytes());
+        }
+        put(76, &256u32.to_ne_bytes());
+        put(80, &1024u32.to_ne_bytes());
+        put(92, &77u32.to_ne_bytes());
+        put(96, &5i64.to_ne_bytes()); // gridId
+        put(104, &0xdead_beefu64.to_ne_bytes());
+        r
+    }
+
+    #[test]
+    fn kernel_records_are_read_at_the_headers_offsets() {
+        let k = kernel_record(&record(ACTIVITY_KIND_CONCURRENT_KERNEL)).unwrap();
+        assert_eq!(
+            k,
+            CuptiKernel {
+                name: 0xdead_beef,
+                start_ns: 1_000,
+                end_ns: 4_500,
+                device: 1,
+                stream: 13,
+                correlation: 77,
+                shared_mem: 1280,
+                grid: [8, 4, 2],
+                block: [32, 4, 1],
+            }
+        );
+        assert!(kernel_record(&record(ACTIVITY_KIND_KERNEL)).is_some());
+        // Another kind, and a record cut short, are not kernels.
+        assert_eq!(kernel_record(&record(1)), None);
+        assert_eq!(kernel_record(&record(ACTIVITY_KIND_KERNEL)[..100]), None);
+    }
+}

@@ -1,0 +1,237 @@
+/* A fake CUPTI, built as libcupti.so.13: the activity API calls tracer's injection library
+ * makes (fake_cupti_abi.h), and kernel records for the kernels the fake libcuda reports as run
+ * (`fake_cupti_kernel_ran`, looked up by the fake driver once CUPTI is loaded). There is no
+ * GPU: a kernel "runs" for 1 µs per block of its grid, starting when it is launched or when
+ * the previous kernel on its stream ends. Records are variable-sized as CUPTI's are (kernel
+ * records longer than the fields tracer reads, one memcpy-kind record opening each buffer),
+ * so a reader must walk them with cuptiActivityGetNextRecord.
+ *
+ * Timestamps are CLOCK_REALTIME's, as real CUPTI's on Linux (so a consumer must convert them
+ * to CLOCK_MONOTONIC itself). FAKE_CUPTI_DROPPED=N reports N dropped records at the first
+ * completed buffer. */
+#define _GNU_SOURCE
+#include "fake_cupti_abi.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define API __attribute__((visibility("default"), noinline))
+
+/* Record sizes: a kernel record as long as CUDA 13.0's CUpti_ActivityKernel10, a memcpy one. */
+#define KERNEL_RECORD 216
+#define MEMCPY_RECORD 64
+#define NS_PER_BLOCK 1000ULL
+#define MAX_KERNELS 64
+#define MAX_STREAMS 64
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static CUpti_BuffersCallbackRequestFunc requested;
+static CUpti_BuffersCallbackCompleteFunc completed;
+static int kernel_kind; /* the kind enabled, 0: none */
+static uint8_t *buffer;
+static size_t buffer_size, buffer_used;
+static uint32_t next_correlation = 1;
+static int dropped_reported;
+
+static struct {
+    char *name; /* the record's name pointer: one per kernel, kept for the process's life */
+    unsigned long long executions, total_ns;
+} kernels[MAX_KERNELS];
+static int nkernels;
+
+static struct {
+    uint32_t id;
+    uint64_t busy_until;
+} streams[MAX_STREAMS];
+static int nstreams;
+
+static uint64_t now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+API CUptiResult cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequestFunc req,
+                                               CUpti_BuffersCallbackCompleteFunc done) {
+    if (!req || !done) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    requested = req;
+    completed = done;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
+    if (kind != CUPTI_ACTIVITY_KIND_KERNEL && kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL)
+        return CUPTI_ERROR_INVALID_KIND;
+    kernel_kind = kind;
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiActivityDisable(CUpti_ActivityKind kind) {
+    if (kind == kernel_kind) kernel_kind = 0;
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiGetTimestamp(uint64_t *timestamp) {
+    if (!timestamp) return CUPTI_ERROR_INVALID_PARAMETER;
+    *timestamp = now();
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiGetResultString(CUptiResult result, const char **str) {
+    if (!str) return CUPTI_ERROR_INVALID_PARAMETER;
+    switch (result) {
+    case CUPTI_SUCCESS: *str = "CUPTI_SUCCESS"; break;
+    case CUPTI_ERROR_INVALID_PARAMETER: *str = "CUPTI_ERROR_INVALID_PARAMETER"; break;
+    case CUPTI_ERROR_INVALID_KIND: *str = "CUPTI_ERROR_INVALID_KIND"; break;
+    case CUPTI_ERROR_MAX_LIMIT_REACHED: *str = "CUPTI_ERROR_MAX_LIMIT_REACHED"; break;
+    default: *str = "CUPTI_ERROR_UNKNOWN"; break;
+    }
+    return CUPTI_SUCCESS;
+}
+
+static size_t record_size(const uint8_t *r) {
+    int kind;
+    memcpy(&kind, r, sizeof kind);
+    return kind == CUPTI_ACTIVITY_KIND_MEMCPY ? MEMCPY_RECORD : KERNEL_RECORD;
+}
+
+API CUptiResult cuptiActivityGetNextRecord(uint8_t *buf, size_t valid, CUpti_Activity **record) {
+    if (!buf || !record) return CUPTI_ERROR_INVALID_PARAMETER;
+    uint8_t *r = *record ? (uint8_t *)*record + record_size((uint8_t *)*record) : buf;
+    if (r + sizeof(int) > buf + valid) return CUPTI_ERROR_MAX_LIMIT_REACHED;
+    *record = (CUpti_Activity *)r;
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiActivityGetNumDroppedRecords(void *context, uint32_t streamId,
+                                                  size_t *dropped) {
+    if (!dropped) return CUPTI_ERROR_INVALID_PARAMETER;
+    const char *n = getenv("FAKE_CUPTI_DROPPED");
+    pthread_mutex_lock(&lock);
+    *dropped = n && !dropped_reported ? strtoull(n, NULL, 10) : 0;
+    dropped_reported = 1;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+/* Takes the current buffer out (caller holds `lock`): its owner gets it back unlocked. */
+static uint8_t *take_buffer(size_t *size, size_t *used) {
+    uint8_t *b = buffer;
+    *size = buffer_size;
+    *used = buffer_used;
+    buffer = NULL;
+    buffer_size = buffer_used = 0;
+    return b;
+}
+
+static void hand_back(uint8_t *b, size_t size, size_t used) {
+    if (b) completed(NULL, 0, b, size, used);
+}
+
+API CUptiResult cuptiActivityFlushAll(uint32_t flag) {
+    (void)flag; /* every buffer with records is complete here */
+    size_t size, used;
+    pthread_mutex_lock(&lock);
+    if (!completed || !buffer || !buffer_used) {
+        pthread_mutex_unlock(&lock);
+        return CUPTI_SUCCESS;
+    }
+    uint8_t *b = take_buffer(&size, &used);
+    pthread_mutex_unlock(&lock);
+    hand_back(b, size, used);
+    return CUPTI_SUCCESS;
+}
+
+/* Room for `n` bytes (caller holds `lock`); a full buffer is taken out into *full. */
+static uint8_t *room(size_t n, uint8_t **full, size_t *full_size, size_t *full_used) {
+    if (buffer && buffer_used + n > buffer_size) *full = take_buffer(full_size, full_used);
+    if (!buffer) {
+        size_t max_records = 0;
+        requested(&buffer, &buffer_size, &max_records);
+        if (!buffer || buffer_size < MEMCPY_RECORD + KERNEL_RECORD) {
+            buffer = NULL;
+            return NULL;
+        }
+        /* A record of another kind opens each buffer: readers must skip it. */
+        memset(buffer, 0, MEMCPY_RECORD);
+        int kind = CUPTI_ACTIVITY_KIND_MEMCPY;
+        memcpy(buffer, &kind, sizeof kind);
+        buffer_used = MEMCPY_RECORD;
+    }
+    uint8_t *r = buffer + buffer_used;
+    buffer_used += n;
+    return r;
+}
+
+static uint64_t *stream_busy(uint32_t id) {
+    for (int i = 0; i < nstreams; i++)
+        if (streams[i].id == id) return &streams[i].busy_until;
+    if (nstreams == MAX_STREAMS) return NULL;
+    streams[nstreams].id = id;
+    return &streams[nstreams++].busy_until;
+}
+
+static int kernel_index(const char *name) {
+    for (int i = 0; i < nkernels; i++)
+        if (strcmp(kernels[i].name, name) == 0) return i;
+    if (nkernels == MAX_KERNELS) return -1;
+    kernels[nkernels].name = strdup(name);
+    return nkernels++;
+}
+
+API void fake_cupti_kernel_ran(const char *name, uint32_t stream_id, const unsigned grid[3],
+                               const unsigned block[3], unsigned shared_mem) {
+    uint8_t *full = NULL;
+    size_t full_size = 0, full_used = 0;
+    pthread_mutex_lock(&lock);
+    int k = kernel_index(name);
+    uint64_t *busy = stream_busy(stream_id);
+    if (!kernel_kind || !completed || k < 0 || !busy) {
+        pthread_mutex_unlock(&lock);
+        return;
+    }
+    uint64_t ns = NS_PER_BLOCK * grid[0] * grid[1] * grid[2];
+    uint64_t start = now();
+    if (start < *busy) start = *busy;
+    *busy = start + ns;
+    uint8_t *r = room(KERNEL_RECORD, &full, &full_size, &full_used);
+    if (r) {
+        memset(r, 0, KERNEL_RECORD);
+        CUpti_ActivityKernel_head h = {0};
+        h.kind = kernel_kind;
+        h.start = start;
+        h.end = start + ns;
+        h.completed = start + ns;
+        h.deviceId = 0;
+        h.contextId = 1;
+        h.streamId = stream_id;
+        h.gridX = (int32_t)grid[0], h.gridY = (int32_t)grid[1], h.gridZ = (int32_t)grid[2];
+        h.blockX = (int32_t)block[0], h.blockY = (int32_t)block[1], h.blockZ = (int32_t)block[2];
+        h.dynamicSharedMemory = (int32_t)shared_mem;
+        h.correlationId = next_correlation++;
+        h.gridId = h.correlationId;
+        h.name = kernels[k].name;
+        memcpy(r, &h, sizeof h);
+        kernels[k].executions++;
+        kernels[k].total_ns += ns;
+    }
+    pthread_mutex_unlock(&lock);
+    hand_back(full, full_size, full_used);
+}
+
+API int fake_cupti_tally(int i, const char **name, unsigned long long *executions,
+                         unsigned long long *total_ns) {
+    pthread_mutex_lock(&lock);
+    int ok = i >= 0 && i < nkernels;
+    if (ok) {
+        *name = kernels[i].name;
+        *executions = kernels[i].executions;
+        *total_ns = kernels[i].total_ns;
+    }
+    pthread_mutex_unlock(&lock);
+    return ok;
+}

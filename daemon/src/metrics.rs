@@ -77,6 +77,16 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "counter",
         "CUDA kernel launches per entry point and kernel (at session end)",
     ),
+    (
+        "tracer_gpu_kernel_executions_total",
+        "counter",
+        "Kernel executions on the GPU per kernel, from CUPTI (--gpu-times)",
+    ),
+    (
+        "tracer_gpu_kernel_seconds_total",
+        "counter",
+        "GPU execution time per kernel, from CUPTI (--gpu-times)",
+    ),
 ];
 
 impl Sample {
@@ -187,6 +197,25 @@ pub fn session_counts(
                 "tracer_cuda_launches_total",
                 vec![s(), ("api", api.to_owned()), ("kernel", kernel.to_owned())],
                 n as f64,
+            ));
+        }
+        let mut gpu: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for g in &c.gpu_kernels {
+            let e = gpu.entry(&g.kernel).or_default();
+            e.0 += g.executions;
+            e.1 += g.total_ns;
+        }
+        for (kernel, (n, ns)) in gpu {
+            let labels = || vec![s(), ("kernel", kernel.to_owned())];
+            out.push(Sample::new(
+                "tracer_gpu_kernel_executions_total",
+                labels(),
+                n as f64,
+            ));
+            out.push(Sample::new(
+                "tracer_gpu_kernel_seconds_total",
+                labels(),
+                ns as f64 / 1e9,
             ));
         }
     }

@@ -904,27 +904,25 @@ fn gpu_kernel_times_come_from_cupti() {
     if !root_or_skip() {
         return;
     }
-    let d = Daemon::start();
+    let addr = tracer_tests::free_loopback_addr();
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        args: vec!["--metrics".into(), format!("tcp://{addr}")],
+        ..Default::default()
+    });
     let Some(libs) = build(&d) else { return };
     let app = libs.join("cuda_app");
     let app = app.to_str().unwrap();
     // The program is tracerctl's child and shares its stdin and stdout: driven by its cues.
-    let run = |mode: &str, env: &[(&str, &str)], out: &std::path::Path| -> (Value, Value) {
+    let run = |mode: &[&str], env: &[(&str, &str)], out: &std::path::Path| -> (Value, Value) {
         let mut ctl = d.ctl();
-        ctl.args([
-            "start",
-            mode,
-            "--cuda",
-            "--gpu-times",
-            "--format",
-            "json",
-            "-o",
-        ])
-        .arg(out)
-        .args(["--", app, "hold=1", "init=1"])
-        .env_remove("CUDA_INJECTION64_PATH")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
+        ctl.arg("start")
+            .args(mode)
+            .args(["--cuda", "--gpu-times", "--format", "json", "-o"])
+            .arg(out)
+            .args(["--", app, "hold=1", "init=1"])
+            .env_remove("CUDA_INJECTION64_PATH")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
         for (k, v) in env {
             ctl.env(k, v);
         }
@@ -948,7 +946,11 @@ fn gpu_kernel_times_come_from_cupti() {
 
     // Counting, with CUPTI reporting dropped records as well.
     let path = d.dir.path().join("gpu-times.json");
-    let (truth, report) = run("--mode=counting", &[("FAKE_CUPTI_DROPPED", "5")], &path);
+    let (truth, report) = run(
+        &["--mode=counting", "--export", "prometheus"],
+        &[("FAKE_CUPTI_DROPPED", "5")],
+        &path,
+    );
     let pid = truth["pid"].as_u64().unwrap();
     let status = &report["cuda"]["gpu_times"];
     assert_eq!(status[0]["pid"], pid, "{status}");
@@ -1014,12 +1016,28 @@ fn gpu_kernel_times_come_from_cupti() {
         "{}",
         report["losses"]
     );
-    let table = d.ok(&["report", report["session"]["id"].as_str().unwrap()]);
+    let id = report["session"]["id"].as_str().unwrap();
+    let table = d.ok(&["report", id]);
     assert!(table.contains("GPU kernel times (CUPTI)"), "{table}");
+    let text = tracer_tests::fleet::http_get(&addr, "/metrics").unwrap();
+    for (kernel, (n, ns)) in &observed {
+        let kernel = kernel.replace('\\', "\\\\").replace('"', "\\\"");
+        for series in [
+            format!(
+                "tracer_gpu_kernel_executions_total{{session=\"{id}\",kernel=\"{kernel}\"}} {n}\n"
+            ),
+            format!(
+                "tracer_gpu_kernel_seconds_total{{session=\"{id}\",kernel=\"{kernel}\"}} {}\n",
+                *ns as f64 / 1e9
+            ),
+        ] {
+            assert!(text.contains(&series), "no {series} in:\n{text}");
+        }
+    }
 
     // Tracing: one slice per execution on its stream's GPU track, inside the session.
     let path = d.dir.path().join("gpu-trace.json");
-    let (_, report) = run("--mode=tracing", &[], &path);
+    let (_, report) = run(&["--mode=tracing"], &[], &path);
     let id = report["session"]["id"].as_str().unwrap();
     let chrome_path = d.dir.path().join("gpu-trace.chrome.json");
     d.ok(&[
@@ -1088,7 +1106,7 @@ fn gpu_kernel_times_come_from_cupti() {
     // No CUPTI to be found: the program runs as ever, and the report says why.
     let path = d.dir.path().join("no-cupti.json");
     let (_, report) = run(
-        "--mode=counting",
+        &["--mode=counting"],
         &[("TRACER_CUPTI_PATH", "/nonexistent/libcupti.so")],
         &path,
     );

@@ -243,6 +243,7 @@ impl CudaSession {
             launches,
             memory,
             unnamed,
+            gpu_kernels: self.gpu_kernels(bpf.gpu_kernel_times(self.slot, false)),
             ..CudaReport::default()
         }
     }

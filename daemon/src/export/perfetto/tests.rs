@@ -566,3 +566,71 @@ fn empty_trace_is_a_valid_trace() {
     assert!(d.events.is_empty() && d.tracks.is_empty());
     assert_eq!(d.primary_clock, Some(3));
 }
+
+#[test]
+fn gpu_kernels_are_slices_on_a_track_per_stream() {
+    let gpu = |start: u64, end: u64, name: u64, stream: u64| TraceEvent {
+        kind: trace_kind::GPU_KERNEL,
+        pid: 7,
+        tid: 99, // CUPTI's thread: not where the slices go
+        start_ns: start,
+        end_ns: end,
+        a: name,
+        b: stream,
+        ..TraceEvent::default()
+    };
+    let mut trace = Trace {
+        gpu_kernel_names: vec![crate::trace::TraceGpuKernel {
+            pid: 7,
+            name: 0xa0,
+            kernel: "relu(float*, int)".into(),
+        }],
+        processes: vec![thread(7, 7, "python3")],
+        ..Trace::default()
+    };
+    let events = [
+        // Out of order, and one overlapping the one before it on its stream.
+        gpu(300, 400, 0xa0, 13),
+        gpu(100, 250, 0xa0, 13),
+        gpu(200, 260, 0xb0, 13),
+        gpu(150, 180, 0xa0, 1 << 32 | 14),
+    ];
+    let (_dir, out) = export(&mut trace, &events);
+    let d = decode(&out);
+    let tracks = per_track(&d);
+    let process = d.tracks.iter().find(|(_, t)| t.is_process).map(|(u, _)| *u);
+    let track = |name: &str| {
+        let (uuid, t) = d
+            .tracks
+            .iter()
+            .find(|(_, t)| t.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no track {name}"));
+        assert_eq!(t.parent, process, "{name} belongs to its process");
+        *uuid
+    };
+    let slices = |uuid: u64| -> Vec<(String, u64, u64)> {
+        tracks[&uuid]
+            .0
+            .iter()
+            .map(|s| (s.0.clone(), s.1, s.2))
+            .collect()
+    };
+    assert_eq!(
+        slices(track("GPU 0 stream 13")),
+        [
+            ("relu(float*, int)".into(), 100, 250),
+            // Cut to start where the one before ended: slices on a track must not overlap.
+            ("[GPU kernel]".into(), 250, 260),
+            ("relu(float*, int)".into(), 300, 400),
+        ]
+    );
+    assert_eq!(
+        slices(track("GPU 1 stream 14")),
+        [("relu(float*, int)".into(), 150, 180)]
+    );
+    assert!(d
+        .events
+        .iter()
+        .filter(|e| e.ty == 1)
+        .all(|e| e.categories == ["gpu"]));
+}

@@ -553,11 +553,7 @@ fn py_table(out: &mut String, py: &PythonReport, limit: usize) {
         "ncalls", "tottime", "percall", "cumtime", "percall", "pid"
     );
     let secs = |ns: u64| ns as f64 / 1e9;
-    let shown = if limit == 0 {
-        py.functions.len()
-    } else {
-        limit.min(py.functions.len())
-    };
+    let shown = rows_shown(limit, py.functions.len());
     for f in &py.functions[..shown] {
         let ncalls = if f.primitive_calls == f.ncalls {
             f.ncalls.to_string()
@@ -614,6 +610,15 @@ fn seconds(ms: u64) -> String {
 }
 
 /// 1234567 → "1,234,567".
+/// How many of `len` rows a table shows under `--limit` (0: all).
+pub fn rows_shown(limit: usize, len: usize) -> usize {
+    if limit == 0 {
+        len
+    } else {
+        limit.min(len)
+    }
+}
+
 pub fn group(v: u64) -> String {
     let digits = v.to_string();
     let mut out = String::new();

@@ -855,17 +855,28 @@ fn gpu_metrics_reach_reports_and_timelines() {
     );
 }
 
+/// A daemon serving Prometheus metrics, and the address to scrape.
+fn daemon_with_metrics() -> (Daemon, String) {
+    let addr = tracer_tests::free_loopback_addr();
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        args: vec!["--metrics".into(), format!("tcp://{addr}")],
+        ..Default::default()
+    });
+    (d, addr)
+}
+
+/// A Prometheus label value as the exposition format escapes it.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
 /// Launches per (entry point, kernel) on tracerd's Prometheus endpoint equal the report's.
 #[test]
 fn launch_counts_reach_prometheus() {
     if !root_or_skip() {
         return;
     }
-    let addr = tracer_tests::free_loopback_addr();
-    let d = Daemon::start_with(tracer_tests::DaemonOptions {
-        args: vec!["--metrics".into(), format!("tcp://{addr}")],
-        ..Default::default()
-    });
+    let (d, addr) = daemon_with_metrics();
     let Some(libs) = build(&d) else { return };
     let (id, _) = run_app_with(
         &d,
@@ -888,7 +899,7 @@ fn launch_counts_reach_prometheus() {
     for ((api, kernel), n) in &want {
         let series = format!(
             "tracer_cuda_launches_total{{session=\"{id}\",api=\"{api}\",kernel=\"{}\"}} {n}\n",
-            kernel.replace('\\', "\\\\").replace('"', "\\\"")
+            label(kernel)
         );
         assert!(text.contains(&series), "no {series} in:\n{text}");
     }
@@ -904,11 +915,7 @@ fn gpu_kernel_times_come_from_cupti() {
     if !root_or_skip() {
         return;
     }
-    let addr = tracer_tests::free_loopback_addr();
-    let d = Daemon::start_with(tracer_tests::DaemonOptions {
-        args: vec!["--metrics".into(), format!("tcp://{addr}")],
-        ..Default::default()
-    });
+    let (d, addr) = daemon_with_metrics();
     let Some(libs) = build(&d) else { return };
     let app = libs.join("cuda_app");
     let app = app.to_str().unwrap();
@@ -1021,7 +1028,7 @@ fn gpu_kernel_times_come_from_cupti() {
     assert!(table.contains("GPU kernel times (CUPTI)"), "{table}");
     let text = tracer_tests::fleet::http_get(&addr, "/metrics").unwrap();
     for (kernel, (n, ns)) in &observed {
-        let kernel = kernel.replace('\\', "\\\\").replace('"', "\\\"");
+        let kernel = label(kernel);
         for series in [
             format!(
                 "tracer_gpu_kernel_executions_total{{session=\"{id}\",kernel=\"{kernel}\"}} {n}\n"

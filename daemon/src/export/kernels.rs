@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::report::{group, CudaReport};
+use crate::report::{group, rows_shown, CudaReport};
 
 fn dims(d: [u32; 3]) -> String {
     format!("{}x{}x{}", d[0], d[1], d[2])
@@ -40,11 +40,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             "launches", "api", "grid", "block", "smem", "stream", "pid"
         );
     }
-    let shown = if limit == 0 {
-        c.launches.len()
-    } else {
-        limit.min(c.launches.len())
-    };
+    let shown = rows_shown(limit, c.launches.len());
     for l in &c.launches[..shown] {
         let _ = writeln!(
             out,
@@ -173,11 +169,7 @@ fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
         "{:>7} {:>12} {:>10} {:>11} {:>11} {:>11} {:>4} {:>8}  kernel",
         "time %", "total ms", "runs", "avg µs", "min µs", "max µs", "gpu", "pid"
     );
-    let shown = if limit == 0 {
-        c.gpu_kernels.len()
-    } else {
-        limit.min(c.gpu_kernels.len())
-    };
+    let shown = rows_shown(limit, c.gpu_kernels.len());
     let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
     for k in &c.gpu_kernels[..shown] {
         let _ = writeln!(

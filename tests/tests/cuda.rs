@@ -104,7 +104,7 @@ fn sessions_on_every_process_probe_libraries_as_they_are_mapped() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = App::spawn(&libs, &["hold=1"], None);
+    let mut app = App::spawn(&libs, &["hold=1"], &[]);
     let pid = u64::from(app.guard.pid());
     let id = d
         .ok(&["start", "--mode=counting", "--cuda", "--all"])
@@ -150,7 +150,7 @@ fn run_app_with(
     start: &[&str],
     handle: &str,
 ) -> (String, Value) {
-    let mut app = App::spawn(libs, &["hold=1"], Some(handle));
+    let mut app = App::spawn(libs, &["hold=1"], &[("FAKE_CUDART_LAUNCH_HANDLE", handle)]);
     let pid = app.pid();
     let id = d
         .ok(&[&["start"], start, &["--cuda", "--pid", &pid]].concat())
@@ -177,14 +177,13 @@ struct App {
 }
 
 impl App {
-    /// Starts the program with `args` (and the runtime's handle mode, if given); it prints
-    /// "ready" first.
-    fn spawn(libs: &std::path::Path, args: &[&str], handle: Option<&str>) -> Self {
+    /// Starts the program with `args` and `env`; it prints "ready" first.
+    fn spawn(libs: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(libs.join("cuda_app"));
-        cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
-        if let Some(h) = handle {
-            cmd.env("FAKE_CUDART_LAUNCH_HANDLE", h);
-        }
+        cmd.args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
         let mut guard = ChildGuard::spawn(&mut cmd);
         let out = BufReader::new(guard.0.stdout.take().unwrap());
         let stdin = guard.0.stdin.take();
@@ -406,7 +405,7 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = App::spawn(&libs, &["warm=1"], None);
+    let mut app = App::spawn(&libs, &["warm=1"], &[]);
     assert_eq!(app.cue("go\n"), "registered\n");
     let pid = app.pid();
     let id = d
@@ -1140,4 +1139,69 @@ fn gpu_kernel_times_come_from_cupti() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("--gpu-times needs a command"), "{err}");
+}
+
+/// A process started with the injection library by other means (a service's environment) and
+/// already past `cuInit` when a plain `--cuda` session attaches: the session finds the library
+/// mapped at its start, and the kernels' GPU times reach it. (The status line read from the
+/// process's memory alone is checked by the no-CUPTI case above, which announces nothing at
+/// exit.)
+#[test]
+fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let injection = tracer_tests::bin_dir().join("libtracer_cupti.so");
+    let mut app = App::spawn(
+        &libs,
+        &["hold=1", "init=1"],
+        &[("CUDA_INJECTION64_PATH", injection.to_str().unwrap())],
+    );
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &app.pid()])
+        .trim()
+        .to_owned();
+    let status = d.ok(&["status", &id]);
+    assert!(status.contains("running"), "{status}");
+    let truth = app.finish();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let c = &report["cuda"];
+    let injected = c["libraries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["path"].as_str().unwrap().ends_with("/libtracer_cupti.so"))
+        .expect("the injection library among the libraries probed");
+    assert_eq!(injected["found_by"], "start", "{injected}");
+    let line = c["gpu_times"][0]["status"].as_str().unwrap();
+    assert!(line.starts_with("ok: CUPTI from"), "{line}");
+    let observed: BTreeMap<String, (u64, u64)> = truth["cupti_observed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            let n = (
+                k["executions"].as_u64().unwrap(),
+                k["total_ns"].as_u64().unwrap(),
+            );
+            (demangle(k["name"].as_str().unwrap()), n)
+        })
+        .collect();
+    let got: BTreeMap<String, (u64, u64)> = c["gpu_kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            let n = (
+                k["executions"].as_u64().unwrap(),
+                k["total_ns"].as_u64().unwrap(),
+            );
+            (k["kernel"].as_str().unwrap().to_owned(), n)
+        })
+        .collect();
+    assert_eq!(got, observed);
 }

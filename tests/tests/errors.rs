@@ -101,8 +101,30 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             "no session with id 'nosuchsession'",
         ),
         (
-            &["start", "--mode=sampling", "--cuda", "--pid", &pid],
-            "--cuda is for counting and tracing sessions",
+            &[
+                "start",
+                "--mode=sampling",
+                "--cuda",
+                "--cuda-stacks",
+                "--pid",
+                &pid,
+            ],
+            "--cuda-stacks is for counting and tracing sessions",
+        ),
+        (
+            &["start", "--mode=counting", "--gpu-times", "--pid", &pid],
+            "--cuda",
+        ),
+        (
+            &[
+                "start",
+                "--mode=counting",
+                "--cuda",
+                "--gpu-times",
+                "--pid",
+                &pid,
+            ],
+            "--gpu-times needs a command to start",
         ),
         (
             &[

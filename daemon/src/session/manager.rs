@@ -521,9 +521,9 @@ impl Manager {
                 "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
             ));
         }
-        if options.cuda && mode == Mode::Sampling {
-            return Err(Error::Unimplemented(
-                "--cuda is for counting and tracing sessions; CUDA frames in sampled stacks are not available yet".into(),
+        if options.cuda_stacks && mode == Mode::Sampling {
+            return Err(Error::InvalidArgument(
+                "--cuda-stacks is for counting and tracing sessions: a sampling session's profile is CPU time, not launches".into(),
             ));
         }
         // Tracing with no source named traces Python calls.

@@ -46,8 +46,10 @@ pub struct CountingOptions {
     /// Count CUDA kernel launches (per kernel, grid, block, shared memory and stream), copies
     /// (bytes per direction), allocations and synchronizations, with uprobes on each CUDA
     /// runtime (libcudart) and driver (libcuda) library the target maps, as it maps them.
-    /// Counting and tracing modes. GPU metrics (utilization, memory used, power, SM clock,
-    /// temperature) are read from NVML meanwhile, every `gpu_period_ms` (0: 100).
+    /// Every mode (in sampling sessions, beside the CPU profile). GPU metrics (utilization,
+    /// memory used, power, SM clock, temperature) are read from NVML meanwhile, every
+    /// `gpu_period_ms` (0: 100). Processes running tracer's CUPTI injection library
+    /// (libtracer_cupti.so through CUDA_INJECTION64_PATH) also give each kernel's GPU time.
     #[prost(bool, tag = "4")]
     pub cuda: bool,
     #[prost(uint32, tag = "5")]
@@ -61,6 +63,7 @@ pub struct CountingOptions {
     /// tracerd, Python frames read in the probe, as sampling does), weighted by launches: the
     /// report's profile, for the folded, pprof, speedscope and svg formats. Costs a stack copy
     /// per launch; launches whose stack did not fit the sample ring are counted as losses.
+    /// Counting and tracing modes (INVALID_ARGUMENT in sampling sessions).
     #[prost(bool, tag = "7")]
     pub cuda_stacks: bool,
     /// With `cuda`: probe launches at the driver's entry points only (every kernel launch

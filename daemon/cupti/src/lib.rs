@@ -111,6 +111,9 @@ static KERNELS: AtomicU64 = AtomicU64::new(0);
 /// CLOCK_MONOTONIC minus CUPTI's clock, ns.
 static CLOCK_OFFSET: AtomicI64 = AtomicI64::new(0);
 static CUPTI: OnceLock<Cupti> = OnceLock::new();
+/// The process that set CUPTI up: a child forked from it inherits the exit handler but not
+/// CUPTI's threads, and must not call into CUPTI.
+static OWNER: AtomicU64 = AtomicU64::new(0);
 
 /// Called by CUDA's driver at `cuInit` in a process started with `CUDA_INJECTION64_PATH`
 /// naming this library. Never fails the program: 1 ("initialized") either way, with what
@@ -148,6 +151,8 @@ fn start() -> Result<String, String> {
     cupti.register_buffers(buffer_requested, buffer_completed)?;
     let kind = cupti.enable_kernel_records()?;
     let _ = CUPTI.set(cupti);
+    // SAFETY: plain syscall wrapper.
+    OWNER.store(u64::from(unsafe { libc::getpid() } as u32), Ordering::Relaxed);
     std::thread::Builder::new()
         .name("tracer-cupti".into())
         .spawn(|| loop {
@@ -170,6 +175,10 @@ fn start() -> Result<String, String> {
 /// attached after `InitializeInjection` (the library is probed as it is mapped, which races
 /// with its initialization) still learns how CUPTI was set up.
 extern "C" fn flush_at_exit() {
+    // SAFETY: plain syscall wrapper.
+    if OWNER.load(Ordering::Relaxed) != u64::from(unsafe { libc::getpid() } as u32) {
+        return;
+    }
     if let Some(c) = CUPTI.get() {
         c.flush(true);
     }

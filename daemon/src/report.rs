@@ -47,8 +47,9 @@ pub struct CudaReport {
     /// GPU metrics sampled during the session (NVML).
     #[serde(default)]
     pub gpu: crate::gpu::GpuReport,
-    /// GPU time per kernel, most first: CUPTI's records of the kernels that ran while the
-    /// session did, in processes that run tracer's injection library.
+    /// GPU time per kernel and configuration (grid, block), most first: CUPTI's records of the
+    /// kernels that ran while the session did, in processes that run tracer's injection
+    /// library.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_kernels: Vec<GpuKernelTime>,
     /// The injection library's own account in each process that has it: what it found and
@@ -63,6 +64,8 @@ pub struct GpuKernelTime {
     pub device: u32,
     /// Demangled, from CUPTI's name.
     pub kernel: String,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
     pub executions: u64,
     pub total_ns: u64,
     pub min_ns: u64,
@@ -118,6 +121,11 @@ pub struct CudaLaunch {
     pub shared_mem: u32,
     pub stream: u64,
     pub launches: u64,
+    /// GPU time per execution of this kernel with this grid and block, from CUPTI
+    /// (`--gpu-times`): the same for every row of that kernel and configuration, whatever
+    /// its call site.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_avg_ns: Option<u64>,
     /// The row's `CudaLaunchKey::row_id`, which a trace's launch events carry.
     #[serde(skip)]
     pub row_id: u64,

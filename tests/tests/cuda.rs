@@ -983,42 +983,36 @@ fn gpu_kernel_times_come_from_cupti() {
         )),
         "{line}"
     );
-    let observed: BTreeMap<String, (u64, u64)> = truth["cupti_observed"]
-        .as_array()
-        .expect("the fake CUPTI's tally")
-        .iter()
-        .map(|k| {
-            let name = demangle(k["name"].as_str().unwrap());
-            let n = (
-                k["executions"].as_u64().unwrap(),
-                k["total_ns"].as_u64().unwrap(),
-            );
-            (name, n)
-        })
-        .collect();
-    let got: BTreeMap<String, (u64, u64)> = report["cuda"]["gpu_kernels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| {
-            assert_eq!(k["pid"], pid);
-            let (n, total) = (
-                k["executions"].as_u64().unwrap(),
-                k["total_ns"].as_u64().unwrap(),
-            );
-            let (min, max) = (k["min_ns"].as_u64().unwrap(), k["max_ns"].as_u64().unwrap());
-            assert!(min * n <= total && total <= max * n, "{k}");
-            (k["kernel"].as_str().unwrap().to_owned(), (n, total))
-        })
-        .collect();
-    assert_eq!(got, observed);
+    let observed = cupti_observed(&truth);
+    // One row per kernel and configuration: the fake runs a kernel 1 µs per block, so each
+    // row's executions all took that long; and each launch row with that kernel and
+    // configuration says so.
+    for k in report["cuda"]["gpu_kernels"].as_array().unwrap() {
+        assert_eq!(k["pid"], pid);
+        let ns = 1000 * dims(&k["grid"]).iter().product::<u64>();
+        let n = k["executions"].as_u64().unwrap();
+        assert_eq!(
+            (k["min_ns"].as_u64(), k["max_ns"].as_u64()),
+            (Some(ns), Some(ns)),
+            "{k}"
+        );
+        assert_eq!(k["total_ns"].as_u64(), Some(n * ns), "{k}");
+    }
+    for l in report["cuda"]["launches"].as_array().unwrap() {
+        // The deliberately bad handles ran nothing (and have at most a stand-in name).
+        let named = !l["kernel"].as_str().unwrap().starts_with('[')
+            && l["named_from"] != "launching function";
+        let want = named.then(|| 1000 * dims(&l["grid"]).iter().product::<u64>());
+        assert_eq!(l["gpu_avg_ns"].as_u64(), want, "{l}");
+    }
+    assert_eq!(gpu_per_kernel(&report), observed);
     let launched: u64 = truth["totals"]["kernel_launches"]
         .as_object()
         .unwrap()
         .values()
         .map(|v| v.as_u64().unwrap())
         .sum();
-    assert_eq!(got.values().map(|v| v.0).sum::<u64>(), launched);
+    assert_eq!(observed.values().map(|v| v.0).sum::<u64>(), launched);
     assert!(
         report["losses"]
             .as_array()
@@ -1086,19 +1080,7 @@ fn gpu_kernel_times_come_from_cupti() {
         s.0 += 1;
         s.1 += (e["dur"].as_f64().unwrap() * 1e3).round() as u64;
     }
-    let in_report: BTreeMap<String, (u64, u64)> = report["cuda"]["gpu_kernels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| {
-            let n = (
-                k["executions"].as_u64().unwrap(),
-                k["total_ns"].as_u64().unwrap(),
-            );
-            (k["kernel"].as_str().unwrap().to_owned(), n)
-        })
-        .collect();
-    assert_eq!(slices, in_report);
+    assert_eq!(slices, gpu_per_kernel(&report));
     assert_eq!(slices, observed, "every execution, in a session of its own");
     let executions: u64 = slices.values().map(|s| s.0).sum();
     assert_eq!(report["trace"]["gpu_kernels"], executions);
@@ -1170,9 +1152,28 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
     assert_eq!(injected["found_by"], "start", "{injected}");
     let line = c["gpu_times"][0]["status"].as_str().unwrap();
     assert!(line.starts_with("ok: CUPTI from"), "{line}");
-    let observed: BTreeMap<String, (u64, u64)> = truth["cupti_observed"]
+    let observed = cupti_observed(&truth);
+    assert_eq!(gpu_per_kernel(&report), observed);
+}
+
+/// A report's GPU time rows summed per kernel: (executions, total ns).
+fn gpu_per_kernel(report: &Value) -> BTreeMap<String, (u64, u64)> {
+    let mut per: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for k in report["cuda"]["gpu_kernels"].as_array().unwrap() {
+        let e = per
+            .entry(k["kernel"].as_str().unwrap().to_owned())
+            .or_default();
+        e.0 += k["executions"].as_u64().unwrap();
+        e.1 += k["total_ns"].as_u64().unwrap();
+    }
+    per
+}
+
+/// The fake CUPTI's own tally (`cupti_observed`), per demangled kernel.
+fn cupti_observed(truth: &Value) -> BTreeMap<String, (u64, u64)> {
+    truth["cupti_observed"]
         .as_array()
-        .unwrap()
+        .expect("the fake CUPTI's tally")
         .iter()
         .map(|k| {
             let n = (
@@ -1181,18 +1182,5 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
             );
             (demangle(k["name"].as_str().unwrap()), n)
         })
-        .collect();
-    let got: BTreeMap<String, (u64, u64)> = c["gpu_kernels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| {
-            let n = (
-                k["executions"].as_u64().unwrap(),
-                k["total_ns"].as_u64().unwrap(),
-            );
-            (k["kernel"].as_str().unwrap().to_owned(), n)
-        })
-        .collect();
-    assert_eq!(got, observed);
+        .collect()
 }

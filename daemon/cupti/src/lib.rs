@@ -152,7 +152,10 @@ fn start() -> Result<String, String> {
     let kind = cupti.enable_kernel_records()?;
     let _ = CUPTI.set(cupti);
     // SAFETY: plain syscall wrapper.
-    OWNER.store(u64::from(unsafe { libc::getpid() } as u32), Ordering::Relaxed);
+    OWNER.store(
+        u64::from(unsafe { libc::getpid() } as u32),
+        Ordering::Relaxed,
+    );
     std::thread::Builder::new()
         .name("tracer-cupti".into())
         .spawn(|| loop {

@@ -33,18 +33,25 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
         group(at(false)),
         group(graphs)
     );
+    // GPU time per execution, where CUPTI measured the kernel with this configuration.
+    let timed = c.launches.iter().any(|l| l.gpu_avg_ns.is_some());
+    let gpu_col = |l: Option<&crate::report::CudaLaunch>| match (timed, l) {
+        (false, _) => String::new(),
+        (true, None) => format!(" {:>11}", "gpu µs avg"),
+        (true, Some(l)) => format!(" {:>11}", l.gpu_avg_ns.map(us).unwrap_or_default()),
+    };
     if !c.launches.is_empty() {
         let _ = writeln!(
             out,
-            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  kernel  [← Python call site] [← native caller]",
-            "launches", "api", "grid", "block", "smem", "stream", "pid"
+            "\n{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}{}  kernel  [← Python call site] [← native caller]",
+            "launches", "api", "grid", "block", "smem", "stream", "pid", gpu_col(None)
         );
     }
     let shown = rows_shown(limit, c.launches.len());
     for l in &c.launches[..shown] {
         let _ = writeln!(
             out,
-            "{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}  {}",
+            "{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}{}  {}",
             group(l.launches),
             l.api,
             dims(l.grid),
@@ -52,6 +59,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             l.shared_mem,
             format!("{:#x}", l.stream),
             l.pid,
+            gpu_col(Some(l)),
             l.kernel
         );
         if !l.named_from.is_empty() {
@@ -140,6 +148,11 @@ fn ms(ns: u64) -> String {
     format!("{}.{:03}", ns / 1_000_000, ns / 1000 % 1000)
 }
 
+/// Time in µs with ns decimals.
+fn us(ns: u64) -> String {
+    format!("{}.{:03}", ns / 1000, ns % 1000)
+}
+
 /// GPU time per kernel (CUPTI), as Nsight Systems' kernel summary has it; or why there is none.
 fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
     if c.gpu_times.is_empty() {
@@ -166,21 +179,22 @@ fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
     }
     let _ = writeln!(
         out,
-        "{:>7} {:>12} {:>10} {:>11} {:>11} {:>11} {:>4} {:>8}  kernel",
-        "time %", "total ms", "runs", "avg µs", "min µs", "max µs", "gpu", "pid"
+        "{:>7} {:>12} {:>10} {:>11} {:>11} {:>11} {:>12} {:>12} {:>4} {:>8}  kernel",
+        "time %", "total ms", "runs", "avg µs", "min µs", "max µs", "grid", "block", "gpu", "pid"
     );
     let shown = rows_shown(limit, c.gpu_kernels.len());
-    let us = |ns: u64| format!("{}.{:03}", ns / 1000, ns % 1000);
     for k in &c.gpu_kernels[..shown] {
         let _ = writeln!(
             out,
-            "{:>7.1} {:>12} {:>10} {:>11} {:>11} {:>11} {:>4} {:>8}  {}",
+            "{:>7.1} {:>12} {:>10} {:>11} {:>11} {:>11} {:>12} {:>12} {:>4} {:>8}  {}",
             100.0 * k.total_ns as f64 / total.max(1) as f64,
             ms(k.total_ns),
             group(k.executions),
             us(k.total_ns / k.executions.max(1)),
             us(k.min_ns),
             us(k.max_ns),
+            dims(k.grid),
+            dims(k.block),
             k.device,
             k.pid,
             k.kernel

@@ -41,6 +41,26 @@ pub struct Probing {
     pub driver_only: bool,
 }
 
+/// Each launch row's GPU time per execution, from the GPU rows of its kernel and
+/// configuration (in its process, over devices).
+fn gpu_averages(rows: &mut [CudaLaunch], gpu: &[GpuKernelTime]) {
+    /// (pid, kernel, grid, block).
+    type Config<'a> = (u32, &'a str, [u32; 3], [u32; 3]);
+    let mut by: HashMap<Config, (u64, u64)> = HashMap::new();
+    for g in gpu {
+        let e = by
+            .entry((g.pid, g.kernel.as_str(), g.grid, g.block))
+            .or_default();
+        e.0 += g.executions;
+        e.1 += g.total_ns;
+    }
+    for r in rows {
+        if let Some(&(n, ns)) = by.get(&(r.pid, r.kernel.as_str(), r.grid, r.block)) {
+            r.gpu_avg_ns = Some(ns / n.max(1));
+        }
+    }
+}
+
 /// A kernel launch at the runtime's entry points (whose handle may lead to a host stub).
 fn runtime_kernel_launch(which: u32) -> bool {
     matches!(which, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX)
@@ -254,8 +274,9 @@ impl CudaSession {
             bpf.detach_uprobes(links);
         }
         let native = self.callers.name_all();
-        let (rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
+        let (mut rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
         let gpu_kernels = self.gpu_kernels(bpf.gpu_kernel_times(self.slot, true));
+        gpu_averages(&mut rows, &gpu_kernels);
         let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injections)
             .into_iter()
             .map(|(pid, status)| GpuTimesStatus { pid, status })
@@ -291,6 +312,8 @@ impl CudaSession {
                     || format!("[kernel name {:#x} not received]", k.name),
                     |n| cuda::demangle(n),
                 ),
+                grid: k.grid,
+                block: k.block,
                 executions: s.executions,
                 total_ns: s.total_ns,
                 min_ns: s.min_ns,
@@ -381,6 +404,7 @@ impl CudaSession {
                     shared_mem: k.shared_mem,
                     stream: k.stream,
                     launches: n,
+                    gpu_avg_ns: None,
                 }
             })
             .collect();

@@ -589,8 +589,8 @@ pub struct CuptiKernel {
     pub block: [u32; 3],
 }
 
-/// Key of `GPU_KERNELS`: executions of one kernel (by CUPTI's name pointer) on one device,
-/// in one process, for one session.
+/// Key of `GPU_KERNELS`: executions of one kernel (by CUPTI's name pointer) with one grid and
+/// block on one device, in one process, for one session.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GpuKernelKey {
@@ -598,6 +598,8 @@ pub struct GpuKernelKey {
     pub pid: u32,
     pub name: u64,
     pub device: u32,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
     pub _pad: u32,
 }
 
@@ -709,7 +711,7 @@ mod tests {
             core::mem::size_of::<super::CuptiKernel>(),
             8 * 3 + 4 * 4 + 4 * 6
         );
-        assert_eq!(core::mem::size_of::<super::GpuKernelKey>(), 24);
+        assert_eq!(core::mem::size_of::<super::GpuKernelKey>(), 48);
     }
 
     #[test]

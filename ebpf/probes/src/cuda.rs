@@ -203,7 +203,7 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
 fn gpu_kernel(slot: u32, pid: u32, record: u64) -> Option<()> {
     let k: CuptiKernel = user(record)?;
     let ns = k.end_ns.saturating_sub(k.start_ns);
-    let key = GpuKernelKey { slot, pid, name: k.name, device: k.device, _pad: 0 };
+    let key = GpuKernelKey { slot, pid, name: k.name, device: k.device, grid: k.grid, block: k.block, _pad: 0 };
     let mut counted = false;
     for _ in 0..2 {
         if let Some(s) = GPU_KERNELS.get_ptr_mut(&key) {

@@ -159,7 +159,7 @@ fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
         // Said plainly: launches are seen where the CPU makes them, not where the GPU runs them.
         let _ = writeln!(
             out,
-            " GPU execution times: not measured: no followed process runs tracer's CUPTI injection library (start the program with `tracerctl start --cuda --gpu-times -- CMD`)"
+            " GPU execution times: not measured: no followed process loaded tracer's CUPTI injection library (CUDA loads it when a program started with `tracerctl start --cuda --gpu-times -- CMD` initializes CUDA)"
         );
         return;
     }

@@ -223,6 +223,12 @@ pub fn event(e: &tracer_proto::TraceEvent) -> String {
             "{at} {:>7}/{:<7} cuda   {} {} bytes",
             e.pid, e.tid, e.name, e.value
         ),
+        Kind::GpuKernel => format!(
+            "{at} {:>7}         gpu    {} {:.3} ms",
+            e.pid,
+            e.name,
+            e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6
+        ),
         Kind::Unspecified => format!("{at} {:>7}/{:<7} ?", e.pid, e.tid),
     }
 }

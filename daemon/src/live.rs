@@ -128,6 +128,11 @@ fn convert(
             out.name = crate::trace::Named::CudaMemory(u32::from(ev.flags)).name();
             out.value = ev.a;
         }
+        trace_kind::GPU_KERNEL => {
+            out.set_kind(Kind::GpuKernel);
+            let track = crate::trace::GpuTrack::of(ev);
+            out.name = format!("kernel {:#x} on {}", ev.a, track.name());
+        }
         trace_kind::COUNTER => {
             out.set_kind(Kind::Counter);
             out.name = counters
@@ -139,4 +144,27 @@ fn convert(
         _ => {}
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_kernels_stream_with_their_track() {
+        let raw = Raw {
+            kind: trace_kind::GPU_KERNEL,
+            pid: 7,
+            tid: 99,
+            start_ns: 1_000,
+            end_ns: 5_000,
+            a: 0xa0,
+            b: 1 << 32 | 13,
+            ..Raw::default()
+        };
+        let ev = convert(&raw, |_| None, &[], &[]);
+        assert_eq!(ev.kind(), Kind::GpuKernel);
+        assert_eq!((ev.start_ns, ev.end_ns, ev.pid), (1_000, 5_000, 7));
+        assert_eq!(ev.name, "kernel 0xa0 on GPU 1 stream 13");
+    }
 }

@@ -355,6 +355,10 @@ pub mod trace_event {
         CudaLaunch = 4,
         /// A CUDA copy, allocation, free or synchronization: start_ns, value = bytes.
         CudaMemory = 5,
+        /// A kernel's execution on the GPU (CUPTI, through tracer's injection library):
+        /// start_ns..end_ns; name: CUPTI's name pointer, GPU and stream (the trace export names
+        /// kernels); tid: CUPTI's thread, not the launcher's.
+        GpuKernel = 6,
     }
     impl Kind {
         /// String value of the enum field names used in the ProtoBuf definition.
@@ -369,6 +373,7 @@ pub mod trace_event {
                 Self::Counter => "KIND_COUNTER",
                 Self::CudaLaunch => "KIND_CUDA_LAUNCH",
                 Self::CudaMemory => "KIND_CUDA_MEMORY",
+                Self::GpuKernel => "KIND_GPU_KERNEL",
             }
         }
         /// Creates an enum from field names used in the ProtoBuf definition.
@@ -380,6 +385,7 @@ pub mod trace_event {
                 "KIND_COUNTER" => Some(Self::Counter),
                 "KIND_CUDA_LAUNCH" => Some(Self::CudaLaunch),
                 "KIND_CUDA_MEMORY" => Some(Self::CudaMemory),
+                "KIND_GPU_KERNEL" => Some(Self::GpuKernel),
                 _ => None,
             }
         }

@@ -136,6 +136,19 @@ pub fn injection_status(
     Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
 }
 
+/// A kernel name CUPTI keeps in process `pid`'s memory at `addr` (live views name GPU
+/// executions with it before the session's end), demangled.
+pub fn name_in_process(pid: u32, addr: u64) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut buf = [0u8; tracer_common::CUDA_NAME_LEN];
+    // A name may end near the end of its mapping: a short read is fine.
+    let n = mem.read_at(&mut buf, addr).ok()?;
+    let len = buf[..n].iter().position(|&b| b == 0)?;
+    let name = std::str::from_utf8(&buf[..len]).ok()?;
+    Some(demangle(name))
+}
+
 /// The entry point's name as reports show it.
 pub fn api_name(which: u32) -> &'static str {
     match which {
@@ -322,6 +335,14 @@ mod tests {
             host_function_kernel("relu(float*, int)"),
             "relu(float*, int)"
         );
+    }
+
+    #[test]
+    fn names_are_read_from_a_process() {
+        let name = std::ffi::CString::new("_Z4reluPfi").unwrap();
+        let got = name_in_process(std::process::id(), name.as_ptr() as u64);
+        assert_eq!(got.as_deref(), Some("relu(float*, int)"));
+        assert_eq!(name_in_process(std::process::id(), 8), None, "unmapped");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! The session's spool broadcasts batches and never waits: a client that reads slower than
 //! events arrive falls behind, skips whole batches, and is told how many events it missed.
 
-use std::pin::Pin;
+use std::{collections::HashMap, pin::Pin};
 
 use tokio::sync::{broadcast::error::RecvError, mpsc};
 use tokio_stream::{wrappers::ReceiverStream, Stream};
@@ -26,6 +26,8 @@ pub fn stream(sub: Subscription) -> Events {
         } = sub;
         let (mut next, mut missed) = (next_seq, 0u64);
         let mut given_up = std::collections::HashSet::new();
+        // GPU kernels' names, read from their processes once each.
+        let mut gpu_names: HashMap<(u32, u64), String> = HashMap::new();
         loop {
             let batch = match events.recv().await {
                 Ok(b) => b,
@@ -59,6 +61,16 @@ pub fn stream(sub: Subscription) -> Events {
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
+            for e in batch
+                .events
+                .iter()
+                .filter(|e| e.kind == trace_kind::GPU_KERNEL)
+            {
+                gpu_names.entry((e.pid, e.a)).or_insert_with(|| {
+                    crate::cuda::name_in_process(e.pid, e.a)
+                        .unwrap_or_else(|| format!("kernel {:#x}", e.a))
+                });
+            }
             let msg = {
                 let names = names.lock().unwrap_or_else(|e| e.into_inner());
                 EventBatch {
@@ -75,6 +87,7 @@ pub fn stream(sub: Subscription) -> Events {
                                 },
                                 &probes,
                                 &counters,
+                                &gpu_names,
                             )
                         })
                         .collect(),
@@ -95,6 +108,7 @@ fn convert(
     name: impl Fn((u32, u64, u64)) -> Option<(String, String, i32)>,
     probes: &[String],
     counters: &[crate::trace::TraceCounter],
+    gpu_names: &HashMap<(u32, u64), String>,
 ) -> TraceEvent {
     let mut out = TraceEvent {
         start_ns: ev.start_ns,
@@ -131,7 +145,11 @@ fn convert(
         trace_kind::GPU_KERNEL => {
             out.set_kind(Kind::GpuKernel);
             let track = crate::trace::GpuTrack::of(ev);
-            out.name = format!("kernel {:#x} on {}", ev.a, track.name());
+            let kernel = gpu_names
+                .get(&(ev.pid, ev.a))
+                .cloned()
+                .unwrap_or_else(|| format!("kernel {:#x}", ev.a));
+            out.name = format!("{kernel} on {}", track.name());
         }
         trace_kind::COUNTER => {
             out.set_kind(Kind::Counter);
@@ -162,9 +180,12 @@ mod tests {
             b: 1 << 32 | 13,
             ..Raw::default()
         };
-        let ev = convert(&raw, |_| None, &[], &[]);
+        let ev = convert(&raw, |_| None, &[], &[], &HashMap::new());
         assert_eq!(ev.kind(), Kind::GpuKernel);
         assert_eq!((ev.start_ns, ev.end_ns, ev.pid), (1_000, 5_000, 7));
         assert_eq!(ev.name, "kernel 0xa0 on GPU 1 stream 13");
+        let names = HashMap::from([((7, 0xa0), "relu(float*, int)".to_owned())]);
+        let ev = convert(&raw, |_| None, &[], &[], &names);
+        assert_eq!(ev.name, "relu(float*, int) on GPU 1 stream 13");
     }
 }

@@ -224,10 +224,16 @@ impl App {
 
     /// The last cue: the program's account of its calls, checked by itself; then its stdin
     /// closes and it exits.
-    fn finish(mut self) -> Value {
+    fn finish(self) -> Value {
+        self.finish_lingering(Duration::ZERO)
+    }
+
+    /// `finish`, with the program kept alive for `linger` after its account.
+    fn finish_lingering(mut self, linger: Duration) -> Value {
         let line = self.cue("go\n");
         let truth: Value = serde_json::from_str(&line).expect("the program's account");
         assert_eq!(truth["ok"], true, "the program's own checks");
+        std::thread::sleep(linger);
         drop(self.stdin.take());
         let _ = self.guard.0.wait();
         truth
@@ -924,7 +930,12 @@ fn gpu_kernel_times_come_from_cupti() {
     let app = libs.join("cuda_app");
     let app = app.to_str().unwrap();
     // The program is tracerctl's child and shares its stdin and stdout: driven by its cues.
-    let run = |mode: &[&str], env: &[(&str, &str)], out: &std::path::Path| -> (Value, Value) {
+    // `watch`: a `tracerctl watch` of the session, started while the program holds.
+    let run_watched = |mode: &[&str],
+                       env: &[(&str, &str)],
+                       out: &std::path::Path,
+                       watch: bool|
+     -> (Value, Value, Option<String>) {
         let mut ctl = d.ctl();
         ctl.arg("start")
             .args(mode)
@@ -949,9 +960,26 @@ fn gpu_kernel_times_come_from_cupti() {
         // CUDA initialized, so the injection library loaded and probed as it was mapped: a
         // margin for a loaded machine.
         assert_eq!(app.cue("go\n"), "loaded\n");
+        let watcher = watch.then(|| {
+            let id = d.newest_session("");
+            let mut w = d.ctl();
+            w.args(["watch", &id]).stdout(Stdio::piped());
+            ChildGuard::spawn(&mut w)
+        });
         std::thread::sleep(Duration::from_millis(300));
-        let truth = app.finish();
+        // Watched: CUPTI's periodic flush hands the records over while the program lives, so
+        // that the live view can read their names from it.
+        let truth = app.finish_lingering(Duration::from_millis(if watch { 500 } else { 0 }));
         let report = serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap();
+        let watched = watcher.map(|mut w| {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut w.0.stdout.take().unwrap(), &mut text).unwrap();
+            text
+        });
+        (truth, report, watched)
+    };
+    let run = |mode: &[&str], env: &[(&str, &str)], out: &std::path::Path| {
+        let (truth, report, _) = run_watched(mode, env, out, false);
         (truth, report)
     };
 
@@ -1042,7 +1070,7 @@ fn gpu_kernel_times_come_from_cupti() {
 
     // Tracing: one slice per execution on its stream's GPU track, inside the session.
     let path = d.dir.path().join("gpu-trace.json");
-    let (_, report) = run(&["--mode=tracing"], &[], &path);
+    let (_, report, watched) = run_watched(&["--mode=tracing"], &[], &path, true);
     let id = report["session"]["id"].as_str().unwrap();
     let chrome_path = d.dir.path().join("gpu-trace.chrome.json");
     d.ok(&[
@@ -1081,6 +1109,16 @@ fn gpu_kernel_times_come_from_cupti() {
         s.1 += (e["dur"].as_f64().unwrap() * 1e3).round() as u64;
     }
     assert_eq!(slices, gpu_per_kernel(&report));
+    // Live, each execution as it is recorded, named from the process.
+    let watched = watched.unwrap();
+    let mut live: BTreeMap<String, u64> = BTreeMap::new();
+    for line in watched.lines().filter(|l| l.contains(" gpu ")) {
+        let (_, rest) = line.split_once(" gpu ").unwrap();
+        let (kernel, _) = rest.trim().split_once(" on GPU 0 stream ").expect(line);
+        *live.entry(kernel.to_owned()).or_default() += 1;
+    }
+    let counts: BTreeMap<String, u64> = slices.iter().map(|(k, v)| (k.clone(), v.0)).collect();
+    assert_eq!(live, counts, "{watched}");
     assert_eq!(slices, observed, "every execution, in a session of its own");
     let executions: u64 = slices.values().map(|s| s.0).sum();
     assert_eq!(report["trace"]["gpu_kernels"], executions);

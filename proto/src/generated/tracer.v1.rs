@@ -356,8 +356,8 @@ pub mod trace_event {
         /// A CUDA copy, allocation, free or synchronization: start_ns, value = bytes.
         CudaMemory = 5,
         /// A kernel's execution on the GPU (CUPTI, through tracer's injection library):
-        /// start_ns..end_ns; name: CUPTI's name pointer, GPU and stream (the trace export names
-        /// kernels); tid: CUPTI's thread, not the launcher's.
+        /// start_ns..end_ns; name: the kernel (read from the process; its address if it could
+        /// not be) and its GPU and stream; tid: CUPTI's thread, not the launcher's.
         GpuKernel = 6,
     }
     impl Kind {

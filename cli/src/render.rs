@@ -179,6 +179,17 @@ pub fn capabilities(c: &Capabilities) -> String {
         };
         let _ = writeln!(out, "  {:<18} {:<9} {state}", e.name, e.kind);
     }
+    match (c.gpus.is_empty(), c.gpus_unavailable.as_str()) {
+        (false, _) => {
+            let _ = writeln!(out, "GPUs (NVML): {}", c.gpus.join(", "));
+        }
+        (true, "") => {
+            let _ = writeln!(out, "GPUs (NVML): none");
+        }
+        (true, why) => {
+            let _ = writeln!(out, "GPUs: unavailable: {why}");
+        }
+    }
     let _ = writeln!(out, "\nPython interpreters:");
     if c.interpreters.is_empty() {
         let _ = writeln!(out, "  none found on PATH");

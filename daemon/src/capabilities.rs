@@ -44,6 +44,7 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             },
         })
         .collect();
+    let gpus = crate::gpu::devices();
     Capabilities {
         daemon_version: env!("CARGO_PKG_VERSION").into(),
         kernel_release: nix::sys::utsname::uname()
@@ -66,6 +67,8 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             .unwrap_or(-100),
         // Set per answer.
         now_unix_ns: 0,
+        gpus: gpus.clone().unwrap_or_default(),
+        gpus_unavailable: gpus.err().unwrap_or_default(),
     }
 }
 

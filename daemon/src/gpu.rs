@@ -140,6 +140,18 @@ fn read(d: &Device) -> [Option<f64>; 6] {
     ]
 }
 
+/// The GPUs NVML reports, as "index: name"; or why NVML cannot be used.
+pub fn devices() -> Result<Vec<String>, String> {
+    let nvml = Nvml::init().map_err(|e| format!("NVML: {e}"))?;
+    let count = nvml.device_count().map_err(|e| format!("NVML: {e}"))?;
+    Ok((0..count)
+        .map(|i| {
+            let name = nvml.device_by_index(i).and_then(|d| d.name());
+            format!("{i}: {}", name.unwrap_or_else(|e| format!("[{e}]")))
+        })
+        .collect())
+}
+
 fn sample(
     period: Duration,
     stop: &AtomicBool,

@@ -129,6 +129,11 @@ fn missing_hardware_counters_are_unavailable_never_zero() {
     }
     let d = Daemon::start();
     let caps = d.ok(&["capabilities"]);
+    // GPUs likewise: listed, or said unavailable with NVML's reason (none on CI's machine).
+    assert!(
+        caps.contains("GPUs (NVML): ") || caps.contains("GPUs: unavailable: NVML: "),
+        "{caps}"
+    );
     let report = count_command(&d, "cycles,instructions,page-faults", &["true"]);
     for event in ["cycles", "instructions"] {
         match counter(&report, event) {

@@ -788,6 +788,11 @@ fn gpu_metrics_reach_reports_and_timelines() {
         env: vec![("LD_LIBRARY_PATH".into(), libs.to_str().unwrap().into())],
         ..Default::default()
     });
+    let caps = d.ok(&["capabilities"]);
+    assert!(
+        caps.contains("GPUs (NVML): 0: Fake GPU 0, 1: Fake GPU 1\n"),
+        "{caps}"
+    );
     let (id, _) = run_app(&d, &libs, "--mode=counting", "function");
     let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
     let gpu = &report["cuda"]["gpu"];

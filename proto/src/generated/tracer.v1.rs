@@ -469,6 +469,12 @@ pub struct Capabilities {
     /// a fan-out client states each host's clock difference.
     #[prost(uint64, tag = "11")]
     pub now_unix_ns: u64,
+    /// GPUs NVML reports ("index: name"), for --cuda's GPU metrics; empty with the reason in
+    /// `gpus_unavailable` when NVML cannot be used.
+    #[prost(string, repeated, tag = "12")]
+    pub gpus: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    #[prost(string, tag = "13")]
+    pub gpus_unavailable: ::prost::alloc::string::String,
 }
 /// What a session measures.
 #[allow(clippy::all)]

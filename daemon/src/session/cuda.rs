@@ -91,8 +91,12 @@ pub struct CudaSession {
     gpu: crate::gpu::GpuSampler,
     /// (pid, CUPTI's name pointer) → kernel name, from tracer's injection library.
     gpu_names: HashMap<ProcAddr, String>,
-    /// pid → the injection library's status line, as last read or announced.
-    injections: HashMap<u32, String>,
+    /// pid → the injection library's status line as its probe last announced it, for any
+    /// process (every CUDA session gets every process's records).
+    announced: HashMap<u32, String>,
+    /// pid → the status line read when this session found the library in the process: the
+    /// processes whose GPU times this session reports.
+    injected: HashMap<u32, String>,
 }
 
 impl CudaSession {
@@ -120,7 +124,8 @@ impl CudaSession {
             warnings: Vec::new(),
             gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
             gpu_names: HashMap::new(),
-            injections: HashMap::new(),
+            announced: HashMap::new(),
+            injected: HashMap::new(),
         }
     }
 
@@ -148,7 +153,7 @@ impl CudaSession {
             let text = cuda::event_name(ev);
             match ev.api {
                 api::CUPTI_KERNEL => self.gpu_names.insert((ev.pid, ev.handle), text),
-                _ => self.injections.insert(ev.pid, text),
+                _ => self.announced.insert(ev.pid, text),
             };
             return;
         }
@@ -183,12 +188,23 @@ impl CudaSession {
                 continue;
             };
             maps_cuda = true;
+            // Through the process's root: it may live in a container.
+            let path = format!("/proc/{pid}/root{}", m.path);
+            if lib == cuda::Library::Cupti && !m.deleted() && !self.injected.contains_key(&pid) {
+                // Set up already (a warm process), or about to be (its probe will say).
+                let mine: Vec<_> = maps
+                    .entries()
+                    .iter()
+                    .filter(|e| e.inode == m.inode && e.dev == m.dev)
+                    .collect();
+                let status = cuda::injection_status(pid, std::path::Path::new(&path), &mine)
+                    .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
+                self.injected.insert(pid, status);
+            }
             let id = (m.dev.0, m.dev.1, m.inode);
             if m.deleted() || self.libs.contains_key(&id) {
                 continue;
             }
-            // Through the process's root: it may live in a container.
-            let path = format!("/proc/{pid}/root{}", m.path);
             let mut links = Vec::new();
             let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
                 .iter()
@@ -229,17 +245,6 @@ impl CudaSession {
                     }
                 }
             }
-            if lib == cuda::Library::Cupti {
-                // Set up already (a warm process), or about to be (its probe will say).
-                let mine: Vec<_> = maps
-                    .entries()
-                    .iter()
-                    .filter(|e| e.inode == m.inode && e.dev == m.dev)
-                    .collect();
-                let status = cuda::injection_status(pid, std::path::Path::new(&path), &mine)
-                    .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
-                self.injections.entry(pid).or_insert(status);
-            }
             tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
             self.found.push(CudaLibrary {
                 pid,
@@ -277,9 +282,13 @@ impl CudaSession {
         let (mut rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
         let gpu_kernels = self.gpu_kernels(bpf.gpu_kernel_times(self.slot, true));
         gpu_averages(&mut rows, &gpu_kernels);
-        let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injections)
+        // The latest word of each process this session found the library in.
+        let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injected)
             .into_iter()
-            .map(|(pid, status)| GpuTimesStatus { pid, status })
+            .map(|(pid, read)| GpuTimesStatus {
+                pid,
+                status: self.announced.remove(&pid).unwrap_or(read),
+            })
             .collect();
         gpu_times.sort_by_key(|g| g.pid);
         let mut warnings = self.warnings;

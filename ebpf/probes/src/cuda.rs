@@ -204,72 +204,72 @@ fn gpu_kernel(slot: u32, pid: u32, record: u64) -> Option<()> {
     let k: CuptiKernel = user(record)?;
     let ns = k.end_ns.saturating_sub(k.start_ns);
     let key = GpuKernelKey { slot, pid, name: k.name, device: k.device, grid: k.grid, block: k.block, _pad: 0 };
-    let mut counted = false;
-    for _ in 0..2 {
-        if let Some(s) = GPU_KERNELS.get_ptr_mut(&key) {
-            // SAFETY: a live map value. Records of one kernel come from CUPTI's one thread,
-            // but sessions' probes on several processes may share nothing else: atomics anyway.
-            unsafe {
-                crate::python::add(&raw mut (*s).executions, 1);
-                crate::python::add(&raw mut (*s).total_ns, ns);
-                if ns < (*s).min_ns {
-                    (*s).min_ns = ns;
-                }
-                if ns > (*s).max_ns {
-                    (*s).max_ns = ns;
-                }
+    let first = GpuKernelStats { executions: 1, total_ns: ns, min_ns: ns, max_ns: ns };
+    let added = add_or_insert(&GPU_KERNELS, &key, &first, |s| {
+        // SAFETY: a live map value. Buffers may complete on several threads at once (CUDA 13
+        // gives each thread its own): atomic sums; a racing min or max may keep the other value.
+        unsafe {
+            crate::python::add(&raw mut (*s).executions, 1);
+            crate::python::add(&raw mut (*s).total_ns, ns);
+            if ns < (*s).min_ns {
+                (*s).min_ns = ns;
             }
-            counted = true;
-            break;
+            if ns > (*s).max_ns {
+                (*s).max_ns = ns;
+            }
         }
-        let first = GpuKernelStats { executions: 1, total_ns: ns, min_ns: ns, max_ns: ns };
-        if GPU_KERNELS.insert(&key, &first, NOEXIST).is_ok() {
-            send(pid, api::CUPTI_KERNEL, k.name, 0, 0, k.name);
-            counted = true;
-            break;
-        }
+    });
+    if added == Some(true) {
+        send(pid, api::CUPTI_KERNEL, k.name, 0, 0, k.name);
     }
-    if !counted {
-        count_loss(loss::CUDA_MAP_FULL);
-    }
-    let traced = trace::tracing(1 << slot);
-    if traced != 0 {
-        trace::emit(&TraceEvent {
-            kind: trace_kind::GPU_KERNEL,
-            flags: 0,
-            pid,
-            tid: bpf_get_current_pid_tgid() as u32,
-            sessions: traced,
-            start_ns: k.start_ns,
-            end_ns: k.end_ns,
-            a: k.name,
-            b: u64::from(k.device) << 32 | u64::from(k.stream),
-            ..TraceEvent::default()
-        });
-    }
+    trace_with(slot, || TraceEvent {
+        kind: trace_kind::GPU_KERNEL,
+        pid,
+        start_ns: k.start_ns,
+        end_ns: k.end_ns,
+        a: k.name,
+        b: u64::from(k.device) << 32 | u64::from(k.stream),
+        ..TraceEvent::default()
+    });
     Some(())
 }
 
-/// A tracing session's event for this call.
+/// Adds to `key`'s value with `update`, or inserts `first` when it has none: whether that made
+/// a new entry (None: the map is full, counted as a loss).
+#[inline(always)]
+fn add_or_insert<K, V>(map: &HashMap<K, V>, key: &K, first: &V, update: impl Fn(*mut V)) -> Option<bool> {
+    // Twice: another CPU may insert the key between the lookup and the insert.
+    for _ in 0..2 {
+        if let Some(v) = map.get_ptr_mut(key) {
+            update(v);
+            return Some(false);
+        }
+        if map.insert(key, first, NOEXIST).is_ok() {
+            return Some(true);
+        }
+    }
+    count_loss(loss::CUDA_MAP_FULL);
+    None
+}
+
+/// A tracing session's event for this call, at this instant.
 fn trace(slot: u32, pid: u32, kind: u16, flags: u32, a: u64, b: u64) {
+    trace_with(slot, || {
+        // SAFETY: plain helper call.
+        let now = unsafe { bpf_ktime_get_ns() };
+        TraceEvent { kind, flags: flags as u16, pid, start_ns: now, end_ns: now, a, b, ..TraceEvent::default() }
+    });
+}
+
+/// The event `event` makes, with this thread's id, for the slot's session if it is tracing
+/// (made only then).
+#[inline(always)]
+fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
     let traced = trace::tracing(1 << slot);
     if traced == 0 {
         return;
     }
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
-    trace::emit(&TraceEvent {
-        kind,
-        flags: flags as u16,
-        pid,
-        tid: bpf_get_current_pid_tgid() as u32,
-        sessions: traced,
-        start_ns: now,
-        end_ns: now,
-        a,
-        b,
-        ..TraceEvent::default()
-    });
+    trace::emit(&TraceEvent { tid: bpf_get_current_pid_tgid() as u32, sessions: traced, ..event() });
 }
 
 /// The launching thread's innermost Python frame (code object, instruction, names id).
@@ -297,22 +297,15 @@ fn call_site(pid: u32, tid: u32) -> Option<(u64, u64, u64)> {
 
 /// Counts a launch; whether it made a new row.
 fn count_launch(key: &CudaLaunchKey) -> bool {
-    for _ in 0..2 {
-        if let Some(n) = CUDA_LAUNCHES.get_ptr_mut(key) {
-            crate::python::add(n, 1);
-            return false;
+    let new = add_or_insert(&CUDA_LAUNCHES, key, &1, |n| crate::python::add(n, 1)) == Some(true);
+    if new {
+        // A new row's call sites are named while its process lives.
+        if key.py_code != 0 {
+            send(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
         }
-        if CUDA_LAUNCHES.insert(key, &1, NOEXIST).is_ok() {
-            // A new row's call sites are named while its process lives.
-            if key.py_code != 0 {
-                send(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
-            }
-            send(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
-            return true;
-        }
+        send(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
     }
-    count_loss(loss::CUDA_MAP_FULL);
-    false
+    new
 }
 
 /// A new runtime row is noted for its thread; a new driver row made inside it (deeper on the
@@ -426,20 +419,13 @@ fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
 fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {
     trace(slot, pid, trace_kind::CUDA_MEMORY, kind, bytes, 0);
     let key = CudaMemKey { slot, pid, kind, _pad: 0 };
-    for _ in 0..2 {
-        if let Some(s) = CUDA_MEMORY.get_ptr_mut(&key) {
-            // SAFETY: a live map value.
-            unsafe {
-                crate::python::add(&raw mut (*s).calls, 1);
-                crate::python::add(&raw mut (*s).bytes, bytes);
-            }
-            return;
+    add_or_insert(&CUDA_MEMORY, &key, &CudaMemStats { calls: 1, bytes }, |s| {
+        // SAFETY: a live map value.
+        unsafe {
+            crate::python::add(&raw mut (*s).calls, 1);
+            crate::python::add(&raw mut (*s).bytes, bytes);
         }
-        if CUDA_MEMORY.insert(&key, &CudaMemStats { calls: 1, bytes }, NOEXIST).is_ok() {
-            return;
-        }
-    }
-    count_loss(loss::CUDA_MAP_FULL);
+    });
 }
 
 fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {

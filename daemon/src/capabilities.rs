@@ -44,7 +44,10 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             },
         })
         .collect();
-    let gpus = crate::gpu::devices();
+    let (gpus, gpus_unavailable) = match crate::gpu::devices() {
+        Ok(gpus) => (gpus, String::new()),
+        Err(why) => (Vec::new(), why),
+    };
     Capabilities {
         daemon_version: env!("CARGO_PKG_VERSION").into(),
         kernel_release: nix::sys::utsname::uname()
@@ -67,8 +70,8 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             .unwrap_or(-100),
         // Set per answer.
         now_unix_ns: 0,
-        gpus: gpus.clone().unwrap_or_default(),
-        gpus_unavailable: gpus.err().unwrap_or_default(),
+        gpus,
+        gpus_unavailable,
     }
 }
 

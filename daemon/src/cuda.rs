@@ -108,7 +108,6 @@ pub fn injection_status(
     maps: &[&crate::unwind::MapEntry],
 ) -> Result<String, String> {
     use object::{Object, ObjectSegment, ObjectSymbol};
-    use std::os::unix::fs::FileExt;
     const STATUS_LEN: usize = 256;
     let data = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let elf = object::File::parse(&*data).map_err(|e| e.to_string())?;
@@ -127,26 +126,35 @@ pub fn injection_status(
         .find(|m| m.offset == 0)
         .map(|m| m.start.wrapping_sub(first.address() & !0xfff))
         .ok_or("the library's first page is not mapped")?;
-    let addr = bias.wrapping_add(sym.address());
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).map_err(|e| e.to_string())?;
-    let mut buf = [0u8; STATUS_LEN];
-    mem.read_exact_at(&mut buf, addr)
-        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))?;
-    let len = buf.iter().position(|&b| b == 0).unwrap_or(STATUS_LEN);
-    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+    c_string(pid, bias.wrapping_add(sym.address()), STATUS_LEN)
+        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))
 }
 
 /// A kernel name CUPTI keeps in process `pid`'s memory at `addr` (live views name GPU
 /// executions with it before the session's end), demangled.
 pub fn name_in_process(pid: u32, addr: u64) -> Option<String> {
-    use std::os::unix::fs::FileExt;
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
-    let mut buf = [0u8; tracer_common::CUDA_NAME_LEN];
-    // A name may end near the end of its mapping: a short read is fine.
-    let n = mem.read_at(&mut buf, addr).ok()?;
-    let len = buf[..n].iter().position(|&b| b == 0)?;
-    let name = std::str::from_utf8(&buf[..len]).ok()?;
-    Some(demangle(name))
+    let name = c_string(pid, addr, tracer_common::CUDA_NAME_LEN).ok()?;
+    Some(demangle(&name))
+}
+
+/// A NUL-terminated string in process `pid`'s memory, at most `max` bytes of it, read a page
+/// at a time: a string may end just before an unmapped page.
+fn c_string(pid: u32, addr: u64, max: usize) -> std::io::Result<String> {
+    const PAGE: u64 = 4096;
+    let mut out = Vec::new();
+    let mut at = addr;
+    while out.len() < max {
+        let chunk = (PAGE - at % PAGE).min((max - out.len()) as u64) as usize;
+        let mut buf = vec![0u8; chunk];
+        crate::python::memory::read(pid, at, &mut buf)?;
+        if let Some(n) = buf.iter().position(|&b| b == 0) {
+            out.extend_from_slice(&buf[..n]);
+            break;
+        }
+        out.extend_from_slice(&buf);
+        at += chunk as u64;
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The entry point's name as reports show it.
@@ -168,8 +176,6 @@ pub fn api_name(which: u32) -> &'static str {
         api::CU_MEM_FREE => "cuMemFree",
         api::CUDA_DEVICE_SYNCHRONIZE => "cudaDeviceSynchronize",
         api::CUDA_STREAM_SYNCHRONIZE => "cudaStreamSynchronize",
-        api::CUPTI_KERNEL => "tracer_cupti_kernel",
-        api::CUPTI_DROPPED => "tracer_cupti_dropped",
         _ => "?",
     }
 }

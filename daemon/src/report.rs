@@ -617,7 +617,6 @@ fn seconds(ms: u64) -> String {
     format!("{:.3} s", ms as f64 / 1000.0)
 }
 
-/// 1234567 → "1,234,567".
 /// How many of `len` rows a table shows under `--limit` (0: all).
 pub fn rows_shown(limit: usize, len: usize) -> usize {
     if limit == 0 {
@@ -627,6 +626,7 @@ pub fn rows_shown(limit: usize, len: usize) -> usize {
     }
 }
 
+/// 1234567 → "1,234,567".
 pub fn group(v: u64) -> String {
     let digits = v.to_string();
     let mut out = String::new();

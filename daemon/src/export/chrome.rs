@@ -14,12 +14,8 @@ use std::{
 
 use tracer_common::TraceEvent;
 
+use super::us;
 use crate::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace};
-
-/// `ns` as a JSON number of microseconds, exactly (no float rounding).
-fn us(ns: u64) -> String {
-    format!("{}.{:03}", ns / 1000, ns % 1000)
-}
 
 fn string(s: &str) -> String {
     serde_json::to_string(s).expect("strings serialize")

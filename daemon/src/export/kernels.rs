@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use super::us;
 use crate::report::{group, rows_shown, CudaReport};
 
 fn dims(d: [u32; 3]) -> String {
@@ -146,11 +147,6 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
 /// Time in ms with µs decimals.
 fn ms(ns: u64) -> String {
     format!("{}.{:03}", ns / 1_000_000, ns / 1000 % 1000)
-}
-
-/// Time in µs with ns decimals.
-fn us(ns: u64) -> String {
-    format!("{}.{:03}", ns / 1000, ns % 1000)
 }
 
 /// GPU time per kernel (CUPTI), as Nsight Systems' kernel summary has it; or why there is none.

@@ -6,8 +6,8 @@
 //! Layout: a clock snapshot that makes CLOCK_MONOTONIC (the events' clock) the trace's
 //! clock, one packet of interned names, a track per process, thread, (process, counter) and
 //! (process, GPU, stream), then GPU kernels' slices, each thread's slices and instants and
-//! each counter's readings. Every packet is
-//! `Trace.packet` (field 1), so they are streamed one by one; trace_processor sorts them.
+//! each counter's readings. Every packet is `Trace.packet` (field 1), so they are streamed
+//! one by one; trace_processor sorts them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{self, Write};
@@ -371,7 +371,7 @@ impl Collected {
                         .entry((ev.kind, ev.pid, ev.a))
                         .or_insert_with(|| names.id(&trace.named(&index, &ev).name()));
                     let on = c.gpu.entry((ev.pid, GpuTrack::of(&ev))).or_default();
-                    on.push((ev.start_ns, ev.end_ns.max(ev.start_ns), name));
+                    on.push((ev.start_ns, ev.end_ns, name));
                 }
                 // A kind this export does not know: nothing to show for it.
                 _ => {}

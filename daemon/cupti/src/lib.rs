@@ -15,7 +15,7 @@ use std::{
     cell::UnsafeCell,
     ffi::{c_char, c_int, c_void},
     sync::{
-        atomic::{AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicI32, AtomicI64, AtomicU64, Ordering},
         OnceLock,
     },
     time::Duration,
@@ -113,7 +113,7 @@ static CLOCK_OFFSET: AtomicI64 = AtomicI64::new(0);
 static CUPTI: OnceLock<Cupti> = OnceLock::new();
 /// The process that set CUPTI up: a child forked from it inherits the exit handler but not
 /// CUPTI's threads, and must not call into CUPTI.
-static OWNER: AtomicU64 = AtomicU64::new(0);
+static OWNER: AtomicI32 = AtomicI32::new(0);
 
 /// Called by CUDA's driver at `cuInit` in a process started with `CUDA_INJECTION64_PATH`
 /// naming this library. Never fails the program: 1 ("initialized") either way, with what
@@ -152,10 +152,7 @@ fn start() -> Result<String, String> {
     let kind = cupti.enable_kernel_records()?;
     let _ = CUPTI.set(cupti);
     // SAFETY: plain syscall wrapper.
-    OWNER.store(
-        u64::from(unsafe { libc::getpid() } as u32),
-        Ordering::Relaxed,
-    );
+    OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
     std::thread::Builder::new()
         .name("tracer-cupti".into())
         .spawn(|| loop {
@@ -179,7 +176,7 @@ fn start() -> Result<String, String> {
 /// with its initialization) still learns how CUPTI was set up.
 extern "C" fn flush_at_exit() {
     // SAFETY: plain syscall wrapper.
-    if OWNER.load(Ordering::Relaxed) != u64::from(unsafe { libc::getpid() } as u32) {
+    if OWNER.load(Ordering::Relaxed) != unsafe { libc::getpid() } {
         return;
     }
     if let Some(c) = CUPTI.get() {
@@ -195,7 +192,7 @@ extern "C" fn flush_at_exit() {
 }
 
 /// CLOCK_MONOTONIC now, ns.
-pub fn monotonic_ns() -> u64 {
+fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

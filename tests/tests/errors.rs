@@ -174,6 +174,39 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             "{args:?}: expected '{want}' in '{line}'"
         );
     }
+    // --gpu-times: another injection library already in the environment; and a tracerctl with
+    // no injection library beside it.
+    let gpu_times = [
+        "start",
+        "--mode=counting",
+        "--cuda",
+        "--gpu-times",
+        "--",
+        "true",
+    ];
+    let other = d
+        .ctl()
+        .args(gpu_times)
+        .env("CUDA_INJECTION64_PATH", "/opt/other/libinject.so")
+        .output()
+        .unwrap();
+    let line = one_line_error(&other);
+    assert!(
+        line.contains("CUDA_INJECTION64_PATH is already set (/opt/other/libinject.so)"),
+        "{line}"
+    );
+    let lonely = tempfile::tempdir().unwrap();
+    let ctl = lonely.path().join("tracerctl");
+    std::fs::copy(bin("tracerctl"), &ctl).unwrap();
+    let alone = Command::new(&ctl)
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(gpu_times)
+        .env_remove("CUDA_INJECTION64_PATH")
+        .output()
+        .unwrap();
+    let line = one_line_error(&alone);
+    assert!(line.contains("libtracer_cupti.so not found at"), "{line}");
     // Nothing above disturbed the bystander session.
     let status = d.ok(&["status", &keep]);
     assert!(status.contains("state:     running"), "{status}");

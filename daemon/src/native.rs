@@ -57,7 +57,10 @@ pub enum NativeError {
 pub struct NativeTarget {
     /// The spec that asked for it, as given.
     pub spec: String,
+    /// Where the daemon opens the binary (maybe through /proc/PID/...).
     pub binary: PathBuf,
+    /// The binary as reports show it: as the target's maps name it, or as the spec found it.
+    pub display: String,
     pub symbol: String,
     /// Where the probe goes: the function's first instruction, or the one after its leading
     /// `endbr64` (see `past_landing_pad`).
@@ -129,7 +132,7 @@ pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, Native
         .rsplit_once(':')
         .filter(|(n, p)| !n.is_empty() && !p.is_empty())
         .ok_or_else(|| NativeError::BadSpec(spec.into()))?;
-    let binary = find_binary(name, pid).ok_or_else(|| NativeError::NotFound {
+    let (binary, display) = find_binary(name, pid).ok_or_else(|| NativeError::NotFound {
         spec: spec.into(),
         name: name.into(),
     })?;
@@ -164,6 +167,7 @@ pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, Native
             Ok(NativeTarget {
                 spec: spec.into(),
                 binary: binary.clone(),
+                display: display.clone(),
                 symbol,
                 file_offset,
             })
@@ -220,13 +224,18 @@ fn names(name: &str, file: &str) -> bool {
             .any(|stem| file == stem || file.starts_with(&format!("{stem}.")))
 }
 
-fn find_binary(name: &str, pid: Option<u32>) -> Option<PathBuf> {
+/// The binary `name` names: where the daemon opens it, and how reports show it.
+fn find_binary(name: &str, pid: Option<u32>) -> Option<(PathBuf, String)> {
+    let shown = |p: PathBuf| {
+        let display = p.to_string_lossy().into_owned();
+        (p, display)
+    };
     if name.contains('/') {
         let p = PathBuf::from(name);
-        return p.is_file().then_some(p);
+        return p.is_file().then(|| shown(p));
     }
-    if let Some(p) = pid.and_then(|pid| in_mappings(name, pid)) {
-        return Some(p);
+    if let Some(found) = pid.and_then(|pid| in_mappings(name, pid)) {
+        return Some(found);
     }
     let dirs = pid
         .map(ld_library_path)
@@ -236,23 +245,30 @@ fn find_binary(name: &str, pid: Option<u32>) -> Option<PathBuf> {
         .chain(ld_so_conf_dirs(Path::new("/etc/ld.so.conf"), 0));
     for dir in dirs {
         if let Some(p) = in_dir(&dir, name) {
-            return Some(p);
+            return Some(shown(p));
         }
     }
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|d| d.join(name))
         .find(|p| p.is_file())
+        .map(shown)
 }
 
-/// A file mapped by the process whose name `name` names, seen through /proc/PID/root.
-fn in_mappings(name: &str, pid: u32) -> Option<PathBuf> {
-    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .filter(|p| p.starts_with('/'))
-        .find(|p| names(name, p.rsplit('/').next().unwrap_or(p)))
-        .map(|p| PathBuf::from(format!("/proc/{pid}/root{p}")))
+/// A file mapped by the process whose name `name` names: where the daemon opens it (see
+/// `process::mapped_path`) and its path in the process's maps.
+fn in_mappings(name: &str, pid: u32) -> Option<(PathBuf, String)> {
+    let maps = crate::unwind::ProcMaps::read(pid).ok()?;
+    maps.entries()
+        .iter()
+        .filter(|m| m.path.starts_with('/'))
+        .filter(|m| names(name, m.path.rsplit('/').next().unwrap_or(&m.path)))
+        .find_map(|m| {
+            let path = crate::process::mapped_path(pid, m)
+                .map_err(|e| tracing::debug!(%e, "mapped library not reachable"))
+                .ok()?;
+            Some((path, m.path.clone()))
+        })
 }
 
 /// The target's LD_LIBRARY_PATH (a launched target has tracerctl's environment, which it

@@ -1,6 +1,9 @@
-//! What /proc says about a process: whether it lives, who owns it, its threads.
+//! What /proc says about a process: whether it lives, who owns it, its threads, and where
+//! the daemon can open the files it maps.
 
-use std::{fs, io};
+use std::{fs, io, os::unix::fs::MetadataExt, path::PathBuf};
+
+use crate::unwind::MapEntry;
 
 /// Whether `pid` is a live process (not a zombie waiting to be reaped).
 pub fn alive(pid: u32) -> bool {
@@ -57,6 +60,112 @@ pub fn comm(pid: u32) -> Option<String> {
         .map(|s| s.trim_end().to_owned())
 }
 
+/// Why a file a process maps cannot be opened.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MappedFileError {
+    #[error("pid {pid}: {path:?} is not a mapped file")]
+    NotAFile { pid: u32, path: String },
+    #[error(
+        "pid {pid}: no path reaches {path} (inode {inode} on device {major:x}:{minor:x}): {tried}"
+    )]
+    Unreachable {
+        pid: u32,
+        path: String,
+        major: u32,
+        minor: u32,
+        inode: u64,
+        /// Each candidate path and why it was not taken.
+        tried: String,
+    },
+}
+
+/// A path the daemon can open the file of mapping `m` of `pid` through.
+///
+/// /proc/PID/maps prints a path as the reader (the daemon) sees it when the file is reachable
+/// from the reader's root, so a chrooted process's paths already hold the chroot and
+/// /proc/PID/root + path would hold it twice; otherwise (another mount namespace: pivot_root,
+/// containers) it prints the path inside the process's namespace, which only /proc/PID/root
+/// reaches. So the first candidate that is the mapped file (same device and inode) is taken:
+/// /proc/PID/root + path, then the path itself, then /proc/PID/map_files/START-END, which is
+/// the mapped file whatever the namespaces but lives only as long as the mapping (and needs
+/// CAP_SYS_ADMIN). The stable paths come first: a binary is read, and uprobes attached to it,
+/// after the process may have exited.
+pub fn mapped_path(pid: u32, m: &MapEntry) -> Result<PathBuf, MappedFileError> {
+    if !m.path.starts_with('/') || m.inode == 0 {
+        return Err(MappedFileError::NotAFile {
+            pid,
+            path: m.path.clone(),
+        });
+    }
+    let mut tried = Vec::new();
+    // The same inode on another device: the file itself where stat and maps may disagree on
+    // the device (see `device_may_differ`), else taken only when nothing better is found.
+    let mut same_inode = None;
+    // A deleted file's path names another file, or none.
+    if !m.deleted() {
+        for candidate in [
+            PathBuf::from(format!("/proc/{pid}/root{}", m.path)),
+            PathBuf::from(&m.path),
+        ] {
+            match fs::metadata(&candidate) {
+                Ok(meta)
+                    if meta.ino() == m.inode
+                        && (device(&meta) == m.dev || device_may_differ(&candidate)) =>
+                {
+                    return Ok(candidate)
+                }
+                Ok(meta) => {
+                    tried.push(format!(
+                        "{}: another file (inode {} on device {:x}:{:x})",
+                        candidate.display(),
+                        meta.ino(),
+                        device(&meta).0,
+                        device(&meta).1
+                    ));
+                    if meta.ino() == m.inode && same_inode.is_none() {
+                        same_inode = Some(candidate);
+                    }
+                }
+                Err(e) => tried.push(format!("{}: {e}", candidate.display())),
+            }
+        }
+    }
+    let map_files = map_files_path(pid, m);
+    match fs::metadata(&map_files) {
+        Ok(_) => return Ok(map_files),
+        Err(e) => tried.push(format!("{}: {e}", map_files.display())),
+    }
+    same_inode.ok_or_else(|| MappedFileError::Unreachable {
+        pid,
+        path: m.path.clone(),
+        major: m.dev.0,
+        minor: m.dev.1,
+        inode: m.inode,
+        tried: tried.join("; "),
+    })
+}
+
+/// The magic link to the file of mapping `m` of `pid`.
+fn map_files_path(pid: u32, m: &MapEntry) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end))
+}
+
+/// Whether stat may give a file another device than /proc/PID/maps does: btrfs gives each
+/// subvolume a device of its own, and overlayfs may give the overlay's or a layer's.
+fn device_may_differ(path: &std::path::Path) -> bool {
+    use nix::sys::statfs::{statfs, BTRFS_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC};
+    statfs(path).is_ok_and(|s| {
+        let fs = s.filesystem_type();
+        fs == BTRFS_SUPER_MAGIC || fs == OVERLAYFS_SUPER_MAGIC
+    })
+}
+
+/// (major, minor) of the device holding a file, as /proc/PID/maps prints it.
+fn device(meta: &fs::Metadata) -> (u32, u32) {
+    let dev = meta.dev();
+    (libc::major(dev), libc::minor(dev))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,5 +193,159 @@ mod tests {
         assert!(!alive(pid));
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
         drop(child);
+    }
+
+    /// The mapping of this test binary's code.
+    fn own_code() -> MapEntry {
+        let exe = fs::read_link("/proc/self/exe").unwrap();
+        crate::unwind::ProcMaps::read(std::process::id())
+            .unwrap()
+            .entries()
+            .iter()
+            .find(|e| e.executable && std::path::Path::new(&e.path) == exe)
+            .cloned()
+            .unwrap()
+    }
+
+    #[test]
+    fn mapped_files_resolve_to_the_mapped_inode() {
+        let me = std::process::id();
+        let code = own_code();
+        let path = mapped_path(me, &code).unwrap();
+        // Not chrooted: /proc/PID/root + path is the file.
+        assert_eq!(path, PathBuf::from(format!("/proc/{me}/root{}", code.path)));
+        assert_eq!(fs::metadata(&path).unwrap().ino(), code.inode);
+
+        // Another file at the path, and no such mapping: nothing is the mapped file.
+        let other = MapEntry {
+            inode: code.inode + 1,
+            start: 0x1000,
+            end: 0x2000,
+            ..code.clone()
+        };
+        let err = mapped_path(me, &other).unwrap_err();
+        assert!(
+            matches!(&err, MappedFileError::Unreachable { tried, .. } if tried.contains("another file")),
+            "{err}"
+        );
+
+        // Same inode, another device: the path still (overlayfs, btrfs; elsewhere as a last
+        // resort, map_files having no such mapping).
+        let overlay = MapEntry {
+            dev: (code.dev.0 + 1, code.dev.1),
+            start: 0x1000,
+            end: 0x2000,
+            ..code.clone()
+        };
+        assert_eq!(mapped_path(me, &overlay).unwrap(), path);
+
+        let stack = MapEntry {
+            path: "[stack]".into(),
+            inode: 0,
+            ..code
+        };
+        assert!(matches!(
+            mapped_path(me, &stack),
+            Err(MappedFileError::NotAFile { .. })
+        ));
+    }
+
+    #[test]
+    fn a_chrooted_processs_files_resolve_to_the_host_path() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipping: chroot needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let c_dir = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: the child makes only async-signal-safe calls (chroot, pause, _exit).
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            unsafe {
+                if libc::chroot(c_dir.as_ptr()) != 0 {
+                    libc::_exit(1);
+                }
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        assert!(child > 0);
+        struct Reap(i32);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                // SAFETY: our own child, killed and reaped once.
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                }
+            }
+        }
+        let _reap = Reap(child);
+        let pid = child as u32;
+        let root = format!("/proc/{pid}/root");
+        for _ in 0..500 {
+            if fs::read_link(&root).is_ok_and(|r| r == dir.path()) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(fs::read_link(&root).unwrap(), dir.path());
+        // The maps name the (forked) test binary from the host's root; through the chroot
+        // that path names nothing.
+        let exe = fs::read_link("/proc/self/exe").unwrap();
+        let code = crate::unwind::ProcMaps::read(pid)
+            .unwrap()
+            .entries()
+            .iter()
+            .find(|e| e.executable && std::path::Path::new(&e.path) == exe)
+            .cloned()
+            .unwrap();
+        assert!(!std::path::Path::new(&format!("{root}{}", code.path)).exists());
+        assert_eq!(mapped_path(pid, &code).unwrap(), PathBuf::from(&code.path));
+    }
+
+    #[test]
+    fn deleted_files_resolve_through_map_files() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipping: /proc/PID/map_files needs CAP_SYS_ADMIN");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mapped");
+        fs::write(&file, b"mapped bytes").unwrap();
+        let f = fs::File::open(&file).unwrap();
+        // SAFETY: a fresh private read-only mapping of an open file, unmapped below.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                std::os::fd::AsRawFd::as_raw_fd(&f),
+                0,
+            )
+        };
+        assert_ne!(addr, libc::MAP_FAILED);
+        fs::remove_file(&file).unwrap();
+        // Another file where the mapped one was: its path must not be taken.
+        fs::write(&file, b"other bytes").unwrap();
+        let me = std::process::id();
+        let entry = crate::unwind::ProcMaps::read(me)
+            .unwrap()
+            .find(addr as u64)
+            .cloned()
+            .unwrap();
+        assert!(entry.deleted(), "{entry:?}");
+        let path = mapped_path(me, &entry).unwrap();
+        let read = fs::read(&path);
+        // SAFETY: the mapping made above, not used after.
+        unsafe { libc::munmap(addr, 4096) };
+        assert!(
+            path.to_string_lossy().contains("/map_files/"),
+            "{}",
+            path.display()
+        );
+        assert_eq!(read.unwrap(), b"mapped bytes");
     }
 }

@@ -19,7 +19,7 @@ use crate::{
     profile::{Frame, FrameKind, Mapping},
     python::{layout::Version, linetable, memory},
     symbolize::Symbolizer,
-    unwind::{End, ProcMaps, Regs, Unwinder},
+    unwind::{End, MapEntry, ProcMaps, Regs, Unwinder},
 };
 
 /// Native frames unwound per sample at most.
@@ -356,37 +356,37 @@ impl Resolver {
     }
 
     fn native_ref(&mut self, pid: u32, addr: u64) -> (u32, u64) {
-        let entry = self
-            .maps
-            .get(&pid)
-            .and_then(|(m, _)| m.find(addr))
-            .map(|e| (e.path.clone(), e.dev, e.inode, e.start, e.offset));
-        let Some((path, dev, inode, start, offset)) = entry else {
+        let entry = self.maps.get(&pid).and_then(|(m, _)| m.find(addr)).cloned();
+        let Some(entry) = entry else {
             return (UNMAPPED, addr);
         };
-        (self.binary(pid, &path, dev, inode), addr - start + offset)
+        (self.binary(pid, &entry), addr - entry.start + entry.offset)
     }
 
     /// A binary's index, by its identity in the process's maps (device, inode, path). It is
-    /// opened now, through the process's root, so that it can be read once the process is
-    /// gone.
-    fn binary(&mut self, pid: u32, path: &str, (major, minor): (u32, u32), inode: u64) -> u32 {
+    /// opened now (see `process::mapped_path`: chroots, containers), so that it can be read
+    /// once the process is gone. Reports show it by its path in the maps.
+    fn binary(&mut self, pid: u32, m: &MapEntry) -> u32 {
         let key = (
-            (u64::from(major) << 32) | u64::from(minor),
-            inode,
-            path.to_owned(),
+            (u64::from(m.dev.0) << 32) | u64::from(m.dev.1),
+            m.inode,
+            m.path.clone(),
         );
         if let Some(&i) = self.binary_ids.get(&key) {
             return i;
         }
         let i = self.binaries.len() as u32;
         self.binary_ids.insert(key, i);
-        let file = std::fs::File::open(format!("/proc/{pid}/root{path}"))
-            .or_else(|_| std::fs::File::open(path))
-            .ok();
+        let file = match crate::process::mapped_path(pid, m) {
+            Ok(p) => std::fs::File::open(p).ok(),
+            Err(e) => {
+                tracing::debug!(%e, "mapped binary not reachable");
+                None
+            }
+        };
         self.binaries.push(Binary {
             mapping: Mapping {
-                path: path.to_owned(),
+                path: m.path.clone(),
                 build_id: String::new(),
             },
             file,

@@ -1,7 +1,7 @@
 //! Reading a live Python process from outside (process_vm_readv): which interpreter it runs,
 //! its threads' states, and code objects' names that the probes could not read.
 
-use std::{fs, io, path::PathBuf};
+use std::{io, path::PathBuf};
 
 use nix::{
     sys::uio::{process_vm_readv, RemoteIoVec},
@@ -19,24 +19,21 @@ pub struct Mapped {
 }
 
 /// The interpreter binary a process runs: its libpython if it maps one, else its `python3.X`
-/// executable. Paths are seen through /proc/PID/root, so processes in containers work too.
+/// executable. `path` is where the daemon opens it (see `process::mapped_path`: chroots and
+/// containers).
 pub fn runtime_of(pid: u32) -> Option<Mapped> {
-    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let maps = crate::unwind::ProcMaps::read(pid).ok()?;
     let mut exe = None;
-    for line in maps.lines() {
-        let mut f = line.split_whitespace();
-        let (Some(range), Some(_perms), Some(off), Some(_dev), Some(_inode), Some(path)) =
-            (f.next(), f.next(), f.next(), f.next(), f.next(), f.next())
-        else {
-            continue;
-        };
-        let name = path.rsplit('/').next().unwrap_or(path);
-        let start = u64::from_str_radix(range.split('-').next()?, 16).ok()?;
-        let file_offset = u64::from_str_radix(off, 16).ok()?;
+    for m in maps.entries() {
+        let name = m.path.rsplit('/').next().unwrap_or(&m.path);
         let mapped = || Mapped {
-            path: PathBuf::from(format!("/proc/{pid}/root{path}")),
-            start,
-            file_offset,
+            path: crate::process::mapped_path(pid, m).unwrap_or_else(|e| {
+                // Left to fail where it is opened, which says so in the report.
+                tracing::debug!(%e, "interpreter binary not reachable");
+                PathBuf::from(format!("/proc/{pid}/root{}", m.path))
+            }),
+            start: m.start,
+            file_offset: m.offset,
         };
         if name.starts_with("libpython3.") && name.contains(".so") {
             return Some(mapped());

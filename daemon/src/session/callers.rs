@@ -58,13 +58,9 @@ impl Callers {
         let binary = match self.by_inode.get(&id) {
             Some(&b) => b,
             None => {
-                let path = if m.deleted() {
-                    format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)
-                } else if m.path.starts_with('/') {
-                    format!("/proc/{pid}/root{}", m.path)
-                } else {
-                    return None;
-                };
+                let path = crate::process::mapped_path(pid, m)
+                    .map_err(|e| tracing::debug!(%e, "launching binary not reachable"))
+                    .ok()?;
                 let b = self.binaries.len();
                 self.binaries
                     .push((m.path.clone(), File::open(&path).ok()?));

@@ -188,21 +188,35 @@ impl CudaSession {
                 continue;
             };
             maps_cuda = true;
-            // Through the process's root: it may live in a container.
-            let path = format!("/proc/{pid}/root{}", m.path);
-            if lib == cuda::Library::Cupti && !m.deleted() && !self.injected.contains_key(&pid) {
+            // An unlinked library is neither probed nor asked for its injection status.
+            if m.deleted() {
+                continue;
+            }
+            let id = (m.dev.0, m.dev.1, m.inode);
+            // Chroots and containers: see `process::mapped_path`.
+            let path = match crate::process::mapped_path(pid, m) {
+                Ok(p) => p,
+                Err(e) => {
+                    if !self.libs.contains_key(&id) {
+                        self.warnings.push(e.to_string());
+                        // Once per library, not per mapping.
+                        self.libs.insert(id, Vec::new());
+                    }
+                    continue;
+                }
+            };
+            if lib == cuda::Library::Cupti && !self.injected.contains_key(&pid) {
                 // Set up already (a warm process), or about to be (its probe will say).
                 let mine: Vec<_> = maps
                     .entries()
                     .iter()
                     .filter(|e| e.inode == m.inode && e.dev == m.dev)
                     .collect();
-                let status = cuda::injection_status(pid, std::path::Path::new(&path), &mine)
+                let status = cuda::injection_status(pid, &path, &mine)
                     .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
                 self.injected.insert(pid, status);
             }
-            let id = (m.dev.0, m.dev.1, m.inode);
-            if m.deleted() || self.libs.contains_key(&id) {
+            if self.libs.contains_key(&id) {
                 continue;
             }
             let mut links = Vec::new();
@@ -211,8 +225,7 @@ impl CudaSession {
                 .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
                 .collect();
             let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
-            let offsets = match crate::native::resolve_exact(std::path::Path::new(&path), &symbols)
-            {
+            let offsets = match crate::native::resolve_exact(&path, &symbols) {
                 Ok(o) => o,
                 Err(e) => {
                     self.warnings.push(format!("{}: {e}", m.path));
@@ -234,7 +247,7 @@ impl CudaSession {
                     } else {
                         0
                     };
-                match bpf.attach_cuda(std::path::Path::new(&path), offset, cookie, ep.at_return) {
+                match bpf.attach_cuda(&path, offset, cookie, ep.at_return) {
                     Ok(l) => links.extend(l),
                     Err(e) => {
                         // One failure says it for the library (a program that does not load

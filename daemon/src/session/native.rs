@@ -14,18 +14,6 @@ pub struct NativeSession {
     links: Vec<UProbeLinkId>,
 }
 
-/// Shown without the /proc/PID/root prefix the daemon reads a target's files through.
-fn display_path(p: &std::path::Path) -> String {
-    let s = p.to_string_lossy();
-    match s
-        .strip_prefix("/proc/")
-        .and_then(|r| r.split_once("/root/"))
-    {
-        Some((pid, rest)) if pid.bytes().all(|b| b.is_ascii_digit()) => format!("/{rest}"),
-        _ => s.into_owned(),
-    }
-}
-
 impl NativeSession {
     /// Attaches a counter to every target for session `slot`; all or nothing.
     pub fn attach(
@@ -43,8 +31,7 @@ impl NativeSession {
                     bpf.detach_native(links);
                     return Err(Error::FailedPrecondition(format!(
                         "attaching a uprobe to {} in {}: {e}",
-                        t.symbol,
-                        display_path(&t.binary)
+                        t.symbol, t.display
                     )));
                 }
             }
@@ -56,7 +43,7 @@ impl NativeSession {
     pub fn labels(&self) -> Vec<String> {
         self.targets
             .iter()
-            .map(|t| format!("{}:{}", display_path(&t.binary), t.symbol))
+            .map(|t| format!("{}:{}", t.display, t.symbol))
             .collect()
     }
 
@@ -72,7 +59,7 @@ impl NativeSession {
                 let t = self.targets.get(usize::try_from(probe).ok()?)?;
                 Some(NativeCalls {
                     pid,
-                    binary: display_path(&t.binary),
+                    binary: t.display.clone(),
                     symbol: t.symbol.clone(),
                     calls,
                 })
@@ -97,7 +84,7 @@ impl NativeSession {
                 .iter()
                 .map(|t| NativeProbe {
                     spec: t.spec.clone(),
-                    binary: display_path(&t.binary),
+                    binary: t.display.clone(),
                     symbol: t.symbol.clone(),
                 })
                 .collect(),

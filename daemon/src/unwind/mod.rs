@@ -13,7 +13,6 @@ use std::{
     collections::HashMap,
     fs::File,
     io,
-    os::unix::fs::MetadataExt,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -700,43 +699,12 @@ fn hdr_table_usable(data: &[u8], bases: &BaseAddresses, eh_frame_addr: u64) -> b
         && hdr.table().is_some_and(|t| t.lookup(0, bases).is_ok())
 }
 
-/// Opens the mapped file through the process's root (containers), else through
-/// /proc/PID/map_files, which reaches unlinked or replaced files but needs privileges.
+/// Opens the mapped file where the daemon reaches it (see `process::mapped_path`: chroots,
+/// containers, unlinked or replaced files).
 fn open_mapped(pid: u32, entry: &MapEntry) -> io::Result<File> {
-    let via_map_files = || {
-        File::open(format!(
-            "/proc/{pid}/map_files/{:x}-{:x}",
-            entry.start, entry.end
-        ))
-    };
-    if entry.deleted() {
-        return via_map_files();
-    }
-    let file = match File::open(format!("/proc/{pid}/root{}", entry.path)) {
-        Ok(f) => f,
-        // The process may have exited before its samples were unwound: then the daemon's own
-        // view of the path, checked against the mapped inode.
-        Err(e) => {
-            return via_map_files()
-                .or_else(|_| -> io::Result<File> {
-                    let f = File::open(&entry.path)?;
-                    if f.metadata()?.ino() == entry.inode {
-                        Ok(f)
-                    } else {
-                        Err(io::ErrorKind::NotFound.into())
-                    }
-                })
-                .map_err(|_| e)
-        }
-    };
-    // A different inode at the path means the mapped file was replaced. Overlay filesystems
-    // may report other numbers for the same file, so the path is still the last resort.
-    if file.metadata()?.ino() != entry.inode {
-        if let Ok(f) = via_map_files() {
-            return Ok(f);
-        }
-    }
-    Ok(file)
+    let path = crate::process::mapped_path(pid, entry)
+        .map_err(|e| io::Error::new(io::ErrorKind::NotFound, e))?;
+    File::open(path)
 }
 
 fn load_file(pid: u32, entry: &MapEntry) -> Result<Binary, LoadError> {

@@ -303,7 +303,8 @@ pub fn wait_until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
 }
 
 /// CPython 3.10-3.13 on this machine: pyenv's builds (shared libpython, full symbols) and the
-/// distribution's python3.11 (interpreter in the executable, dynamic symbols only).
+/// distribution's python3.11 (interpreter in the executable, dynamic symbols only). 3.14 and
+/// 3.15: [`chroot_interpreters`].
 pub fn interpreters() -> Vec<PathBuf> {
     let root = std::env::var_os("PYENV_ROOT")
         .map(PathBuf::from)
@@ -327,6 +328,57 @@ pub fn interpreters() -> Vec<PathBuf> {
     }
     out.sort();
     out
+}
+
+/// CPython 3.14 and 3.15 from Debian's sid and experimental, chrooted in `target/cpython-root`
+/// (`cargo xtask setup` makes them): `static/python3.X`, Debian's build (interpreter in the
+/// executable), and `shared/python3.X`, linked to libpython3.X.so. They are wrappers that run
+/// the interpreter as the same pid with the workspace and /tmp at their host paths, so
+/// `PYTHON SCRIPT ARGS…` works as with a host interpreter. From `TRACER_TEST_CPYTHON_BIN` (set by
+/// `cargo xtask test`), else `target/cpython-bin`; prints why (once) when they are missing.
+pub fn chroot_interpreters() -> Vec<PathBuf> {
+    static SKIP: std::sync::Once = std::sync::Once::new();
+    let dir = cpython_bin_dir();
+    let all: Vec<PathBuf> = ["static", "shared"]
+        .iter()
+        .flat_map(|kind| ["3.14", "3.15"].map(|v| dir.join(kind).join(format!("python{v}"))))
+        .collect();
+    let found: Vec<PathBuf> = all.iter().filter(|p| p.exists()).cloned().collect();
+    if found.len() < all.len() {
+        SKIP.call_once(|| {
+            let reason = std::fs::read_to_string(dir.join("not-set-up")).map_or_else(
+                |_| {
+                    format!(
+                        "no wrappers in {}: run `cargo xtask setup` as root",
+                        dir.display()
+                    )
+                },
+                |r| r.trim().to_owned(),
+            );
+            println!("skipping: CPython 3.14/3.15 not set up ({reason})");
+        });
+    }
+    found
+}
+
+/// The root directory [`chroot_interpreters`] run in: paths inside it (`/usr/bin/python3.14`,
+/// as a traced process's maps name them from inside) are under it on the host.
+pub fn cpython_root() -> Option<PathBuf> {
+    std::fs::canonicalize(cpython_bin_dir().join("root"))
+        .ok()
+        .filter(|p| p.is_dir())
+}
+
+fn cpython_bin_dir() -> PathBuf {
+    std::env::var_os("TRACER_TEST_CPYTHON_BIN").map_or_else(
+        || {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .unwrap()
+                .join("target/cpython-bin")
+        },
+        PathBuf::from,
+    )
 }
 
 /// The Python with grpcio, grpcio-reflection and grpcio-health-checking (`cargo xtask test`

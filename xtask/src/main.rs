@@ -1,6 +1,7 @@
 //! `cargo xtask …`: everything a developer or CI runs, as one Rust program.
 
 mod bench;
+mod cpython;
 mod proto;
 mod toolchain;
 
@@ -21,7 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what the BPF build needs (nightly rust-src, bpf-linker 0.10.3), only what is missing.
+    /// Install what the BPF build needs (nightly rust-src, bpf-linker 0.10.3) and the tests'
+    /// CPython 3.14/3.15 (Debian sid/experimental, in target/cpython-root), only what is missing.
     Setup,
     /// Set up, then build tracerd and tracerctl (release), BPF programs included.
     Build,
@@ -248,17 +250,21 @@ fn test() -> Result<()> {
     let venv = toolchain::python_test_env()?;
     toolchain::ensure_test_tools()?;
     build_binaries()?;
-    run(cargo()
-        .args([
-            "test",
-            "--workspace",
-            "--release",
-            "--no-fail-fast",
-            "--",
-            "--test-threads=1",
-        ])
-        .env("TRACER_BIN_DIR", bin_dir())
-        .env("TRACER_TEST_PYTHON", venv.join("bin/python3")))
+    let mut test = cargo();
+    test.args([
+        "test",
+        "--workspace",
+        "--release",
+        "--no-fail-fast",
+        "--",
+        "--test-threads=1",
+    ])
+    .env("TRACER_BIN_DIR", bin_dir())
+    .env("TRACER_TEST_PYTHON", venv.join("bin/python3"));
+    if let Some(dir) = cpython::installed_bin_dir() {
+        test.env("TRACER_TEST_CPYTHON_BIN", dir);
+    }
+    run(&mut test)
 }
 
 /// Compiles xtask/c/cpython_layout.c against every pyenv CPython 3.10-3.13 and runs it.

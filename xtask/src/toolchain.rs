@@ -1,4 +1,5 @@
-//! Installs, only when missing, what building the BPF programs needs.
+//! Installs, only when missing, what building the BPF programs needs, and the tests' CPython
+//! 3.14/3.15 (see `cpython`).
 
 use std::process::Command;
 
@@ -40,6 +41,7 @@ pub fn setup() -> Result<()> {
             "--force",
         ]))?;
     }
+    crate::cpython::setup();
     Ok(())
 }
 

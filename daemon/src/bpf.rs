@@ -21,7 +21,30 @@ use tracer_common::{
     PySampleProc, PyStack, SessionMask,
 };
 
-use crate::python::{layout::VERSIONS, runtime::Runtime};
+use crate::python::{
+    layout::{Version, VERSIONS},
+    runtime::Runtime,
+};
+
+/// The probes' layout array, for layouts found after loading (an interpreter's own debug
+/// offsets): whoever hands a probe a layout index publishes its layout first.
+static PY_LAYOUTS_MAP: std::sync::Mutex<Option<Array<MapData, PyLayout>>> =
+    std::sync::Mutex::new(None);
+
+/// Makes `v`'s layout readable by the probes under its index (tracer's own table is written
+/// at load; this is for the others).
+pub fn publish_layout(v: &Version) -> Result<(), BpfError> {
+    if (v.index as usize) < VERSIONS.len() {
+        return Ok(());
+    }
+    let mut map = PY_LAYOUTS_MAP
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match map.as_mut() {
+        Some(m) => m.set(v.index, v.probe, 0).map_err(map_err("PY_LAYOUTS")),
+        None => Ok(()),
+    }
+}
 
 /// The object built from ebpf/probes by build.rs.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer.bpf.o"));
@@ -99,7 +122,6 @@ pub struct Bpf {
     pub py_stacks: HashMap<MapData, u32, PyStack>,
     trace_sessions: Array<MapData, SessionMask>,
     // Kept open: programs loaded later refer to every map by fd.
-    _py_layouts: Array<MapData, PyLayout>,
     py_loaded: bool,
     native_calls: HashMap<MapData, NativeCallKey, u64>,
     native_loaded: bool,
@@ -108,6 +130,7 @@ pub struct Bpf {
     gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
     cuda_names: Option<RingBuf<MapData>>,
     cuda_watch: Array<MapData, [SessionMask; 2]>,
+    exec_hold: Array<MapData, SessionMask>,
     cuda_loaded: bool,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
@@ -180,6 +203,9 @@ impl Bpf {
                 .set(v.index, v.probe, 0)
                 .map_err(map_err("PY_LAYOUTS"))?;
         }
+        *PY_LAYOUTS_MAP
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(layouts);
         Ok(Self {
             tracked: take(&mut ebpf, "TRACKED")?,
             losses: take(&mut ebpf, "LOSSES")?,
@@ -191,7 +217,6 @@ impl Bpf {
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
             py_stacks: take(&mut ebpf, "PY_STACKS")?,
             trace_sessions: take(&mut ebpf, "TRACE_SESSIONS")?,
-            _py_layouts: layouts,
             py_loaded: false,
             native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
             native_loaded: false,
@@ -200,6 +225,7 @@ impl Bpf {
             gpu_kernels: take(&mut ebpf, "GPU_KERNELS")?,
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
+            exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             cuda_loaded: false,
             fsbase_error,
             ebpf,
@@ -215,6 +241,12 @@ impl Bpf {
         self.py_sessions
             .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// Sets which session slots stop their processes at each exec until the daemon has
+    /// handled the exec event (and continues them: see `session::manager`).
+    pub fn set_exec_hold(&mut self, mask: SessionMask) -> Result<(), BpfError> {
+        self.exec_hold.set(0, mask, 0).map_err(map_err("EXEC_HOLD"))
     }
 
     /// Sets which session slots are CUDA sessions, and which of those follow every process:
@@ -291,6 +323,7 @@ impl Bpf {
             self.load_uprobes(&[ENTRY, RETURN, OPCODE])?;
             self.py_loaded = true;
         }
+        publish_layout(rt.version)?;
         let index = u64::from(rt.version.index);
         let entry = index | (py_role::ENTRY << py_role::SHIFT);
         let exit = index | (py_role::EXIT << py_role::SHIFT);

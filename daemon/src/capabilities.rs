@@ -32,15 +32,24 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
             support: match python::runtime::Runtime::inspect(&i.runtime) {
                 Ok(rt) if rt.resume.is_empty() => "calls counted exactly (eval-loop entry)".into(),
                 Ok(rt) => format!(
-                    "calls counted exactly (probes on {}; opcode table by {})",
+                    "calls counted exactly (probes on {}; opcode table by {}; layout from {}){}",
                     rt.resume
                         .iter()
                         .map(|p| short_probe(&p.what))
                         .collect::<Vec<_>>()
                         .join(", "),
-                    rt.table_found_by
+                    rt.table_found_by,
+                    rt.version.source,
+                    if rt.jit_built_in {
+                        "; experimental JIT built in: counts are not exact in processes that turn it on (PYTHON_JIT=1)"
+                    } else {
+                        ""
+                    }
                 ),
-                Err(e) => format!("not supported: {e}"),
+                Err(e) => match python::runtime::Runtime::inspect_layout(&i.runtime) {
+                    Ok(_) => format!("sampled only: {e}"),
+                    Err(_) => format!("not supported: {e}"),
+                },
             },
         })
         .collect();

@@ -65,6 +65,10 @@ fn main() {
     if let Some(path) = &args.show_python_probes {
         match tracer_daemon::python::runtime::Runtime::inspect(path) {
             Ok(rt) => {
+                println!(
+                    "# CPython 3.{}: layout from {}; opcode table by {}",
+                    rt.version.minor, rt.version.source, rt.table_found_by
+                );
                 for p in std::iter::once(&rt.eval_entry)
                     .chain(&rt.resume)
                     .chain(&rt.exit)

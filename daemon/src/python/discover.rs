@@ -128,6 +128,57 @@ fn find_libpython(exe: &Path, version: &str) -> Option<PathBuf> {
     .find(|p| p.exists())
 }
 
+/// The libpython a process's `python3.X` executable will map (its `DT_NEEDED` entry), found
+/// where the dynamic loader would look inside the process's root: for a process stopped at
+/// exec, before the loader has run. `exe`: the executable's path as the daemon reads it.
+pub fn libpython_needed(pid: u32, exe: &Path) -> Option<PathBuf> {
+    let data = fs::read(exe).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    if defines(&file, EVAL_FRAME) {
+        return None;
+    }
+    let needed = needed_libpython(&data)?;
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let near = exe.parent()?.join("../lib");
+    std::iter::once(near)
+        .chain(
+            [
+                "usr/lib/x86_64-linux-gnu",
+                "lib/x86_64-linux-gnu",
+                "usr/lib64",
+                "lib64",
+                "usr/lib",
+                "lib",
+                "usr/local/lib",
+            ]
+            .iter()
+            .map(|d| root.join(d)),
+        )
+        .map(|d| d.join(&needed))
+        .find(|p| p.is_file())
+}
+
+/// The `libpython3.X.so…` among an ELF file's `DT_NEEDED` entries.
+fn needed_libpython(data: &[u8]) -> Option<String> {
+    use object::read::elf::{Dyn, FileHeader, SectionHeader};
+
+    let header = object::elf::FileHeader64::<object::Endianness>::parse(data).ok()?;
+    let endian = header.endian().ok()?;
+    let sections = header.sections(endian, data).ok()?;
+    let (dynamic, link) = sections
+        .iter()
+        .find_map(|s| s.dynamic(endian, data).ok().flatten())?;
+    let strings = sections.strings(endian, data, link).ok()?;
+    dynamic.iter().find_map(|d| {
+        if d.d_tag(endian) != u64::from(object::elf::DT_NEEDED) {
+            return None;
+        }
+        let name = d.string(endian, strings).ok()?;
+        let name = std::str::from_utf8(name).ok()?;
+        name.starts_with("libpython3.").then(|| name.to_owned())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +189,21 @@ mod tests {
         assert_eq!(version_of("python3"), None);
         assert_eq!(version_of("python3.12-config"), None);
         assert_eq!(version_of("python2.7"), None);
+    }
+
+    #[test]
+    fn a_launcher_names_its_libpython() {
+        let mut checked = 0;
+        for i in interpreters().into_iter().filter(|i| i.runtime != i.path) {
+            let data = fs::read(&i.path).unwrap();
+            let lib =
+                needed_libpython(&data).expect("a python3.X without the eval loop links libpython");
+            assert!(lib.starts_with(&format!("libpython{}", i.version)), "{lib}");
+            checked += 1;
+        }
+        if checked == 0 {
+            println!("skipping: no python3.X linking libpython on this machine");
+        }
     }
 
     #[test]

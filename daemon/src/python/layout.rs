@@ -4,10 +4,14 @@
 //! (`cargo xtask py-layouts`); opcode numbers from its `opcode.h`/`opcode_ids.h`. One table
 //! per version, chosen once per interpreter binary (after py-spy's per-version modules).
 
+use std::sync::Mutex;
+
 use tracer_common::{py_kind, PyLayout};
 
+use super::debug_offsets::DebugOffsets;
+
 /// What the daemon itself reads (thread list) besides what the probes read.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Version {
     pub minor: u32,
     /// Index into the BPF `PY_LAYOUTS` array (the probes' attach cookie).
@@ -27,6 +31,10 @@ pub struct Version {
     pub resume_opcodes: &'static [(u8, &'static str)],
     /// Opcodes whose handlers leave a frame: returns and yields, plain and instrumented.
     pub exit_opcodes: &'static [(u8, &'static str)],
+    /// Why calls cannot be counted on this interpreter (sampling still works), if so.
+    pub no_counting: Option<&'static str>,
+    /// Where the layout came from: "tracer's table", or the interpreter's debug offsets.
+    pub source: &'static str,
 }
 
 const fn probe(
@@ -57,6 +65,7 @@ const fn probe(
         runtime_interpreters_head: 0,
         interp_threads_head: 0,
         tstate_next: 0,
+        executable_tag_bits: 0,
     }
 }
 
@@ -85,6 +94,17 @@ const fn with_owner(mut p: PyLayout) -> PyLayout {
     p.frame_owner = 70;
     p
 }
+
+/// 3.14+: `f_executable` is a `_PyStackRef`, whose low bits tag the reference (one bit in
+/// 3.14's GIL builds, more in later ones; objects are 16-byte aligned, so clearing three is
+/// safe), and `owner` moved to 74 after the new `stackpointer`.
+const fn stackref(mut p: PyLayout) -> PyLayout {
+    p.frame_owner = 74;
+    p.executable_tag_bits = 7;
+    p
+}
+
+const TABLE: &str = "tracer's table";
 
 pub const VERSIONS: &[Version] = &[
     Version {
@@ -116,6 +136,8 @@ pub const VERSIONS: &[Version] = &[
         code_linetable: 120,
         resume_opcodes: &[],
         exit_opcodes: &[],
+        no_counting: None,
+        source: TABLE,
     },
     Version {
         minor: 11,
@@ -134,6 +156,8 @@ pub const VERSIONS: &[Version] = &[
         code_linetable: 136,
         resume_opcodes: &[(151, "RESUME"), (150, "RESUME_QUICK")],
         exit_opcodes: &[(83, "RETURN_VALUE"), (86, "YIELD_VALUE")],
+        no_counting: None,
+        source: TABLE,
     },
     Version {
         minor: 12,
@@ -159,6 +183,8 @@ pub const VERSIONS: &[Version] = &[
             (247, "INSTRUMENTED_RETURN_CONST"),
             (243, "INSTRUMENTED_YIELD_VALUE"),
         ],
+        no_counting: None,
+        source: TABLE,
     },
     Version {
         minor: 13,
@@ -196,11 +222,226 @@ pub const VERSIONS: &[Version] = &[
             (240, "INSTRUMENTED_RETURN_CONST"),
             (241, "INSTRUMENTED_YIELD_VALUE"),
         ],
+        no_counting: None,
+        source: TABLE,
+    },
+    Version {
+        minor: 14,
+        index: 4,
+        probe: sampled(
+            stackref(probe(
+                py_kind::CURRENT_FRAME,
+                0,
+                0,
+                72,
+                (0, 8),
+                (112, 128, 68),
+                40,
+            )),
+            (56, 0),
+            160,
+            (808, 7344),
+        ),
+        runtime_interpreters_head: 808,
+        interp_threads_head: 7344,
+        tstate_next: 8,
+        tstate_native_thread_id: Some(160),
+        code_adaptive: 208,
+        code_linetable: 136,
+        resume_opcodes: &[
+            (128, "RESUME"),
+            (196, "RESUME_CHECK"),
+            (245, "INSTRUMENTED_RESUME"),
+        ],
+        exit_opcodes: &[
+            (35, "RETURN_VALUE"),
+            (120, "YIELD_VALUE"),
+            (246, "INSTRUMENTED_RETURN_VALUE"),
+            (247, "INSTRUMENTED_YIELD_VALUE"),
+        ],
+        no_counting: None,
+        source: TABLE,
+    },
+    Version {
+        minor: 15,
+        index: 5,
+        probe: sampled(
+            stackref(probe(
+                py_kind::CURRENT_FRAME,
+                0,
+                0,
+                72,
+                (0, 8),
+                (112, 128, 68),
+                40,
+            )),
+            (56, 0),
+            184,
+            (936, 7336),
+        ),
+        runtime_interpreters_head: 936,
+        interp_threads_head: 7336,
+        tstate_next: 8,
+        tstate_native_thread_id: Some(184),
+        code_adaptive: 208,
+        code_linetable: 136,
+        resume_opcodes: &[
+            (128, "RESUME"),
+            (200, "RESUME_CHECK"),
+            (201, "RESUME_CHECK_JIT"),
+            (244, "INSTRUMENTED_RESUME"),
+        ],
+        exit_opcodes: &[
+            (33, "RETURN_VALUE"),
+            (119, "YIELD_VALUE"),
+            (245, "INSTRUMENTED_RETURN_VALUE"),
+            (246, "INSTRUMENTED_YIELD_VALUE"),
+        ],
+        no_counting: None,
+        source: TABLE,
     },
 ];
 
 pub fn version(minor: u32) -> Option<&'static Version> {
     VERSIONS.iter().find(|v| v.minor == minor)
+}
+
+/// Opcodes tracer probes, by name: those that start or resume a frame, and those that leave it.
+pub const RESUME_NAMES: &[&str] = &[
+    "RESUME",
+    "RESUME_CHECK",
+    "RESUME_CHECK_JIT",
+    "INSTRUMENTED_RESUME",
+];
+pub const EXIT_NAMES: &[&str] = &[
+    "RETURN_VALUE",
+    "RETURN_CONST",
+    "YIELD_VALUE",
+    "INSTRUMENTED_RETURN_VALUE",
+    "INSTRUMENTED_RETURN_CONST",
+    "INSTRUMENTED_YIELD_VALUE",
+];
+
+/// The layout an interpreter's own debug offsets give (3.13+), with `minor`'s opcode numbers
+/// left to the caller. Err: an offset tracer needs is missing or makes no sense.
+pub fn from_debug_offsets(d: &DebugOffsets) -> Result<Version, String> {
+    const NEEDED: &[&str] = &[
+        "runtime_state.interpreters_head",
+        "interpreter_state.threads_head",
+        "thread_state.next",
+        "thread_state.current_frame",
+        "thread_state.native_thread_id",
+        "interpreter_frame.previous",
+        "interpreter_frame.executable",
+        "interpreter_frame.instr_ptr",
+        "interpreter_frame.owner",
+        "code_object.filename",
+        "code_object.qualname",
+        "code_object.firstlineno",
+        "code_object.linetable",
+        "code_object.co_code_adaptive",
+        "unicode_object.state",
+    ];
+    if let Some(bad) = NEEDED.iter().find(|n| !d.plausible(n)) {
+        return Err(format!(
+            "CPython {}'s debug offsets give no sensible {bad}",
+            d.version()
+        ));
+    }
+    let get = |n: &str| d.get(n).unwrap_or(0);
+    let off = |n: &str| u32::try_from(get(n)).unwrap_or(u32::MAX);
+    let ascii_data = off("unicode_object.asciiobject_size");
+    if ascii_data == 0 || ascii_data > 256 {
+        return Err(format!(
+            "CPython {}'s debug offsets give no sensible unicode_object.asciiobject_size",
+            d.version()
+        ));
+    }
+    let mut probe = sampled(
+        probe(
+            py_kind::CURRENT_FRAME,
+            0,
+            0,
+            off("thread_state.current_frame"),
+            (
+                off("interpreter_frame.executable"),
+                off("interpreter_frame.previous"),
+            ),
+            (
+                off("code_object.filename"),
+                off("code_object.qualname"),
+                off("code_object.firstlineno"),
+            ),
+            ascii_data,
+        ),
+        (off("interpreter_frame.instr_ptr"), 0),
+        off("thread_state.native_thread_id"),
+        (
+            off("runtime_state.interpreters_head"),
+            off("interpreter_state.threads_head"),
+        ),
+    );
+    probe.unicode_state = off("unicode_object.state");
+    probe.frame_owner = off("interpreter_frame.owner");
+    probe.tstate_next = off("thread_state.next");
+    if d.minor() >= 14 {
+        probe.executable_tag_bits = 7;
+    }
+    Ok(Version {
+        minor: d.minor(),
+        index: u32::MAX,
+        probe,
+        runtime_interpreters_head: get("runtime_state.interpreters_head"),
+        interp_threads_head: get("interpreter_state.threads_head"),
+        tstate_next: get("thread_state.next"),
+        tstate_native_thread_id: Some(get("thread_state.native_thread_id")),
+        code_adaptive: get("code_object.co_code_adaptive"),
+        code_linetable: get("code_object.linetable"),
+        resume_opcodes: &[],
+        exit_opcodes: &[],
+        no_counting: None,
+        source: "the interpreter's debug offsets",
+    })
+}
+
+/// Layouts not in tracer's table (a version it has not seen, or a build whose offsets differ
+/// from the table's), each given a slot of the BPF layout array once. Bounded: one per
+/// distinct layout, and the array's size caps them.
+static DERIVED: Mutex<Vec<&'static Version>> = Mutex::new(Vec::new());
+
+/// The `'static` version for `v`: the table's own entry when equal, else a slot of its own.
+pub fn intern(mut v: Version) -> Result<&'static Version, String> {
+    if let Some(known) = VERSIONS.iter().find(|k| {
+        Version {
+            index: k.index,
+            source: k.source,
+            ..v
+        } == **k
+    }) {
+        return Ok(known);
+    }
+    let mut derived = DERIVED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(d) = derived.iter().find(|d| {
+        Version {
+            index: d.index,
+            ..v
+        } == ***d
+    }) {
+        return Ok(d);
+    }
+    let index = (VERSIONS.len() + derived.len()) as u32;
+    if index >= tracer_common::PY_LAYOUTS_MAX {
+        return Err(format!(
+            "too many distinct CPython layouts in use (tracer keeps {})",
+            tracer_common::PY_LAYOUTS_MAX
+        ));
+    }
+    v.index = index;
+    let v: &'static Version = Box::leak(Box::new(v));
+    derived.push(v);
+    Ok(v)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! fall mostly inside `_PyEval_EvalFrameDefault`.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fs,
     path::{Path, PathBuf},
 };
@@ -17,8 +17,9 @@ use object::{
 };
 
 use super::{
+    debug_offsets::DebugOffsets,
     layout::{self, Version},
-    probe_point,
+    opcodes, probe_point,
 };
 
 const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
@@ -29,12 +30,20 @@ pub enum RuntimeError {
     Read { path: PathBuf, reason: String },
     #[error("{path} has no {EVAL_FRAME}: not a CPython runtime")]
     NoEvalLoop { path: PathBuf },
-    #[error("CPython 3.{minor} ({path}) is not supported: tracer knows 3.10 to 3.13")]
+    #[error("CPython 3.{minor} ({path}) is not supported: tracer knows 3.10 to 3.15, and later versions through their debug offsets")]
     Unsupported { path: PathBuf, minor: u32 },
+    #[error("{path} is a free-threaded CPython build, which tracer cannot read yet")]
+    FreeThreaded { path: PathBuf },
+    #[error("{path}: {why}")]
+    BadOffsets { path: PathBuf, why: String },
+    #[error("{path}: calls cannot be counted: {why} (sampling works)")]
+    NoCounting { path: PathBuf, why: String },
     #[error("cannot tell the CPython version of {path} from its name")]
     UnknownVersion { path: PathBuf },
     #[error("{path}: no opcode_targets table found (built without computed gotos?), so Python calls cannot be counted exactly")]
     NoOpcodeTable { path: PathBuf },
+    #[error("{path} is a tail-calling interpreter build (each opcode handler a function of its own, no opcode table): tracer cannot count its calls yet (sampling works)")]
+    TailCalling { path: PathBuf },
 }
 
 /// A probe location: file offset in the binary, and what it is.
@@ -60,6 +69,8 @@ pub struct Runtime {
     pub segments: Vec<(u64, u64, u64)>,
     /// How the opcode table was found: "symbol" or "scan".
     pub table_found_by: &'static str,
+    /// Whether the binary has CPython's experimental JIT built in.
+    pub jit_built_in: bool,
 }
 
 /// `libpython3.12.so.1.0` or `python3.12` → 12.
@@ -94,13 +105,15 @@ impl Runtime {
             symbol(&file, |n| n == EVAL_FRAME).ok_or_else(|| RuntimeError::NoEvalLoop {
                 path: path.to_owned(),
             })?;
-        let minor = minor_from_name(path).ok_or_else(|| RuntimeError::UnknownVersion {
-            path: path.to_owned(),
-        })?;
-        let version = layout::version(minor).ok_or(RuntimeError::Unsupported {
-            path: path.to_owned(),
-            minor,
-        })?;
+        let version = resolve_version(path, &file)?;
+        if probes {
+            if let Some(why) = version.no_counting {
+                return Err(RuntimeError::NoCounting {
+                    path: path.to_owned(),
+                    why: why.to_owned(),
+                });
+            }
+        }
         let segments: Vec<(u64, u64, u64)> = file
             .segments()
             .map(|s| {
@@ -128,7 +141,15 @@ impl Runtime {
                 Some((addr, 2048)) => (read_table(&file, &relocs, addr), "symbol"),
                 _ => (scan_table(&file, &relocs, eval_addr, eval_size), "scan"),
             };
-            let table = table.ok_or_else(no_table)?;
+            let table = match table {
+                Some(t) => t,
+                None if tail_calling(&file, &relocs) => {
+                    return Err(RuntimeError::TailCalling {
+                        path: path.to_owned(),
+                    })
+                }
+                None => return Err(no_table()),
+            };
             table_found_by = how;
             let code = probe_point::Code {
                 regions: file
@@ -162,6 +183,7 @@ impl Runtime {
             runtime_symbol: symbol(&file, |n| n == "_PyRuntime").map(|(a, _)| a),
             segments,
             table_found_by,
+            jit_built_in: super::jit::built_in_bytes(&data),
         })
     }
 
@@ -172,6 +194,119 @@ impl Runtime {
         })?;
         Some(map_start.wrapping_sub(vaddr + (map_file_offset - off)))
     }
+}
+
+/// The layout of the interpreter in `file`: from its own debug offsets (3.13+), checked
+/// against tracer's table where it has one; from the file's name for older versions.
+fn resolve_version(path: &Path, file: &object::File) -> Result<&'static Version, RuntimeError> {
+    let offsets = match DebugOffsets::read(file) {
+        Ok(Some(d)) => d,
+        // 3.10-3.12 publish no offsets.
+        Ok(None) | Err(_) => {
+            let minor = minor_from_name(path).ok_or_else(|| RuntimeError::UnknownVersion {
+                path: path.to_owned(),
+            })?;
+            return layout::version(minor).ok_or(RuntimeError::Unsupported {
+                path: path.to_owned(),
+                minor,
+            });
+        }
+    };
+    let minor = offsets.minor();
+    if offsets.free_threaded {
+        return Err(RuntimeError::FreeThreaded {
+            path: path.to_owned(),
+        });
+    }
+    let derived = layout::from_debug_offsets(&offsets).map_err(|why| RuntimeError::BadOffsets {
+        path: path.to_owned(),
+        why,
+    })?;
+    let stdlib = opcodes::read(path, minor);
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let v = match layout::version(minor) {
+        Some(table) => {
+            if derived.probe != table.probe {
+                tracing::warn!(path = %path.display(), "this CPython's debug offsets differ from tracer's 3.{minor} table: using the interpreter's");
+            }
+            let mut v = Version {
+                resume_opcodes: table.resume_opcodes,
+                exit_opcodes: table.exit_opcodes,
+                ..derived
+            };
+            if let Ok((file, numbers)) = &stdlib {
+                let ours: Vec<(u8, &str)> = table
+                    .resume_opcodes
+                    .iter()
+                    .chain(table.exit_opcodes)
+                    .copied()
+                    .collect();
+                if let Some(d) = opcodes::disagreement(&ours, numbers) {
+                    v.no_counting = Some(leak(format!(
+                        "its opcode numbers differ from CPython 3.{minor}'s ({}: {d})",
+                        file.display()
+                    )));
+                }
+            }
+            v
+        }
+        // A version newer than tracer's tables: its offsets for reading, its standard
+        // library for the opcodes to probe.
+        None => {
+            let mut v = derived;
+            v.source = leak(format!(
+                "CPython {}'s debug offsets (a version newer than tracer's tables)",
+                offsets.version()
+            ));
+            match stdlib {
+                Ok((file, numbers)) => {
+                    let pick = |names: &[&'static str]| -> &'static [(u8, &'static str)] {
+                        let found: Vec<(u8, &'static str)> = names
+                            .iter()
+                            .filter_map(|&n| Some((*numbers.get(n)?, n)))
+                            .collect();
+                        Box::leak(found.into_boxed_slice())
+                    };
+                    v.resume_opcodes = pick(layout::RESUME_NAMES);
+                    v.exit_opcodes = pick(layout::EXIT_NAMES);
+                    if v.resume_opcodes.is_empty() || v.exit_opcodes.is_empty() {
+                        v.no_counting = Some(leak(format!(
+                            "{} names no RESUME or RETURN_VALUE opcode",
+                            file.display()
+                        )));
+                    } else {
+                        v.source = leak(format!(
+                            "CPython {}'s debug offsets, opcode numbers from {} (a version newer than tracer's tables: counts unverified)",
+                            offsets.version(),
+                            file.display()
+                        ));
+                    }
+                }
+                Err(why) => {
+                    v.no_counting = Some(leak(format!(
+                        "CPython {} is newer than tracer's tables, and its opcode numbers cannot be read ({why})",
+                        offsets.version()
+                    )));
+                }
+            }
+            v
+        }
+    };
+    layout::intern(v).map_err(|why| RuntimeError::BadOffsets {
+        path: path.to_owned(),
+        why,
+    })
+}
+
+/// A tail-calling build (3.14+, clang): its handlers are functions named `_TAIL_CALL_…`
+/// where symbols are kept, and its dispatch table points at them rather than into the
+/// eval loop.
+fn tail_calling(file: &object::File, relocs: &HashMap<u64, u64>) -> bool {
+    if symbol(file, |n| n.starts_with("_TAIL_CALL_")).is_some() {
+        return true;
+    }
+    symbol(file, |n| n.starts_with("INSTRUCTION_TABLE"))
+        .is_some_and(|(addr, size)| size == 2048 && read_table(file, relocs, addr).is_some())
 }
 
 /// Address and size of the first defined symbol (full table first, then dynamic) whose name matches.
@@ -220,23 +355,26 @@ fn read_table(file: &object::File, relocs: &HashMap<u64, u64>, addr: u64) -> Opt
         .collect()
 }
 
-/// Finds the opcode table without symbols: 256 consecutive pointers into executable code, the
-/// most of them inside the eval loop. PGO builds move cold handlers out of the function, so
-/// not all of them are inside.
+/// Finds the opcode table without symbols: 256 consecutive pointers into executable code with
+/// the most distinct targets (a handler each; unused opcodes share one), preferring those
+/// inside the eval loop. PGO builds move cold handlers out of the function, so not all of them
+/// are inside.
 fn scan_table(
     file: &object::File,
     relocs: &HashMap<u64, u64>,
     eval: u64,
     eval_size: u64,
 ) -> Option<Vec<u64>> {
+    // `.text` only: the GOT of a lazily bound executable is also a long run of distinct
+    // pointers into code (its PLT stubs).
     let text: Vec<(u64, u64)> = file
         .sections()
-        .filter(|s| s.kind() == SectionKind::Text)
+        .filter(|s| s.kind() == SectionKind::Text && s.name().is_ok_and(|n| n.starts_with(".text")))
         .map(|s| (s.address(), s.address() + s.size()))
         .collect();
     let in_text = |p: u64| text.iter().any(|&(a, b)| p >= a && p < b);
     let in_eval = |p: u64| p >= eval && p < eval + eval_size.max(1);
-    let mut best: Option<(usize, u64)> = None;
+    let mut best: Option<((usize, usize), u64)> = None;
     for s in file
         .sections()
         .filter(|s| matches!(s.kind(), SectionKind::Data | SectionKind::ReadOnlyData))
@@ -249,11 +387,20 @@ fn scan_table(
         let mut run = 0usize;
         for i in 0..ptrs.len() {
             run = if in_text(ptrs[i]) { run + 1 } else { 0 };
-            if run >= 256 {
+            // Compilers align a 2 KiB array to 32 bytes at least: windows starting elsewhere
+            // straddle two tables (3.15 keeps its tracing table right beside this one).
+            if run >= 256 && (start + 8 * (i + 1 - 256) as u64).is_multiple_of(32) {
                 let first = i + 1 - 256;
-                let inside = ptrs[first..=i].iter().filter(|&&p| in_eval(p)).count();
-                if inside >= 128 && best.is_none_or(|(n, _)| inside > n) {
-                    best = Some((inside, start + 8 * first as u64));
+                let table = &ptrs[first..=i];
+                let distinct: HashSet<u64> = table.iter().copied().collect();
+                let inside = distinct.iter().filter(|&&p| in_eval(p)).count();
+                // Distinct handlers, not entries: 3.15's JIT builds also keep a tracing table
+                // whose 256 entries all lead to one label inside the eval loop. GCC 16 moves
+                // the loop's body out of the exported symbol, so entries outside it count too,
+                // behind those inside.
+                let score = (distinct.len(), inside);
+                if distinct.len() >= 128 && best.is_none_or(|(n, _)| score > n) {
+                    best = Some((score, start + 8 * first as u64));
                 }
             }
         }

@@ -849,6 +849,7 @@ impl Manager {
                 if let Err(why) = self.py.seed_threads(&mut self.bpf, pid, &mapped) {
                     py.warnings.push(why);
                 }
+                py.note_jit(pid, &self.py, &mapped.path);
                 py.checked.insert(pid, exe_id(pid));
             }
             // Not exec'd yet: probe every interpreter on the machine, so the first call is counted
@@ -861,7 +862,7 @@ impl Manager {
             None => {
                 let _ = self.py.ensure_known(&mut self.bpf);
                 for pid in all_pids() {
-                    self.check_python_process(&mut py, pid, false);
+                    self.check_python_process(&mut py, pid, false, false);
                 }
             }
         }
@@ -869,8 +870,9 @@ impl Manager {
     }
 
     /// Probes the interpreter of `pid` if not yet (once per exec of the process). `late`: the
-    /// process ran unprobed for a while; say so in the report.
-    fn check_python_process(&mut self, py: &mut PySession, pid: u32, late: bool) {
+    /// process ran unprobed for a while; say so in the report. `at_exec`: the process is
+    /// held at its exec (nothing of the new program has run).
+    fn check_python_process(&mut self, py: &mut PySession, pid: u32, late: bool, at_exec: bool) {
         let exe = exe_id(pid);
         if py.checked.get(&pid) == Some(&exe) {
             return;
@@ -880,6 +882,21 @@ impl Manager {
         let Some(mapped) = memory::runtime_of(pid) else {
             return;
         };
+        if at_exec {
+            // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
+            // has not mapped it yet; probing the file it will map counts its first call too.
+            if let Some(lib) = crate::python::discover::libpython_needed(pid, &mapped.path) {
+                if let Err(why) = self.py.ensure(&mut self.bpf, &lib) {
+                    py.warnings.push(format!("pid {pid}: {why}"));
+                }
+            } else if let Err(why) = self.py.ensure(&mut self.bpf, &mapped.path) {
+                if why != Unprobed::NotRuntime {
+                    py.warnings.push(format!("pid {pid}: {why}"));
+                    py.checked.insert(pid, exe);
+                }
+            }
+            return;
+        }
         let attached = self.py.is_attached(&mapped.path);
         let result = self.py.ensure(&mut self.bpf, &mapped.path).map(|_| ());
         if result != Err(Unprobed::NotRuntime) {
@@ -901,6 +918,7 @@ impl Manager {
             }
             Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
         }
+        py.note_jit(pid, &self.py, &mapped.path);
     }
 
     /// Tells the probes which slots count Python, and which of those count every process.
@@ -916,6 +934,11 @@ impl Manager {
         }
         if let Err(e) = self.bpf.set_python_sessions(python, all) {
             tracing::error!(%e, "updating Python session masks");
+        }
+        // Followed processes wait at exec for their interpreter to be probed, so that no call
+        // of a program in a chroot or container (an interpreter not known beforehand) is lost.
+        if let Err(e) = self.bpf.set_exec_hold(python & !all) {
+            tracing::error!(%e, "updating the exec hold mask");
         }
         if python == 0 {
             self.py.detach_all(&mut self.bpf);
@@ -1295,7 +1318,16 @@ impl Manager {
             }
         }
         for id in execs {
-            self.check_session_process(&id, ev.pid);
+            self.check_session_process(&id, ev.pid, true);
+        }
+        if ev.kind == PROC_EVENT_EXEC {
+            // The probe stopped it if a Python session follows it (EXEC_HOLD); continuing a
+            // process that was not stopped does nothing, and a SIGCONT that comes before the
+            // stop cancels it.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(ev.pid as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
         }
         if exited_sampled {
             self.sampling.exited(ev.pid);
@@ -1305,11 +1337,11 @@ impl Manager {
         }
     }
 
-    fn check_session_process(&mut self, id: &str, pid: u32) {
+    fn check_session_process(&mut self, id: &str, pid: u32, at_exec: bool) {
         let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
             return;
         };
-        self.check_python_process(&mut py, pid, true);
+        self.check_python_process(&mut py, pid, !at_exec, at_exec);
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }
@@ -1358,7 +1390,7 @@ impl Manager {
                 all_pids()
             };
             for pid in pids {
-                self.check_session_process(&id, pid);
+                self.check_session_process(&id, pid, false);
             }
         }
     }

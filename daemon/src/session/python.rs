@@ -155,6 +155,16 @@ fn c_str(bytes: &[u8]) -> String {
 }
 
 impl PySession {
+    /// Says in the report when `pid` runs CPython's JIT, which makes its counts inexact.
+    pub fn note_jit(&mut self, pid: u32, probes: &Probes, runtime: &Path) {
+        let built_in = probes.runtime(runtime).is_some_and(|rt| rt.jit_built_in);
+        if let Some(w) = crate::python::jit::warning(pid, built_in) {
+            if !self.warnings.contains(&w) {
+                self.warnings.push(w);
+            }
+        }
+    }
+
     /// Records the names the kernel sent; reads from the process those it could not.
     pub fn on_code(&mut self, ev: &PyCodeEvent, probes: &Probes) {
         crate::container::note(ev.pid, false);

@@ -331,6 +331,9 @@ impl State {
         let found = self.python_runtime(pid);
         let entry = match found {
             Lookup::Python(runtime, v) => {
+                if let Err(e) = crate::bpf::publish_layout(v) {
+                    tracing::warn!(%e, pid, "this process's Python frames cannot be read");
+                }
                 self.versions.insert(pid, Some(v));
                 PySampleProc {
                     runtime,

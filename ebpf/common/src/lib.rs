@@ -104,7 +104,7 @@ pub mod py_kind {
 }
 
 /// Entries of the `PY_LAYOUTS` array: one per CPython version (see daemon/src/python/layout.rs).
-pub const PY_LAYOUTS_MAX: u32 = 8;
+pub const PY_LAYOUTS_MAX: u32 = 16;
 
 /// Byte offsets into one CPython version's structs, as the probes need them.
 #[repr(C)]
@@ -139,6 +139,22 @@ pub struct PyLayout {
     pub runtime_interpreters_head: u32,
     pub interp_threads_head: u32,
     pub tstate_next: u32,
+    /// Low bits of `f_executable` that tag the reference rather than address the code
+    /// object (3.14+: `_PyStackRef`); cleared before the pointer is followed.
+    pub executable_tag_bits: u32,
+}
+
+/// `_PyInterpreterFrame.owner` from this value up: a frame that runs no Python function of
+/// its own (3.12/3.13's C-stack shim is 3; 3.14 has the interpreter's entry frame at 3 and
+/// the C stack's at 4; 3.15 only the former).
+pub const PY_FRAME_OWNER_NOT_PYTHON: u8 = 3;
+
+impl PyLayout {
+    /// The code object a frame's executable field names.
+    #[inline(always)]
+    pub fn code_of(&self, executable: u64) -> u64 {
+        executable & !u64::from(self.executable_tag_bits)
+    }
 }
 
 /// Key of `PY_CALLS`: one session's count of calls of one code object in one process.

@@ -17,8 +17,9 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey, CudaMemKey, CudaMemStats,
-    CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats, SessionMask, TraceEvent,
+    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey,
+    CudaMemKey, CudaMemStats, CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats,
+    SessionMask, TraceEvent, PY_FRAME_OWNER_NOT_PYTHON,
 };
 
 use crate::{
@@ -126,7 +127,12 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     let (which, slot, pid, cookie) = accepted(ctx)?;
     let a = args(ctx);
     let arg = |n: usize| a.get(n).copied();
-    let mut key = CudaLaunchKey { slot, pid, api: which, ..CudaLaunchKey::default() };
+    let mut key = CudaLaunchKey {
+        slot,
+        pid,
+        api: which,
+        ..CudaLaunchKey::default()
+    };
     match which {
         api::CU_LAUNCH => {
             // cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ, shmem, stream, …)
@@ -193,7 +199,14 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         crate::sample::launch_stack(slot, pid, tid);
     }
     if trace::tracing(1 << slot) != 0 {
-        trace(slot, pid, trace_kind::CUDA_LAUNCH, which, key.func, key.row_id());
+        trace(
+            slot,
+            pid,
+            trace_kind::CUDA_LAUNCH,
+            which,
+            key.func,
+            key.row_id(),
+        );
     }
     Some(())
 }
@@ -203,8 +216,21 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
 fn gpu_kernel(slot: u32, pid: u32, record: u64) -> Option<()> {
     let k: CuptiKernel = user(record)?;
     let ns = k.end_ns.saturating_sub(k.start_ns);
-    let key = GpuKernelKey { slot, pid, name: k.name, device: k.device, grid: k.grid, block: k.block, _pad: 0 };
-    let first = GpuKernelStats { executions: 1, total_ns: ns, min_ns: ns, max_ns: ns };
+    let key = GpuKernelKey {
+        slot,
+        pid,
+        name: k.name,
+        device: k.device,
+        grid: k.grid,
+        block: k.block,
+        _pad: 0,
+    };
+    let first = GpuKernelStats {
+        executions: 1,
+        total_ns: ns,
+        min_ns: ns,
+        max_ns: ns,
+    };
     let added = add_or_insert(&GPU_KERNELS, &key, &first, |s| {
         // SAFETY: a live map value. Buffers may complete on several threads at once (CUDA 13
         // gives each thread its own): atomic sums; a racing min or max may keep the other value.
@@ -237,7 +263,12 @@ fn gpu_kernel(slot: u32, pid: u32, record: u64) -> Option<()> {
 /// Adds to `key`'s value with `update`, or inserts `first` when it has none: whether that made
 /// a new entry (None: the map is full, counted as a loss).
 #[inline(always)]
-fn add_or_insert<K, V>(map: &HashMap<K, V>, key: &K, first: &V, update: impl Fn(*mut V)) -> Option<bool> {
+fn add_or_insert<K, V>(
+    map: &HashMap<K, V>,
+    key: &K,
+    first: &V,
+    update: impl Fn(*mut V),
+) -> Option<bool> {
     // Twice: another CPU may insert the key between the lookup and the insert.
     for _ in 0..2 {
         if let Some(v) = map.get_ptr_mut(key) {
@@ -257,7 +288,16 @@ fn trace(slot: u32, pid: u32, kind: u16, flags: u32, a: u64, b: u64) {
     trace_with(slot, || {
         // SAFETY: plain helper call.
         let now = unsafe { bpf_ktime_get_ns() };
-        TraceEvent { kind, flags: flags as u16, pid, start_ns: now, end_ns: now, a, b, ..TraceEvent::default() }
+        TraceEvent {
+            kind,
+            flags: flags as u16,
+            pid,
+            start_ns: now,
+            end_ns: now,
+            a,
+            b,
+            ..TraceEvent::default()
+        }
     });
 }
 
@@ -269,22 +309,30 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
     if traced == 0 {
         return;
     }
-    trace::emit(&TraceEvent { tid: bpf_get_current_pid_tgid() as u32, sessions: traced, ..event() });
+    trace::emit(&TraceEvent {
+        tid: bpf_get_current_pid_tgid() as u32,
+        sessions: traced,
+        ..event()
+    });
 }
 
 /// The launching thread's innermost Python frame (code object, instruction, names id).
 fn call_site(pid: u32, tid: u32) -> Option<(u64, u64, u64)> {
-    let PyThread::Found(tstate, l) = python_thread(pid, tid) else { return None };
+    let PyThread::Found(tstate, l) = python_thread(pid, tid) else {
+        return None;
+    };
     let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;
     // 3.12+: a C-stack shim on top (C code called back into Python): its caller is the frame.
-    const FRAME_OWNED_BY_CSTACK: u8 = 3;
-    if l.frame_owner != 0 && user::<u8>(frame + u64::from(l.frame_owner)) == Some(FRAME_OWNED_BY_CSTACK) {
+    if l.frame_owner != 0
+        && user::<u8>(frame + u64::from(l.frame_owner))
+            .is_some_and(|o| o >= PY_FRAME_OWNER_NOT_PYTHON)
+    {
         frame = user(frame + u64::from(l.frame_previous))?;
     }
     if frame == 0 {
         return None;
     }
-    let code: u64 = user(frame + u64::from(l.frame_code))?;
+    let code = l.code_of(user(frame + u64::from(l.frame_code))?);
     let instr = if l.kind == py_kind::EVAL_ARG_FRAME {
         user::<i32>(frame + u64::from(l.frame_instr)).unwrap_or(-1) as i64 as u64
     } else {
@@ -301,9 +349,23 @@ fn count_launch(key: &CudaLaunchKey) -> bool {
     if new {
         // A new row's call sites are named while its process lives.
         if key.py_code != 0 {
-            send(key.pid, api::CALL_SITE, key.py_code, key.py_instr, key.py_names, 0);
+            send(
+                key.pid,
+                api::CALL_SITE,
+                key.py_code,
+                key.py_instr,
+                key.py_names,
+                0,
+            );
         }
-        send(key.pid, api::LAUNCH_ROW, key.func, key.caller, u64::from(key.api), 0);
+        send(
+            key.pid,
+            api::LAUNCH_ROW,
+            key.func,
+            key.caller,
+            u64::from(key.api),
+            0,
+        );
     }
     new
 }
@@ -320,7 +382,8 @@ fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
         }
         api::CU_LAUNCH | api::CU_LAUNCH_EX => {
             // SAFETY: map values are valid for the duration of the program.
-            let Some([func, caller, at, outer_sp]) = (unsafe { CUDA_NEW_ROWS.get(&tid) }).copied() else {
+            let Some([func, caller, at, outer_sp]) = (unsafe { CUDA_NEW_ROWS.get(&tid) }).copied()
+            else {
                 return;
             };
             let _ = CUDA_NEW_ROWS.remove(&tid);
@@ -355,7 +418,11 @@ fn send(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64) {
             let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);
         }
     }
-    entry.submit(if which == api::LIBRARY_MAPPED { BPF_RB_FORCE_WAKEUP } else { 0 });
+    entry.submit(if which == api::LIBRARY_MAPPED {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        0
+    });
 }
 
 /// `syscalls:sys_enter_mmap` (`unsigned long` arguments from offset 16: addr, len, prot,
@@ -382,7 +449,9 @@ fn try_mmap_enter(ctx: &TracePointContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     if all == 0 {
         // SAFETY: map values are valid for the duration of the program.
-        let followed = unsafe { TRACKED.get(&((pid_tgid >> 32) as u32)) }.copied().unwrap_or(0);
+        let followed = unsafe { TRACKED.get(&((pid_tgid >> 32) as u32)) }
+            .copied()
+            .unwrap_or(0);
         if followed & slots == 0 {
             return None;
         }
@@ -412,13 +481,25 @@ fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
     if (-4095..0).contains(&ret) {
         return None;
     }
-    send((pid_tgid >> 32) as u32, api::LIBRARY_MAPPED, ret as u64, len, 0, 0);
+    send(
+        (pid_tgid >> 32) as u32,
+        api::LIBRARY_MAPPED,
+        ret as u64,
+        len,
+        0,
+        0,
+    );
     Some(())
 }
 
 fn add_memory(slot: u32, pid: u32, kind: u32, bytes: u64) {
     trace(slot, pid, trace_kind::CUDA_MEMORY, kind, bytes, 0);
-    let key = CudaMemKey { slot, pid, kind, _pad: 0 };
+    let key = CudaMemKey {
+        slot,
+        pid,
+        kind,
+        _pad: 0,
+    };
     add_or_insert(&CUDA_MEMORY, &key, &CudaMemStats { calls: 1, bytes }, |s| {
         // SAFETY: a live map value.
         unsafe {
@@ -439,7 +520,9 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
         }
         // cuMemcpyHtoD(dst, src, bytes), cuMemcpyDtoH(dst, src, bytes).
         api::CU_MEMCPY_HTOD | api::CU_MEMCPY_DTOH => add_memory(slot, pid, which, arg(2)?),
-        api::CUDA_DEVICE_SYNCHRONIZE | api::CUDA_STREAM_SYNCHRONIZE => add_memory(slot, pid, which, 0),
+        api::CUDA_DEVICE_SYNCHRONIZE | api::CUDA_STREAM_SYNCHRONIZE => {
+            add_memory(slot, pid, which, 0)
+        }
         api::CUDA_FREE | api::CU_MEM_FREE => {
             let ptr: u64 = arg(0)?;
             let key = [alloc_owner(pid, which), ptr];
@@ -451,8 +534,12 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
             }
         }
         // Read at the return: the handle or pointer the call writes through its first argument.
-        api::CUDA_MALLOC | api::CU_MEM_ALLOC | api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL
-        | api::CU_KERNEL_GET_FUNCTION | api::CUDA_GET_KERNEL => {
+        api::CUDA_MALLOC
+        | api::CU_MEM_ALLOC
+        | api::CU_MODULE_GET_FUNCTION
+        | api::CU_LIBRARY_GET_KERNEL
+        | api::CU_KERNEL_GET_FUNCTION
+        | api::CUDA_GET_KERNEL => {
             // The size; the kernel or host stub; or the name (still the caller's at return).
             let third = match which {
                 api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => arg(2)?,
@@ -491,7 +578,9 @@ fn try_return(ctx: &RetProbeContext) -> Option<()> {
             let _ = CUDA_ALLOCS.insert(&[alloc_owner(pid, which), handle], &extra, 0);
             add_memory(slot, pid, which, extra);
         }
-        api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => send(pid, which, handle, 0, 0, extra),
+        api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => {
+            send(pid, which, handle, 0, 0, extra)
+        }
         _ => send(pid, which, handle, extra, 0, 0),
     }
     Some(())

@@ -6,21 +6,34 @@
 //! targets do and later probes can filter on it.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
+        generated::bpf_send_signal,
+    },
     macros::{map, tracepoint},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use tracer_common::{
-    loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK, TRACKED_MAX_ENTRIES,
+    loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
+    TRACKED_MAX_ENTRIES,
 };
 
 /// Process id → sessions following it.
 #[map]
-pub(crate) static TRACKED: HashMap<u32, SessionMask> = HashMap::with_max_entries(TRACKED_MAX_ENTRIES, 0);
+pub(crate) static TRACKED: HashMap<u32, SessionMask> =
+    HashMap::with_max_entries(TRACKED_MAX_ENTRIES, 0);
 
 #[map]
 static PROC_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// Sessions whose processes stop at each exec until the daemon has looked at the new program
+/// and probed it (it sends SIGCONT on the exec event): an interpreter it has not seen, in a
+/// chroot say, takes longer to probe than a short program takes to run.
+#[map]
+static EXEC_HOLD: Array<SessionMask> = Array::with_max_entries(1, 0);
+
+const SIGSTOP: u32 = 19;
 
 /// Per-CPU loss counters, indexed by `tracer_common::loss::*`.
 #[map]
@@ -52,13 +65,18 @@ pub(crate) fn count_losses(cause: u32, n: u64) {
     }
 }
 
-fn emit(event: ProcEvent) {
+/// Sends the event; false when the ring is full (counted as a loss).
+fn emit(event: ProcEvent) -> bool {
     match PROC_EVENTS.reserve::<ProcEvent>(0) {
         Some(mut entry) => {
             entry.write(event);
             entry.submit(0);
+            true
         }
-        None => count_loss(loss::RINGBUF_FULL),
+        None => {
+            count_loss(loss::RINGBUF_FULL);
+            false
+        }
     }
 }
 
@@ -78,12 +96,14 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
         return Ok(());
     };
     // SAFETY: offsets come from this kernel's tracepoint format; read_at is a bounded probe read.
-    let flags: u64 = unsafe { ctx.read_at(global(&NEWTASK_CLONE_FLAGS_OFFSET) as usize) }.map_err(|_| ())?;
+    let flags: u64 =
+        unsafe { ctx.read_at(global(&NEWTASK_CLONE_FLAGS_OFFSET) as usize) }.map_err(|_| ())?;
     if flags & CLONE_THREAD != 0 {
         return Ok(());
     }
     // SAFETY: as above.
-    let child: i32 = unsafe { ctx.read_at(global(&NEWTASK_PID_OFFSET) as usize) }.map_err(|_| ())?;
+    let child: i32 =
+        unsafe { ctx.read_at(global(&NEWTASK_PID_OFFSET) as usize) }.map_err(|_| ())?;
     let child = child as u32;
     if TRACKED.insert(&child, &sessions, 0).is_err() {
         count_loss(loss::TRACKED_MAP_FULL);
@@ -150,7 +170,7 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     crate::sample::forget_process(tgid);
     // SAFETY: see try_task_newtask.
     if let Some(&sessions) = unsafe { TRACKED.get(&tgid) } {
-        emit(ProcEvent {
+        let sent = emit(ProcEvent {
             kind: PROC_EVENT_EXEC,
             pid: tgid,
             parent_pid: 0,
@@ -160,6 +180,12 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
             ktime_ns: unsafe { bpf_ktime_get_ns() },
             comm: bpf_get_current_comm().unwrap_or([0; 16]),
         });
+        // Only when the daemon will see the event, whose handling continues the process.
+        if sent && EXEC_HOLD.get(0).is_some_and(|hold| hold & sessions != 0) {
+            // SAFETY: plain BPF helper call; the stop takes effect before the new program's
+            // first instruction.
+            unsafe { bpf_send_signal(SIGSTOP) };
+        }
     }
     0
 }

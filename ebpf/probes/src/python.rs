@@ -6,8 +6,8 @@
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_attach_cookie, bpf_loop, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes,
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_loop,
+        bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
     macros::{map, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
@@ -15,10 +15,10 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, py_names_id, py_role, PyCallKey, PyCallStats, PyCodeEvent, PyEdgeKey, PyLayout, PyStack,
-    PyStackEntry, PY_EDGES_MAX,
-    SessionMask, MAX_PY_SESSIONS, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_LAYOUTS_MAX, PY_STACK_DEPTH,
-    PY_THREADS_MAX, PY_UNWIND_PER_EVENT, trace_kind, TraceEvent, TRACE_EXIT_INFERRED,
+    loss, py_kind, py_names_id, py_role, trace_kind, PyCallKey, PyCallStats, PyCodeEvent,
+    PyEdgeKey, PyLayout, PyStack, PyStackEntry, SessionMask, TraceEvent, MAX_PY_SESSIONS,
+    PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_EDGES_MAX, PY_FRAME_OWNER_NOT_PYTHON,
+    PY_LAYOUTS_MAX, PY_STACK_DEPTH, PY_THREADS_MAX, PY_UNWIND_PER_EVENT, TRACE_EXIT_INFERRED,
 };
 
 const BPF_F_NO_PREALLOC: u32 = 1;
@@ -44,7 +44,8 @@ static PY_CALLS: HashMap<PyCallKey, PyCallStats> = HashMap::with_max_entries(262
 /// Thread id → its shadow stack of active Python frames, for tottime and cumtime. Not
 /// preallocated (a stack is 14 KiB): created at a thread's first call, removed at its exit.
 #[map]
-static PY_STACKS: HashMap<u32, PyStack> = HashMap::with_max_entries(PY_THREADS_MAX, BPF_F_NO_PREALLOC);
+static PY_STACKS: HashMap<u32, PyStack> =
+    HashMap::with_max_entries(PY_THREADS_MAX, BPF_F_NO_PREALLOC);
 
 /// A zeroed stack to start a thread's from (too big for the BPF stack).
 #[map]
@@ -53,7 +54,8 @@ static PY_EMPTY_STACK: PerCpuArray<PyStack> = PerCpuArray::with_max_entries(1, 0
 /// Calls per (session, process, function, calling function): pstats' callers. Allocated
 /// on use: most pairs are never seen.
 #[map]
-static PY_EDGES: HashMap<PyEdgeKey, PyCallStats> = HashMap::with_max_entries(PY_EDGES_MAX, BPF_F_NO_PREALLOC);
+static PY_EDGES: HashMap<PyEdgeKey, PyCallStats> =
+    HashMap::with_max_entries(PY_EDGES_MAX, BPF_F_NO_PREALLOC);
 
 #[map]
 static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
@@ -80,7 +82,10 @@ fn sessions(pid: u32) -> SessionMask {
 fn cookie<C: EbpfContext>(ctx: &C) -> Option<(&'static PyLayout, u64)> {
     // SAFETY: plain helper call on this program's context.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
-    Some((PY_LAYOUTS.get((cookie & 0xff) as u32)?, cookie >> py_role::SHIFT))
+    Some((
+        PY_LAYOUTS.get((cookie & 0xff) as u32)?,
+        cookie >> py_role::SHIFT,
+    ))
 }
 
 fn read<T>(addr: u64) -> Result<T, ()> {
@@ -99,7 +104,9 @@ pub fn tracer_py_eval_entry(ctx: ProbeContext) -> u32 {
 fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let pid = (pid_tgid >> 32) as u32;
-    let Some((layout, _)) = cookie(ctx) else { return Ok(()) };
+    let Some((layout, _)) = cookie(ctx) else {
+        return Ok(());
+    };
     let tstate: u64 = ctx.arg(0).ok_or(())?;
     // Recorded for every process: cheap, and a session that starts later finds it.
     let _ = PY_TSTATE.insert(&(pid_tgid as u32), &tstate, 0);
@@ -139,8 +146,11 @@ pub fn tracer_py_eval_return(ctx: RetProbeContext) -> u32 {
     }
     // SAFETY: map values are valid for the duration of the program.
     let tstate = unsafe { PY_TSTATE.get(&tid) }.copied();
-    let Some((layout, _)) = cookie(&ctx) else { return 0 };
-    let caller = tstate.and_then(|ts| read::<u64>(ts + u64::from(layout.tstate_current_frame)).ok());
+    let Some((layout, _)) = cookie(&ctx) else {
+        return 0;
+    };
+    let caller =
+        tstate.and_then(|ts| read::<u64>(ts + u64::from(layout.tstate_current_frame)).ok());
     match caller {
         // The thread's bottom frame returned: everything above it went unseen.
         Some(0) => {
@@ -197,7 +207,9 @@ pub(crate) fn layout(index: u32) -> Option<&'static PyLayout> {
 /// reports its own failures). 3.10: `tstate->frame`.
 pub(crate) fn current_frame_quiet(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
     // SAFETY: as in `read`.
-    frame_of(tstate, layout, |a| unsafe { bpf_probe_read_user(a as *const u64) }.map_err(|_| ()))
+    frame_of(tstate, layout, |a| {
+        unsafe { bpf_probe_read_user(a as *const u64) }.map_err(|_| ())
+    })
 }
 
 /// The thread's current interpreter frame (3.11+).
@@ -206,7 +218,11 @@ fn current_frame(tstate: u64, layout: &PyLayout) -> Result<u64, ()> {
 }
 
 #[inline(always)]
-fn frame_of(tstate: u64, layout: &PyLayout, read: impl Fn(u64) -> Result<u64, ()>) -> Result<u64, ()> {
+fn frame_of(
+    tstate: u64,
+    layout: &PyLayout,
+    read: impl Fn(u64) -> Result<u64, ()>,
+) -> Result<u64, ()> {
     if layout.kind == py_kind::CFRAME {
         let cframe = read(tstate + u64::from(layout.tstate_cframe))?;
         read(cframe + u64::from(layout.cframe_current_frame))
@@ -239,9 +255,15 @@ pub(crate) fn forget_thread(tid: u32) {
 /// `caller`: the calling frame where `frame`'s own link to it cannot be read yet.
 /// (Inlined: BPF functions take at most five arguments.)
 #[inline(always)]
-fn enter(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout, caller: Option<u64>) -> Result<(), ()> {
+fn enter(
+    mask: SessionMask,
+    who: u64,
+    frame: u64,
+    layout: &PyLayout,
+    caller: Option<u64>,
+) -> Result<(), ()> {
     let (pid, tid) = ((who >> 32) as u32, who as u32);
-    let code: u64 = read(frame + u64::from(layout.frame_code))?;
+    let code = layout.code_of(read(frame + u64::from(layout.frame_code))?);
     let qualname: u64 = read(code + u64::from(layout.code_qualname))?;
     let filename: u64 = read(code + u64::from(layout.code_filename))?;
     let names = py_names_id(qualname, filename);
@@ -279,16 +301,27 @@ fn enter(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout, caller: Opt
         }
         st.depth += 1;
     }
-    count(mask, pid, code, names, qualname, filename, layout, primitive);
+    count(
+        mask, pid, code, names, qualname, filename, layout, primitive,
+    );
     Ok(())
 }
 
 /// Makes the stack end with the new frame's caller before it is pushed: frames above it
 /// were left unseen.
 #[inline(always)]
-fn reconcile(st: &mut PyStack, mask: SessionMask, who: u64, frame: u64, layout: &PyLayout, now: u64) {
+fn reconcile(
+    st: &mut PyStack,
+    mask: SessionMask,
+    who: u64,
+    frame: u64,
+    layout: &PyLayout,
+    now: u64,
+) {
     let prev = u64::from(layout.frame_previous);
-    let Ok(previous) = read::<u64>(frame + prev) else { return };
+    let Ok(previous) = read::<u64>(frame + prev) else {
+        return;
+    };
     if previous == 0 {
         // The thread's bottom frame: whatever is on the stack is stale.
         pop_inferred_to(st, mask, who, now, 0);
@@ -300,7 +333,9 @@ fn reconcile(st: &mut PyStack, mask: SessionMask, who: u64, frame: u64, layout: 
     // 3.12+: `previous` is a frame no probe entered: the eval loop's entry frame (on the C
     // stack) for a frame called from C, or 3.13's cleanup frame under `__init__`. The Python
     // caller is its previous.
-    let Ok(caller) = read::<u64>(previous + prev) else { return };
+    let Ok(caller) = read::<u64>(previous + prev) else {
+        return;
+    };
     if caller == 0 {
         pop_inferred_to(st, mask, who, now, 0);
         return;
@@ -310,14 +345,27 @@ fn reconcile(st: &mut PyStack, mask: SessionMask, who: u64, frame: u64, layout: 
     }
     // An interpreter frame (not the C stack's) returns through the exit probes: stand in
     // for it, so that its return is not taken for its caller's.
-    const FRAME_OWNED_BY_CSTACK: u8 = 3;
-    if read::<u8>(previous + u64::from(layout.frame_owner)).unwrap_or(FRAME_OWNED_BY_CSTACK) == FRAME_OWNED_BY_CSTACK {
+    if read::<u8>(previous + u64::from(layout.frame_owner)).unwrap_or(PY_FRAME_OWNER_NOT_PYTHON)
+        >= PY_FRAME_OWNER_NOT_PYTHON
+    {
         return;
     }
     let depth = st.depth as usize;
-    let Some(top) = depth.checked_sub(1).and_then(|d| st.entries.get(opaque(d))).copied() else { return };
+    let Some(top) = depth
+        .checked_sub(1)
+        .and_then(|d| st.entries.get(opaque(d)))
+        .copied()
+    else {
+        return;
+    };
     if let Some(e) = st.entries.get_mut(opaque(depth)) {
-        *e = PyStackEntry { frame: previous, start_ns: now, sub_ns: 0, pseudo: 1, ..top };
+        *e = PyStackEntry {
+            frame: previous,
+            start_ns: now,
+            sub_ns: 0,
+            pseudo: 1,
+            ..top
+        };
         st.depth += 1;
     }
 }
@@ -325,7 +373,9 @@ fn reconcile(st: &mut PyStack, mask: SessionMask, who: u64, frame: u64, layout: 
 /// Pops frames above `previous` (when it is on the stack), their exit time inferred as now.
 /// Returns whether `previous` was on the stack.
 fn unwind_to(st: &mut PyStack, mask: SessionMask, who: u64, previous: u64, now: u64) -> bool {
-    let Some(target) = find(st, previous) else { return false };
+    let Some(target) = find(st, previous) else {
+        return false;
+    };
     pop_inferred_to(st, mask, who, now, target + 1);
     true
 }
@@ -333,10 +383,21 @@ fn unwind_to(st: &mut PyStack, mask: SessionMask, who: u64, previous: u64, now: 
 /// Pops frames left unseen (by an exception, or past 3.10's uretprobe nesting limit) until
 /// `depth` remain, at most `PY_UNWIND_PER_EVENT` of them; the rest go at later events.
 fn pop_inferred_to(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, depth: u64) {
-    let mut u = Unwind { st, mask, who, now, depth };
+    let mut u = Unwind {
+        st,
+        mask,
+        who,
+        now,
+        depth,
+    };
     // SAFETY: the callback only touches the stack through `u`, which outlives the call.
     unsafe {
-        bpf_loop(PY_UNWIND_PER_EVENT as u32, unwind_step as *mut c_void, (&raw mut u).cast(), 0);
+        bpf_loop(
+            PY_UNWIND_PER_EVENT as u32,
+            unwind_step as *mut c_void,
+            (&raw mut u).cast(),
+            0,
+        );
     }
 }
 
@@ -385,12 +446,29 @@ const NOT_FOUND: u64 = u64::MAX;
 impl Scan {
     fn new(st: &PyStack) -> Self {
         let top = st.depth.min(PY_STACK_DEPTH as u64);
-        Self { st, top, frame: 0, code: 0, names: 0, caller_code: 0, caller_names: 0, found: NOT_FOUND, pair_found: 0 }
+        Self {
+            st,
+            top,
+            frame: 0,
+            code: 0,
+            names: 0,
+            caller_code: 0,
+            caller_names: 0,
+            found: NOT_FOUND,
+            pair_found: 0,
+        }
     }
 
     fn run(&mut self, step: extern "C" fn(u64, *mut c_void) -> i64) -> u64 {
         // SAFETY: `step` only reads the stack through `self`, which outlives the call.
-        unsafe { bpf_loop(self.top as u32, step as *mut c_void, (self as *mut Self).cast(), 0) };
+        unsafe {
+            bpf_loop(
+                self.top as u32,
+                step as *mut c_void,
+                (self as *mut Self).cast(),
+                0,
+            )
+        };
         self.found
     }
 }
@@ -419,12 +497,16 @@ extern "C" fn scan_code(i: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: as in `scan_frame`.
     let s = unsafe { &mut *ctx.cast::<Scan>() };
     let st = unsafe { &*s.st };
-    let Some(e) = st.entries.get(opaque(i as usize)) else { return 1 };
+    let Some(e) = st.entries.get(opaque(i as usize)) else {
+        return 1;
+    };
     if e.code != s.code || e.names != s.names || e.pseudo != 0 {
         return 0;
     }
     s.found = i;
-    let caller = i.checked_sub(1).and_then(|c| st.entries.get(opaque(c as usize)));
+    let caller = i
+        .checked_sub(1)
+        .and_then(|c| st.entries.get(opaque(c as usize)));
     if caller.is_some_and(|c| c.code == s.caller_code && c.names == s.caller_names) {
         s.pair_found = 1;
         return 1;
@@ -448,7 +530,11 @@ fn on_stack(st: &PyStack, code: u64, names: u64) -> (bool, bool) {
     let mut s = Scan::new(st);
     s.code = code;
     s.names = names;
-    if let Some(top) = s.top.checked_sub(1).and_then(|t| st.entries.get(opaque(t as usize))) {
+    if let Some(top) = s
+        .top
+        .checked_sub(1)
+        .and_then(|t| st.entries.get(opaque(t as usize)))
+    {
         s.caller_code = top.code;
         s.caller_names = top.names;
     }
@@ -463,7 +549,9 @@ fn on_stack(st: &PyStack, code: u64, names: u64) -> (bool, bool) {
 /// probed instruction (3.12's YIELD_VALUE does), the caller. Frames above the leaving one
 /// were left by an exception since the last event: their exits are inferred.
 fn leave(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout) {
-    let Some(st) = PY_STACKS.get_ptr_mut(&(who as u32)) else { return };
+    let Some(st) = PY_STACKS.get_ptr_mut(&(who as u32)) else {
+        return;
+    };
     // SAFETY: as in `enter`.
     let st = unsafe { &mut *st };
     if st.depth == 0 {
@@ -471,7 +559,10 @@ fn leave(mask: SessionMask, who: u64, frame: u64, layout: &PyLayout) {
     }
     let now = unsafe { bpf_ktime_get_ns() };
     if frame != 0 && st.depth <= PY_STACK_DEPTH as u64 {
-        let top = st.entries.get(opaque(st.depth as usize - 1)).map_or(0, |e| e.frame);
+        let top = st
+            .entries
+            .get(opaque(st.depth as usize - 1))
+            .map_or(0, |e| e.frame);
         if top != frame {
             let Some(i) = find(st, frame) else {
                 // Not on the stack, and called by the top one: a frame no probe entered
@@ -504,11 +595,17 @@ fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags: u16) {
     }
     let pid = (who >> 32) as u32;
     st.depth -= 1;
-    let Some(&e) = st.entries.get(st.depth as usize) else { return };
+    let Some(&e) = st.entries.get(st.depth as usize) else {
+        return;
+    };
     let ct = now.saturating_sub(e.start_ns);
     let tt = ct.saturating_sub(e.sub_ns);
     let mut caller = None;
-    if let Some(parent) = st.depth.checked_sub(1).and_then(|d| st.entries.get_mut(opaque(d as usize))) {
+    if let Some(parent) = st
+        .depth
+        .checked_sub(1)
+        .and_then(|d| st.entries.get_mut(opaque(d as usize)))
+    {
         parent.sub_ns += ct;
         caller = Some((parent.code, parent.names));
     }
@@ -537,7 +634,12 @@ fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags: u16) {
         }
         let slot = m.trailing_zeros();
         m &= m - 1;
-        let key = PyCallKey { slot, pid, code: e.code, names: e.names };
+        let key = PyCallKey {
+            slot,
+            pid,
+            code: e.code,
+            names: e.names,
+        };
         if let Some(s) = PY_CALLS.get_ptr_mut(&key) {
             // SAFETY: a live map value.
             unsafe {
@@ -548,7 +650,14 @@ fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags: u16) {
             }
         }
         if let Some((caller_code, caller_names)) = caller {
-            let edge = PyEdgeKey { slot, pid, code: e.code, names: e.names, caller_code, caller_names };
+            let edge = PyEdgeKey {
+                slot,
+                pid,
+                code: e.code,
+                names: e.names,
+                caller_code,
+                caller_names,
+            };
             add_edge(&edge, &e, tt, ct);
         }
     }
@@ -558,7 +667,12 @@ fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags: u16) {
 /// its sub-entries (cumtime only when the pair is not active further down).
 fn add_edge(key: &PyEdgeKey, e: &PyStackEntry, tt: u64, ct: u64) {
     let outer = e.edge_outermost != 0;
-    let first = PyCallStats { ncalls: 1, primitive: u64::from(outer), tottime_ns: tt, cumtime_ns: if outer { ct } else { 0 } };
+    let first = PyCallStats {
+        ncalls: 1,
+        primitive: u64::from(outer),
+        tottime_ns: tt,
+        cumtime_ns: if outer { ct } else { 0 },
+    };
     for _ in 0..2 {
         if let Some(s) = PY_EDGES.get_ptr_mut(key) {
             bump(s, outer);
@@ -591,7 +705,12 @@ fn count(
     layout: &PyLayout,
     primitive: bool,
 ) {
-    let first = PyCallStats { ncalls: 1, primitive: u64::from(primitive), tottime_ns: 0, cumtime_ns: 0 };
+    let first = PyCallStats {
+        ncalls: 1,
+        primitive: u64::from(primitive),
+        tottime_ns: 0,
+        cumtime_ns: 0,
+    };
     // One iteration per session following this process: almost always one.
     for _ in 0..MAX_PY_SESSIONS {
         if mask == 0 {
@@ -599,7 +718,12 @@ fn count(
         }
         let slot = mask.trailing_zeros();
         mask &= mask - 1;
-        let key = PyCallKey { slot, pid, code, names };
+        let key = PyCallKey {
+            slot,
+            pid,
+            code,
+            names,
+        };
         if let Some(s) = PY_CALLS.get_ptr_mut(&key) {
             bump(s, primitive);
             continue;
@@ -635,7 +759,11 @@ fn opaque(i: usize) -> usize {
 /// Atomic add (BPF_ATOMIC): threads of one process run the same function on several CPUs.
 pub(crate) fn add(n: *mut u64, v: u64) {
     // SAFETY: `n` points to a live map value.
-    unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(n, v) };
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            n, v,
+        )
+    };
 }
 
 fn send_names(key: &PyCallKey, qualname: u64, filename: u64, layout: &PyLayout) {
@@ -667,7 +795,9 @@ fn send_names(key: &PyCallKey, qualname: u64, filename: u64, layout: &PyLayout) 
 /// and path is); otherwise user space reads it.
 fn read_str(obj: u64, layout: &PyLayout, out: &mut [u8]) -> bool {
     out[0] = 0;
-    let Ok(state) = read::<u32>(obj + u64::from(layout.unicode_state)) else { return false };
+    let Ok(state) = read::<u32>(obj + u64::from(layout.unicode_state)) else {
+        return false;
+    };
     if state & COMPACT_ASCII != COMPACT_ASCII {
         return false;
     }

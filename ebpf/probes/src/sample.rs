@@ -11,9 +11,9 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::BPF_F_USER_STACK,
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_current_task,
-        bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_kernel,
-        bpf_probe_read_user, bpf_task_pt_regs, generated as gen,
+        bpf_get_attach_cookie, bpf_get_current_comm, bpf_get_current_pid_tgid,
+        bpf_get_current_task, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated as gen,
     },
     macros::{map, perf_event},
     maps::{HashMap, RingBuf, StackTrace},
@@ -21,8 +21,9 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, py_names_id, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc, SampleEvent,
-    PY_FRAME_ENTRY, PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
+    loss, py_kind, py_names_id, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc,
+    SampleEvent, PY_FRAME_ENTRY, PY_FRAME_OWNER_NOT_PYTHON, PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON,
+    SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
 };
 
 use crate::proc::{count_loss, TRACKED};
@@ -50,8 +51,6 @@ const REGS_BP: usize = 32;
 const REGS_IP: usize = 128;
 const REGS_CS: usize = 136;
 const REGS_SP: usize = 152;
-/// `_PyInterpreterFrame.owner` value of 3.12+'s entry shims.
-const FRAME_OWNED_BY_CSTACK: u8 = 3;
 
 #[perf_event]
 pub fn tracer_sample(ctx: PerfEventContext) -> u32 {
@@ -89,7 +88,9 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
         let cs: u64 = bpf_probe_read_kernel(interrupted.add(REGS_CS) as *const u64).unwrap_or(3);
         (*ev).kernel_stack = if cs & 3 == 0 {
             (*ev).flags |= sample_flag::KERNEL_MODE;
-            ctx.get_stackid(&SAMPLE_KSTACKS, 0).map(|id| id as i64).unwrap_or_else(|e| e as i64)
+            ctx.get_stackid(&SAMPLE_KSTACKS, 0)
+                .map(|id| id as i64)
+                .unwrap_or_else(|e| e as i64)
         } else {
             -1
         };
@@ -194,7 +195,9 @@ pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
     if proc.layout == PY_SAMPLE_NOT_PYTHON {
         return PyThread::NotPython;
     }
-    let Some(layout) = crate::python::layout(proc.layout) else { return PyThread::NotPython };
+    let Some(layout) = crate::python::layout(proc.layout) else {
+        return PyThread::NotPython;
+    };
     let want = if layout.kind == py_kind::EVAL_ARG_FRAME {
         // 3.10 knows its threads by pthread_self(), which is the thread's fs base.
         let off = crate::proc::global(&TASK_FSBASE_OFFSET);
@@ -202,7 +205,9 @@ pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
             return PyThread::NotPython;
         }
         // SAFETY: a kernel read at an offset from this kernel's BTF.
-        match unsafe { bpf_probe_read_kernel((bpf_get_current_task() + u64::from(off)) as *const u64) } {
+        match unsafe {
+            bpf_probe_read_kernel((bpf_get_current_task() + u64::from(off)) as *const u64)
+        } {
             Ok(v) => v,
             Err(_) => return PyThread::NoThread,
         }
@@ -236,10 +241,21 @@ unsafe fn python(ev: *mut SampleEvent, pid: u32, tid: u32) {
         unsafe { (*ev).flags |= sample_flag::PY_READ_FAILED };
         return;
     };
-    let mut walk = Walk { ev, layout, frame, depth: 0, failed: false };
+    let mut walk = Walk {
+        ev,
+        layout,
+        frame,
+        depth: 0,
+        failed: false,
+    };
     // SAFETY: `walk_step` only touches `walk`, which outlives the call.
     unsafe {
-        bpf_loop(SAMPLE_PY_DEPTH as u32, walk_step as *mut c_void, (&mut walk as *mut Walk).cast(), 0);
+        bpf_loop(
+            SAMPLE_PY_DEPTH as u32,
+            walk_step as *mut c_void,
+            (&mut walk as *mut Walk).cast(),
+            0,
+        );
         (*ev).py_depth = walk.depth;
         (*ev).flags |= sample_flag::PYTHON;
         if walk.failed {
@@ -261,9 +277,21 @@ struct Find {
 fn thread_state(runtime: u64, layout: &PyLayout, want: u64) -> Option<u64> {
     let interp: u64 = read(runtime + u64::from(layout.runtime_interpreters_head))?;
     let tstate: u64 = read(interp + u64::from(layout.interp_threads_head))?;
-    let mut find = Find { layout, tstate, want, found: 0 };
+    let mut find = Find {
+        layout,
+        tstate,
+        want,
+        found: 0,
+    };
     // SAFETY: `find_step` only touches `find`, which outlives the call.
-    unsafe { bpf_loop(1024, find_step as *mut c_void, (&mut find as *mut Find).cast(), 0) };
+    unsafe {
+        bpf_loop(
+            1024,
+            find_step as *mut c_void,
+            (&mut find as *mut Find).cast(),
+            0,
+        )
+    };
     (find.found != 0).then_some(find.found)
 }
 
@@ -304,7 +332,7 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
     if w.frame == 0 {
         return 1;
     }
-    let Some(code) = read::<u64>(w.frame + u64::from(l.frame_code)) else {
+    let Some(code) = read::<u64>(w.frame + u64::from(l.frame_code)).map(|e| l.code_of(e)) else {
         w.failed = true;
         return 1;
     };
@@ -312,12 +340,19 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
         let lasti = read::<i32>(w.frame + u64::from(l.frame_instr)).unwrap_or(-1);
         (lasti as i64 as u64, PY_FRAME_ENTRY)
     } else {
-        (read::<u64>(w.frame + u64::from(l.frame_instr)).unwrap_or(0), 0)
+        (
+            read::<u64>(w.frame + u64::from(l.frame_instr)).unwrap_or(0),
+            0,
+        )
     };
-    if l.frame_is_entry != 0 && read::<u8>(w.frame + u64::from(l.frame_is_entry)).unwrap_or(0) != 0 {
+    if l.frame_is_entry != 0 && read::<u8>(w.frame + u64::from(l.frame_is_entry)).unwrap_or(0) != 0
+    {
         flags |= PY_FRAME_ENTRY;
     }
-    if l.frame_owner != 0 && read::<u8>(w.frame + u64::from(l.frame_owner)) == Some(FRAME_OWNED_BY_CSTACK) {
+    if l.frame_owner != 0
+        && read::<u8>(w.frame + u64::from(l.frame_owner))
+            .is_some_and(|o| o >= PY_FRAME_OWNER_NOT_PYTHON)
+    {
         flags |= PY_FRAME_SHIM;
     }
     let qualname = read::<u64>(code + u64::from(l.code_qualname)).unwrap_or(0);

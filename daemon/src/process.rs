@@ -42,6 +42,27 @@ pub fn threads(pid: u32) -> io::Result<Vec<u32>> {
     Ok(tids)
 }
 
+/// `pid`'s threads by the tid the process itself knows (`gettid()` in its own, innermost pid
+/// namespace: what CPython stores as `native_thread_id`) → their tid here. The same where the
+/// process shares the daemon's pid namespace.
+pub fn tids_by_own_tid(pid: u32) -> io::Result<std::collections::HashMap<u32, u32>> {
+    let mut out = std::collections::HashMap::new();
+    for tid in threads(pid)? {
+        // Gone since listed: not a thread to find any more.
+        let Ok(status) = fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
+            continue;
+        };
+        // `NSpid:` lists the tid in each pid namespace from /proc's down to the thread's own.
+        let own = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .and_then(|ids| ids.split_whitespace().last()?.parse().ok())
+            .unwrap_or(tid);
+        out.insert(own, tid);
+    }
+    Ok(out)
+}
+
 /// The process a thread belongs to.
 pub fn tgid(tid: u32) -> Option<u32> {
     fs::read_to_string(format!("/proc/{tid}/status"))
@@ -177,6 +198,14 @@ mod tests {
         assert_eq!(uids(me).unwrap()[0], nix::unistd::getuid().as_raw());
         assert!(threads(me).unwrap().contains(&me));
         assert!(!alive(u32::MAX - 1));
+    }
+
+    #[test]
+    fn own_tids_are_tids_in_our_namespace() {
+        let me = std::process::id();
+        let tids = tids_by_own_tid(me).unwrap();
+        assert_eq!(tids.get(&me), Some(&me));
+        assert!(tids.iter().all(|(own, here)| own == here), "{tids:?}");
     }
 
     #[test]

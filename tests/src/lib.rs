@@ -398,3 +398,40 @@ pub fn free_loopback_addr() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("binding a loopback port");
     l.local_addr().unwrap().to_string()
 }
+
+/// `program args…` as pid 1 of a pid namespace of its own, as in a container (`unshare -p -f
+/// --mount-proc`; unshare's death, when the guard drops, kills it), and its pid here once it
+/// has exec'd an executable named `python…`. Its threads' tids differ between the namespace
+/// and the host.
+pub fn spawn_python_in_pid_namespace(
+    program: &Path,
+    args: &[&std::ffi::OsStr],
+) -> (ChildGuard, u32) {
+    let guard = ChildGuard::spawn(
+        Command::new("unshare")
+            .args(["-p", "-f", "--mount-proc", "--kill-child"])
+            .arg(program)
+            .args(args),
+    );
+    let launcher = guard.pid();
+    let mut pid = 0;
+    wait_until(20, "the namespace's Python to start", || {
+        pid = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+            .ok()
+            .and_then(|c| c.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0);
+        // Wrappers exec their way to the interpreter.
+        pid != 0
+            && std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| {
+                e.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("python"))
+            })
+    });
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let nspid = status.lines().find(|l| l.starts_with("NSpid:")).unwrap();
+    assert!(
+        nspid.split_whitespace().last() == Some("1"),
+        "pid {pid} is not its namespace's init: {nspid}"
+    );
+    (guard, pid)
+}

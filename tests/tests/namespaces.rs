@@ -9,6 +9,8 @@
 //! Two layers of checks: what holds whatever tracer knows of 3.14 (no missing-path warning,
 //! the interpreter found, native frames named, binaries shown by their real paths), checked
 //! first; and Python-level results (functions and their calls), collected and checked last.
+//!
+//! Last, a host Python alone in a pid namespace: counted by pid from threads already running.
 
 use std::{
     io::{BufRead, BufReader, Write},
@@ -614,7 +616,85 @@ fn python_under_unshare_root() {
 }
 
 #[test]
-#[ignore = "sampling reads no Python frames in a new pid namespace: the sampler matches PyThreadState.native_thread_id (the namespace's tid) against the host tid"]
 fn python_in_a_pivot_root_container() {
     run_jail(Kind::PivotRoot);
+}
+
+/// Counting by pid, attached to a host Python in a pid namespace of its own: threads already
+/// inside a function when the session starts never pass the eval loop's entry again, so the
+/// daemon finds their thread states, which know them by their tids in the namespace.
+#[test]
+fn python_in_its_own_pid_namespace_counts_running_threads() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let mut pythons = tracer_tests::interpreters();
+    for p in tracer_tests::chroot_interpreters() {
+        if !pythons.contains(&p) {
+            pythons.push(p);
+        }
+    }
+    for python in pythons {
+        let dir = d.dir.path();
+        for f in ["go", "ready-main", "ready-thread"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        // Two threads wait inside `wait` until cued, then call fib(15) (1973 calls) each.
+        let code = format!(
+            "import os, threading, time\n\
+             def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+             def wait(name):\n    open(os.path.join({dir:?}, name), 'w').close()\n    \
+             while not os.path.exists(os.path.join({dir:?}, 'go')):\n        time.sleep(0.01)\n    \
+             fib(15)\n\
+             t = threading.Thread(target=wait, args=('ready-thread',))\n\
+             t.start()\n\
+             wait('ready-main')\n\
+             t.join()\n"
+        );
+        let file = dir.join("attach.py");
+        std::fs::write(&file, code).unwrap();
+        let (mut guard, pid) =
+            tracer_tests::spawn_python_in_pid_namespace(&python, &[file.as_os_str()]);
+        wait_until(20, "both threads to wait", || {
+            dir.join("ready-main").exists() && dir.join("ready-thread").exists()
+        });
+        let id = d
+            .ok(&[
+                "start",
+                "--mode=counting",
+                "--python",
+                "--pid",
+                &pid.to_string(),
+            ])
+            .trim()
+            .to_owned();
+        std::fs::write(dir.join("go"), b"").unwrap();
+        assert!(guard.0.wait().unwrap().success(), "{}", python.display());
+        wait_until(20, "the session to end", || {
+            d.ok(&["status", &id]).contains("finished")
+        });
+        let report: Value =
+            serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+        let script = file.to_string_lossy();
+        let functions = script_functions(&report, &script);
+        let calls = |name: &str| -> u64 {
+            functions
+                .iter()
+                .filter(|(q, p, _)| q == name && *p == u64::from(pid))
+                .map(|(_, _, n)| n)
+                .sum()
+        };
+        println!("{}: {functions:?}", python.display());
+        assert_eq!(
+            calls("fib"),
+            2 * 1973,
+            "{}: {functions:?}; warnings: {}; losses: {}",
+            python.display(),
+            report["python"]["warnings"],
+            report["losses"]
+        );
+        // Entered before the session started, never again.
+        assert_eq!(calls("wait"), 0, "{}: {functions:?}", python.display());
+    }
 }

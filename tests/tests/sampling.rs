@@ -177,6 +177,76 @@ fn shares_agree_with_py_spy_on_every_interpreter() {
     }
 }
 
+/// Samples whose stack holds the Python frame of `name` in `file`.
+fn python_samples_in(f: &Folded, name: &str, file: &str) -> u64 {
+    let prefix = format!("{name} (");
+    f.iter()
+        .filter(|(s, _)| {
+            s.iter()
+                .any(|fr| fr.starts_with(&prefix) && fr.contains(&format!("{file}:")))
+        })
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// In a pid namespace of its own (every container's), a thread's tid is not the host's,
+/// yet its Python frames are read: attached by pid, on every interpreter.
+#[test]
+fn python_in_its_own_pid_namespace() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let workload = script("sample_workload.py");
+    let mut pythons = interpreters();
+    for p in tracer_tests::chroot_interpreters() {
+        if !pythons.contains(&p) {
+            pythons.push(p);
+        }
+    }
+    for python in pythons {
+        let (_guard, pid) = tracer_tests::spawn_python_in_pid_namespace(
+            &python,
+            &[workload.as_os_str(), "30".as_ref()],
+        );
+        // Past start-up: main's loop runs.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let folded = parse_folded(&d.ok(&[
+            "start",
+            "--mode=sampling",
+            "--frequency",
+            "199",
+            "--pid",
+            &pid.to_string(),
+            "--duration",
+            "2s",
+            "--wait",
+            "--format",
+            "folded",
+        ]));
+        let total: u64 = folded.iter().map(|(_, n)| n).sum();
+        let file = "sample_workload.py";
+        let main = python_samples_in(&folded, "main", file);
+        println!(
+            "{}: {main} of {total} samples under the Python frame main",
+            python.display()
+        );
+        assert!(total >= 50, "{}: {folded:?}", python.display());
+        assert!(
+            main * 10 >= total * 9,
+            "{}: only {main} of {total} samples under main: {folded:?}",
+            python.display()
+        );
+        for f in ["heavy", "medium", "spin"] {
+            assert!(
+                python_samples_in(&folded, f, file) > 0,
+                "{}: no samples in {f}: {folded:?}",
+                python.display()
+            );
+        }
+    }
+}
+
 #[test]
 fn native_frames_sit_under_the_python_caller() {
     if !root_or_skip() {

@@ -71,7 +71,7 @@ const fn probe(
 
 /// What sampling reads besides: the frame's instruction and entry flag, and the thread list
 /// (`_PyRuntime.interpreters.head->threads.head`, then `next`) with the id a thread state is
-/// matched on.
+/// matched on (`thread_id`: `pthread_self()`, the same in every pid namespace).
 const fn sampled(
     mut p: PyLayout,
     (frame_instr, frame_is_entry): (u32, u32),
@@ -145,7 +145,7 @@ pub const VERSIONS: &[Version] = &[
         probe: sampled(
             probe(py_kind::CFRAME, 56, 8, 0, (32, 48), (112, 128, 72), 48),
             (56, 68),
-            160,
+            152,
             (40, 16),
         ),
         runtime_interpreters_head: 40,
@@ -165,7 +165,7 @@ pub const VERSIONS: &[Version] = &[
         probe: sampled(
             with_owner(probe(py_kind::CFRAME, 56, 0, 0, (0, 8), (112, 128, 68), 40)),
             (56, 0),
-            144,
+            136,
             (40, 72),
         ),
         runtime_interpreters_head: 40,
@@ -200,7 +200,7 @@ pub const VERSIONS: &[Version] = &[
                 40,
             )),
             (56, 0),
-            160,
+            152,
             (632, 7344),
         ),
         runtime_interpreters_head: 632,
@@ -239,7 +239,7 @@ pub const VERSIONS: &[Version] = &[
                 40,
             )),
             (56, 0),
-            160,
+            152,
             (808, 7344),
         ),
         runtime_interpreters_head: 808,
@@ -276,7 +276,7 @@ pub const VERSIONS: &[Version] = &[
                 40,
             )),
             (56, 0),
-            184,
+            176,
             (936, 7336),
         ),
         runtime_interpreters_head: 936,
@@ -330,6 +330,7 @@ pub fn from_debug_offsets(d: &DebugOffsets) -> Result<Version, String> {
         "interpreter_state.threads_head",
         "thread_state.next",
         "thread_state.current_frame",
+        "thread_state.thread_id",
         "thread_state.native_thread_id",
         "interpreter_frame.previous",
         "interpreter_frame.executable",
@@ -375,7 +376,7 @@ pub fn from_debug_offsets(d: &DebugOffsets) -> Result<Version, String> {
             ascii_data,
         ),
         (off("interpreter_frame.instr_ptr"), 0),
-        off("thread_state.native_thread_id"),
+        off("thread_state.thread_id"),
         (
             off("runtime_state.interpreters_head"),
             off("interpreter_state.threads_head"),
@@ -468,8 +469,9 @@ mod tests {
                 v.interp_threads_head
             );
             assert_eq!(u64::from(v.probe.tstate_next), v.tstate_next);
+            // `unsigned long thread_id, native_thread_id;` on every version.
             if let Some(id) = v.tstate_native_thread_id {
-                assert_eq!(u64::from(v.probe.tstate_thread_id), id);
+                assert_eq!(u64::from(v.probe.tstate_thread_id) + 8, id);
             }
             assert_ne!(v.probe.frame_instr, 0);
         }

@@ -72,7 +72,9 @@ pub(crate) fn read_u64(pid: u32, addr: u64) -> io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-/// (thread id, `PyThreadState *`) of every thread of the main interpreter, for 3.11+.
+/// (tid, `PyThreadState *`) of every live thread of the main interpreter, for 3.11+: tids as
+/// the daemon (and the kernel's helpers) see them, also for a process in its own pid
+/// namespace.
 pub fn thread_states(pid: u32, rt: &Runtime, mapped: &Mapped) -> io::Result<Vec<(u32, u64)>> {
     let v: &Version = rt.version;
     let (Some(native_id), Some(sym)) = (v.tstate_native_thread_id, rt.runtime_symbol) else {
@@ -88,6 +90,8 @@ pub fn thread_states(pid: u32, rt: &Runtime, mapped: &Mapped) -> io::Result<Vec<
         return Ok(Vec::new());
     }
     let mut tstate = read_u64(pid, interp + v.interp_threads_head)?;
+    // `native_thread_id` is the tid in the process's own pid namespace.
+    let tids = crate::process::tids_by_own_tid(pid)?;
     let mut out = Vec::new();
     // A bound against a corrupt or changing list.
     for _ in 0..4096 {
@@ -96,7 +100,13 @@ pub fn thread_states(pid: u32, rt: &Runtime, mapped: &Mapped) -> io::Result<Vec<
         }
         let mut id = [0u8; 8];
         read(pid, tstate + native_id, &mut id)?;
-        out.push((u32::try_from(u64::from_le_bytes(id)).unwrap_or(0), tstate));
+        // No such thread: not bound to one yet (0), or exited since.
+        if let Some(&tid) = u32::try_from(u64::from_le_bytes(id))
+            .ok()
+            .and_then(|own| tids.get(&own))
+        {
+            out.push((tid, tstate));
+        }
         tstate = read_u64(pid, tstate + v.tstate_next)?;
     }
     Ok(out)

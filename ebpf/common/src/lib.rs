@@ -88,7 +88,7 @@ pub mod globals {
     pub const NEWTASK_CLONE_FLAGS_OFFSET: &str = "NEWTASK_CLONE_FLAGS_OFFSET";
     pub const EXIT_GROUP_DEAD_OFFSET: &str = "EXIT_GROUP_DEAD_OFFSET";
     /// `task_struct.thread.fsbase`, from the kernel's BTF: `pthread_self()` of the sampled
-    /// thread, which CPython 3.10 stores as its thread id.
+    /// thread, which CPython stores as its thread state's `thread_id`.
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
 }
 
@@ -133,8 +133,8 @@ pub struct PyLayout {
     pub frame_instr: u32,
     /// Sampling: `_PyInterpreterFrame.is_entry` (3.11 only; 0: no such field).
     pub frame_is_entry: u32,
-    /// Sampling: the thread id a thread state is matched on: `native_thread_id` (3.11+,
-    /// the kernel's tid) or `thread_id` (3.10: `pthread_self()`, matched on fsbase).
+    /// Sampling: `PyThreadState.thread_id`, `pthread_self()`, matched on the task's fs base
+    /// (not `native_thread_id`: a tid in the process's own pid namespace).
     pub tstate_thread_id: u32,
     pub runtime_interpreters_head: u32,
     pub interp_threads_head: u32,

@@ -185,7 +185,7 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         _ => return memory_or_name(&a, which, slot, pid),
     }
     let tid = bpf_get_current_pid_tgid() as u32;
-    if let Some((code, instr, names)) = call_site(pid, tid) {
+    if let Some((code, instr, names)) = call_site(pid) {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
     }
     // SAFETY: `regs` is this program's context.
@@ -317,8 +317,8 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
 }
 
 /// The launching thread's innermost Python frame (code object, instruction, names id).
-fn call_site(pid: u32, tid: u32) -> Option<(u64, u64, u64)> {
-    let PyThread::Found(tstate, l) = python_thread(pid, tid) else {
+fn call_site(pid: u32) -> Option<(u64, u64, u64)> {
+    let PyThread::Found(tstate, l) = python_thread(pid) else {
         return None;
     };
     let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;

@@ -95,7 +95,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
             -1
         };
         user_stack(ev);
-        python(ev, pid, tid);
+        python(ev, pid);
     }
     // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
     let _ = BPF_F_USER_STACK;
@@ -116,7 +116,7 @@ pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
         header(ev, slot, pid, tid);
         (*ev).kernel_stack = -1;
         user_stack(ev);
-        python(ev, pid, tid);
+        python(ev, pid);
     }
     entry.submit(0);
 }
@@ -187,7 +187,7 @@ pub(crate) enum PyThread {
     NoThread,
 }
 
-pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
+pub(crate) fn python_thread(pid: u32) -> PyThread {
     // SAFETY: map values are valid for the duration of the program.
     let Some(proc) = (unsafe { PY_SAMPLE_PROCS.get(&pid) }).copied() else {
         return PyThread::UnknownProcess;
@@ -198,21 +198,18 @@ pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
     let Some(layout) = crate::python::layout(proc.layout) else {
         return PyThread::NotPython;
     };
-    let want = if layout.kind == py_kind::EVAL_ARG_FRAME {
-        // 3.10 knows its threads by pthread_self(), which is the thread's fs base.
-        let off = crate::proc::global(&TASK_FSBASE_OFFSET);
-        if off == u32::MAX {
-            return PyThread::NotPython;
-        }
-        // SAFETY: a kernel read at an offset from this kernel's BTF.
-        match unsafe {
-            bpf_probe_read_kernel((bpf_get_current_task() + u64::from(off)) as *const u64)
-        } {
-            Ok(v) => v,
-            Err(_) => return PyThread::NoThread,
-        }
-    } else {
-        u64::from(tid)
+    // Thread states are matched on `thread_id`, which CPython sets to pthread_self(): the
+    // thread's fs base. Its `native_thread_id` is the tid in the process's own pid
+    // namespace, which is not the kernel's tid here inside a container.
+    let off = crate::proc::global(&TASK_FSBASE_OFFSET);
+    if off == u32::MAX {
+        return PyThread::NotPython;
+    }
+    // SAFETY: plain helper call.
+    let fsbase = unsafe { bpf_get_current_task() } + u64::from(off);
+    // SAFETY: a kernel read at an offset from this kernel's BTF.
+    let Ok(want) = (unsafe { bpf_probe_read_kernel(fsbase as *const u64) }) else {
+        return PyThread::NoThread;
     };
     match thread_state(proc.runtime, layout, want) {
         Some(t) => PyThread::Found(t, layout),
@@ -221,8 +218,8 @@ pub(crate) fn python_thread(pid: u32, tid: u32) -> PyThread {
 }
 
 /// The Python frames of the sampled thread, if its process runs a known CPython.
-unsafe fn python(ev: *mut SampleEvent, pid: u32, tid: u32) {
-    let (tstate, layout) = match python_thread(pid, tid) {
+unsafe fn python(ev: *mut SampleEvent, pid: u32) {
+    let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l) => (t, l),
         PyThread::UnknownProcess => {
             // SAFETY: `ev` is the reserved record.

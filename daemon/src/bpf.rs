@@ -245,8 +245,16 @@ impl Bpf {
 
     /// Sets which session slots stop their processes at each exec until the daemon has
     /// handled the exec event (and continues them: see `session::manager`).
-    pub fn set_exec_hold(&mut self, mask: SessionMask) -> Result<(), BpfError> {
-        self.exec_hold.set(0, mask, 0).map_err(map_err("EXEC_HOLD"))
+    /// `followed`: all execs of their processes; `everywhere`: execs of `python…` anywhere.
+    pub fn set_exec_hold(
+        &mut self,
+        followed: SessionMask,
+        everywhere: SessionMask,
+    ) -> Result<(), BpfError> {
+        self.exec_hold
+            .set(0, followed, 0)
+            .and_then(|()| self.exec_hold.set(1, everywhere, 0))
+            .map_err(map_err("EXEC_HOLD"))
     }
 
     /// Sets which session slots are CUDA sessions, and which of those follow every process:

@@ -302,9 +302,9 @@ pub fn wait_until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// CPython 3.10-3.13 on this machine: pyenv's builds (shared libpython, full symbols) and the
-/// distribution's python3.11 (interpreter in the executable, dynamic symbols only). 3.14 and
-/// 3.15: [`chroot_interpreters`].
+/// CPython 3.10-3.15: pyenv's 3.10-3.13 builds (shared libpython, full symbols), the
+/// distribution's python3.11 (interpreter in the executable, dynamic symbols only), and
+/// [`chroot_interpreters`].
 pub fn interpreters() -> Vec<PathBuf> {
     let root = std::env::var_os("PYENV_ROOT")
         .map(PathBuf::from)
@@ -327,6 +327,9 @@ pub fn interpreters() -> Vec<PathBuf> {
         out.push("/usr/bin/python3.11".into());
     }
     out.sort();
+    // Debian's 3.14 and 3.15 (interpreter in the executable, GCC 16, JIT built in but off)
+    // and their libpython builds, each in a chroot of its own mount namespace.
+    out.extend(chroot_interpreters());
     out
 }
 

@@ -580,9 +580,14 @@ fn launches_name_their_python_call_site() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    // A session on the process, and one on the whole machine.
-    for all in [false, true] {
-        call_site_of(&d, &libs, all);
+    // A session on the process, and one on the whole machine; on this machine's Python, and
+    // on 3.14/3.15 in their chroots.
+    let pythons =
+        std::iter::once(tracer_tests::python()).chain(tracer_tests::chroot_interpreters());
+    for python in pythons {
+        for all in [false, true] {
+            call_site_of(&d, &libs, &python, all);
+        }
     }
 }
 
@@ -596,8 +601,19 @@ fn run_cuda_calls(
     start: &[&str],
     all: bool,
 ) -> (String, String) {
+    run_cuda_calls_on(d, &tracer_tests::python(), lib, args, start, all)
+}
+
+fn run_cuda_calls_on(
+    d: &Daemon,
+    python: &std::path::Path,
+    lib: &std::path::Path,
+    args: &[&str],
+    start: &[&str],
+    all: bool,
+) -> (String, String) {
     let mut py = ChildGuard::spawn(
-        Command::new(tracer_tests::python())
+        Command::new(python)
             .arg(tracer_tests::script("cuda_calls.py"))
             .arg(lib)
             .args(args)
@@ -633,10 +649,11 @@ fn run_cuda_calls(
     (id, pid)
 }
 
-fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
+fn call_site_of(d: &Daemon, libs: &std::path::Path, python: &std::path::Path, all: bool) {
     let script = tracer_tests::script("cuda_calls.py");
-    let (id, pid) = run_cuda_calls(
+    let (id, pid) = run_cuda_calls_on(
         d,
+        python,
         &libs.join("libcudart.so.13"),
         &["7"],
         &["--mode=counting", "--cuda"],
@@ -649,7 +666,7 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
         .iter()
         .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].as_u64() == pid.parse().ok())
         .collect();
-    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows.len(), 1, "{}: {rows:?}", python.display());
     let row = rows[0];
     assert_eq!(row["launches"], 7);
     assert_eq!(
@@ -667,7 +684,8 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, all: bool) {
     assert_eq!(
         row["call_site"],
         format!("launch ({}:{call_line})", script.display()),
-        "{row}"
+        "{}: {row}",
+        python.display()
     );
 }
 

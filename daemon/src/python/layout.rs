@@ -66,6 +66,7 @@ const fn probe(
         interp_threads_head: 0,
         tstate_next: 0,
         executable_tag_bits: 0,
+        code_flags: 0,
     }
 }
 
@@ -101,6 +102,13 @@ const fn with_owner(mut p: PyLayout) -> PyLayout {
 const fn stackref(mut p: PyLayout) -> PyLayout {
     p.frame_owner = 74;
     p.executable_tag_bits = 7;
+    p
+}
+
+/// 3.15+: generator expressions run RESUME before RETURN_GENERATOR (see
+/// `PyLayout::code_flags`); `co_flags` follows `co_exceptiontable` at 48 from 3.11 on.
+const fn resume_before_generator(mut p: PyLayout) -> PyLayout {
+    p.code_flags = 48;
     p
 }
 
@@ -266,7 +274,7 @@ pub const VERSIONS: &[Version] = &[
         minor: 15,
         index: 5,
         probe: sampled(
-            stackref(probe(
+            resume_before_generator(stackref(probe(
                 py_kind::CURRENT_FRAME,
                 0,
                 0,
@@ -274,7 +282,7 @@ pub const VERSIONS: &[Version] = &[
                 (0, 8),
                 (112, 128, 68),
                 40,
-            )),
+            ))),
             (56, 0),
             176,
             (936, 7336),
@@ -387,6 +395,9 @@ pub fn from_debug_offsets(d: &DebugOffsets) -> Result<Version, String> {
     probe.tstate_next = off("thread_state.next");
     if d.minor() >= 14 {
         probe.executable_tag_bits = 7;
+    }
+    if d.minor() >= 15 {
+        probe = resume_before_generator(probe);
     }
     Ok(Version {
         minor: d.minor(),

@@ -422,6 +422,109 @@ mod tests {
         assert_eq!(minor_from_name(Path::new("/usr/bin/python3")), None);
     }
 
+    /// Debian's 3.15 from `cargo xtask setup`'s chroot, if there.
+    fn debian_315() -> Option<PathBuf> {
+        let p =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cpython-root/usr/bin/python3.15");
+        p.exists().then_some(p)
+    }
+
+    /// A version tracer has never seen: 3.15 with its debug offsets' version word made 3.16.
+    /// Its layout comes from the offsets; counting needs its standard library's opcode table.
+    #[test]
+    fn a_newer_version_is_read_from_its_debug_offsets() {
+        let Some(src) = debian_315() else {
+            println!("skipping: CPython 3.15 not set up (cargo xtask setup)");
+            return;
+        };
+        let mut data = fs::read(&src).unwrap();
+        let at = data
+            .windows(16)
+            .position(|w| &w[..8] == b"xdebugpy" && w[8..16] == 0x030f_02f0u64.to_le_bytes())
+            .expect("3.15.2's debug offsets");
+        data[at + 8..at + 16].copy_from_slice(&0x0310_00a1u64.to_le_bytes());
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        fs::create_dir_all(&bin).unwrap();
+        let exe = bin.join("python3.16");
+        fs::write(&exe, &data).unwrap();
+
+        let sampled = Runtime::inspect_layout(&exe).unwrap();
+        assert_eq!(sampled.version.minor, 16);
+        assert!(sampled.version.index as usize >= layout::VERSIONS.len());
+        assert_eq!(sampled.version.probe, layout::version(15).unwrap().probe);
+        let refused = Runtime::inspect(&exe).unwrap_err().to_string();
+        assert!(
+            refused.contains("newer than tracer's tables")
+                && refused.contains("_opcode_metadata.py"),
+            "{refused}"
+        );
+
+        let lib = dir.path().join("lib/python3.16");
+        fs::create_dir_all(&lib).unwrap();
+        fs::copy(
+            src.parent()
+                .unwrap()
+                .join("../lib/python3.15/_opcode_metadata.py"),
+            lib.join("_opcode_metadata.py"),
+        )
+        .unwrap();
+        let counted = Runtime::inspect(&exe).unwrap();
+        let known = Runtime::inspect(&src).unwrap();
+        let points = |rt: &Runtime| -> Vec<u64> {
+            rt.resume
+                .iter()
+                .chain(&rt.exit)
+                .map(|p| p.file_offset)
+                .collect()
+        };
+        assert_eq!(points(&counted), points(&known));
+        assert!(counted.version.source.contains("counts unverified"));
+    }
+
+    /// tracer's tables for 3.13+ say what the interpreters' own debug offsets say.
+    #[test]
+    fn the_tables_agree_with_the_interpreters_debug_offsets() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cpython-root");
+        let mut binaries: Vec<PathBuf> = super::super::discover::interpreters()
+            .into_iter()
+            .map(|i| i.runtime)
+            .collect();
+        for v in ["3.14", "3.15"] {
+            binaries.push(root.join(format!("usr/bin/python{v}")));
+            binaries.push(root.join(format!("usr/lib/x86_64-linux-gnu/libpython{v}.so.1.0")));
+        }
+        let mut checked = 0;
+        for path in binaries.iter().filter(|p| p.exists()) {
+            let data = fs::read(path).unwrap();
+            let file = object::File::parse(&*data).unwrap();
+            let Some(d) = DebugOffsets::read(&file).ok().flatten() else {
+                continue;
+            };
+            let table = layout::version(d.minor()).expect("a table for every version here");
+            let derived = layout::from_debug_offsets(&d).unwrap();
+            assert_eq!(derived.probe, table.probe, "{}", path.display());
+            assert_eq!(
+                (
+                    derived.code_adaptive,
+                    derived.code_linetable,
+                    derived.tstate_native_thread_id
+                ),
+                (
+                    table.code_adaptive,
+                    table.code_linetable,
+                    table.tstate_native_thread_id
+                ),
+                "{}",
+                path.display()
+            );
+            checked += 1;
+        }
+        if checked == 0 {
+            println!("skipping: no CPython 3.13+ on this machine");
+        }
+    }
+
     /// The scan must find what the symbol table says, on every interpreter that has one.
     #[test]
     fn the_scan_finds_the_symbol_tables_answer() {

@@ -886,14 +886,17 @@ impl Manager {
             // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
             // has not mapped it yet; probing the file it will map counts its first call too.
             if let Some(lib) = crate::python::discover::libpython_needed(pid, &mapped.path) {
-                if let Err(why) = self.py.ensure(&mut self.bpf, &lib) {
-                    py.warnings.push(format!("pid {pid}: {why}"));
+                match self.py.ensure(&mut self.bpf, &lib) {
+                    Ok(_) => py.note_jit(pid, &self.py, &lib),
+                    Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
                 }
             } else if let Err(why) = self.py.ensure(&mut self.bpf, &mapped.path) {
                 if why != Unprobed::NotRuntime {
                     py.warnings.push(format!("pid {pid}: {why}"));
                     py.checked.insert(pid, exe);
                 }
+            } else {
+                py.note_jit(pid, &self.py, &mapped.path);
             }
             return;
         }
@@ -937,7 +940,7 @@ impl Manager {
         }
         // Followed processes wait at exec for their interpreter to be probed, so that no call
         // of a program in a chroot or container (an interpreter not known beforehand) is lost.
-        if let Err(e) = self.bpf.set_exec_hold(python & !all) {
+        if let Err(e) = self.bpf.set_exec_hold(python & !all, all) {
             tracing::error!(%e, "updating the exec hold mask");
         }
         if python == 0 {
@@ -1316,6 +1319,16 @@ impl Manager {
                 PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
                 _ => {}
             }
+        }
+        if ev.kind == PROC_EVENT_EXEC {
+            // Sessions counting Python everywhere hear of execs of `python…` programs.
+            execs.extend(
+                self.running
+                    .values()
+                    .filter(|s| !s.follows_pid() && s.python.is_some())
+                    .filter(|s| s.slot.is_some_and(|slot| ev.sessions & (1 << slot) != 0))
+                    .map(|s| s.id.clone()),
+            );
         }
         for id in execs {
             self.check_session_process(&id, ev.pid, true);

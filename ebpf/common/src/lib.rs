@@ -142,12 +142,23 @@ pub struct PyLayout {
     /// Low bits of `f_executable` that tag the reference rather than address the code
     /// object (3.14+: `_PyStackRef`); cleared before the pointer is followed.
     pub executable_tag_bits: u32,
+    /// `co_flags` (0: not read). Set where a generator's code runs a RESUME before
+    /// RETURN_GENERATOR makes it a generator (3.15's generator expressions evaluate their
+    /// iterable first): that run is no call, and is told by a generator code object in a
+    /// frame the thread still owns.
+    pub code_flags: u32,
 }
 
 /// `_PyInterpreterFrame.owner` from this value up: a frame that runs no Python function of
 /// its own (3.12/3.13's C-stack shim is 3; 3.14 has the interpreter's entry frame at 3 and
 /// the C stack's at 4; 3.15 only the former).
 pub const PY_FRAME_OWNER_NOT_PYTHON: u8 = 3;
+
+/// `_PyInterpreterFrame.owner` of a frame on the thread's own stack (not a generator's).
+pub const PY_FRAME_OWNED_BY_THREAD: u8 = 0;
+
+/// `co_flags` bits of generators, coroutines and async generators.
+pub const PY_CO_GENERATOR_LIKE: u32 = 0x20 | 0x80 | 0x200;
 
 impl PyLayout {
     /// The code object a frame's executable field names.

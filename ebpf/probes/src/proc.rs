@@ -29,9 +29,11 @@ static PROC_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 
 /// Sessions whose processes stop at each exec until the daemon has looked at the new program
 /// and probed it (it sends SIGCONT on the exec event): an interpreter it has not seen, in a
-/// chroot say, takes longer to probe than a short program takes to run.
+/// chroot say, takes longer to probe than a short program takes to run. [0]: sessions that
+/// follow processes (all their execs); [1]: sessions counting Python everywhere (execs of
+/// programs named `python…`).
 #[map]
-static EXEC_HOLD: Array<SessionMask> = Array::with_max_entries(1, 0);
+static EXEC_HOLD: Array<SessionMask> = Array::with_max_entries(2, 0);
 
 const SIGSTOP: u32 = 19;
 
@@ -163,29 +165,38 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
 }
 
 /// `sched:sched_process_exec`: a followed process runs a new program (the daemon checks
-/// whether it is an interpreter to probe).
+/// whether it is an interpreter to probe). Also, while sessions count Python in every
+/// process, any process that execs a `python…` (by the name it was run as, the new comm).
 #[tracepoint]
 pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     crate::sample::forget_process(tgid);
+    let comm = bpf_get_current_comm().unwrap_or([0; 16]);
     // SAFETY: see try_task_newtask.
-    if let Some(&sessions) = unsafe { TRACKED.get(&tgid) } {
-        let sent = emit(ProcEvent {
-            kind: PROC_EVENT_EXEC,
-            pid: tgid,
-            parent_pid: 0,
-            _pad: 0,
-            sessions,
-            // SAFETY: plain BPF helper calls.
-            ktime_ns: unsafe { bpf_ktime_get_ns() },
-            comm: bpf_get_current_comm().unwrap_or([0; 16]),
-        });
-        // Only when the daemon will see the event, whose handling continues the process.
-        if sent && EXEC_HOLD.get(0).is_some_and(|hold| hold & sessions != 0) {
-            // SAFETY: plain BPF helper call; the stop takes effect before the new program's
-            // first instruction.
-            unsafe { bpf_send_signal(SIGSTOP) };
-        }
+    let sessions = match unsafe { TRACKED.get(&tgid) } {
+        Some(&followed) => followed,
+        None if comm.starts_with(b"python") => EXEC_HOLD.get(1).copied().unwrap_or(0),
+        None => 0,
+    };
+    if sessions == 0 {
+        return 0;
+    }
+    let sent = emit(ProcEvent {
+        kind: PROC_EVENT_EXEC,
+        pid: tgid,
+        parent_pid: 0,
+        _pad: 0,
+        sessions,
+        // SAFETY: plain BPF helper call.
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        comm,
+    });
+    let hold = EXEC_HOLD.get(0).copied().unwrap_or(0) | EXEC_HOLD.get(1).copied().unwrap_or(0);
+    // Only when the daemon will see the event, whose handling continues the process.
+    if sent && hold & sessions != 0 {
+        // SAFETY: plain BPF helper call; the stop takes effect before the new program's
+        // first instruction.
+        unsafe { bpf_send_signal(SIGSTOP) };
     }
     0
 }

@@ -17,7 +17,8 @@ use aya_ebpf::{
 use tracer_common::{
     loss, py_kind, py_names_id, py_role, trace_kind, PyCallKey, PyCallStats, PyCodeEvent,
     PyEdgeKey, PyLayout, PyStack, PyStackEntry, SessionMask, TraceEvent, MAX_PY_SESSIONS,
-    PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_EDGES_MAX, PY_FRAME_OWNER_NOT_PYTHON,
+    PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_CO_GENERATOR_LIKE, PY_EDGES_MAX,
+    PY_FRAME_OWNED_BY_THREAD, PY_FRAME_OWNER_NOT_PYTHON,
     PY_LAYOUTS_MAX, PY_STACK_DEPTH, PY_THREADS_MAX, PY_UNWIND_PER_EVENT, TRACE_EXIT_INFERRED,
 };
 
@@ -195,7 +196,20 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
         leave(mask, pid_tgid, frame, layout);
         return Ok(());
     }
+    if layout.code_flags != 0 && creating_generator(frame, layout) {
+        return Ok(());
+    }
     enter(mask, pid_tgid, frame, layout, None)
+}
+
+/// A generator's code running before RETURN_GENERATOR has made its frame the generator's
+/// (3.15's generator expressions): profilers count no call for it.
+#[inline(always)]
+fn creating_generator(frame: u64, layout: &PyLayout) -> bool {
+    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else { return false };
+    let Ok(flags) = read::<u32>(layout.code_of(executable) + u64::from(layout.code_flags)) else { return false };
+    flags & PY_CO_GENERATOR_LIKE != 0
+        && read::<u8>(frame + u64::from(layout.frame_owner)).is_ok_and(|o| o == PY_FRAME_OWNED_BY_THREAD)
 }
 
 /// Layout `index` of `PY_LAYOUTS` (for the sampler).
@@ -247,6 +261,22 @@ fn stack(tid: u32) -> Option<*mut PyStack> {
 
 /// A thread exits: its stack and thread state go with it.
 pub(crate) fn forget_thread(tid: u32) {
+    // Frames still on its stack end with it, their exits inferred as for frames left by
+    // exceptions (a thread ended mid-call, or frames whose exit no probe saw): counted and
+    // traced rather than dropped.
+    if let Some(st) = PY_STACKS.get_ptr_mut(&tid) {
+        let who = bpf_get_current_pid_tgid();
+        let mask = sessions((who >> 32) as u32);
+        if mask != 0 {
+            // SAFETY: this thread's map value; the thread is exiting, so no probe of it runs.
+            let st = unsafe { &mut *st };
+            let mut u = Unwind { st, mask, who, now: unsafe { bpf_ktime_get_ns() }, depth: 0 };
+            // SAFETY: as in `pop_inferred_to`.
+            unsafe {
+                bpf_loop(PY_STACK_DEPTH as u32, unwind_step as *mut c_void, (&raw mut u).cast(), 0);
+            }
+        }
+    }
     let _ = PY_STACKS.remove(&tid);
     let _ = PY_TSTATE.remove(&tid);
 }

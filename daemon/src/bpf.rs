@@ -26,6 +26,9 @@ use crate::python::{
     runtime::Runtime,
 };
 
+const CUDA_CALL: &str = "tracer_cuda_call";
+const CUDA_RETURN: &str = "tracer_cuda_return";
+
 /// The probes' layout array, for layouts found after loading (an interpreter's own debug
 /// offsets): whoever hands a probe a layout index publishes its layout first.
 static PY_LAYOUTS_MAP: std::sync::Mutex<Option<Array<MapData, PyLayout>>> =
@@ -439,6 +442,17 @@ impl Bpf {
         self.cuda_names.take()
     }
 
+    /// Loads the CUDA probes' programs (once). Their verification takes seconds (they hold
+    /// the Python frame walk of launch stacks): a CUDA session loads them as it starts, so
+    /// that a library mapped later is probed at once.
+    pub fn load_cuda(&mut self) -> Result<(), BpfError> {
+        if !self.cuda_loaded {
+            self.load_uprobes(&[CUDA_CALL, CUDA_RETURN])?;
+            self.cuda_loaded = true;
+        }
+        Ok(())
+    }
+
     /// Probes one CUDA entry point for one session (and its return, where the call's result
     /// is read). `cookie`: `cuda_cookie::make(slot, all, api)`.
     pub fn attach_cuda(
@@ -448,15 +462,10 @@ impl Bpf {
         cookie: u64,
         at_return: bool,
     ) -> Result<UprobeLinks, BpfError> {
-        const CALL: &str = "tracer_cuda_call";
-        const RETURN: &str = "tracer_cuda_return";
-        if !self.cuda_loaded {
-            self.load_uprobes(&[CALL, RETURN])?;
-            self.cuda_loaded = true;
-        }
-        let call = (CALL, file_offset, cookie);
+        self.load_cuda()?;
+        let call = (CUDA_CALL, file_offset, cookie);
         let points: &[_] = if at_return {
-            &[call, (RETURN, file_offset, cookie)]
+            &[call, (CUDA_RETURN, file_offset, cookie)]
         } else {
             &[call]
         };

@@ -666,6 +666,13 @@ impl Manager {
             None => None,
         };
 
+        // Before the start is answered: loading them when the first library is mapped would
+        // let the program run seconds ahead of its probes.
+        if options.cuda {
+            if let Err(e) = self.bpf.load_cuda() {
+                tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
+            }
+        }
         let id = new_id();
         let trace = match (trace_limits, slot) {
             (Some((limits, interval)), Some(slot)) => match self.tracing.add(slot, &id, limits) {

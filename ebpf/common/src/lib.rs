@@ -707,7 +707,7 @@ pub mod native_cookie {
 mod tests {
     #[test]
     fn python_types_have_no_hidden_padding() {
-        assert_eq!(core::mem::size_of::<super::PyLayout>(), 18 * 4);
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 20 * 4);
         assert_eq!(
             core::mem::size_of::<super::SampleEvent>(),
             4 * 4 + 8 * 6 + 4 * 4 + 16 + 24 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES

@@ -96,6 +96,20 @@ pub async fn run(
             _ => Err(DaemonError::NoSuchGroup(g.to_owned())),
         })
         .transpose()?;
+    let caps = tokio::task::spawn_blocking(|| capabilities::measure(true))
+        .await
+        .expect("capabilities task");
+    let interpreters = caps
+        .interpreters
+        .iter()
+        .map(|i| i.runtime_path.clone().into())
+        .collect();
+    let caps = Arc::new(caps);
+    let (sessions, manager_task) =
+        Manager::spawn(store, bpf, interpreters, config.state_dir.join("traces"))?;
+    // The socket appears only now that a start can be served at once: clients (and scripts
+    // waiting for the file) would otherwise queue behind the loading above, while the
+    // processes they mean to trace run on.
     let uds = bind(&config.socket, gid)?;
     let tcp = match tcp {
         Some(t) => {
@@ -109,17 +123,6 @@ pub async fn run(
         }
         None => None,
     };
-    let caps = tokio::task::spawn_blocking(|| capabilities::measure(true))
-        .await
-        .expect("capabilities task");
-    let interpreters = caps
-        .interpreters
-        .iter()
-        .map(|i| i.runtime_path.clone().into())
-        .collect();
-    let caps = Arc::new(caps);
-    let (sessions, manager_task) =
-        Manager::spawn(store, bpf, interpreters, config.state_dir.join("traces"))?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;

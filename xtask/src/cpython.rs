@@ -71,6 +71,72 @@ int Py_BytesMain(int argc, char **argv);
 int main(int argc, char **argv) { return Py_BytesMain(argc, argv); }
 ";
 
+/// The wrappers' one helper, `cpython-bin/enter`: a private mount namespace, the binds, the
+/// chroot and the exec in one process. Done by `sh`, `unshare` and a `mount` process per bind,
+/// it took ~20 ms a start: a third of a short test program's samples. `@ETC_FILES@`: [`ETC_FILES`].
+const ENTER: &str = r#"/* enter ROOT WORKSPACE EXE ARGS...: runs EXE chrooted in ROOT, in a mount namespace of its
+ * own where WORKSPACE, /tmp, /proc, /dev and a few /etc files are the host's, at the same
+ * paths. One process and one exec: the pid, the descriptors, the environment and the exit
+ * status are the caller's. Made by `cargo xtask setup` (xtask/src/cpython.rs). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *const etc_files[] = {@ETC_FILES@ 0};
+
+static void fail(const char *what, const char *path) {
+    fprintf(stderr, "enter: %s %s: %s\n", what, path, strerror(errno));
+    exit(127);
+}
+
+/* Binds the host's `path` at the same path inside `root`. */
+static void show(const char *root, const char *path, unsigned long flags) {
+    char at[PATH_MAX];
+    if (snprintf(at, sizeof at, "%s%s", root, path) >= (int)sizeof at) {
+        errno = ENAMETOOLONG;
+        fail("mounting", path);
+    }
+    if (mount(path, at, NULL, MS_BIND | flags, NULL) != 0) fail("mounting", path);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: enter ROOT WORKSPACE EXE [ARG...]\n");
+        return 127;
+    }
+    const char *root = argv[1], *workspace = argv[2], *exe = argv[3];
+    char cwd[PATH_MAX];
+    int have_cwd = getcwd(cwd, sizeof cwd) != NULL;
+    if (unshare(CLONE_NEWNS) != 0) fail("unsharing", "the mount namespace");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) fail("making private", "/");
+    show(root, workspace, MS_REC);
+    show(root, "/tmp", MS_REC);
+    show(root, "/proc", MS_REC);
+    show(root, "/dev", MS_REC);
+    for (const char *const *f = etc_files; *f; f++) {
+        char path[64];
+        snprintf(path, sizeof path, "/etc/%s", *f);
+        if (access(path, F_OK) == 0) show(root, path, 0);
+    }
+    if (chroot(root) != 0) fail("chroot to", root);
+    /* The working directory stays where its path is a directory inside the root, else /. */
+    struct stat st;
+    if (!(have_cwd && stat(cwd, &st) == 0 && S_ISDIR(st.st_mode) && chdir(cwd) == 0) &&
+        chdir("/") != 0)
+        fail("chdir to", "/");
+    argv[3] = (char *)exe;
+    execv(exe, argv + 3);
+    fail("running", exe);
+}
+"#;
+
 /// Run by every new interpreter before it is put in place: the modules the test workloads
 /// import (and the stdlib's other shared libraries), then its pid, version and the libpython
 /// it maps.
@@ -231,9 +297,11 @@ fn is_set_up() -> bool {
     let stamp_ok =
         fs::read_to_string(apt_dir().join("stamp")).is_ok_and(|s| s.starts_with(&stamp_inputs()));
     let dir = bin_dir();
+    let enter = dir.join("enter");
     stamp_ok
+        && enter_is_current(&dir)
         && wrappers(&dir).iter().all(|(v, kind, path)| {
-            fs::read_to_string(path).is_ok_and(|s| s == wrapper(&root_dir(), v, *kind))
+            fs::read_to_string(path).is_ok_and(|s| s == wrapper(&enter, &root_dir(), v, *kind))
         })
         && probe_all(&dir).is_ok()
 }
@@ -318,8 +386,9 @@ fn build() -> Result<Vec<String>> {
     replace(&root, &root_dir(), &apt.join("retired"))?;
 
     let dir = bin_dir();
+    let enter = build_enter(&dir)?;
     for (v, kind, path) in wrappers(&dir) {
-        write_executable(&path, &wrapper(&root_dir(), v, kind))?;
+        write_executable(&path, &wrapper(&enter, &root_dir(), v, kind))?;
     }
     let link = dir.join("root");
     if fs::read_link(&link).ok().as_deref() != Some(Path::new("../cpython-root")) {
@@ -625,9 +694,10 @@ fn build_launchers(build: &Path, root: &Path) -> Result<()> {
 /// modules, keep the pid it was started with (exec all the way), be the right version and map
 /// libpython only when shared. Returns the versions.
 fn check(bin: &Path, root: &Path) -> Result<Vec<String>> {
+    let enter = build_enter(bin)?;
     let mut versions = Vec::new();
     for (v, kind, path) in wrappers(bin) {
-        write_executable(&path, &wrapper(root, v, kind))?;
+        write_executable(&path, &wrapper(&enter, root, v, kind))?;
         let child = Command::new(&path)
             .args(["-c", CHECK])
             .stdin(Stdio::null())
@@ -667,6 +737,21 @@ fn check(bin: &Path, root: &Path) -> Result<Vec<String>> {
         );
         if matches!(kind, Kind::Static) {
             versions.push(words[1].to_owned());
+            // What Debian's own install does (py3compile): without it every start compiles
+            // the stdlib modules it imports, and tests (under PYTHONDONTWRITEBYTECODE) time
+            // an interpreter no one runs.
+            quiet(
+                Command::new(&path).args([
+                    "-m",
+                    "compileall",
+                    "-q",
+                    "-j0",
+                    "-x",
+                    "/(test|idlelib|tkinter|turtledemo)/",
+                    &format!("/usr/lib/python{v}"),
+                ]),
+                "compiling the stdlib",
+            )?;
         }
     }
     Ok(versions)
@@ -674,36 +759,14 @@ fn check(bin: &Path, root: &Path) -> Result<Vec<String>> {
 
 /// The wrapper script: `python3.X ARGS…` for the tests, as the host's interpreter would run.
 ///
-/// It runs `kind.exe(version)` chrooted in `root`, in a private mount namespace where the
-/// workspace, /tmp, /proc and /dev (recursively, so /dev/shm too) and [`ETC_FILES`] are the
-/// host's, at the same paths. Every step execs (sh, unshare, sh, unshare, python), so the pid
-/// the caller started is the interpreter's and stdin, stdout, stderr, the environment (which
-/// the shell gives a `PWD`) and the exit status are the caller's. The working directory stays
-/// when its path is a directory inside the root (the workspace, /tmp, but also the root's own
-/// /usr), else it is `/`.
-fn wrapper(root: &Path, version: &str, kind: Kind) -> String {
-    let r = root.display().to_string();
-    let ws = crate::root().display().to_string();
-    let mut inner = String::from("\n");
-    inner += &format!("mount --rbind {} {}\n", q(&ws), q(&format!("{r}{ws}")));
-    for dir in ["/tmp", "/proc", "/dev"] {
-        inner += &format!("mount --rbind {dir} {}\n", q(&format!("{r}{dir}")));
-    }
-    for file in ETC_FILES {
-        inner += &format!(
-            "[ ! -e /etc/{file} ] || mount --bind /etc/{file} {}\n",
-            q(&format!("{r}/etc/{file}"))
-        );
-    }
+/// [`ENTER`] (at `enter`) runs `kind.exe(version)` chrooted in `root`, in a private mount
+/// namespace where the workspace, /tmp, /proc and /dev (recursively, so /dev/shm too) and
+/// [`ETC_FILES`] are the host's, at the same paths. Both steps exec, so the pid the caller
+/// started is the interpreter's and stdin, stdout, stderr, the environment and the exit status
+/// are the caller's. The working directory stays when its path is a directory inside the root
+/// (the workspace, /tmp, but also the root's own /usr), else it is `/`.
+fn wrapper(enter: &Path, root: &Path, version: &str, kind: Kind) -> String {
     let exe = kind.exe(version);
-    inner += &format!(
-        "if [ -n \"$(pwd -P 2>/dev/null)\" ] && [ -d {}\"$(pwd -P)\" ]; then\n    \
-         exec unshare --root={} --wd=\"$(pwd -P)\" -- {exe} \"$@\"\nfi\n\
-         exec unshare --root={} -- {exe} \"$@\"\n",
-        q(&r),
-        q(&r),
-        q(&r)
-    );
     let what = match kind {
         Kind::Static => "as Debian builds it (the interpreter in the executable)",
         Kind::Shared => "linked to libpython (a launcher calling Py_BytesMain)",
@@ -717,9 +780,40 @@ fn wrapper(root: &Path, version: &str, kind: Kind) -> String {
          # Every step execs: the pid, stdin, stdout, stderr, the environment and the exit status\n\
          # are the caller's. The working directory stays when its path is a directory inside the\n\
          # root, else it is /.\n\
-         exec unshare --mount --propagation private -- sh -ec {} sh \"$@\"\n",
-        q(&inner)
+         exec {} {} {} {exe} \"$@\"\n",
+        q(&enter.display().to_string()),
+        q(&root.display().to_string()),
+        q(&crate::root().display().to_string()),
     )
+}
+
+/// Compiles [`ENTER`] to `dir/enter`, with its source beside it (`enter.c`, which
+/// [`is_set_up`] compares).
+fn build_enter(dir: &Path) -> Result<PathBuf> {
+    let etc: String = ETC_FILES.iter().map(|f| format!("\"{f}\", ")).collect();
+    let source = ENTER.replace("@ETC_FILES@", &etc);
+    fs::create_dir_all(dir)?;
+    let src = dir.join("enter.c");
+    let exe = dir.join("enter");
+    let tmp = dir.join(".enter.tmp");
+    fs::write(&src, &source)?;
+    quiet(
+        Command::new("cc")
+            .args(["-O2", "-Wall", "-o"])
+            .arg(&tmp)
+            .arg(&src),
+        "cc (the wrappers' helper)",
+    )?;
+    fs::rename(&tmp, &exe)?;
+    Ok(exe)
+}
+
+/// Whether `dir/enter` was built from today's [`ENTER`].
+fn enter_is_current(dir: &Path) -> bool {
+    let etc: String = ETC_FILES.iter().map(|f| format!("\"{f}\", ")).collect();
+    dir.join("enter").exists()
+        && fs::read_to_string(dir.join("enter.c"))
+            .is_ok_and(|s| s == ENTER.replace("@ETC_FILES@", &etc))
 }
 
 /// A word for sh: as it is when it has no special characters, else single-quoted.

@@ -83,6 +83,9 @@ pub struct Resolver {
     frame_ids: HashMap<Frame, u32>,
     /// Frames that are the interpreter's eval loop, where Python frames go.
     eval_frames: BTreeSet<u32>,
+    /// Per binary, the eval loop's file-offset ranges where its symbols do not name them
+    /// (read once, for binaries named like an interpreter).
+    eval_ranges: HashMap<u32, Vec<(u64, u64)>>,
     codes: HashMap<(u32, u64), Code>,
     python_frames: HashMap<(u32, u64, u64, u64), u32>,
     /// What limited the last sample's stack, for its session's report (taken after each).
@@ -272,13 +275,34 @@ impl Resolver {
                     ..Frame::default()
                 },
             };
-            let eval = frame.name.starts_with("_PyEval_EvalFrameDefault");
+            let eval = frame.name.starts_with("_PyEval_EvalFrameDefault")
+                || (frame.name.starts_with('[') && self.in_eval_loop(b, off));
             let id = self.intern(frame);
             if eval {
                 self.eval_frames.insert(id);
             }
             self.native.insert((b, off), id);
         }
+    }
+
+    /// Whether `off` in binary `b` is eval-loop code its symbols leave unnamed (see
+    /// `python::runtime::eval_ranges`). Only binaries named like CPython's are read.
+    fn in_eval_loop(&mut self, b: u32, off: u64) -> bool {
+        if !self.eval_ranges.contains_key(&b) {
+            let path = &self.binaries[b as usize].mapping.path;
+            let name = path.rsplit('/').next().unwrap_or(path);
+            let ranges = if name.starts_with("python") || name.starts_with("libpython") {
+                std::fs::read(self.read_path(b))
+                    .map(|d| crate::python::runtime::eval_ranges(&d))
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            self.eval_ranges.insert(b, ranges);
+        }
+        self.eval_ranges[&b]
+            .iter()
+            .any(|&(a, e)| off >= a && off < e)
     }
 
     /// Where the daemon reads a binary: the file it opened while a process mapped it, or

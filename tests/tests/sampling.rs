@@ -174,6 +174,23 @@ fn shares_agree_with_py_spy_on_every_interpreter() {
             "{}: main not under <module>",
             python.display()
         );
+        // ... and they sit where the eval loop ran, above the native frames that called it
+        // (Py_RunMain, exported by every build), stripped binaries included: Debian's 3.14
+        // and 3.15 keep the loop's body outside the exported symbol.
+        let misplaced: Vec<_> = ours
+            .iter()
+            .filter(|(s, _)| {
+                let py = s.iter().position(|f| function(f) == "main");
+                let run = s.iter().position(|f| f == "Py_RunMain");
+                matches!((py, run), (Some(p), Some(r)) if p < r)
+            })
+            .collect();
+        assert!(
+            misplaced.is_empty(),
+            "{}: Python frames below Py_RunMain: {:?}",
+            python.display(),
+            misplaced.first()
+        );
     }
 }
 

@@ -196,6 +196,55 @@ impl Runtime {
     }
 }
 
+/// The eval loop's code in this binary, as sorted file-offset ranges: the exported
+/// `_PyEval_EvalFrameDefault`, and every part of the function its opcode handlers lie in
+/// (by their unwind entries). GCC 16 moves the loop's body out of the symbol, and PGO builds
+/// move cold handlers away: a stripped binary names none of those parts, so sampling finds
+/// its eval-loop frames by these ranges. Empty for a binary that is no CPython runtime.
+pub fn eval_ranges(data: &[u8]) -> Vec<(u64, u64)> {
+    let Ok(file) = object::File::parse(data) else {
+        return Vec::new();
+    };
+    let Some((eval, size)) = symbol(&file, |n| n == EVAL_FRAME) else {
+        return Vec::new();
+    };
+    let mut ranges = vec![(eval, eval + size.max(1))];
+    let relocs = relative_relocations(&file);
+    let table = match symbol(&file, |n| n.starts_with("opcode_targets")) {
+        Some((addr, 2048)) => read_table(&file, &relocs, addr),
+        _ => scan_table(&file, &relocs, eval, size),
+    };
+    let mut handlers: Vec<u64> = table.unwrap_or_default();
+    handlers.sort_unstable();
+    handlers.dedup();
+    for h in handlers {
+        if ranges.iter().any(|&(a, b)| h >= a && h < b) {
+            continue;
+        }
+        if let Some(part) = crate::unwind::function_range(data, h) {
+            ranges.push(part);
+        }
+    }
+    let segments: Vec<(u64, u64, u64)> = file
+        .segments()
+        .map(|s| {
+            let (off, size) = s.file_range();
+            (s.address(), off, size)
+        })
+        .collect();
+    let mut out: Vec<(u64, u64)> = ranges
+        .into_iter()
+        .filter_map(|(a, b)| {
+            let (va, off, _) = segments
+                .iter()
+                .find(|(va, _, size)| a >= *va && a < va + size)?;
+            Some((a - va + off, b - va + off))
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 /// The layout of the interpreter in `file`: from its own debug offsets (3.13+), checked
 /// against tracer's table where it has one; from the file's name for older versions.
 fn resolve_version(path: &Path, file: &object::File) -> Result<&'static Version, RuntimeError> {

@@ -689,6 +689,16 @@ impl Binary {
     }
 }
 
+/// The range (ELF addresses) of the function, or part of one, whose unwind entry covers `svma`
+/// in this ELF image. Where a compiler split a function (hot and cold parts; GCC 16's eval
+/// loop, whose body leaves the exported symbol), each part has an entry of its own.
+pub fn function_range(data: &[u8], svma: u64) -> Option<(u64, u64)> {
+    let binary = Binary::parse(data).ok()?;
+    let eh_frame = binary.eh_frame();
+    let fde = binary.fde(&eh_frame, svma)?;
+    Some((fde.initial_address(), fde.end_address()))
+}
+
 /// Whether `.eh_frame_hdr` has a fixed-size search table that points into our `.eh_frame`
 /// (gimli turns its entries into `.eh_frame` offsets through the header's own pointer).
 fn hdr_table_usable(data: &[u8], bases: &BaseAddresses, eh_frame_addr: u64) -> bool {

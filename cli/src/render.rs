@@ -190,6 +190,9 @@ pub fn capabilities(c: &Capabilities) -> String {
             let _ = writeln!(out, "GPUs: unavailable: {why}");
         }
     }
+    if !c.probe_limits.is_empty() {
+        let _ = writeln!(out, "{}", c.probe_limits);
+    }
     let _ = writeln!(out, "\nPython interpreters:");
     if c.interpreters.is_empty() {
         let _ = writeln!(out, "  none found on PATH");

@@ -6,7 +6,7 @@ use tracer_proto::{Capabilities, Interpreter, Mode, PerfEventSupport};
 
 use crate::{bpf, perf, python};
 
-pub fn measure(bpf_loaded: bool) -> Capabilities {
+pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> Capabilities {
     let perf_events: Vec<PerfEventSupport> = perf::EVENTS
         .iter()
         .map(|e| {
@@ -81,6 +81,7 @@ pub fn measure(bpf_loaded: bool) -> Capabilities {
         now_unix_ns: 0,
         gpus,
         gpus_unavailable,
+        probe_limits: probe_limits.describe(),
     }
 }
 

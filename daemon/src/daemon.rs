@@ -29,6 +29,8 @@ pub struct Config {
     /// Size of the kernel ring buffer tracing events pass through, in MiB (a power of two):
     /// what absorbs bursts while the daemon catches up.
     pub trace_ring_mb: u32,
+    /// Caps on native probes (`--uprobe`), per session and per user.
+    pub probe_limits: crate::native::ProbeLimits,
 }
 
 pub const DEFAULT_TRACE_RING_MB: u32 = 64;
@@ -96,7 +98,8 @@ pub async fn run(
             _ => Err(DaemonError::NoSuchGroup(g.to_owned())),
         })
         .transpose()?;
-    let caps = tokio::task::spawn_blocking(|| capabilities::measure(true))
+    let probe_limits = config.probe_limits;
+    let caps = tokio::task::spawn_blocking(move || capabilities::measure(true, &probe_limits))
         .await
         .expect("capabilities task");
     let interpreters = caps
@@ -105,8 +108,13 @@ pub async fn run(
         .map(|i| i.runtime_path.clone().into())
         .collect();
     let caps = Arc::new(caps);
-    let (sessions, manager_task) =
-        Manager::spawn(store, bpf, interpreters, config.state_dir.join("traces"))?;
+    let (sessions, manager_task) = Manager::spawn(
+        store,
+        bpf,
+        interpreters,
+        config.state_dir.join("traces"),
+        config.probe_limits,
+    )?;
     // The socket appears only now that a start can be served at once: clients (and scripts
     // waiting for the file) would otherwise queue behind the loading above, while the
     // processes they mean to trace run on.

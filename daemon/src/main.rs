@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use tracer_daemon::{
     daemon::{self, Config},
+    native::ProbeLimits,
     remote::{Auth, ListenOptions},
 };
 
@@ -54,6 +55,13 @@ struct Args {
     /// two): it absorbs bursts while tracerd catches up; past it, events are counted lost.
     #[arg(long, default_value_t = daemon::DEFAULT_TRACE_RING_MB)]
     trace_ring_mb: u32,
+    /// Native functions (`--uprobe`) one session may probe, duplicates merged. Each probe on
+    /// a shared library traps in every process that maps it, traced or not.
+    #[arg(long, default_value_t = ProbeLimits::default().per_session as u32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max_probes_per_session: u32,
+    /// Native probes one user's running sessions may hold together (root's included).
+    #[arg(long, default_value_t = ProbeLimits::default().per_user as u32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max_probes_per_user: u32,
     /// Print where Python call counting would probe this interpreter binary (libpython or
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
     #[arg(long, value_name = "PATH")]
@@ -104,6 +112,10 @@ fn main() {
         metrics: args.metrics,
         group: args.group,
         trace_ring_mb: args.trace_ring_mb,
+        probe_limits: ProbeLimits {
+            per_session: args.max_probes_per_session as usize,
+            per_user: args.max_probes_per_user as usize,
+        },
     };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     if let Err(e) = rt.block_on(daemon::run(config, shutdown_signal())) {

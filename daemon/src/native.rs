@@ -13,6 +13,66 @@ use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
 /// probe costs every caller a trap).
 pub const MAX_PROBES_PER_SPEC: usize = 1000;
 
+/// Distinct `--uprobe` specs one session may give: each reads its binary's symbols, on the
+/// way to the session's start.
+pub const MAX_SPECS: usize = 256;
+
+/// How many native functions sessions may probe, after duplicates are merged. A probe on a
+/// shared library traps in every process that maps it, traced or not, so these caps protect
+/// the whole machine, not only the caller (`tracerd --max-probes-per-session/-per-user`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeLimits {
+    pub per_session: usize,
+    /// Summed over the running sessions of one uid (root's included).
+    pub per_user: usize,
+}
+
+impl Default for ProbeLimits {
+    fn default() -> Self {
+        Self {
+            per_session: 1000,
+            per_user: 2000,
+        }
+    }
+}
+
+impl ProbeLimits {
+    /// The caps and what a probe costs others, as `tracerctl capabilities` shows them.
+    pub fn describe(&self) -> String {
+        format!(
+            "native probes: at most {} functions a session and {} a user across running sessions (duplicates merged; {MAX_SPECS} --uprobe specs, {MAX_PROBES_PER_SPEC} functions a pattern); a probe on a shared library traps in every process that maps it, traced or not (≈0.5–4 µs a call), until its session ends",
+            self.per_session, self.per_user
+        )
+    }
+}
+
+/// The specs without repeats, in their first order.
+pub fn distinct_specs(specs: &[String]) -> Vec<&str> {
+    let mut seen = std::collections::HashSet::new();
+    specs
+        .iter()
+        .map(String::as_str)
+        .filter(|s| seen.insert(*s))
+        .collect()
+}
+
+/// The targets with one probe per function: specs that name one file by different names
+/// (`libc:malloc`, `libc.so.6:malloc`, its path) or overlapping patterns give each function
+/// once, under the first spec that asked for it.
+pub fn merge(targets: Vec<NativeTarget>) -> Vec<NativeTarget> {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    targets
+        .into_iter()
+        .filter(|t| {
+            let file = fs::metadata(&t.binary)
+                .map(|m| (m.dev(), m.ino(), PathBuf::new()))
+                .unwrap_or_else(|_| (0, 0, t.binary.clone()));
+            seen.insert((file, t.file_offset))
+        })
+        .collect()
+}
+
 /// Where libraries named without a path are looked for, after the target's own mappings.
 const LIB_DIRS: &[&str] = &[
     "/lib/x86_64-linux-gnu",
@@ -406,6 +466,30 @@ mod tests {
         assert!(!names("c", "libcrypt.so.1"));
         assert!(names("cuda", "libcuda.so.1"));
         assert!(!names("cuda", "libcudart.so.13"));
+    }
+
+    #[test]
+    fn one_probe_per_function_whatever_names_it() {
+        let specs: Vec<String> = [
+            "libc:getpid",
+            "libc:getpid",
+            "libc.so.6:getp*",
+            "libc:getpid",
+        ]
+        .map(String::from)
+        .to_vec();
+        let distinct = distinct_specs(&specs);
+        assert_eq!(distinct, ["libc:getpid", "libc.so.6:getp*"]);
+        let mut all = Vec::new();
+        for spec in &distinct {
+            all.extend(resolve(spec, None).expect("libc on this machine"));
+        }
+        let getpids = all.iter().filter(|t| t.symbol == "getpid").count();
+        assert_eq!(getpids, 2, "both specs match getpid: {all:?}");
+        let merged = merge(all.clone());
+        assert_eq!(merged.len(), all.len() - 1, "{merged:?}");
+        let first = merged.iter().find(|t| t.symbol == "getpid").unwrap();
+        assert_eq!(first.spec, "libc:getpid");
     }
 
     #[test]

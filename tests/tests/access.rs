@@ -123,3 +123,150 @@ fn the_socket_and_the_callers_uid_decide() {
     assert!(!listed.contains(&root_session), "{listed}");
     assert!(d.ok(&["list"]).contains(&root_session));
 }
+
+/// A process of `uid` (sleep 60), for a member to attach to.
+fn sleeper_of(uid: u32, gid: u32) -> ChildGuard {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new("sleep");
+    cmd.arg("60");
+    // SAFETY: only async-signal-safe syscalls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::unistd::setgroups(&[nix::unistd::Gid::from_raw(gid)])?;
+            nix::unistd::setgid(nix::unistd::Gid::from_raw(gid))?;
+            nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
+            Ok(())
+        });
+    }
+    ChildGuard::spawn(&mut cmd)
+}
+
+/// One StartSession naming one function thousands of times (which once took ~93 s to attach
+/// and stalled the machine) gets one probe; a session and a user have caps on probes.
+#[test]
+fn probe_floods_are_merged_and_capped() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        args: [
+            "--max-probes-per-session",
+            "5",
+            "--max-probes-per-user",
+            "6",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
+    let caps = String::from_utf8(d.ok(&["capabilities"]).into_bytes()).unwrap();
+    assert!(
+        caps.contains("at most 5 functions a session and 6 a user")
+            && caps.contains("traps in every process that maps it"),
+        "{caps}"
+    );
+
+    // 3,000 names for getpid, three spellings of its library: one probe, every call counted.
+    let mut args = vec!["start", "--mode=counting", "--format", "json"];
+    for i in 0..3000 {
+        args.push("--uprobe");
+        args.push(["libc:getpid", "libc.so.6:getpid", "c:getpid"][i % 3]);
+    }
+    let program = "import os\nfor _ in range(500): os.getpid()";
+    args.extend(["--", "/usr/bin/python3", "-c", program]);
+    let out = member(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let native = &report["native"];
+    assert_eq!(native["probes"].as_array().unwrap().len(), 1, "{native}");
+    let calls: u64 = native["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["symbol"] == "getpid")
+        .map(|c| c["calls"].as_u64().unwrap())
+        .sum();
+    assert!(calls >= 500, "{native}");
+
+    // Past the session's cap: refused before anything is attached.
+    let line = one_line_error(&member(&[
+        "start",
+        "--mode=counting",
+        "--uprobe",
+        "libc:getp*",
+        "--",
+        "true",
+    ]));
+    assert!(line.contains("at most 5 a session"), "{line}");
+
+    // Past the user's cap, counting what its running sessions hold; root's are its own.
+    let own = sleeper_of(m_uid, gid);
+    let four = [
+        "--uprobe",
+        "libc:getpid",
+        "--uprobe",
+        "libc:getppid",
+        "--uprobe",
+        "libc:getuid",
+        "--uprobe",
+        "libc:getgid",
+    ];
+    let pid = own.pid().to_string();
+    let mut held = vec![
+        "start",
+        "--mode=counting",
+        "--pid",
+        &pid,
+        "--duration",
+        "1h",
+    ];
+    held.extend(four);
+    let out = member(&held);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let mut more = held.clone();
+    more.truncate(6);
+    more.extend(&four[..6]);
+    let line = one_line_error(&member(&more));
+    assert!(
+        line.contains("holds 4 native probes") && line.contains("the 6 a user may hold"),
+        "{line}"
+    );
+    let roots = ChildGuard::spawn(Command::new("sleep").arg("60"));
+    let root_pid = roots.pid().to_string();
+    let mut by_root = vec![
+        "start",
+        "--mode=counting",
+        "--pid",
+        &root_pid,
+        "--duration",
+        "1h",
+    ];
+    by_root.extend(four);
+    let root_session = d.ok(&by_root).trim().to_owned();
+    assert!(member(&["stop", &first]).status.success());
+    let out = member(&more);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(member(&["stop", &second]).status.success());
+    d.ok(&["stop", &root_session]);
+}

@@ -29,6 +29,7 @@ use crate::{
     access::Caller,
     bpf::Bpf,
     error::Error,
+    native::{NativeTarget, ProbeLimits},
     perf, process,
     python::memory,
     report::{PythonReport, Report},
@@ -169,6 +170,7 @@ pub struct Subscription {
 }
 
 pub struct Manager {
+    probe_limits: ProbeLimits,
     running: HashMap<String, Session>,
     finished: HashMap<String, SessionInfo>,
     /// Reports that could not be written to the store; served from memory.
@@ -194,6 +196,7 @@ impl Manager {
         mut bpf: Bpf,
         interpreters: Vec<std::path::PathBuf>,
         traces: std::path::PathBuf,
+        probe_limits: ProbeLimits,
     ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
         let mut finished = HashMap::new();
@@ -220,6 +223,7 @@ impl Manager {
         let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?, interpreters.clone());
         let tracing = super::tracing::Tracing::spawn(bpf.take_tracing()?, traces);
         let manager = Manager {
+            probe_limits,
             running: HashMap::new(),
             finished,
             unsaved: HashMap::new(),
@@ -581,13 +585,7 @@ impl Manager {
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !target.launched);
-        let mut natives = Vec::new();
-        for spec in &options.uprobes {
-            natives.extend(
-                crate::native::resolve(spec, maps_of)
-                    .map_err(|e| Error::InvalidArgument(e.to_string()))?,
-            );
-        }
+        let natives = self.natives(&options.uprobes, maps_of, owner_uid)?;
 
         let slot = if sampling
             || trace_mode
@@ -979,6 +977,55 @@ impl Manager {
 
     /// A free session slot. Sessions counting Python calls need one of the lowest
     /// `MAX_PY_SESSIONS`; the others take the highest free one, to leave those alone.
+    /// The functions `--uprobe` specs name, one probe per function, within the caps: a
+    /// session's, and what `uid`'s running sessions hold already.
+    fn natives(
+        &self,
+        specs: &[String],
+        maps_of: Option<u32>,
+        uid: u32,
+    ) -> Result<Vec<NativeTarget>, Error> {
+        use crate::native::{self, MAX_SPECS};
+        let specs = native::distinct_specs(specs);
+        if specs.len() > MAX_SPECS {
+            return Err(Error::InvalidArgument(format!(
+                "{} different --uprobe specs; at most {MAX_SPECS} a session (a pattern such as libc:'str*' names many functions in one)",
+                specs.len()
+            )));
+        }
+        let mut targets = Vec::new();
+        for spec in specs {
+            targets.extend(
+                native::resolve(spec, maps_of)
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?,
+            );
+        }
+        let targets = native::merge(targets);
+        let limits = self.probe_limits;
+        if targets.len() > limits.per_session {
+            return Err(Error::InvalidArgument(format!(
+                "--uprobe names {} functions (duplicates merged); at most {} a session",
+                targets.len(),
+                limits.per_session
+            )));
+        }
+        let held: usize = self
+            .running
+            .values()
+            .filter(|s| s.owner_uid == uid)
+            .filter_map(|s| s.native.as_ref())
+            .map(NativeSession::probes)
+            .sum();
+        if !targets.is_empty() && held + targets.len() > limits.per_user {
+            return Err(Error::ResourceExhausted(format!(
+                "uid {uid} holds {held} native probes in running sessions; {} more would pass the {} a user may hold (stop a session first)",
+                targets.len(),
+                limits.per_user
+            )));
+        }
+        Ok(targets)
+    }
+
     fn take_slot(&mut self, python: bool) -> Result<u8, Error> {
         let free = |i: &u8| self.used_slots & (1 << i) == 0;
         let found = if python {

@@ -39,6 +39,11 @@ impl NativeSession {
         Ok(Self { targets, links })
     }
 
+    /// Functions probed.
+    pub fn probes(&self) -> usize {
+        self.targets.len()
+    }
+
     /// "BINARY:SYMBOL" of each probe, by probe number.
     pub fn labels(&self) -> Vec<String> {
         self.targets

@@ -475,6 +475,10 @@ pub struct Capabilities {
     pub gpus: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     #[prost(string, tag = "13")]
     pub gpus_unavailable: ::prost::alloc::string::String,
+    /// The caps on native probes (per session, per user) and what a probe costs the rest of
+    /// the machine, in one line.
+    #[prost(string, tag = "14")]
+    pub probe_limits: ::prost::alloc::string::String,
 }
 /// What a session measures.
 #[allow(clippy::all)]

@@ -654,3 +654,104 @@ fn snakeviz_draws_the_call_graph() {
         );
     }
 }
+
+/// `PID CALLS` lines of fork_workload.py: each process's own account of its calls of `f`.
+fn hook_counts(stdout: &str) -> BTreeMap<u64, u64> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let (pid, n) = l.split_once(' ')?;
+            Some((pid.parse().ok()?, n.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// tracer's calls of fork_workload.py's `f`, per process.
+fn f_calls_per_pid(report: &Value) -> BTreeMap<u64, u64> {
+    let script = script("fork_workload.py");
+    let mut out = BTreeMap::new();
+    for f in report["python"]["functions"].as_array().unwrap() {
+        if f["qualname"] == "f" && Path::new(f["filename"].as_str().unwrap()) == script {
+            *out.entry(f["pid"].as_u64().unwrap()).or_default() += f["ncalls"].as_u64().unwrap();
+        }
+    }
+    out
+}
+
+/// Forked workers inherit the forking thread's interpreter state and never enter the eval
+/// loop anew: every call in every child, grandchild and great-grandchild is counted, equal
+/// to each process's own account, launched and by pid, counting and tracing.
+#[test]
+fn forked_children_are_counted_exactly() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("fork_workload.py");
+    let wl = wl.to_str().unwrap();
+    let (children, calls, depth) = ("8", "400", "3");
+    for py in interpreters() {
+        let py_s = py.to_str().unwrap();
+        for mode in ["counting", "tracing"] {
+            let out = tempfile::NamedTempFile::new().unwrap();
+            let o = out.path().to_str().unwrap();
+            let stdout = d.ok(&[
+                "start",
+                &format!("--mode={mode}"),
+                "--python",
+                "--format",
+                "json",
+                "-o",
+                o,
+                "--",
+                py_s,
+                wl,
+                children,
+                calls,
+                depth,
+            ]);
+            let report: Value =
+                serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+            let truth = hook_counts(&stdout);
+            assert_eq!(truth.len(), 24, "{}: {stdout}", py.display());
+            assert_eq!(
+                f_calls_per_pid(&report),
+                truth,
+                "{} {mode}: losses {}",
+                py.display(),
+                report["losses"]
+            );
+        }
+        // By pid: attached while the parent waits, before it forks.
+        let mut parent = ChildGuard::spawn(
+            Command::new(&py)
+                .args([wl, children, calls, depth, "1"])
+                .stdout(std::process::Stdio::piped()),
+        );
+        let pid = parent.pid().to_string();
+        let mut out = std::io::BufReader::new(parent.0.stdout.take().unwrap());
+        let mut ready = String::new();
+        std::io::BufRead::read_line(&mut out, &mut ready).unwrap();
+        assert_eq!(ready, "ready\n", "{}", py.display());
+        let json = d.ok(&[
+            "start",
+            "--mode=counting",
+            "--python",
+            "--pid",
+            &pid,
+            "--wait",
+            "--format",
+            "json",
+        ]);
+        let mut stdout = String::new();
+        std::io::Read::read_to_string(&mut out, &mut stdout).unwrap();
+        let report: Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            f_calls_per_pid(&report),
+            hook_counts(&stdout),
+            "{} by pid: losses {}",
+            py.display(),
+            report["losses"]
+        );
+    }
+}

@@ -92,11 +92,8 @@ pub fn tracer_task_newtask(ctx: TracePointContext) -> u32 {
 }
 
 fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
-    let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
-    // SAFETY: map lookups return pointers valid for the duration of the program.
-    let Some(&sessions) = (unsafe { TRACKED.get(&parent) }) else {
-        return Ok(());
-    };
+    let current = bpf_get_current_pid_tgid();
+    let parent = (current >> 32) as u32;
     // SAFETY: offsets come from this kernel's tracepoint format; read_at is a bounded probe read.
     let flags: u64 =
         unsafe { ctx.read_at(global(&NEWTASK_CLONE_FLAGS_OFFSET) as usize) }.map_err(|_| ())?;
@@ -107,6 +104,12 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
     let child: i32 =
         unsafe { ctx.read_at(global(&NEWTASK_PID_OFFSET) as usize) }.map_err(|_| ())?;
     let child = child as u32;
+    // Every fork, followed or not (`--all` sessions follow no pid).
+    crate::python::forked(current as u32, child);
+    // SAFETY: map lookups return pointers valid for the duration of the program.
+    let Some(&sessions) = (unsafe { TRACKED.get(&parent) }) else {
+        return Ok(());
+    };
     if TRACKED.insert(&child, &sessions, 0).is_err() {
         count_loss(loss::TRACKED_MAP_FULL);
     }

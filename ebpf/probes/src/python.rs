@@ -259,6 +259,17 @@ fn stack(tid: u32) -> Option<*mut PyStack> {
     PY_STACKS.get_ptr_mut(&tid)
 }
 
+/// A thread forked a process: the child's only thread is a copy of it, inside the same eval
+/// loop with the same `PyThreadState` (a forked Python worker never enters the loop anew: it
+/// returns from `os.fork()` into it), so it inherits the thread state the probes know. Not
+/// its shadow stack: the frames on it are the parent's calls, counted and timed there.
+pub(crate) fn forked(thread: u32, child: u32) {
+    // SAFETY: map values are valid for the duration of the program.
+    if let Some(&tstate) = unsafe { PY_TSTATE.get(&thread) } {
+        let _ = PY_TSTATE.insert(&child, &tstate, 0);
+    }
+}
+
 /// A thread exits: its stack and thread state go with it.
 pub(crate) fn forget_thread(tid: u32) {
     // Frames still on its stack end with it, their exits inferred as for frames left by

@@ -1,0 +1,55 @@
+"""Forked Python workers, as multiprocessing's fork start method, pre-fork servers and
+DataLoader workers make them.
+
+usage: fork_workload.py CHILDREN CALLS DEPTH [WAIT_S]
+
+Says `ready` and waits WAIT_S seconds (for a tracer to attach), then forks CHILDREN workers; each calls `f`
+CALLS times, forks one worker of its own while DEPTH allows (children of children), and
+waits for it. Every process prints `PID CALLS`, its own account of the calls of `f` it made.
+(A sys.setprofile hook would be the better witness, but on 3.12+ tracer counts each
+function's first call after a hook is turned on or off twice, a defect of its own.)"""
+import os
+import sys
+import time
+
+
+def f(i):
+    return i + 1
+
+
+def work(calls):
+    n = 0
+    for i in range(calls):
+        f(i)
+        n += 1
+    return n
+
+
+def worker(calls, depth):
+    n = work(calls)
+    kid = os.fork() if depth > 1 else -1
+    if kid == 0:
+        worker(calls, depth - 1)
+    os.write(1, f"{os.getpid()} {n}\n".encode())
+    if kid > 0:
+        os.waitpid(kid, 0)
+    os._exit(0)
+
+
+def main():
+    children, calls, depth = (int(a) for a in sys.argv[1:4])
+    if len(sys.argv) > 4:
+        print("ready", flush=True)
+        time.sleep(float(sys.argv[4]))
+    kids = []
+    for _ in range(children):
+        pid = os.fork()
+        if pid == 0:
+            worker(calls, depth)
+        kids.append(pid)
+    for k in kids:
+        os.waitpid(k, 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,9 +5,8 @@ usage: fork_workload.py CHILDREN CALLS DEPTH [WAIT_S]
 
 Says `ready` and waits WAIT_S seconds (for a tracer to attach), then forks CHILDREN workers; each calls `f`
 CALLS times, forks one worker of its own while DEPTH allows (children of children), and
-waits for it. Every process prints `PID CALLS`, its own account of the calls of `f` it made.
-(A sys.setprofile hook would be the better witness, but on 3.12+ tracer counts each
-function's first call after a hook is turned on or off twice, a defect of its own.)"""
+waits for it. Every process counts its own calls of `f` with a sys.setprofile hook, the
+events cProfile counts, and prints `PID CALLS` (the ground truth, per process)."""
 import os
 import sys
 import time
@@ -19,9 +18,17 @@ def f(i):
 
 def work(calls):
     n = 0
+    code = f.__code__
+
+    def hook(frame, event, arg):
+        nonlocal n
+        if event == "call" and frame.f_code is code:
+            n += 1
+
+    sys.setprofile(hook)
     for i in range(calls):
         f(i)
-        n += 1
+    sys.setprofile(None)
     return n
 
 

@@ -655,7 +655,7 @@ fn snakeviz_draws_the_call_graph() {
     }
 }
 
-/// `PID CALLS` lines of fork_workload.py: each process's own account of its calls of `f`.
+/// `PID CALLS` lines of fork_workload.py: each process's own count of `f` (its profile hook).
 fn hook_counts(stdout: &str) -> BTreeMap<u64, u64> {
     stdout
         .lines()
@@ -680,7 +680,7 @@ fn f_calls_per_pid(report: &Value) -> BTreeMap<u64, u64> {
 
 /// Forked workers inherit the forking thread's interpreter state and never enter the eval
 /// loop anew: every call in every child, grandchild and great-grandchild is counted, equal
-/// to each process's own account, launched and by pid, counting and tracing.
+/// to each process's own profile hook, launched and by pid, counting and tracing.
 #[test]
 fn forked_children_are_counted_exactly() {
     if !root_or_skip() {
@@ -753,5 +753,55 @@ fn forked_children_are_counted_exactly() {
             py.display(),
             report["losses"]
         );
+    }
+}
+
+/// The traced program profiles itself (cProfile, then a sys.setprofile hook: sys.monitoring
+/// on 3.12+, which re-instruments every code object when a tool comes or goes, and runs each
+/// stale RESUME twice): tracer's counts equal the profilers' in the same process.
+#[test]
+fn counts_hold_while_the_program_profiles_itself() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let ground_truth = script("ground_truth.py");
+    for py in interpreters() {
+        for mode in ["cprofile", "hook"] {
+            let out = tempfile::NamedTempFile::new().unwrap();
+            let stdout = d.ok(&[
+                "start",
+                "--mode=counting",
+                "--python",
+                "--format",
+                "json",
+                "-o",
+                out.path().to_str().unwrap(),
+                "--",
+                py.to_str().unwrap(),
+                ground_truth.to_str().unwrap(),
+                mode,
+                wl.to_str().unwrap(),
+            ]);
+            let line = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
+                .expect("ground truth line");
+            let v: BTreeMap<String, Vec<Value>> = serde_json::from_str(line).unwrap();
+            let truth: BTreeMap<String, u64> = v
+                .into_iter()
+                .map(|(k, f)| (k, f[0].as_u64().unwrap()))
+                .collect();
+            let report: Value =
+                serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+            assert!(truth.len() >= 10, "{}: {truth:?}", py.display());
+            assert_eq!(
+                calls(&ours(&report, &wl)),
+                truth,
+                "{} under {mode}",
+                py.display()
+            );
+        }
     }
 }

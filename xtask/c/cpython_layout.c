@@ -66,6 +66,22 @@ int main(void) {
 #endif
     printf("code_linetable: %zu,\n", offsetof(PyCodeObject, co_linetable));
     printf("tstate_thread_id: %zu,\n", offsetof(PyThreadState, thread_id));
+    /* Counting: the instrumentation versions RESUME compares (a stale code object is
+     * instrumented and its RESUME run again). */
+#if PY_VERSION_HEX >= 0x030C0000
+    printf("code_instrumentation_version: %zu (%zu bytes),\n",
+           offsetof(PyCodeObject, _co_instrumentation_version),
+           sizeof(((PyCodeObject *)0)->_co_instrumentation_version));
+#endif
+    printf("tstate_tracing: %zu,\n", offsetof(PyThreadState, tracing));
+#if PY_VERSION_HEX >= 0x030D0000
+    printf("tstate_eval_breaker: %zu,\n", offsetof(PyThreadState, eval_breaker));
+#elif PY_VERSION_HEX >= 0x030C0000
+    printf("tstate_interp: %zu,\n", offsetof(PyThreadState, interp));
+    printf("interp_monitoring_version: %zu (%zu bytes),\n",
+           offsetof(PyInterpreterState, monitoring_version),
+           sizeof(((PyInterpreterState *)0)->monitoring_version));
+#endif
     printf("bytes_data: %zu,\n", offsetof(PyBytesObject, ob_sval));
     printf("unicode_length: %zu,\n", offsetof(PyASCIIObject, length));
     printf("unicode_state: %zu,\n", offsetof(PyASCIIObject, state));

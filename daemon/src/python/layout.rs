@@ -67,7 +67,43 @@ const fn probe(
         tstate_next: 0,
         executable_tag_bits: 0,
         code_flags: 0,
+        code_instr_version: 0,
+        tstate_interp: 0,
+        interp_monitoring_version: 0,
+        tstate_eval_breaker: 0,
+        tstate_tracing: 0,
     }
+}
+
+/// 3.12: a code object's instrumentation version against the interpreter's
+/// `monitoring_version` (`_co_instrumentation_version` at 160, `interp` at 16,
+/// `monitoring_version` at 48; `cargo xtask py-layouts`).
+const fn monitoring_3_12(mut p: PyLayout) -> PyLayout {
+    p.code_instr_version = 160;
+    p.tstate_interp = 16;
+    p.interp_monitoring_version = 48;
+    p
+}
+
+/// 3.13+: against the thread's `eval_breaker` (at 24) above its event bits
+/// (`_co_instrumentation_version` at 168); `tracing`: `PyThreadState.tracing`, inside which
+/// (a trace or profile function running) RESUME does not check.
+const fn monitoring_3_13(mut p: PyLayout, tracing: u32) -> PyLayout {
+    p.code_instr_version = 168;
+    p.tstate_eval_breaker = 24;
+    p.tstate_tracing = tracing;
+    p
+}
+
+/// The fields a table knows and debug offsets do not (see `PyLayout::code_instr_version`),
+/// copied onto a layout derived from an interpreter's debug offsets.
+pub fn with_table_extras(mut p: PyLayout, table: &PyLayout) -> PyLayout {
+    p.code_instr_version = table.code_instr_version;
+    p.tstate_interp = table.tstate_interp;
+    p.interp_monitoring_version = table.interp_monitoring_version;
+    p.tstate_eval_breaker = table.tstate_eval_breaker;
+    p.tstate_tracing = table.tstate_tracing;
+    p
 }
 
 /// What sampling reads besides: the frame's instruction and entry flag, and the thread list
@@ -171,7 +207,15 @@ pub const VERSIONS: &[Version] = &[
         minor: 12,
         index: 2,
         probe: sampled(
-            with_owner(probe(py_kind::CFRAME, 56, 0, 0, (0, 8), (112, 128, 68), 40)),
+            monitoring_3_12(with_owner(probe(
+                py_kind::CFRAME,
+                56,
+                0,
+                0,
+                (0, 8),
+                (112, 128, 68),
+                40,
+            ))),
             (56, 0),
             136,
             (40, 72),
@@ -198,15 +242,18 @@ pub const VERSIONS: &[Version] = &[
         minor: 13,
         index: 3,
         probe: sampled(
-            with_owner(probe(
-                py_kind::CURRENT_FRAME,
-                0,
-                0,
-                72,
-                (0, 8),
-                (112, 128, 68),
-                40,
-            )),
+            monitoring_3_13(
+                with_owner(probe(
+                    py_kind::CURRENT_FRAME,
+                    0,
+                    0,
+                    72,
+                    (0, 8),
+                    (112, 128, 68),
+                    40,
+                )),
+                60,
+            ),
             (56, 0),
             152,
             (632, 7344),
@@ -237,15 +284,18 @@ pub const VERSIONS: &[Version] = &[
         minor: 14,
         index: 4,
         probe: sampled(
-            stackref(probe(
-                py_kind::CURRENT_FRAME,
-                0,
-                0,
-                72,
-                (0, 8),
-                (112, 128, 68),
-                40,
-            )),
+            monitoring_3_13(
+                stackref(probe(
+                    py_kind::CURRENT_FRAME,
+                    0,
+                    0,
+                    72,
+                    (0, 8),
+                    (112, 128, 68),
+                    40,
+                )),
+                60,
+            ),
             (56, 0),
             152,
             (808, 7344),
@@ -274,15 +324,18 @@ pub const VERSIONS: &[Version] = &[
         minor: 15,
         index: 5,
         probe: sampled(
-            resume_before_generator(stackref(probe(
-                py_kind::CURRENT_FRAME,
-                0,
-                0,
-                72,
-                (0, 8),
-                (112, 128, 68),
-                40,
-            ))),
+            monitoring_3_13(
+                resume_before_generator(stackref(probe(
+                    py_kind::CURRENT_FRAME,
+                    0,
+                    0,
+                    72,
+                    (0, 8),
+                    (112, 128, 68),
+                    40,
+                ))),
+                64,
+            ),
             (56, 0),
             176,
             (936, 7336),

@@ -275,6 +275,10 @@ fn resolve_version(path: &Path, file: &object::File) -> Result<&'static Version,
     let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
     let v = match layout::version(minor) {
         Some(table) => {
+            let derived = Version {
+                probe: layout::with_table_extras(derived.probe, &table.probe),
+                ..derived
+            };
             if derived.probe != table.probe {
                 tracing::warn!(path = %path.display(), "this CPython's debug offsets differ from tracer's 3.{minor} table: using the interpreter's");
             }
@@ -501,7 +505,14 @@ mod tests {
         let sampled = Runtime::inspect_layout(&exe).unwrap();
         assert_eq!(sampled.version.minor, 16);
         assert!(sampled.version.index as usize >= layout::VERSIONS.len());
-        assert_eq!(sampled.version.probe, layout::version(15).unwrap().probe);
+        // All but what no debug offset gives (instrumentation versions: not checked, so a
+        // RESUME of stale code counts twice there).
+        let v15 = layout::version(15).unwrap();
+        assert_eq!(sampled.version.probe.code_instr_version, 0);
+        assert_eq!(
+            layout::with_table_extras(sampled.version.probe, &v15.probe),
+            v15.probe
+        );
         let refused = Runtime::inspect(&exe).unwrap_err().to_string();
         assert!(
             refused.contains("newer than tracer's tables")
@@ -552,7 +563,12 @@ mod tests {
             };
             let table = layout::version(d.minor()).expect("a table for every version here");
             let derived = layout::from_debug_offsets(&d).unwrap();
-            assert_eq!(derived.probe, table.probe, "{}", path.display());
+            assert_eq!(
+                layout::with_table_extras(derived.probe, &table.probe),
+                table.probe,
+                "{}",
+                path.display()
+            );
             assert_eq!(
                 (
                     derived.code_adaptive,

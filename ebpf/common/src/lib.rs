@@ -147,7 +147,22 @@ pub struct PyLayout {
     /// iterable first): that run is no call, and is told by a generator code object in a
     /// frame the thread still owns.
     pub code_flags: u32,
+    /// `_co_instrumentation_version` (3.12+; 0: not checked). A RESUME of a code object whose
+    /// version is not the interpreter's instruments it and runs again: only the second run
+    /// is a call.
+    pub code_instr_version: u32,
+    /// 3.12: the interpreter's version is `tstate->interp->monitoring_version`.
+    pub tstate_interp: u32,
+    pub interp_monitoring_version: u32,
+    /// 3.13+: the interpreter's version is `tstate->eval_breaker` above its event bits.
+    pub tstate_eval_breaker: u32,
+    /// `PyThreadState.tracing`, where RESUME skips the check inside a trace or profile
+    /// function (3.13+; 0: it always checks, as 3.12 does).
+    pub tstate_tracing: u32,
 }
+
+/// Low bits of `PyThreadState.eval_breaker` that are event flags, not the version (3.13+).
+pub const PY_EVAL_EVENTS_MASK: u64 = 0xff;
 
 /// `_PyInterpreterFrame.owner` from this value up: a frame that runs no Python function of
 /// its own (3.12/3.13's C-stack shim is 3; 3.14 has the interpreter's entry frame at 3 and
@@ -707,7 +722,7 @@ pub mod native_cookie {
 mod tests {
     #[test]
     fn python_types_have_no_hidden_padding() {
-        assert_eq!(core::mem::size_of::<super::PyLayout>(), 20 * 4);
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 25 * 4);
         assert_eq!(
             core::mem::size_of::<super::SampleEvent>(),
             4 * 4 + 8 * 6 + 4 * 4 + 16 + 24 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES

@@ -18,7 +18,7 @@ use tracer_common::{
     loss, py_kind, py_names_id, py_role, trace_kind, PyCallKey, PyCallStats, PyCodeEvent,
     PyEdgeKey, PyLayout, PyStack, PyStackEntry, SessionMask, TraceEvent, MAX_PY_SESSIONS,
     PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_CO_GENERATOR_LIKE, PY_EDGES_MAX,
-    PY_FRAME_OWNED_BY_THREAD, PY_FRAME_OWNER_NOT_PYTHON,
+    PY_EVAL_EVENTS_MASK, PY_FRAME_OWNED_BY_THREAD, PY_FRAME_OWNER_NOT_PYTHON,
     PY_LAYOUTS_MAX, PY_STACK_DEPTH, PY_THREADS_MAX, PY_UNWIND_PER_EVENT, TRACE_EXIT_INFERRED,
 };
 
@@ -199,7 +199,32 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
     if layout.code_flags != 0 && creating_generator(frame, layout) {
         return Ok(());
     }
+    if layout.code_instr_version != 0 && runs_again(tstate, frame, layout) {
+        return Ok(());
+    }
     enter(mask, pid_tgid, frame, layout, None)
+}
+
+/// 3.12+: this RESUME finds its code object's instrumentation stale (a profiler, tracer or
+/// sys.monitoring tool came or went since it last ran), so it instruments the code and runs
+/// again: only the second run is the call.
+#[inline(always)]
+fn runs_again(tstate: u64, frame: u64, layout: &PyLayout) -> bool {
+    if layout.tstate_tracing != 0
+        && read::<i32>(tstate + u64::from(layout.tstate_tracing)).is_ok_and(|t| t != 0)
+    {
+        return false;
+    }
+    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else { return false };
+    let code = layout.code_of(executable);
+    let Ok(code_version) = read::<u64>(code + u64::from(layout.code_instr_version)) else { return false };
+    let global = if layout.interp_monitoring_version != 0 {
+        let Ok(interp) = read::<u64>(tstate + u64::from(layout.tstate_interp)) else { return false };
+        read::<u64>(interp + u64::from(layout.interp_monitoring_version))
+    } else {
+        read::<u64>(tstate + u64::from(layout.tstate_eval_breaker)).map(|b| b & !PY_EVAL_EVENTS_MASK)
+    };
+    global.is_ok_and(|g| g != code_version)
 }
 
 /// A generator's code running before RETURN_GENERATOR has made its frame the generator's

@@ -14,16 +14,18 @@ def spin(n):
     return s
 
 
+# A unit runs several sampling periods (milliseconds): rounds about as long as the period
+# let samples fall in step with them, which skews the shares.
 def heavy():
-    return spin(30_000)
+    return spin(300_000)
 
 
 def medium():
-    return spin(20_000)
+    return spin(200_000)
 
 
 def light():
-    return spin(10_000)
+    return spin(100_000)
 
 
 def main(seconds):

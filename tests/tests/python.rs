@@ -666,9 +666,9 @@ fn hook_counts(stdout: &str) -> BTreeMap<u64, u64> {
         .collect()
 }
 
-/// tracer's calls of fork_workload.py's `f`, per process.
-fn f_calls_per_pid(report: &Value) -> BTreeMap<u64, u64> {
-    let script = script("fork_workload.py");
+/// tracer's calls of `f` of the script `name`, per process.
+fn f_calls_per_pid(report: &Value, name: &str) -> BTreeMap<u64, u64> {
+    let script = script(name);
     let mut out = BTreeMap::new();
     for f in report["python"]["functions"].as_array().unwrap() {
         if f["qualname"] == "f" && Path::new(f["filename"].as_str().unwrap()) == script {
@@ -715,7 +715,7 @@ fn forked_children_are_counted_exactly() {
             let truth = hook_counts(&stdout);
             assert_eq!(truth.len(), 24, "{}: {stdout}", py.display());
             assert_eq!(
-                f_calls_per_pid(&report),
+                f_calls_per_pid(&report, "fork_workload.py"),
                 truth,
                 "{} {mode}: losses {}",
                 py.display(),
@@ -747,7 +747,7 @@ fn forked_children_are_counted_exactly() {
         std::io::Read::read_to_string(&mut out, &mut stdout).unwrap();
         let report: Value = serde_json::from_str(&json).unwrap();
         assert_eq!(
-            f_calls_per_pid(&report),
+            f_calls_per_pid(&report, "fork_workload.py"),
             hook_counts(&stdout),
             "{} by pid: losses {}",
             py.display(),
@@ -801,6 +801,49 @@ fn counts_hold_while_the_program_profiles_itself() {
                 truth,
                 "{} under {mode}",
                 py.display()
+            );
+        }
+    }
+}
+
+/// multiprocessing Pools and ProcessPoolExecutors with every start method (fork: forked
+/// workers; forkserver: forked from a server process; spawn: new interpreters): each
+/// worker's calls equal its own profile hook's.
+#[test]
+fn multiprocessing_workers_are_counted_exactly() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("mp_workload.py");
+    for py in interpreters() {
+        for method in ["fork", "forkserver", "spawn"] {
+            let out = tempfile::NamedTempFile::new().unwrap();
+            let stdout = d.ok(&[
+                "start",
+                "--mode=counting",
+                "--python",
+                "--format",
+                "json",
+                "-o",
+                out.path().to_str().unwrap(),
+                "--",
+                py.to_str().unwrap(),
+                wl.to_str().unwrap(),
+                method,
+                "6",
+                "300",
+            ]);
+            let report: Value =
+                serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+            let truth = hook_counts(&stdout);
+            assert_eq!(truth.values().sum::<u64>(), 3600, "{stdout}");
+            assert_eq!(
+                f_calls_per_pid(&report, "mp_workload.py"),
+                truth,
+                "{} {method}: losses {}",
+                py.display(),
+                report["losses"]
             );
         }
     }

@@ -680,7 +680,7 @@ fn f_calls_per_pid(report: &Value, name: &str) -> BTreeMap<u64, u64> {
 
 /// Forked workers inherit the forking thread's interpreter state and never enter the eval
 /// loop anew: every call in every child, grandchild and great-grandchild is counted, equal
-/// to each process's own profile hook, launched and by pid, counting and tracing.
+/// to each process's own profile hook, launched, by pid and system-wide, counting and tracing.
 #[test]
 fn forked_children_are_counted_exactly() {
     if !root_or_skip() {
@@ -754,6 +754,35 @@ fn forked_children_are_counted_exactly() {
             report["losses"]
         );
     }
+    // System-wide: one session follows no pid, and sees every interpreter's workers.
+    let id = d
+        .ok(&[
+            "start",
+            "--mode=counting",
+            "--python",
+            "--all",
+            "--duration",
+            "1h",
+        ])
+        .trim()
+        .to_owned();
+    let mut truth = BTreeMap::new();
+    for py in interpreters() {
+        let out = Command::new(&py)
+            .args([wl, children, calls, depth])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", py.display());
+        truth.extend(hook_counts(&String::from_utf8(out.stdout).unwrap()));
+    }
+    d.ok(&["stop", &id]);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    assert_eq!(
+        f_calls_per_pid(&report, "fork_workload.py"),
+        truth,
+        "--all: losses {}",
+        report["losses"]
+    );
 }
 
 /// The traced program profiles itself (cProfile, then a sys.setprofile hook: sys.monitoring

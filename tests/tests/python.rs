@@ -28,12 +28,7 @@ fn ground_truth(
         "ground truth failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8(out.stdout).unwrap();
-    let json = text
-        .lines()
-        .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
-        .expect("ground truth line");
-    let v: BTreeMap<String, Vec<Value>> = serde_json::from_str(json).unwrap();
+    let v = ground_truth_line(&String::from_utf8(out.stdout).unwrap());
     let profiled_close = minor_version(python) >= 14;
     v.into_iter()
         .map(|(k, mut f)| {
@@ -56,6 +51,15 @@ fn ground_truth(
             )
         })
         .collect()
+}
+
+/// ground_truth.py's `GROUND_TRUTH {json}` line in a program's output.
+fn ground_truth_line(stdout: &str) -> BTreeMap<String, Vec<Value>> {
+    let json = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
+        .expect("ground truth line");
+    serde_json::from_str(json).unwrap()
 }
 
 /// The interpreter's minor version (14 for 3.14).
@@ -813,12 +817,7 @@ fn counts_hold_while_the_program_profiles_itself() {
                 mode,
                 wl.to_str().unwrap(),
             ]);
-            let line = stdout
-                .lines()
-                .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
-                .expect("ground truth line");
-            let v: BTreeMap<String, Vec<Value>> = serde_json::from_str(line).unwrap();
-            let truth: BTreeMap<String, u64> = v
+            let truth: BTreeMap<String, u64> = ground_truth_line(&stdout)
                 .into_iter()
                 .map(|(k, f)| (k, f[0].as_u64().unwrap()))
                 .collect();

@@ -114,19 +114,8 @@ impl Runtime {
                 });
             }
         }
-        let segments: Vec<(u64, u64, u64)> = file
-            .segments()
-            .map(|s| {
-                let (off, size) = s.file_range();
-                (s.address(), off, size)
-            })
-            .collect();
-        let to_offset = |vaddr: u64| {
-            segments
-                .iter()
-                .find(|(va, _, size)| vaddr >= *va && vaddr < va + size)
-                .map(|(va, off, _)| vaddr - va + off)
-        };
+        let segments = segments(&file);
+        let to_offset = |vaddr: u64| file_offset(&segments, vaddr);
         let no_table = || RuntimeError::NoOpcodeTable {
             path: path.to_owned(),
         };
@@ -225,20 +214,12 @@ pub fn eval_ranges(data: &[u8]) -> Vec<(u64, u64)> {
             ranges.push(part);
         }
     }
-    let segments: Vec<(u64, u64, u64)> = file
-        .segments()
-        .map(|s| {
-            let (off, size) = s.file_range();
-            (s.address(), off, size)
-        })
-        .collect();
+    let segments = segments(&file);
     let mut out: Vec<(u64, u64)> = ranges
         .into_iter()
         .filter_map(|(a, b)| {
-            let (va, off, _) = segments
-                .iter()
-                .find(|(va, _, size)| a >= *va && a < va + size)?;
-            Some((a - va + off, b - va + off))
+            let start = file_offset(&segments, a)?;
+            Some((start, start + (b - a)))
         })
         .collect();
     out.sort_unstable();
@@ -360,6 +341,24 @@ fn tail_calling(file: &object::File, relocs: &HashMap<u64, u64>) -> bool {
     }
     symbol(file, |n| n.starts_with("INSTRUCTION_TABLE"))
         .is_some_and(|(addr, size)| size == 2048 && read_table(file, relocs, addr).is_some())
+}
+
+/// (vaddr, file offset, file size) of each loadable segment.
+fn segments(file: &object::File) -> Vec<(u64, u64, u64)> {
+    file.segments()
+        .map(|s| {
+            let (off, size) = s.file_range();
+            (s.address(), off, size)
+        })
+        .collect()
+}
+
+/// The file offset of a link-time address, through the segment holding it.
+fn file_offset(segments: &[(u64, u64, u64)], vaddr: u64) -> Option<u64> {
+    segments
+        .iter()
+        .find(|(va, _, size)| vaddr >= *va && vaddr < va + size)
+        .map(|(va, off, _)| vaddr - va + off)
 }
 
 /// Address and size of the first defined symbol (full table first, then dynamic) whose name matches.

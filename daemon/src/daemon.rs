@@ -49,6 +49,8 @@ pub enum DaemonError {
     NoSuchGroup(String),
     #[error("--trace-ring-mb wants a power of two from 1 to 1024, got {0}")]
     BadTraceRing(u32),
+    #[error("--max-probes-per-session and --max-probes-per-user want 1 to 100000, got {0}")]
+    BadProbeLimit(usize),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
     #[error(transparent)]
@@ -88,6 +90,13 @@ pub async fn run(
     let ring_mb = config.trace_ring_mb;
     if !ring_mb.is_power_of_two() || ring_mb > 1024 {
         return Err(DaemonError::BadTraceRing(ring_mb));
+    }
+    let limits = config.probe_limits;
+    if let Some(bad) = [limits.per_session, limits.per_user]
+        .into_iter()
+        .find(|n| !(1..=100_000).contains(n))
+    {
+        return Err(DaemonError::BadProbeLimit(bad));
     }
     let bpf = Bpf::load(ring_mb << 20)?;
     let gid = config

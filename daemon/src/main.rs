@@ -57,10 +57,10 @@ struct Args {
     trace_ring_mb: u32,
     /// Native functions (`--uprobe`) one session may probe, duplicates merged. Each probe on
     /// a shared library traps in every process that maps it, traced or not.
-    #[arg(long, default_value_t = ProbeLimits::default().per_session as u32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, default_value_t = ProbeLimits::default().per_session as u32)]
     max_probes_per_session: u32,
     /// Native probes one user's running sessions may hold together (root's included).
-    #[arg(long, default_value_t = ProbeLimits::default().per_user as u32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, default_value_t = ProbeLimits::default().per_user as u32)]
     max_probes_per_user: u32,
     /// Print where Python call counting would probe this interpreter binary (libpython or
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.

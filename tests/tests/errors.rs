@@ -412,4 +412,20 @@ fn unknown_groups_and_listen_addresses_are_refused() {
         line.contains("--trace-ring-mb wants a power of two from 1 to 1024, got 3"),
         "{line}"
     );
+    for flag in ["--max-probes-per-session", "--max-probes-per-user"] {
+        let line = daemon_error(&[
+            "--socket".as_ref(),
+            sock.as_os_str(),
+            "--state-dir".as_ref(),
+            state.as_os_str(),
+            flag.as_ref(),
+            "0".as_ref(),
+        ]);
+        assert!(
+            line.contains(
+                "--max-probes-per-session and --max-probes-per-user want 1 to 100000, got 0"
+            ),
+            "{flag}: {line}"
+        );
+    }
 }

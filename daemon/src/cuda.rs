@@ -302,6 +302,8 @@ mod tests {
             handle,
             other,
             extra: 0,
+            origin: 0,
+            _pad: 0,
             name: [0; tracer_common::CUDA_NAME_LEN],
         };
         e.name[..name.len()].copy_from_slice(name.as_bytes());

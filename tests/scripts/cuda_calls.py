@@ -2,7 +2,8 @@
 "loaded" once the library is mapped, waits for a line on stdin, calls cudaLaunchKernel
 argv[2] times from launch() (and argv[3] times, default 0, from warm_up() first; with the
 driver's library, cuLaunchKernel), prints
-"done", then waits for stdin to close. tracer's CUDA report must name launch() and that line
+"done", then waits for stdin to close. With argv[4] "fork", a forked child makes the
+launches and prints "child PID" first; the parent makes none. tracer's CUDA report must name launch() and that line
 as the launches' Python call site."""
 import ctypes
 import os
@@ -36,8 +37,16 @@ def main():
     rt = ctypes.CDLL(sys.argv[1])
     print("loaded", flush=True)
     sys.stdin.readline()
-    warm_up(rt, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
-    launch(rt, int(sys.argv[2]))
+    fork = len(sys.argv) > 4 and sys.argv[4] == "fork"
+    kid = os.fork() if fork else 0
+    if kid == 0:
+        warm_up(rt, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+        launch(rt, int(sys.argv[2]))
+        if fork:
+            print("child", os.getpid(), flush=True)
+            os._exit(0)
+    else:
+        os.waitpid(kid, 0)
     print("done", flush=True)
     sys.stdin.read()
 

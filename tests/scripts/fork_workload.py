@@ -4,11 +4,12 @@ DataLoader workers make them.
 usage: fork_workload.py CHILDREN CALLS DEPTH [WAIT_S]
 
 Says `ready` and waits WAIT_S seconds (for a tracer to attach), then forks CHILDREN workers; each calls `f`
-CALLS times, forks one worker of its own while DEPTH allows (children of children), and
-waits for it. Every process counts its own calls of `f` with a sys.setprofile hook, the
+CALLS times in its main thread and CALLS times in a thread it starts, forks one worker of its
+own while DEPTH allows (children of children), and waits for it. Every process counts its own calls of `f` with a sys.setprofile hook, the
 events cProfile counts, and prints `PID CALLS` (the ground truth, per process)."""
 import os
 import sys
+import threading
 import time
 
 
@@ -33,7 +34,13 @@ def work(calls):
 
 
 def worker(calls, depth):
+    # A thread born in the child: its thread state is new, not the forking thread's.
+    in_thread = []
+    t = threading.Thread(target=lambda: in_thread.append(work(calls)))
+    t.start()
     n = work(calls)
+    t.join()
+    n += in_thread[0]
     kid = os.fork() if depth > 1 else -1
     if kid == 0:
         worker(calls, depth - 1)

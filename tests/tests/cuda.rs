@@ -580,20 +580,24 @@ fn launches_name_their_python_call_site() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    // A session on the process, and one on the whole machine; on this machine's Python, and
-    // on 3.14/3.15 in their chroots.
+    // A session on the process, and one on the whole machine; launches by the process, and
+    // by a forked child that continues its frames; on this machine's Python, and on 3.14/3.15
+    // in their chroots.
     let pythons =
         std::iter::once(tracer_tests::python()).chain(tracer_tests::chroot_interpreters());
     for python in pythons {
         for all in [false, true] {
-            call_site_of(&d, &libs, &python, all);
+            for fork in [false, true] {
+                call_site_of(&d, &libs, &python, all, fork);
+            }
         }
     }
 }
 
 /// Runs tests/scripts/cuda_calls.py on `lib` with `args` under a session started with
 /// `start` (on its pid, or on every process with `all`), its library mapped before; returns
-/// the ended session and the script's pid.
+/// the ended session and the pid of the process that launched (the script's, or its forked
+/// child's when `args` ask for one).
 fn run_cuda_calls(
     d: &Daemon,
     lib: &std::path::Path,
@@ -637,6 +641,13 @@ fn run_cuda_calls_on(
     stdin.flush().unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();
+    // A forked child made the launches: its pid is the one to look for.
+    let mut launcher = pid;
+    if let Some(kid) = line.strip_prefix("child ") {
+        launcher = kid.trim().to_owned();
+        line.clear();
+        out.read_line(&mut line).unwrap();
+    }
     assert_eq!(line, "done\n");
     // Python frames of launch stacks are read while the script lives: a moment for that.
     std::thread::sleep(Duration::from_millis(200));
@@ -646,16 +657,23 @@ fn run_cuda_calls_on(
         d.ok(&["stop", &id]);
     }
     wait_ended(d, &id);
-    (id, pid)
+    (id, launcher)
 }
 
-fn call_site_of(d: &Daemon, libs: &std::path::Path, python: &std::path::Path, all: bool) {
+fn call_site_of(
+    d: &Daemon,
+    libs: &std::path::Path,
+    python: &std::path::Path,
+    all: bool,
+    fork: bool,
+) {
     let script = tracer_tests::script("cuda_calls.py");
+    let args: &[&str] = if fork { &["7", "0", "fork"] } else { &["7"] };
     let (id, pid) = run_cuda_calls_on(
         d,
         python,
         &libs.join("libcudart.so.13"),
-        &["7"],
+        args,
         &["--mode=counting", "--cuda"],
         all,
     );
@@ -666,7 +684,7 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, python: &std::path::Path, al
         .iter()
         .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].as_u64() == pid.parse().ok())
         .collect();
-    assert_eq!(rows.len(), 1, "{}: {rows:?}", python.display());
+    assert_eq!(rows.len(), 1, "{} fork {fork}: {rows:?}", python.display());
     let row = rows[0];
     assert_eq!(row["launches"], 7);
     assert_eq!(
@@ -684,7 +702,7 @@ fn call_site_of(d: &Daemon, libs: &std::path::Path, python: &std::path::Path, al
     assert_eq!(
         row["call_site"],
         format!("launch ({}:{call_line})", script.display()),
-        "{}: {row}",
+        "{} fork {fork}: {row}",
         python.display()
     );
 }

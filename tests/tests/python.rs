@@ -683,8 +683,8 @@ fn f_calls_per_pid(report: &Value, name: &str) -> BTreeMap<u64, u64> {
 }
 
 /// Forked workers inherit the forking thread's interpreter state and never enter the eval
-/// loop anew: every call in every child, grandchild and great-grandchild is counted, equal
-/// to each process's own profile hook, launched, by pid and system-wide, counting and tracing.
+/// loop anew: every call in every child, grandchild and great-grandchild, and in a thread
+/// each of them starts, is counted, equal to each process's own profile hook, launched, by pid and system-wide, counting and tracing.
 #[test]
 fn forked_children_are_counted_exactly() {
     if !root_or_skip() {

@@ -610,3 +610,67 @@ fn short_lived_processes_keep_their_python_frames() {
         );
     }
 }
+
+/// Forked workers continue the parent's Python frames without entering the eval loop anew:
+/// their samples carry those frames (the busy function above main), on every interpreter.
+#[test]
+fn forked_children_keep_their_python_frames() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("fork_spin.py");
+    let file = "fork_spin.py";
+    for python in interpreters() {
+        let out = tempfile::NamedTempFile::new().unwrap();
+        let stdout = d.ok(&[
+            "start",
+            "--mode=sampling",
+            "--frequency",
+            "199",
+            "--format",
+            "folded",
+            "-o",
+            out.path().to_str().unwrap(),
+            "--",
+            python.to_str().unwrap(),
+            wl.to_str().unwrap(),
+            "2",
+            "1.5",
+        ]);
+        let folded = parse_folded(&std::fs::read_to_string(out.path()).unwrap());
+        let kids: Vec<&str> = stdout.lines().map(str::trim).collect();
+        assert_eq!(kids.len(), 2, "{}: {stdout}", python.display());
+        for kid in kids {
+            let root = format!("(pid {kid})");
+            let of_kid: Folded = folded
+                .iter()
+                .filter(|(s, _)| s.first().is_some_and(|r| r.ends_with(&root)))
+                .cloned()
+                .collect();
+            let total: u64 = of_kid.iter().map(|(_, n)| n).sum();
+            let busy = of_kid
+                .iter()
+                .filter(|(s, _)| {
+                    let at = |name: &str| {
+                        s.iter().position(|fr| {
+                            fr.starts_with(&format!("{name} (")) && fr.contains(&format!("{file}:"))
+                        })
+                    };
+                    matches!((at("main"), at("child_busy")), (Some(m), Some(b)) if m < b)
+                })
+                .map(|(_, n)| n)
+                .sum::<u64>();
+            println!(
+                "{} child {kid}: {busy} of {total} samples in child_busy under main",
+                python.display()
+            );
+            assert!(total >= 50, "{} child {kid}: {of_kid:?}", python.display());
+            assert!(
+                busy * 10 >= total * 9,
+                "{} child {kid}: {busy} of {total}: {of_kid:?}",
+                python.display()
+            );
+        }
+    }
+}

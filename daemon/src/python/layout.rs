@@ -509,6 +509,19 @@ pub fn intern(mut v: Version) -> Result<&'static Version, String> {
     Ok(v)
 }
 
+/// The version whose layout the probes know by `index` (the table's or an interned one).
+pub fn by_index(index: u32) -> Option<&'static Version> {
+    if let Some(v) = VERSIONS.iter().find(|v| v.index == index) {
+        return Some(v);
+    }
+    DERIVED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .find(|v| v.index == index)
+        .copied()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -165,9 +165,15 @@ impl CudaSession {
         if self.call_sites.contains_key(&key) {
             return;
         }
-        let site = sampling
-            .version(ev.pid)
-            .and_then(|v| crate::stacks::python_location(ev.pid, ev.handle, ev.other, ev.extra, v))
+        // A forked child that has exited already: its code objects were its origin's first,
+        // at the same addresses (the names id tells a reused address).
+        let site = [ev.pid, ev.origin]
+            .into_iter()
+            .filter(|&pid| pid != 0)
+            .find_map(|pid| {
+                let v = sampling.version(pid)?;
+                crate::stacks::python_location(pid, ev.handle, ev.other, ev.extra, v)
+            })
             .map_or_else(
                 || format!("[code object {:#x}]", ev.handle),
                 |(q, f, line)| format!("{q} ({f}:{line})"),

@@ -174,7 +174,7 @@ impl Sampling {
 
     /// The CPython version `pid` runs, if it is known to run one.
     pub fn version(&self, pid: u32) -> Option<&'static Version> {
-        lock(&self.state).versions.get(&pid).copied().flatten()
+        lock(&self.state).version(pid)
     }
 
     /// Starts a histogram for `slot`. `pids`: processes to look at now (the target, or
@@ -269,7 +269,7 @@ impl State {
             Ok(id) => self.kernel_stack(id),
             Err(_) => Vec::new(),
         };
-        let version = self.versions.get(&ev.pid).copied().flatten();
+        let version = self.version(ev.pid);
         let outcome = self.resolver.capture(ev, kernel, version);
         let comm = {
             let h = &self.sessions[&ev.slot];
@@ -323,6 +323,18 @@ impl State {
     }
 
     /// Tells the probe how to read `pid`'s Python stacks, or that it runs no known CPython.
+    /// The CPython `pid` runs, if known: looked at, or inherited at a fork (the fork
+    /// tracepoint copies the parent's entry to the child, whose memory is the parent's).
+    fn version(&mut self, pid: u32) -> Option<&'static Version> {
+        if let Some(&v) = self.versions.get(&pid) {
+            return v;
+        }
+        let entry = self.maps.python_procs.get(&pid, 0).ok()?;
+        let v = crate::python::layout::by_index(entry.layout)?;
+        self.versions.insert(pid, Some(v));
+        Some(v)
+    }
+
     /// Called for a process's first samples, and again after each exec (the exec
     /// tracepoint removes the process's entry), so what was read of its old program goes.
     /// True when the answer may change without an exec (libpython not mapped yet).
@@ -338,7 +350,7 @@ impl State {
                 PySampleProc {
                     runtime,
                     layout: v.index,
-                    _pad: 0,
+                    origin: 0,
                 }
             }
             Lookup::NotYet => {
@@ -352,7 +364,7 @@ impl State {
                 PySampleProc {
                     runtime: 0,
                     layout: PY_SAMPLE_NOT_PYTHON,
-                    _pad: 0,
+                    origin: 0,
                 }
             }
         };

@@ -392,7 +392,9 @@ pub struct PySampleProc {
     pub runtime: u64,
     /// Index into `PY_LAYOUTS`, or `PY_SAMPLE_NOT_PYTHON`.
     pub layout: u32,
-    pub _pad: u32,
+    /// 0 for a process the daemon looked at; for a forked copy of one, that process's pid:
+    /// its memory held the child's code objects first, and may still when the child is gone.
+    pub origin: u32,
 }
 
 /// `PySampleProc::layout`: the daemon looked, and the process does not run a known CPython.
@@ -667,6 +669,9 @@ pub struct CudaNameEvent {
     pub handle: u64,
     pub other: u64,
     pub extra: u64,
+    /// `CALL_SITE`: `PySampleProc::origin` of the process (where else its code objects are).
+    pub origin: u32,
+    pub _pad: u32,
     pub name: [u8; CUDA_NAME_LEN],
 }
 
@@ -747,7 +752,7 @@ mod tests {
         );
         assert_eq!(
             core::mem::size_of::<super::CudaNameEvent>(),
-            4 * 2 + 8 * 3 + super::CUDA_NAME_LEN
+            4 * 2 + 8 * 3 + 4 * 2 + super::CUDA_NAME_LEN
         );
         assert_eq!(
             core::mem::size_of::<super::CuptiKernel>(),

@@ -349,13 +349,15 @@ fn count_launch(key: &CudaLaunchKey) -> bool {
     if new {
         // A new row's call sites are named while its process lives.
         if key.py_code != 0 {
-            send(
+            let origin = crate::sample::origin(key.pid);
+            send_from(
                 key.pid,
                 api::CALL_SITE,
                 key.py_code,
                 key.py_instr,
                 key.py_names,
                 0,
+                origin,
             );
         }
         send(
@@ -400,6 +402,11 @@ fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
 /// probed before the process gets far.
 #[inline(always)]
 fn send(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64) {
+    send_from(pid, which, handle, other, extra, name, 0);
+}
+
+/// `send`, with the process `origin` the event's addresses may be read in too.
+fn send_from(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64, origin: u32) {
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
     let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
         count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
@@ -413,6 +420,8 @@ fn send(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64) {
         (*ev).handle = handle;
         (*ev).other = other;
         (*ev).extra = extra;
+        (*ev).origin = origin;
+        (*ev)._pad = 0;
         (*ev).name[0] = 0;
         if name != 0 {
             let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*ev).name);

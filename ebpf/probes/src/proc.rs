@@ -106,6 +106,7 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
     let child = child as u32;
     // Every fork, followed or not (`--all` sessions follow no pid).
     crate::python::forked(current as u32, child);
+    crate::sample::forked(parent, child);
     // SAFETY: map lookups return pointers valid for the duration of the program.
     let Some(&sessions) = (unsafe { TRACKED.get(&parent) }) else {
         return Ok(());

@@ -371,6 +371,23 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
     0
 }
 
+/// A process forked: the child's memory is a copy of the parent's, so its Python stacks are
+/// read the same way from its first instruction (a CUDA launch right after the fork finds
+/// its call site before the daemon could look at the child).
+pub(crate) fn forked(parent: u32, child: u32) {
+    // SAFETY: map values are valid for the duration of the program.
+    if let Some(&proc) = unsafe { PY_SAMPLE_PROCS.get(&parent) } {
+        let origin = if proc.origin != 0 { proc.origin } else { parent };
+        let _ = PY_SAMPLE_PROCS.insert(&child, &PySampleProc { origin, ..proc }, 0);
+    }
+}
+
+/// The process `pid` was forked from whose memory it began as a copy of (0: none known).
+pub(crate) fn origin(pid: u32) -> u32 {
+    // SAFETY: as above.
+    unsafe { PY_SAMPLE_PROCS.get(&pid) }.map_or(0, |p| p.origin)
+}
+
 /// A process exec'd or exited: the daemon must look at it afresh.
 pub(crate) fn forget_process(pid: u32) {
     let _ = PY_SAMPLE_PROCS.remove(&pid);

@@ -876,3 +876,46 @@ fn multiprocessing_workers_are_counted_exactly() {
         }
     }
 }
+
+/// PyTorch's DataLoader workers on CPU tensors (torch from PyPI, installed by `cargo xtask
+/// test`), forked and spawned: each worker's calls equal its own profile hook.
+#[test]
+fn dataloader_workers_are_counted_exactly() {
+    if !root_or_skip() {
+        return;
+    }
+    let python = std::env::var("TRACER_TEST_TORCH_PYTHON").expect(
+        "TRACER_TEST_TORCH_PYTHON (a Python with torch) is not set: run the suite with `cargo xtask test`",
+    );
+    let d = Daemon::start();
+    let wl = script("dataloader_workload.py");
+    for method in ["fork", "spawn"] {
+        let out = tempfile::NamedTempFile::new().unwrap();
+        let stdout = d.ok(&[
+            "start",
+            "--mode=counting",
+            "--python",
+            "--format",
+            "json",
+            "-o",
+            out.path().to_str().unwrap(),
+            "--",
+            &python,
+            wl.to_str().unwrap(),
+            "40",
+            "300",
+            method,
+        ]);
+        let report: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+        let truth = hook_counts(&stdout);
+        assert_eq!(truth.len(), 4, "{method}: {stdout}");
+        assert_eq!(truth.values().sum::<u64>(), 12_000, "{method}: {stdout}");
+        assert_eq!(
+            f_calls_per_pid(&report, "dataloader_workload.py"),
+            truth,
+            "{method}: losses {}",
+            report["losses"]
+        );
+    }
+}

@@ -248,6 +248,7 @@ fn test() -> Result<()> {
         "warnings",
     ]))?;
     let venv = toolchain::python_test_env()?;
+    let torch = toolchain::torch_test_env()?;
     toolchain::ensure_test_tools()?;
     build_binaries()?;
     let mut test = cargo();
@@ -260,7 +261,8 @@ fn test() -> Result<()> {
         "--test-threads=1",
     ])
     .env("TRACER_BIN_DIR", bin_dir())
-    .env("TRACER_TEST_PYTHON", venv.join("bin/python3"));
+    .env("TRACER_TEST_PYTHON", venv.join("bin/python3"))
+    .env("TRACER_TEST_TORCH_PYTHON", torch.join("bin/python3"));
     if let Some(dir) = cpython::installed_bin_dir() {
         test.env("TRACER_TEST_CPYTHON_BIN", dir);
     }

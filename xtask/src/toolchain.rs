@@ -103,6 +103,32 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
     Ok(venv)
 }
 
+/// A virtualenv under target/ with PyTorch from PyPI, for the DataLoader workers' test (its
+/// own: ~5 GiB that no other test needs; ~1.5 minutes to install on a fresh machine).
+pub fn torch_test_env() -> Result<std::path::PathBuf> {
+    let venv = crate::root().join("target").join("torch-venv");
+    let python = venv.join("bin/python3");
+    if !python.exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    let ok = Command::new(&python)
+        .args(["-c", "import torch.utils.data"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        run(Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-cache-dir",
+            "torch",
+        ]))?;
+    }
+    Ok(venv)
+}
+
 fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     anyhow::ensure!(out.status.success(), "{cmd:?} failed");

@@ -82,16 +82,12 @@ impl Caller {
         if uid == 0 {
             return Ok(());
         }
-        let uids = process::uids(pid).map_err(|_| Error::NoSuchProcess { pid })?;
-        if uids.iter().all(|&u| u == uid) {
-            Ok(())
-        } else {
-            Err(Error::PermissionDenied {
-                reason: format!(
-                    "uid {uid} may not trace pid {pid}, which runs as uid {}",
-                    uids[0]
-                ),
-            })
+        match process::ptrace_boundary(pid, uid) {
+            Err(_) => Err(Error::NoSuchProcess { pid }),
+            Ok(None) => Ok(()),
+            Ok(Some(why)) => Err(Error::PermissionDenied {
+                reason: format!("uid {uid} may not trace pid {pid}: {why}"),
+            }),
         }
     }
 

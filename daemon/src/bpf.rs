@@ -537,6 +537,25 @@ impl Bpf {
             .map_err(map_err("TRACKED"))
     }
 
+    /// Removes `slot` from the sessions following `pid` (and so from its later children).
+    pub fn unfollow(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let map = &mut self.tracked;
+        let mask = match map.get(&pid, 0) {
+            Ok(m) => m & !(1 << slot),
+            Err(MapError::KeyNotFound) => return Ok(()),
+            Err(e) => return Err(map_err("TRACKED")(e)),
+        };
+        let res = if mask == 0 {
+            map.remove(&pid)
+        } else {
+            map.insert(pid, mask, 0)
+        };
+        match res {
+            Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(map_err("TRACKED")(e)),
+        }
+    }
+
     /// Removes `slot` from every process; entries no session follows any more are deleted.
     pub fn release(&mut self, slot: u8) -> Result<(), BpfError> {
         let map = &mut self.tracked;

@@ -19,18 +19,48 @@ pub fn alive(pid: u32) -> bool {
 
 /// Real, effective, saved and filesystem uids of `pid`.
 pub fn uids(pid: u32) -> io::Result<[u32; 4]> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    ids(&fs::read_to_string(format!("/proc/{pid}/status"))?, "Uid:")
+}
+
+/// The four ids on a `/proc/PID/status` line (`Uid:` or `Gid:`).
+fn ids(status: &str, key: &str) -> io::Result<[u32; 4]> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("no {key} line"));
     let line = status
         .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Uid line"))?;
+        .find_map(|l| l.strip_prefix(key))
+        .ok_or_else(bad)?;
     let mut out = [0; 4];
-    for (slot, field) in out.iter_mut().zip(line.split_whitespace()) {
-        *slot = field
-            .parse()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad uid"))?;
+    let mut fields = line.split_whitespace();
+    for slot in &mut out {
+        *slot = fields.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
     }
     Ok(out)
+}
+
+/// Why `uid` (not root) may not trace `pid`, by the rule the kernel applies to ptrace: every
+/// uid of the process is `uid`, its gids are all one (no setgid program), and it is dumpable
+/// (no credentials gained at exec: setuid, setgid or file capabilities; no PR_SET_DUMPABLE 0).
+/// None: it may. Err: the process is gone.
+pub fn ptrace_boundary(pid: u32, uid: u32) -> io::Result<Option<String>> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let (uids, gids) = (ids(&status, "Uid:")?, ids(&status, "Gid:")?);
+    if uids.iter().any(|&u| u != uid) {
+        return Ok(Some(format!("it runs as uid {}", uids[1])));
+    }
+    if gids.iter().any(|&g| g != gids[0]) {
+        return Ok(Some(format!(
+            "it runs with gid {} from a setgid program",
+            gids[1]
+        )));
+    }
+    // /proc/PID's files belong to root while the process is not dumpable (the kernel's
+    // task_dump_owner), whoever runs it; the directory itself keeps the process's owner.
+    if fs::metadata(format!("/proc/{pid}/status"))?.uid() != uid {
+        return Ok(Some(
+            "it is not dumpable (it gained credentials at exec, or asked not to be traced)".into(),
+        ));
+    }
+    Ok(None)
 }
 
 /// Thread ids of `pid`.

@@ -260,6 +260,10 @@ pub struct Processes {
     /// The target's command name, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
+    /// Processes the session stopped following, and why: an exec that gained credentials
+    /// (setuid, setgid, file capabilities) in a session of an unprivileged user.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unfollowed: Vec<String>,
     /// The container and pod of each process the report names that ran in one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub containers: Vec<ProcessOrigin>,
@@ -414,6 +418,9 @@ impl Report {
             " processes: {} followed, {} exited",
             self.processes.followed, self.processes.exited
         );
+        for u in &self.processes.unfollowed {
+            let _ = writeln!(out, " not followed: {u}");
+        }
         if self.losses.is_empty() {
             let _ = writeln!(out, " losses: none");
         } else {

@@ -126,9 +126,14 @@ fn the_socket_and_the_callers_uid_decide() {
 
 /// A process of `uid` (sleep 60), for a member to attach to.
 fn sleeper_of(uid: u32, gid: u32) -> ChildGuard {
-    use std::os::unix::process::CommandExt;
     let mut cmd = Command::new("sleep");
     cmd.arg("60");
+    ChildGuard::spawn(as_user(&mut cmd, uid, gid))
+}
+
+/// `cmd` run as `uid`:`gid`.
+fn as_user(cmd: &mut Command, uid: u32, gid: u32) -> &mut Command {
+    use std::os::unix::process::CommandExt;
     // SAFETY: only async-signal-safe syscalls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -136,9 +141,138 @@ fn sleeper_of(uid: u32, gid: u32) -> ChildGuard {
             nix::unistd::setgid(nix::unistd::Gid::from_raw(gid))?;
             nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
             Ok(())
-        });
+        })
     }
-    ChildGuard::spawn(&mut cmd)
+}
+
+/// A copy of `program` in `dir` named `name`, with `mode` (setuid and setgid bits included),
+/// owned by root.
+fn copy_with_mode(program: &str, dir: &std::path::Path, name: &str, mode: u32) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::copy(program, &path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path
+}
+
+/// The kernel refuses ptrace across a gain of credentials, and so does tracer for an
+/// unprivileged user: a launched command that execs a setuid or setgid program stops being
+/// followed before the program runs (it runs as ever, and the report says why); a process
+/// running setgid or not dumpable is refused by pid. Root may trace them all.
+#[test]
+fn credentials_gained_at_exec_are_not_traced() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
+    let dir = d.dir.path();
+    // id(1) asks geteuid: counted while the program is followed.
+    let programs = [
+        (copy_with_mode("/usr/bin/id", dir, "id-plain", 0o755), None),
+        (
+            copy_with_mode("/usr/bin/id", dir, "id-setuid", 0o4755),
+            Some(("euid=0", "it runs as uid 0")),
+        ),
+        (
+            copy_with_mode("/usr/bin/id", dir, "id-setgid", 0o2755),
+            Some(("egid=0", "setgid program")),
+        ),
+    ];
+    for (program, gains) in &programs {
+        let p = program.to_str().unwrap();
+        let start = [
+            "start",
+            "--mode=counting",
+            "--uprobe",
+            "libc:geteuid",
+            "--format",
+            "json",
+            "--",
+            p,
+        ];
+        let out = member(&start);
+        assert!(
+            out.status.success(),
+            "{p}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        // The program's own line, then the report.
+        let (printed, json) = stdout.split_once("\n{").unwrap();
+        let report: serde_json::Value = serde_json::from_str(&format!("{{{json}")).unwrap();
+        let calls: u64 = report["native"]["calls"]
+            .as_array()
+            .map(|c| c.iter().map(|c| c["calls"].as_u64().unwrap()).sum())
+            .unwrap_or(0);
+        let unfollowed = &report["processes"]["unfollowed"];
+        assert!(printed.contains(&format!("uid={m_uid}")), "{p}: {printed}");
+        match gains {
+            None => {
+                assert!(calls >= 1, "{p}: {report}");
+                assert!(unfollowed.is_null(), "{p}: {unfollowed}");
+            }
+            Some((privilege, why)) => {
+                assert!(printed.contains(privilege), "{p}: {printed}");
+                assert_eq!(calls, 0, "{p}: {report}");
+                let name = program.file_name().unwrap().to_str().unwrap();
+                let note = unfollowed[0].as_str().unwrap_or_default();
+                assert!(
+                    note.contains(&format!("exec'd {name}")) && note.contains(why),
+                    "{p}: {unfollowed}"
+                );
+                // Root's session follows it through the exec.
+                let root: serde_json::Value = {
+                    let out = d.ok(&start);
+                    let (_, json) = out.split_once("\n{").unwrap();
+                    serde_json::from_str(&format!("{{{json}")).unwrap()
+                };
+                assert!(
+                    root["native"]["calls"][0]["calls"].as_u64() >= Some(1),
+                    "{root}"
+                );
+            }
+        }
+    }
+    // By pid: a process running setgid, and one that made itself not dumpable.
+    let setgid_sleep = copy_with_mode("/bin/sleep", dir, "sleep-setgid", 0o2755);
+    let mut cmd = Command::new(&setgid_sleep);
+    cmd.arg("60");
+    let sleeper = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
+    let undumpable = "import ctypes, time\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\nprint('ready', flush=True)\ntime.sleep(60)";
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", undumpable])
+        .stdout(std::process::Stdio::piped());
+    let mut guarded = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(guarded.0.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready, "ready\n");
+    for (pid, why) in [
+        (sleeper.pid(), "setgid program"),
+        (guarded.pid(), "not dumpable"),
+    ] {
+        let line = one_line_error(&member(&[
+            "start",
+            "--mode=counting",
+            "--pid",
+            &pid.to_string(),
+        ]));
+        assert!(
+            line.contains(&format!("uid {m_uid} may not trace pid {pid}")) && line.contains(why),
+            "{line}"
+        );
+    }
 }
 
 /// One StartSession naming one function thousands of times (which once took ~93 s to attach

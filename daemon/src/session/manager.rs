@@ -722,6 +722,7 @@ impl Manager {
             slot,
             live: pid.into_iter().collect(),
             followed: u32::from(pid.is_some()),
+            unfollowed: Vec::new(),
             exited: 0,
             proc_events: 0,
             counting,
@@ -943,13 +944,26 @@ impl Manager {
         if let Err(e) = self.bpf.set_python_sessions(python, all) {
             tracing::error!(%e, "updating Python session masks");
         }
-        // Followed processes wait at exec for their interpreter to be probed, so that no call
-        // of a program in a chroot or container (an interpreter not known beforehand) is lost.
-        if let Err(e) = self.bpf.set_exec_hold(python & !all, all) {
-            tracing::error!(%e, "updating the exec hold mask");
-        }
+        self.update_exec_hold(python & !all, all);
         if python == 0 {
             self.py.detach_all(&mut self.bpf);
+        }
+    }
+
+    /// Followed processes wait at exec for their interpreter to be probed (`python`: slots
+    /// counting Python in followed processes; `all`: everywhere), so that no call of a program
+    /// in a chroot or container (an interpreter not known beforehand) is lost; and in every
+    /// session of an unprivileged user, for the daemon to check the new program's credentials
+    /// before it runs an instruction.
+    fn update_exec_hold(&mut self, python: u64, all: u64) {
+        let unprivileged = self
+            .running
+            .values()
+            .filter(|s| s.owner_uid != 0 && s.follows_pid())
+            .filter_map(|s| s.slot)
+            .fold(0u64, |m, slot| m | 1 << slot);
+        if let Err(e) = self.bpf.set_exec_hold(python | unprivileged, all) {
+            tracing::error!(%e, "updating the exec hold mask");
         }
     }
 
@@ -1182,6 +1196,10 @@ impl Manager {
             profile = self.sampling.finish(slot);
         }
         self.release(s.slot);
+        if s.owner_uid != 0 {
+            // Its processes no longer wait at exec.
+            self.update_python_masks();
+        }
         info.state = if error.is_some() {
             SessionState::Failed
         } else {
@@ -1191,6 +1209,7 @@ impl Manager {
         info.end_reason = reason.into();
         info.error = error.unwrap_or_default();
         let mut report = build_report(&info, s.followed, s.command.take());
+        report.processes.unfollowed = std::mem::take(&mut s.unfollowed);
         report.native = native;
         report.profile = profile;
         report.cuda = cuda;
@@ -1330,6 +1349,7 @@ impl Manager {
     fn on_proc_event(&mut self, ev: ProcEvent) {
         let mut ended = Vec::new();
         let mut execs = Vec::new();
+        let mut crossed = Vec::new();
         let mut exited_sampled = false;
         for s in self.running.values_mut().filter(|s| s.follows_pid()) {
             let Some(slot) = s.slot else { continue };
@@ -1370,8 +1390,35 @@ impl Manager {
                         ended.push(s.id.clone());
                     }
                 }
+                // Held at exec (EXEC_HOLD): the new program has not run yet.
+                PROC_EVENT_EXEC if s.owner_uid != 0 => {
+                    match crate::process::ptrace_boundary(ev.pid, s.owner_uid) {
+                        Ok(Some(why)) => {
+                            crossed.push((slot, why.clone()));
+                            s.live.remove(&ev.pid);
+                            s.unfollowed.push(format!(
+                                "pid {} exec'd {}: {why}, so it is not traced, as the kernel would refuse ptrace",
+                                ev.pid,
+                                comm()
+                            ));
+                            if s.live.is_empty() {
+                                ended.push(s.id.clone());
+                            }
+                        }
+                        _ if s.python.is_some() => execs.push(s.id.clone()),
+                        _ => {}
+                    }
+                }
                 PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
                 _ => {}
+            }
+        }
+        for (slot, why) in crossed {
+            if let Err(e) = self.bpf.unfollow(ev.pid, slot) {
+                // Still followed: the process must not run on. It stays stopped; killing it
+                // would change what the user ran.
+                tracing::error!(%e, pid = ev.pid, %why, "cannot stop following a process that gained credentials; it stays stopped");
+                return;
             }
         }
         if ev.kind == PROC_EVENT_EXEC {

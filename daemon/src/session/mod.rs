@@ -38,6 +38,8 @@ struct Session {
     live: BTreeSet<u32>,
     followed: u32,
     exited: u32,
+    /// Processes no longer followed, and why (an exec that gained credentials).
+    unfollowed: Vec<String>,
     proc_events: u64,
     counting: Option<counting::Counting>,
     /// Counting Python calls.
@@ -203,6 +205,7 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
             followed,
             exited: info.exited_processes,
             command,
+            unfollowed: Vec::new(),
             containers: Vec::new(),
         },
         python: None,

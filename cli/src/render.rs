@@ -193,6 +193,9 @@ pub fn capabilities(c: &Capabilities) -> String {
     if !c.probe_limits.is_empty() {
         let _ = writeln!(out, "{}", c.probe_limits);
     }
+    if !c.session_limits.is_empty() {
+        let _ = writeln!(out, "{}", c.session_limits);
+    }
     let _ = writeln!(out, "\nPython interpreters:");
     if c.interpreters.is_empty() {
         let _ = writeln!(out, "  none found on PATH");

@@ -82,6 +82,7 @@ pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> C
         gpus,
         gpus_unavailable,
         probe_limits: probe_limits.describe(),
+        session_limits: crate::session::slots::Slots::describe(),
     }
 }
 

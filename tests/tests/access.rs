@@ -404,3 +404,64 @@ fn probe_floods_are_merged_and_capped() {
     assert!(member(&["stop", &second]).status.success());
     d.ok(&["stop", &root_session]);
 }
+
+/// A user other than root runs a share of the session slots (which once let a member take all
+/// 8 Python slots, and all 64 following slots, and root got RESOURCE_EXHAUSTED): the quota
+/// refuses it, and root still has room.
+#[test]
+fn a_user_cannot_take_every_session_slot() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", "import time; time.sleep(120)"]);
+    let sleeper = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
+    let pid = sleeper.pid().to_string();
+    // Past start-up: its interpreter is mapped.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let python = ["start", "--mode=counting", "--python", "--pid", &pid];
+    let plain = ["start", "--mode=counting", "--pid", &pid];
+    let started = |out: std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    for _ in 0..4 {
+        started(member(&python));
+    }
+    let line = one_line_error(&member(&python));
+    assert!(
+        line.contains(&format!(
+            "uid {m_uid} runs 4 sessions counting Python already"
+        )),
+        "{line}"
+    );
+    // Root takes the other Python slots.
+    for _ in 0..4 {
+        d.ok(&python);
+    }
+    for _ in 0..12 {
+        started(member(&plain));
+    }
+    let line = one_line_error(&member(&plain));
+    assert!(
+        line.contains(&format!("uid {m_uid} runs 16 sessions already")),
+        "{line}"
+    );
+    d.ok(&plain);
+    assert!(d.ok(&["capabilities"]).contains("kept for root"));
+    let listed = d.ok(&["list"]);
+    assert_eq!(listed.matches("running").count(), 21, "{listed}");
+}

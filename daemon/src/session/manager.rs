@@ -11,10 +11,7 @@ use tokio::{
     io::unix::AsyncFd,
     sync::{mpsc, oneshot, watch},
 };
-use tracer_common::{
-    ProcEvent, PyCodeEvent, MAX_PY_SESSIONS, MAX_TRACKED_SESSIONS, PROC_EVENT_EXEC,
-    PROC_EVENT_EXIT, PROC_EVENT_FORK,
-};
+use tracer_common::{ProcEvent, PyCodeEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
 use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
 
 use super::{
@@ -182,7 +179,7 @@ pub struct Manager {
     py: Probes,
     sampling: super::sampling::Sampling,
     tracing: super::tracing::Tracing,
-    used_slots: u64,
+    slots: super::slots::Slots,
     tx: mpsc::Sender<Command>,
 }
 
@@ -233,7 +230,7 @@ impl Manager {
             py: Probes::new(interpreters),
             sampling,
             tracing,
-            used_slots: 0,
+            slots: super::slots::Slots::default(),
             tx: tx.clone(),
         };
         let task = tokio::spawn(manager.run(rx, proc_rx, codes, kernel_names));
@@ -594,13 +591,13 @@ impl Manager {
             || options.cuda
             || !natives.is_empty()
         {
-            Some(self.take_slot(python)?)
+            Some(self.slots.take(owner_uid, python)?)
         } else {
             None
         };
         if let (Some(pid), Some(slot)) = (pid, slot) {
             if let Err(e) = self.bpf.follow(pid, slot) {
-                self.free_slot(slot);
+                self.slots.free(slot);
                 return Err(e.into());
             }
         }
@@ -989,8 +986,6 @@ impl Manager {
             .collect()
     }
 
-    /// A free session slot. Sessions counting Python calls need one of the lowest
-    /// `MAX_PY_SESSIONS`; the others take the highest free one, to leave those alone.
     /// The functions `--uprobe` specs name, one probe per function, within the caps: a
     /// session's, and what `uid`'s running sessions hold already.
     fn natives(
@@ -1040,39 +1035,12 @@ impl Manager {
         Ok(targets)
     }
 
-    fn take_slot(&mut self, python: bool) -> Result<u8, Error> {
-        let free = |i: &u8| self.used_slots & (1 << i) == 0;
-        let found = if python {
-            (0..MAX_PY_SESSIONS as u8).find(free).ok_or_else(|| {
-                Error::ResourceExhausted(format!(
-                    "at most {MAX_PY_SESSIONS} sessions may count Python calls at once"
-                ))
-            })
-        } else {
-            (0..MAX_TRACKED_SESSIONS as u8)
-                .rev()
-                .find(free)
-                .ok_or_else(|| {
-                    Error::ResourceExhausted(format!(
-                        "at most {MAX_TRACKED_SESSIONS} sessions may follow processes at once"
-                    ))
-                })
-        };
-        let slot = found?;
-        self.used_slots |= 1 << slot;
-        Ok(slot)
-    }
-
-    fn free_slot(&mut self, slot: u8) {
-        self.used_slots &= !(1 << slot);
-    }
-
     fn release(&mut self, slot: Option<u8>) {
         if let Some(slot) = slot {
             if let Err(e) = self.bpf.release(slot) {
                 tracing::warn!(%e, slot, "releasing a BPF session slot");
             }
-            self.free_slot(slot);
+            self.slots.free(slot);
         }
     }
 

@@ -10,6 +10,7 @@ pub mod manager;
 pub mod native;
 pub mod python;
 pub mod sampling;
+pub mod slots;
 pub mod trace_session;
 pub mod tracing;
 

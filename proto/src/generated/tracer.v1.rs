@@ -479,6 +479,9 @@ pub struct Capabilities {
     /// the machine, in one line.
     #[prost(string, tag = "14")]
     pub probe_limits: ::prost::alloc::string::String,
+    /// The quotas on sessions of users other than root, and the room kept for root, in one line.
+    #[prost(string, tag = "15")]
+    pub session_limits: ::prost::alloc::string::String,
 }
 /// What a session measures.
 #[allow(clippy::all)]

@@ -111,14 +111,13 @@ impl Caller {
         }
     }
 
-    /// Reading a session (status, report, events): its owner, root, or a read client.
+    /// Reading a session (status, report, events): its owner, root, or a read client. To
+    /// anyone else it does not exist: the answer is the one for an id nobody has.
     pub fn may_read(&self, owner: u32, id: &str) -> Result<(), Error> {
         if self.sees(owner) {
             Ok(())
         } else {
-            Err(Error::PermissionDenied {
-                reason: format!("session {id} belongs to uid {owner}"),
-            })
+            Err(Error::NoSuchSession { id: id.into() })
         }
     }
 
@@ -127,6 +126,8 @@ impl Caller {
         match self.acting_uid("stopping a session")? {
             0 => Ok(()),
             uid if uid == owner => Ok(()),
+            // As for reading: not told apart from an id nobody has.
+            _ if !self.sees(owner) => Err(Error::NoSuchSession { id: id.into() }),
             _ => Err(Error::PermissionDenied {
                 reason: format!("session {id} belongs to uid {owner}"),
             }),

@@ -97,7 +97,8 @@ fn the_socket_and_the_callers_uid_decide() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("task-clock"));
 
-    // Root's sessions are not its business.
+    // Root's sessions are not its business, nor is whether they exist: the answers are those
+    // for an id nobody has.
     let sleeper = ChildGuard::spawn(Command::new("sleep").arg("60"));
     let root_session = d
         .ok(&[
@@ -112,12 +113,13 @@ fn the_socket_and_the_callers_uid_decide() {
         vec!["stop", root_session.as_str()],
         vec!["report", root_session.as_str()],
         vec!["status", root_session.as_str()],
+        vec!["delete", root_session.as_str()],
     ] {
         let line = one_line_error(&member(&args));
-        assert!(
-            line.contains(&format!("session {root_session} belongs to uid 0")),
-            "{line}"
-        );
+        let made_up = "0123456789ab";
+        let none = one_line_error(&member(&[args[0], made_up]));
+        assert!(line.contains("no session with id"), "{line}");
+        assert_eq!(line.replace(&root_session, made_up), none);
     }
     let listed = String::from_utf8(member(&["list"]).stdout).unwrap();
     assert!(!listed.contains(&root_session), "{listed}");

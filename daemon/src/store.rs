@@ -1,5 +1,12 @@
-//! Finished sessions and their reports, kept in an embedded database (redb) under the state
-//! directory so they survive daemon restarts.
+//! Sessions and their reports, kept in an embedded database (redb) under the state
+//! directory so they survive daemon restarts. A session is stored when it starts (as running)
+//! and again when it ends.
+//!
+//! Faults: a write that fails fails its operation. redb refuses every operation on a handle
+//! that once saw an I/O error (a full disk), so the database is then reopened at its next use,
+//! and works again once the disk has room. A damaged file is moved aside at start ([`damage`]).
+
+mod damage;
 
 use std::path::{Path, PathBuf};
 
@@ -7,6 +14,8 @@ use prost::Message;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use tracer_proto::SessionInfo;
 
+/// The database's file name in the state directory.
+const FILE: &str = "sessions.redb";
 /// Session id → `SessionInfo`, protobuf-encoded.
 const SESSIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("sessions");
 /// Session id → the report as JSON (`report::Report`).
@@ -28,6 +37,12 @@ pub enum StoreError {
         #[source]
         source: Box<redb::Error>,
     },
+    #[error("cannot move the damaged state database {path} aside: {source}")]
+    MoveAside {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("stored session {id} is corrupt: {source}")]
     Corrupt {
         id: String,
@@ -37,7 +52,8 @@ pub enum StoreError {
 }
 
 pub struct Store {
-    db: Database,
+    /// None after an I/O error, until the next use reopens it.
+    db: Option<Database>,
     path: PathBuf,
 }
 
@@ -52,17 +68,23 @@ impl Store {
         let probe = dir.join(".tracerd-write-test");
         std::fs::write(&probe, b"").map_err(dir_err)?;
         let _ = std::fs::remove_file(&probe);
-        let path = dir.join("sessions.redb");
-        let db = Database::create(&path).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
-                dir: dir.to_owned(),
-            },
-            e => StoreError::Db {
-                path: path.clone(),
-                source: Box::new(e.into()),
-            },
-        })?;
-        let store = Self { db, path };
+        let path = dir.join(FILE);
+        let db = match damage::open_checked(&path) {
+            Ok(db) => db,
+            Err(damage::Unusable::InUse) => {
+                return Err(StoreError::InUse {
+                    dir: dir.to_owned(),
+                })
+            }
+            Err(damage::Unusable::Failed(e)) => {
+                return Err(StoreError::Db {
+                    path,
+                    source: Box::new(e),
+                })
+            }
+            Err(damage::Unusable::Damaged(why)) => damage::replace(&path, &why)?,
+        };
+        let mut store = Self { db: Some(db), path };
         // Create the tables so that reads of an empty store succeed.
         store.write(|_, _| Ok(()))?;
         Ok(store)
@@ -75,24 +97,47 @@ impl Store {
         }
     }
 
+    /// Runs `op` on the database, opening it again first if an I/O error closed it.
+    fn with_db<T>(
+        &mut self,
+        op: impl FnOnce(&Database) -> Result<T, redb::Error>,
+    ) -> Result<T, StoreError> {
+        if self.db.is_none() {
+            let db = Database::create(&self.path).map_err(|e| self.db_err(e))?;
+            tracing::info!(path = %self.path.display(), "state database reopened");
+            self.db = Some(db);
+        }
+        let result = op(self.db.as_ref().expect("opened above"));
+        result.map_err(|e| {
+            if matches!(e, redb::Error::Io(_) | redb::Error::PreviousIo) {
+                // The handle is poisoned for good; a new one recovers from the last commit.
+                self.db = None;
+            }
+            self.db_err(e)
+        })
+    }
+
     fn write(
-        &self,
+        &mut self,
         f: impl FnOnce(
             &mut redb::Table<&str, &[u8]>,
             &mut redb::Table<&str, &str>,
         ) -> Result<(), redb::Error>,
     ) -> Result<(), StoreError> {
-        let txn = self.db.begin_write().map_err(|e| self.db_err(e))?;
-        {
-            let mut sessions = txn.open_table(SESSIONS).map_err(|e| self.db_err(e))?;
-            let mut reports = txn.open_table(REPORTS).map_err(|e| self.db_err(e))?;
-            f(&mut sessions, &mut reports).map_err(|e| self.db_err(e))?;
-        }
-        txn.commit().map_err(|e| self.db_err(e))
+        self.with_db(|db| {
+            let txn = db.begin_write()?;
+            {
+                let mut sessions = txn.open_table(SESSIONS)?;
+                let mut reports = txn.open_table(REPORTS)?;
+                f(&mut sessions, &mut reports)?;
+            }
+            txn.commit()?;
+            Ok(())
+        })
     }
 
-    /// Records a finished session and its report, durably.
-    pub fn put(&self, info: &SessionInfo, report_json: &str) -> Result<(), StoreError> {
+    /// Records a session and its report (so far), durably.
+    pub fn put(&mut self, info: &SessionInfo, report_json: &str) -> Result<(), StoreError> {
         let bytes = info.encode_to_vec();
         self.write(|sessions, reports| {
             sessions.insert(info.id.as_str(), bytes.as_slice())?;
@@ -102,7 +147,7 @@ impl Store {
     }
 
     /// Forgets a session and its report.
-    pub fn delete(&self, id: &str) -> Result<(), StoreError> {
+    pub fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         self.write(|sessions, reports| {
             sessions.remove(id)?;
             reports.remove(id)?;
@@ -111,29 +156,31 @@ impl Store {
     }
 
     /// Every stored session.
-    pub fn sessions(&self) -> Result<Vec<SessionInfo>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.db_err(e))?;
-        let table = txn.open_table(SESSIONS).map_err(|e| self.db_err(e))?;
-        let mut out = Vec::new();
-        for row in table.iter().map_err(|e| self.db_err(e))? {
-            let (id, bytes) = row.map_err(|e| self.db_err(e))?;
-            let info =
-                SessionInfo::decode(bytes.value()).map_err(|source| StoreError::Corrupt {
-                    id: id.value().to_owned(),
-                    source,
-                })?;
-            out.push(info);
-        }
-        Ok(out)
+    pub fn sessions(&mut self) -> Result<Vec<SessionInfo>, StoreError> {
+        let rows = self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(SESSIONS)?;
+            let mut rows = Vec::new();
+            for row in table.iter()? {
+                let (id, bytes) = row?;
+                rows.push((id.value().to_owned(), bytes.value().to_vec()));
+            }
+            Ok(rows)
+        })?;
+        rows.into_iter()
+            .map(|(id, bytes)| {
+                SessionInfo::decode(bytes.as_slice())
+                    .map_err(|source| StoreError::Corrupt { id, source })
+            })
+            .collect()
     }
 
-    pub fn report(&self, id: &str) -> Result<Option<String>, StoreError> {
-        let txn = self.db.begin_read().map_err(|e| self.db_err(e))?;
-        let table = txn.open_table(REPORTS).map_err(|e| self.db_err(e))?;
-        Ok(table
-            .get(id)
-            .map_err(|e| self.db_err(e))?
-            .map(|v| v.value().to_owned()))
+    pub fn report(&mut self, id: &str) -> Result<Option<String>, StoreError> {
+        self.with_db(|db| {
+            let txn = db.begin_read()?;
+            let table = txn.open_table(REPORTS)?;
+            Ok(table.get(id)?.map(|v| v.value().to_owned()))
+        })
     }
 }
 
@@ -141,26 +188,35 @@ impl Store {
 mod tests {
     use super::*;
 
+    fn session(id: &str) -> SessionInfo {
+        SessionInfo {
+            id: id.into(),
+            elapsed_ms: 42,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn sessions_survive_reopening() {
         let dir = tempfile::tempdir().unwrap();
-        let info = SessionInfo {
-            id: "abc".into(),
-            elapsed_ms: 42,
-            ..Default::default()
-        };
+        let info = session("abc");
         {
-            let store = Store::open(dir.path()).unwrap();
+            let mut store = Store::open(dir.path()).unwrap();
             store.put(&info, "{\"x\":1}").unwrap();
             assert!(matches!(
                 Store::open(dir.path()),
                 Err(StoreError::InUse { .. })
             ));
         }
-        let store = Store::open(dir.path()).unwrap();
+        let mut store = Store::open(dir.path()).unwrap();
         assert_eq!(store.sessions().unwrap(), vec![info]);
         assert_eq!(store.report("abc").unwrap().as_deref(), Some("{\"x\":1}"));
         assert_eq!(store.report("nope").unwrap(), None);
+        assert!(std::fs::read_dir(dir.path()).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .contains("damaged")));
     }
 
     #[test]
@@ -171,5 +227,60 @@ mod tests {
             err.to_string().starts_with("cannot use state directory"),
             "{err}"
         );
+    }
+
+    /// A file that is not a database at all is moved aside, and a fresh one used.
+    #[test]
+    fn garbage_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(FILE), vec![0x5a; 3 * 4096]).unwrap();
+        let mut store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.sessions().unwrap(), vec![]);
+        let aside: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("sessions.redb.damaged-"))
+            .collect();
+        assert_eq!(aside.len(), 1, "{aside:?}");
+    }
+
+    /// Damage anywhere never keeps the store from opening; undamaged stores keep every row.
+    #[test]
+    fn damaged_blocks_never_keep_the_store_from_opening() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..24 {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let mut store = Store::open(dir.path()).unwrap();
+                for i in 0..40 {
+                    let report = format!("{{\"n\":{i},\"pad\":\"{}\"}}", "x".repeat(900));
+                    store.put(&session(&format!("s{i:02}")), &report).unwrap();
+                }
+            }
+            let path = dir.path().join(FILE);
+            let mut bytes = std::fs::read(&path).unwrap();
+            let blocks = bytes.len() / 4096;
+            for _ in 0..=(round % 4) {
+                let b = (next() as usize) % blocks;
+                for byte in &mut bytes[b * 4096..(b + 1) * 4096] {
+                    *byte = next() as u8;
+                }
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let mut store = Store::open(dir.path()).unwrap();
+            let kept = store.sessions().unwrap();
+            assert!(kept.len() <= 40);
+            for s in &kept {
+                assert!(store.report(&s.id).is_ok());
+            }
+            // The fresh store takes writes.
+            store.put(&session("new"), "{}").unwrap();
+        }
     }
 }

@@ -94,6 +94,8 @@ pub struct DaemonOptions {
     pub args: Vec<String>,
     /// Environment of tracerd (e.g. LD_LIBRARY_PATH for a stand-in NVML).
     pub env: Vec<(String, String)>,
+    /// A file tracerd's stderr (its log) is appended to, for tests that read what it said.
+    pub log: Option<PathBuf>,
 }
 
 /// A running tracerd; SIGTERM and reaped on drop.
@@ -104,6 +106,7 @@ pub struct Daemon {
     child: Option<Child>,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    log: Option<PathBuf>,
 }
 
 impl Daemon {
@@ -124,6 +127,7 @@ impl Daemon {
             child: None,
             args: opts.args,
             env: opts.env,
+            log: opts.log,
         };
         d.spawn(opts.group.as_deref());
         d
@@ -141,9 +145,18 @@ impl Daemon {
         if let Some(g) = group {
             cmd.args(["--group", g]);
         }
+        if let Some(log) = &self.log {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .expect("opening tracerd's log");
+            cmd.stderr(file);
+        }
         let mut child = cmd.spawn().expect("starting tracerd");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !self.socket.exists() {
+        // Connected, not only there: a killed daemon leaves its socket file behind.
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
             if let Some(status) = child.try_wait().unwrap() {
                 panic!("tracerd exited before listening: {status}");
             }
@@ -181,6 +194,14 @@ impl Daemon {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
+        }
+    }
+
+    /// Kills the daemon with SIGKILL (no shutdown of its own) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 

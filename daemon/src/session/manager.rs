@@ -21,6 +21,7 @@ use super::{
     Session,
 };
 mod metrics;
+mod persist;
 
 use crate::{
     access::Caller,
@@ -170,7 +171,8 @@ pub struct Manager {
     probe_limits: ProbeLimits,
     running: HashMap<String, Session>,
     finished: HashMap<String, SessionInfo>,
-    /// Reports that could not be written to the store; served from memory.
+    /// Reports of ended sessions not in the store (yet): served from memory, and stored once
+    /// the store takes writes again.
     unsaved: HashMap<String, Report>,
     /// Final counts of exported sessions that ended lately, for the Prometheus endpoint.
     exported: HashMap<String, metrics::Ended>,
@@ -189,23 +191,14 @@ impl Manager {
     /// Starts the manager task. Sessions left running by a daemon that died are marked failed.
     /// `interpreters`: the Python runtimes on this machine, probed when a session counts Python calls.
     pub fn spawn(
-        store: Store,
+        mut store: Store,
         mut bpf: Bpf,
         interpreters: Vec<std::path::PathBuf>,
         traces: std::path::PathBuf,
         probe_limits: ProbeLimits,
     ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
-        let mut finished = HashMap::new();
-        for mut info in store.sessions()? {
-            if info.state == SessionState::Running as i32 {
-                info.state = SessionState::Failed.into();
-                info.end_reason = EndReason::Error.into();
-                info.error = "tracerd stopped unexpectedly while this session ran".into();
-                store.put(&info, &build_report(&info, 0, None).to_json())?;
-            }
-            finished.insert(info.id.clone(), info);
-        }
+        let persist::Recovered { finished, unsaved } = persist::recover(&mut store, &traces)?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
         bpf.events(proc_tx)
             .map_err(|e| Error::io("reading BPF process events", e))?;
@@ -223,7 +216,7 @@ impl Manager {
             probe_limits,
             running: HashMap::new(),
             finished,
-            unsaved: HashMap::new(),
+            unsaved,
             exported: HashMap::new(),
             store,
             bpf,
@@ -277,6 +270,7 @@ impl Manager {
                         for id in ids {
                             self.finish(&id, EndReason::DaemonShutdown, None);
                         }
+                        self.save_unsaved();
                         let _ = reply.send(());
                         return;
                     }
@@ -760,8 +754,16 @@ impl Manager {
             expiry,
         };
         let info = session.info(&loss_base);
-        tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
+        let record = persist::running_report(&info, session.trace.as_ref());
         self.running.insert(id.clone(), session);
+        // Recorded as running, so that a daemon killed now leaves it behind as failed: a
+        // session that could not be recorded does not start.
+        if let Err(e) = self.store.put(&info, &record) {
+            self.end(&id, EndReason::Error, Some(e.to_string()));
+            self.discard(&id);
+            return Err(e.into());
+        }
+        tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
         self.update_python_masks();
         if options.cuda {
             self.update_cuda_masks();
@@ -1084,20 +1086,10 @@ impl Manager {
                 "session {id} is running: stop it first"
             )));
         }
-        // The report names the trace file; a report that cannot be read names none.
-        let trace = self
-            .report(id, caller)
-            .ok()
-            .and_then(|r| r.trace)
-            .map(|t| t.path);
+        // The trace first: on a full disk, its space is what lets the store write again. If the
+        // store cannot, the session stays listed, to be deleted again.
+        self.remove_trace(id);
         self.store.delete(id)?;
-        if let Some(path) = trace {
-            if let Err(e) = std::fs::remove_file(&path) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(%e, path = %path.display(), "removing a deleted session's trace");
-                }
-            }
-        }
         self.unsaved.remove(id);
         self.exported.remove(id);
         tracing::info!(id, "session deleted");
@@ -1128,8 +1120,14 @@ impl Manager {
         Ok(report)
     }
 
-    /// Ends a running session: final readings, report, persisted.
+    /// Ends a running session: final readings, report, stored.
     fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
+        self.end(id, reason, error);
+        self.store_report(id);
+    }
+
+    /// Ends a running session: final readings, and its report, kept in memory until stored.
+    fn end(&mut self, id: &str, reason: EndReason, error: Option<String>) {
         let Some(mut s) = self.running.remove(id) else {
             return;
         };
@@ -1259,10 +1257,7 @@ impl Manager {
             self.exported
                 .insert(id.to_owned(), metrics::Ended::new(&info, &report));
         }
-        if let Err(e) = self.store.put(&info, &report.to_json()) {
-            tracing::error!(%e, id, "could not persist the report; it is kept in memory until tracerd exits");
-            self.unsaved.insert(id.to_owned(), report);
-        }
+        self.unsaved.insert(id.to_owned(), report);
         tracing::info!(
             id,
             reason = super::end_reason_name(info.end_reason),
@@ -1455,6 +1450,7 @@ impl Manager {
         for id in ended {
             self.finish(&id, EndReason::TargetExited, None);
         }
+        self.save_unsaved();
         // Python processes that appeared, or exec'd an interpreter, since the last look.
         let ids: Vec<String> = self
             .running

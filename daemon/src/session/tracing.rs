@@ -114,7 +114,14 @@ impl Spool {
         (self.live.subscribe(), self.seq)
     }
 
+    /// Bytes in the file, and those on their way to it while it takes writes: after a failed
+    /// write (a full disk) nothing more reaches it.
     pub fn bytes(&self) -> u64 {
+        let stats = &self.writer.stats;
+        let written = stats.written.load(Ordering::Relaxed) * RECORD as u64;
+        if stats.failed.load(Ordering::Relaxed) > 0 || lock(&stats.error).is_some() {
+            return written;
+        }
         self.queued + (self.buf.len() * RECORD) as u64
     }
 
@@ -251,6 +258,10 @@ impl Writer {
                         Ok(()) => st.written.fetch_add(chunk.len() as u64, Ordering::Relaxed),
                         Err(e) => {
                             *lock(&st.error) = Some(format!("writing {}: {e}", path.display()));
+                            // A partial write leaves part of a chunk: the file keeps whole
+                            // records, as many as counted written.
+                            let written = st.written.load(Ordering::Relaxed) * RECORD as u64;
+                            let _ = file.set_len(written);
                             st.failed.fetch_add(chunk.len() as u64, Ordering::Relaxed)
                         }
                     };

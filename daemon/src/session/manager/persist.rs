@@ -1,0 +1,154 @@
+//! The manager's side of the store: sessions recorded as running when they start, found
+//! failed at the next start if the daemon died meanwhile, and reports a failed write left in
+//! memory stored once the store takes writes again.
+
+use std::{collections::HashMap, path::Path};
+
+use tracer_proto::{EndReason, SessionInfo, SessionState};
+
+use super::{super::build_report, super::trace_session::TraceSession, Manager};
+use crate::{error::Error, report::Report, store::Store, trace::RECORD};
+
+/// Why a session the store shows as running is no longer.
+const DIED: &str = "daemon died";
+
+/// The report stored with a session as it starts: what a daemon killed before its end leaves.
+pub(super) fn running_report(info: &SessionInfo, trace: Option<&TraceSession>) -> String {
+    let mut report = build_report(info, 0, None);
+    report.trace = trace.map(|t| crate::trace::Trace {
+        file: t.file.clone(),
+        start_ns: t.start_ns,
+        end_ns: t.start_ns,
+        start_unix_ns: t.start_unix_ns,
+        probes: t.probes.to_vec(),
+        ..Default::default()
+    });
+    report.to_json()
+}
+
+/// What the store holds at start.
+pub(super) struct Recovered {
+    pub finished: HashMap<String, SessionInfo>,
+    /// Reports of sessions found failed that could not be stored (kept in memory, stored later).
+    pub unsaved: HashMap<String, Report>,
+}
+
+/// The stored sessions, those a dead daemon left running now failed.
+pub(super) fn recover(store: &mut Store, traces: &Path) -> Result<Recovered, Error> {
+    let (mut finished, mut unsaved) = (HashMap::new(), HashMap::new());
+    for mut info in store.sessions()? {
+        if info.state == SessionState::Running as i32 {
+            let stored = store.report(&info.id).ok().flatten();
+            let report = died(&mut info, stored.as_deref(), traces);
+            tracing::warn!(
+                id = info.id,
+                "session was running when tracerd died: failed"
+            );
+            if let Err(e) = store.put(&info, &report.to_json()) {
+                tracing::error!(%e, id = info.id, "could not store the failed session; it is kept in memory");
+                unsaved.insert(info.id.clone(), report);
+            }
+        }
+        finished.insert(info.id.clone(), info);
+    }
+    Ok(Recovered { finished, unsaved })
+}
+
+/// Ends a session the daemon died in, with its trace as far as it was written.
+fn died(info: &mut SessionInfo, stored: Option<&str>, traces: &Path) -> Report {
+    let mut report = stored
+        .and_then(|json| Report::from_json(json).ok())
+        .unwrap_or_else(|| build_report(info, 0, None));
+    info.state = SessionState::Failed.into();
+    info.end_reason = EndReason::Error.into();
+    info.error = DIED.into();
+    info.live_processes = 0;
+    if let Some(t) = report.trace.as_mut() {
+        let path = traces.join(&t.file);
+        if let Ok(meta) = std::fs::metadata(&path) {
+            // A write cut short by the kill leaves part of a record: whole records only.
+            let whole = meta.len() - meta.len() % RECORD as u64;
+            if whole != meta.len() {
+                if let Err(e) = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .and_then(|f| f.set_len(whole))
+                {
+                    tracing::warn!(%e, path = %path.display(), "cutting a trace to whole records");
+                }
+            }
+            t.events = whole / RECORD as u64;
+            info.trace_events = t.events;
+            info.trace_bytes = whole;
+            // The last write is as near to the end as can be known.
+            let last_ns = meta
+                .modified()
+                .ok()
+                .and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(t.start_unix_ns, |d| d.as_nanos() as u64);
+            let elapsed_ns = last_ns.saturating_sub(t.start_unix_ns);
+            t.end_ns = t.start_ns + elapsed_ns;
+            info.elapsed_ms = elapsed_ns / 1_000_000;
+        }
+    }
+    report.session = build_report(info, 0, None).session;
+    report
+}
+
+impl Manager {
+    /// Stores an ended session's report; one the store does not take stays in memory.
+    pub(super) fn store_report(&mut self, id: &str) {
+        let (Some(info), Some(report)) = (self.finished.get(id), self.unsaved.get(id)) else {
+            return;
+        };
+        match self.store.put(info, &report.to_json()) {
+            Ok(()) => {
+                self.unsaved.remove(id);
+            }
+            Err(e) => {
+                tracing::error!(%e, id, "could not store the report; it is kept in memory and stored once the state database takes writes again")
+            }
+        }
+    }
+
+    /// Stores the reports a failed write left in memory, if the store takes writes again.
+    pub(super) fn save_unsaved(&mut self) {
+        let ids: Vec<String> = self.unsaved.keys().cloned().collect();
+        for id in ids {
+            let (Some(info), Some(report)) = (self.finished.get(&id), self.unsaved.get(&id)) else {
+                continue;
+            };
+            if self.store.put(info, &report.to_json()).is_err() {
+                // Still failing: the next sweep tries again.
+                return;
+            }
+            tracing::info!(
+                id,
+                "report stored, now that the state database takes writes"
+            );
+            self.unsaved.remove(&id);
+        }
+    }
+
+    /// Forgets a session that ended as it started: nothing of it is kept.
+    pub(super) fn discard(&mut self, id: &str) {
+        self.finished.remove(id);
+        self.unsaved.remove(id);
+        self.exported.remove(id);
+        let _ = self.store.delete(id);
+        self.remove_trace(id);
+    }
+
+    /// Removes a session's trace file, if it has one.
+    pub(super) fn remove_trace(&self, id: &str) {
+        let path = self
+            .tracing
+            .dir()
+            .join(super::super::tracing::file_name(id));
+        if let Err(e) = std::fs::remove_file(&path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(%e, path = %path.display(), "removing a deleted session's trace");
+            }
+        }
+    }
+}

@@ -92,6 +92,14 @@ pub enum NativeError {
     BadSpec(String),
     #[error("--uprobe {spec:?}: no library or executable named {name:?} was found (looked in the target's mappings, the system library directories and PATH)")]
     NotFound { spec: String, name: String },
+    /// Said alike whether the file is missing or unreadable to the caller, so that the answer
+    /// tells nothing of files the caller could not see.
+    #[error("--uprobe {spec:?}: uid {uid} can read no library or executable named {name:?} (it does not exist, or uid {uid} may not read it)")]
+    Unreadable {
+        spec: String,
+        name: String,
+        uid: u32,
+    },
     #[error("--uprobe {spec:?}: reading {path}: {reason}")]
     Read {
         spec: String,
@@ -186,13 +194,31 @@ fn probe_offset(file: &object::File, data: &[u8], addr: u64) -> Option<u64> {
 }
 
 /// Resolves a spec into the functions it names. `pid`: a running target whose mappings are
-/// searched first for a library named without a path.
-pub fn resolve(spec: &str, pid: Option<u32>) -> Result<Vec<NativeTarget>, NativeError> {
+/// searched first for a library named without a path. `reader`: the uid (not root) the
+/// session acts for, who must be able to read the file (a file the target maps, it could).
+pub fn resolve(
+    spec: &str,
+    pid: Option<u32>,
+    reader: Option<u32>,
+) -> Result<Vec<NativeTarget>, NativeError> {
     let (name, pattern) = spec
         .rsplit_once(':')
         .filter(|(n, p)| !n.is_empty() && !p.is_empty())
         .ok_or_else(|| NativeError::BadSpec(spec.into()))?;
-    let (binary, display) = find_binary(name, pid).ok_or_else(|| NativeError::NotFound {
+    let found = find_binary(name, pid);
+    if let Some(uid) = reader {
+        let readable = found
+            .as_ref()
+            .is_some_and(|(path, _, mapped)| *mapped || crate::process::readable_by(uid, path));
+        if !readable {
+            return Err(NativeError::Unreadable {
+                spec: spec.into(),
+                name: name.into(),
+                uid,
+            });
+        }
+    }
+    let (binary, display, _) = found.ok_or_else(|| NativeError::NotFound {
         spec: spec.into(),
         name: name.into(),
     })?;
@@ -285,17 +311,18 @@ fn names(name: &str, file: &str) -> bool {
 }
 
 /// The binary `name` names: where the daemon opens it, and how reports show it.
-fn find_binary(name: &str, pid: Option<u32>) -> Option<(PathBuf, String)> {
+/// The file `name` names: (where to read it, how to show it, whether the target maps it).
+fn find_binary(name: &str, pid: Option<u32>) -> Option<(PathBuf, String, bool)> {
     let shown = |p: PathBuf| {
         let display = p.to_string_lossy().into_owned();
-        (p, display)
+        (p, display, false)
     };
     if name.contains('/') {
         let p = PathBuf::from(name);
         return p.is_file().then(|| shown(p));
     }
-    if let Some(found) = pid.and_then(|pid| in_mappings(name, pid)) {
-        return Some(found);
+    if let Some((path, display)) = pid.and_then(|pid| in_mappings(name, pid)) {
+        return Some((path, display, true));
     }
     let dirs = pid
         .map(ld_library_path)
@@ -482,7 +509,7 @@ mod tests {
         assert_eq!(distinct, ["libc:getpid", "libc.so.6:getp*"]);
         let mut all = Vec::new();
         for spec in &distinct {
-            all.extend(resolve(spec, None).expect("libc on this machine"));
+            all.extend(resolve(spec, None, None).expect("libc on this machine"));
         }
         let getpids = all.iter().filter(|t| t.symbol == "getpid").count();
         assert_eq!(getpids, 2, "both specs match getpid: {all:?}");
@@ -494,20 +521,20 @@ mod tests {
 
     #[test]
     fn libc_getpid_resolves_to_one_function() {
-        let t = resolve("libc:getpid", None).expect("libc on this machine");
+        let t = resolve("libc:getpid", None, None).expect("libc on this machine");
         assert_eq!(t.len(), 1, "{t:?}");
         assert_eq!(t[0].symbol, "getpid");
         assert!(t[0].binary.to_string_lossy().contains("libc.so"));
         assert!(matches!(
-            resolve("libc:no_such_function_here", None),
+            resolve("libc:no_such_function_here", None, None),
             Err(NativeError::NoMatch { .. })
         ));
         assert!(matches!(
-            resolve("libnothere:f", None),
+            resolve("libnothere:f", None, None),
             Err(NativeError::NotFound { .. })
         ));
         assert!(matches!(
-            resolve("getpid", None),
+            resolve("getpid", None, None),
             Err(NativeError::BadSpec(_))
         ));
     }

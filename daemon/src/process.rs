@@ -37,6 +37,52 @@ fn ids(status: &str, key: &str) -> io::Result<[u32; 4]> {
     Ok(out)
 }
 
+/// Whether `uid` may see kernel addresses, as the kernel decides for /proc/kallsyms: root;
+/// others only with kptr_restrict 0 and perf_event_paranoid at most 1.
+pub fn kernel_addresses_for(uid: u32) -> bool {
+    let sysctl = |name: &str| {
+        fs::read_to_string(format!("/proc/sys/kernel/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+    };
+    uid == 0
+        || (sysctl("kptr_restrict") == Some(0)
+            && sysctl("perf_event_paranoid").is_some_and(|p| p <= 1))
+}
+
+/// Whether `uid` may read `path` by its mode bits and those of the directories above it,
+/// with the groups its passwd and group entries give it (ACLs aside: they are not granted).
+pub fn readable_by(uid: u32, path: &std::path::Path) -> bool {
+    let groups: Vec<u32> = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .and_then(|u| {
+            let name = std::ffi::CString::new(u.name).ok()?;
+            nix::unistd::getgrouplist(&name, u.gid).ok()
+        })
+        .map(|g| g.into_iter().map(|g| g.as_raw()).collect())
+        .unwrap_or_default();
+    // `bit`: 4 read, 1 search.
+    let allows = |m: &fs::Metadata, bit: u32| {
+        let mode = m.mode();
+        let shift = if m.uid() == uid {
+            6
+        } else if groups.contains(&m.gid()) {
+            3
+        } else {
+            0
+        };
+        mode >> shift & bit != 0
+    };
+    let Ok(real) = fs::canonicalize(path) else {
+        return false;
+    };
+    real.ancestors()
+        .skip(1)
+        .all(|dir| fs::metadata(dir).is_ok_and(|m| allows(&m, 1)))
+        && fs::metadata(&real).is_ok_and(|m| allows(&m, 4))
+}
+
 /// Why `uid` (not root) may not trace `pid`, by the rule the kernel applies to ptrace: every
 /// uid of the process is `uid`, its gids are all one (no setgid program), and it is dumpable
 /// (no credentials gained at exec: setuid, setgid or file capabilities; no PR_SET_DUMPABLE 0).

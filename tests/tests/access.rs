@@ -467,3 +467,116 @@ fn a_user_cannot_take_every_session_slot() {
     let listed = d.ok(&["list"]);
     assert_eq!(listed.matches("running").count(), 21, "{listed}");
 }
+
+fn args(a: &[String]) -> Vec<&str> {
+    a.iter().map(String::as_str).collect()
+}
+
+/// What root keeps from others stays hidden from a group member: the functions of a library
+/// only root may read (and whether such a file exists at all), and kernel addresses where the
+/// kernel shows the member zeros in /proc/kallsyms (names are shown).
+#[test]
+fn root_only_files_and_kernel_addresses_stay_hidden() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
+    let dir = d.dir.path();
+    let libc = std::fs::canonicalize("/lib/x86_64-linux-gnu/libc.so.6").unwrap();
+    let libc = libc.to_str().unwrap();
+    let secret = copy_with_mode(libc, dir, "secret.so", 0o600);
+    let shared = copy_with_mode(libc, dir, "shared.so", 0o644);
+    let not_elf = dir.join("notelf.so");
+    std::fs::write(&not_elf, b"not an ELF file").unwrap();
+    std::fs::set_permissions(&not_elf, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let missing = dir.join("missing.so");
+    let start = |lib: &std::path::Path| {
+        let spec = format!("{}:getpid", lib.display());
+        ["start", "--mode=counting", "--uprobe", &spec, "--", "true"].map(String::from)
+    };
+    // The same words for a root-only library, a root-only file that is no ELF, and no file.
+    let mut refusals = Vec::new();
+    for lib in [&secret, &not_elf, &missing] {
+        let line = one_line_error(&member(&args(&start(lib))));
+        assert!(
+            line.contains(&format!("uid {m_uid} can read no library")),
+            "{line}"
+        );
+        refusals.push(line.replace(lib.file_name().unwrap().to_str().unwrap(), "LIB"));
+    }
+    assert!(refusals.windows(2).all(|w| w[0] == w[1]), "{refusals:?}");
+    // A file the member may read, it may probe; root may probe the secret one.
+    let out = member(&args(&start(&shared)));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.ok(&args(&start(&secret)));
+
+    // Kernel frames: named for both, addresses for root only (unless the member's kallsyms
+    // shows them too).
+    let kallsyms_for_member = {
+        let sysctl = |n: &str| std::fs::read_to_string(format!("/proc/sys/kernel/{n}")).unwrap();
+        sysctl("kptr_restrict").trim() == "0"
+            && sysctl("perf_event_paranoid").trim().parse::<i32>().unwrap() <= 1
+    };
+    let busy = "import os\nfor _ in range(300000): os.stat('/')";
+    let sample = [
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "499",
+        "--format",
+        "json",
+        "--",
+        "/usr/bin/python3",
+        "-c",
+        busy,
+    ];
+    let kernel_frames = |json: &[u8]| -> Vec<(String, u64)> {
+        let report: serde_json::Value = serde_json::from_slice(json).unwrap();
+        report["profile"]["stacks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["frames"].as_array().unwrap().clone())
+            .filter(|f| f["kind"] == "kernel")
+            .map(|f| {
+                (
+                    f["name"].as_str().unwrap().to_owned(),
+                    f["address"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let out = member(&sample);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs = kernel_frames(&out.stdout);
+    let ours = kernel_frames(d.ok(&sample).as_bytes());
+    assert!(
+        !theirs.is_empty() && !ours.is_empty(),
+        "{theirs:?} {ours:?}"
+    );
+    assert!(
+        theirs.iter().all(|(name, _)| !name.is_empty()),
+        "{theirs:?}"
+    );
+    assert!(ours.iter().all(|&(_, a)| a != 0), "{ours:?}");
+    if !kallsyms_for_member {
+        assert!(theirs.iter().all(|&(_, a)| a == 0), "{theirs:?}");
+    }
+}

@@ -613,7 +613,7 @@ impl Manager {
             return Err(Error::NoSuchProcess { pid });
         }
         let sampler = match (frequency, slot) {
-            (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz) {
+            (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz, owner_uid) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     self.release(Some(slot));
@@ -629,6 +629,7 @@ impl Manager {
                 0,
                 super::cuda::LAUNCH_STACKS,
                 &pid.into_iter().collect::<Vec<_>>(),
+                process::kernel_addresses_for(owner_uid),
             );
         }
         let python = if python {
@@ -829,11 +830,18 @@ impl Manager {
         slot: u8,
         pid: Option<u32>,
         hz: u64,
+        owner_uid: u32,
     ) -> Result<crate::sampler::Sampler, Error> {
         let program = self.bpf.sample_program()?;
         let sampler = crate::sampler::Sampler::start(program, slot, pid.is_none(), hz)?;
         let pids = pid.map_or_else(all_pids, |p| vec![p]);
-        self.sampling.add(slot, hz, sampler.event, &pids);
+        self.sampling.add(
+            slot,
+            hz,
+            sampler.event,
+            &pids,
+            process::kernel_addresses_for(owner_uid),
+        );
         Ok(sampler)
     }
 
@@ -1007,7 +1015,7 @@ impl Manager {
         let mut targets = Vec::new();
         for spec in specs {
             targets.extend(
-                native::resolve(spec, maps_of)
+                native::resolve(spec, maps_of, (uid != 0).then_some(uid))
                     .map_err(|e| Error::InvalidArgument(e.to_string()))?,
             );
         }

@@ -21,7 +21,7 @@ use aya::maps::{HashMap as BpfHashMap, MapData, RingBuf, StackTraceMap};
 use tracer_common::{sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON};
 
 use crate::{
-    profile::{Frame, Mapping, Profile, Stack, Unwinding},
+    profile::{Frame, FrameKind, Mapping, Profile, Stack, Unwinding},
     python::{
         layout::Version,
         memory,
@@ -45,6 +45,8 @@ pub struct SamplingMaps {
 struct Histogram {
     frequency_hz: u64,
     event: &'static str,
+    /// Whether the session's owner may see kernel addresses (else its frames keep names only).
+    kernel_addresses: bool,
     started: Instant,
     start_unix_ns: u64,
     /// (pid, tid, process frame, stack as captured) → samples.
@@ -82,17 +84,18 @@ impl Windows {
         let mut st = lock(&self.0);
         st.drain();
         let h = st.sessions.get_mut(&u32::from(slot))?;
-        let fresh = Histogram::new(h.frequency_hz, h.event);
+        let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
         let window = std::mem::replace(h, fresh);
         Some(st.profile(window))
     }
 }
 
 impl Histogram {
-    fn new(frequency_hz: u64, event: &'static str) -> Self {
+    fn new(frequency_hz: u64, event: &'static str, kernel_addresses: bool) -> Self {
         Histogram {
             frequency_hz,
             event,
+            kernel_addresses,
             started: Instant::now(),
             start_unix_ns: crate::clock::unix_ns(),
             stacks: HashMap::new(),
@@ -179,13 +182,23 @@ impl Sampling {
 
     /// Starts a histogram for `slot`. `pids`: processes to look at now (the target, or
     /// every process for `--all`), so that their first samples already have Python frames.
-    pub fn add(&self, slot: u8, frequency_hz: u64, event: &'static str, pids: &[u32]) {
+    /// `kernel_addresses`: whether its owner may see them (`process::kernel_addresses_for`).
+    pub fn add(
+        &self,
+        slot: u8,
+        frequency_hz: u64,
+        event: &'static str,
+        pids: &[u32],
+        kernel_addresses: bool,
+    ) {
         let mut st = lock(&self.state);
         for &pid in pids {
             let _ = st.check_process(pid);
         }
-        st.sessions
-            .insert(u32::from(slot), Histogram::new(frequency_hz, event));
+        st.sessions.insert(
+            u32::from(slot),
+            Histogram::new(frequency_hz, event, kernel_addresses),
+        );
     }
 
     /// Ends `slot`'s histogram (its perf events must be closed already) and names it.
@@ -431,6 +444,9 @@ impl State {
                     .iter()
                     .map(|&id| {
                         let mut f: Frame = self.resolver.frame(id).clone();
+                        if f.kind == FrameKind::Kernel && !h.kernel_addresses {
+                            f.address = 0;
+                        }
                         if let Some(m) = f.mapping {
                             let n = *renumber.entry(m).or_insert_with(|| {
                                 mappings.push(self.resolver.mapping(m).clone());

@@ -115,6 +115,7 @@ fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
 pub struct Bpf {
     tracked: HashMap<MapData, u32, SessionMask>,
     losses: PerCpuArray<MapData, u64>,
+    slot_losses: aya::maps::PerCpuHashMap<MapData, tracer_common::LossKey, u64>,
     events: Option<RingBuf<MapData>>,
     pub py_tstate: HashMap<MapData, u32, u64>,
     pub py_calls: HashMap<MapData, PyCallKey, PyCallStats>,
@@ -212,6 +213,7 @@ impl Bpf {
         Ok(Self {
             tracked: take(&mut ebpf, "TRACKED")?,
             losses: take(&mut ebpf, "LOSSES")?,
+            slot_losses: take(&mut ebpf, "SLOT_LOSSES")?,
             events: Some(take(&mut ebpf, "PROC_EVENTS")?),
             py_tstate: take(&mut ebpf, "PY_TSTATE")?,
             py_calls: take(&mut ebpf, "PY_CALLS")?,
@@ -584,6 +586,20 @@ impl Bpf {
         for (i, slot) in out.iter_mut().enumerate() {
             if let Ok(values) = self.losses.get(&(i as u32), 0) {
                 *slot = values.iter().sum();
+            }
+        }
+        out
+    }
+
+    /// The loss counters of the processes `slot`'s session follows (since the BPF programs
+    /// were loaded: sessions subtract what they found at their start).
+    pub fn slot_losses(&self, slot: u8) -> [u64; loss::COUNT as usize] {
+        let mut out = [0; loss::COUNT as usize];
+        for (key, values) in self.slot_losses.iter().filter_map(Result::ok) {
+            if key.mask & (1 << slot) != 0 {
+                if let Some(n) = out.get_mut(key.cause as usize) {
+                    *n += values.iter().sum::<u64>();
+                }
             }
         }
         out

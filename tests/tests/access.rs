@@ -580,3 +580,108 @@ fn root_only_files_and_kernel_addresses_stay_hidden() {
         assert!(theirs.iter().all(|&(_, a)| a == 0), "{theirs:?}");
     }
 }
+
+/// Losses counted in other users' processes stay out of a group member's report (its
+/// sessions report those of the processes they follow; root's, the machine's).
+#[test]
+fn a_members_report_holds_only_its_own_losses() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
+    // Root's process recurses deeper than the probes' stacks: calls past their depth are
+    // losses.
+    let busy = "import sys\nsys.setrecursionlimit(5000)\ndef r(n): return r(n - 1) if n else 0\nprint('ready', flush=True)\nwhile True: r(400)";
+    let mut root_busy = ChildGuard::spawn(
+        Command::new("/usr/bin/python3")
+            .args(["-c", busy])
+            .stdout(std::process::Stdio::piped()),
+    );
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(root_busy.0.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", "import time; time.sleep(60)"]);
+    let idle = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let root_id = d
+        .ok(&[
+            "start",
+            "--mode=counting",
+            "--python",
+            "--pid",
+            &root_busy.pid().to_string(),
+            "--duration",
+            "3s",
+        ])
+        .trim()
+        .to_owned();
+    let out = member(&[
+        "start",
+        "--mode=counting",
+        "--python",
+        "--pid",
+        &idle.pid().to_string(),
+        "--duration",
+        "1s",
+        "--wait",
+        "--format",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    d.ok(&["stop", &root_id]);
+    let ours: serde_json::Value =
+        serde_json::from_str(&d.ok(&["report", &root_id, "--format", "json"])).unwrap();
+    let too_deep = |r: &serde_json::Value| {
+        r["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["cause"] == "python_stack_too_deep_untimed")
+            .map(|l| l["count"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert!(too_deep(&ours) > 1000, "{}", ours["losses"]);
+    assert_eq!(too_deep(&theirs), 0, "{}", theirs["losses"]);
+    // Its own process's losses, it is told of.
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.args(["-c", busy]).stdout(std::process::Stdio::piped());
+    let mut deep = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(deep.0.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let out = member(&[
+        "start",
+        "--mode=counting",
+        "--python",
+        "--pid",
+        &deep.pid().to_string(),
+        "--duration",
+        "1s",
+        "--wait",
+        "--format",
+        "json",
+    ]);
+    let own: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(too_deep(&own) > 1000, "{}", own["losses"]);
+}

@@ -436,8 +436,12 @@ impl Manager {
             }
             Command::List { caller, reply } => {
                 let losses = self.bpf.losses();
-                let mut all: Vec<SessionInfo> =
-                    self.running.values_mut().map(|s| s.info(&losses)).collect();
+                let bpf = &self.bpf;
+                let mut all: Vec<SessionInfo> = self
+                    .running
+                    .values_mut()
+                    .map(|s| s.info(&super::scoped_losses(bpf, s.owner_uid, s.slot, &losses)))
+                    .collect();
                 all.extend(self.finished.values().cloned());
                 all.retain(|s| caller.sees(s.owner_uid));
                 all.sort_by(|a, b| {
@@ -595,7 +599,7 @@ impl Manager {
                 return Err(e.into());
             }
         }
-        let loss_base = self.bpf.losses();
+        let loss_base = super::scoped_losses(&self.bpf, owner_uid, slot, &self.bpf.losses());
         // Sampling sessions count nothing.
         let counting = match (!sampling)
             .then(|| counting::Counting::open(&specs, &scope, pid))
@@ -1079,6 +1083,7 @@ impl Manager {
         caller.may_read(self.owner(id)?, id)?;
         let losses = self.bpf.losses();
         if let Some(s) = self.running.get_mut(id) {
+            let losses = super::scoped_losses(&self.bpf, s.owner_uid, s.slot, &losses);
             return Ok((s.info(&losses), s.ended.subscribe()));
         }
         let (_, rx) = watch::channel(true);
@@ -1143,7 +1148,7 @@ impl Manager {
             task.abort();
         }
         let trace_end = self.close_trace(&mut s);
-        let losses = self.bpf.losses();
+        let losses = super::scoped_losses(&self.bpf, s.owner_uid, s.slot, &self.bpf.losses());
         let mut info = s.info(&losses);
         // Close the counters before anything else can fail.
         s.counting = None;

@@ -64,6 +64,21 @@ struct Session {
     expiry: Option<JoinHandle<()>>,
 }
 
+/// The loss counters a session of `owner_uid` on `slot` reports: the machine's for root's; for
+/// another user's, those counted in the processes its session follows (other users' losses
+/// are none of its business).
+fn scoped_losses(
+    bpf: &bpf::Bpf,
+    owner_uid: u32,
+    slot: Option<u8>,
+    machine: &[u64; loss::COUNT as usize],
+) -> [u64; loss::COUNT as usize] {
+    match (owner_uid, slot) {
+        (0, _) | (_, None) => *machine,
+        (_, Some(slot)) => bpf.slot_losses(slot),
+    }
+}
+
 impl Session {
     /// Whether the session follows a process tree (and ends when it exits), rather than the machine.
     fn follows_pid(&self) -> bool {

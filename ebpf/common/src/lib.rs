@@ -17,6 +17,15 @@ pub const PROC_EVENT_EXIT: u32 = 2;
 /// `ProcEvent::kind`: a followed process exec'd a new program.
 pub const PROC_EVENT_EXEC: u32 = 3;
 
+/// Key of `SLOT_LOSSES`: a loss cause in processes followed by the sessions of `mask`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LossKey {
+    pub mask: SessionMask,
+    pub cause: u32,
+    pub _pad: u32,
+}
+
 /// Sent on the `PROC_EVENTS` ring buffer when a followed process forks or exits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -679,6 +688,7 @@ pub struct CudaNameEvent {
 mod pod {
     // SAFETY (all): repr(C), Copy, every field an integer or byte array, no implicit padding.
     unsafe impl aya::Pod for super::ProcEvent {}
+    unsafe impl aya::Pod for super::LossKey {}
     unsafe impl aya::Pod for super::PyLayout {}
     unsafe impl aya::Pod for super::PyCallKey {}
     unsafe impl aya::Pod for super::PyCodeEvent {}
@@ -772,5 +782,6 @@ mod tests {
     #[test]
     fn proc_event_has_no_hidden_padding() {
         assert_eq!(core::mem::size_of::<super::ProcEvent>(), 4 * 4 + 8 + 8 + 16);
+        assert_eq!(core::mem::size_of::<super::LossKey>(), 16);
     }
 }

@@ -11,11 +11,11 @@ use aya_ebpf::{
         generated::bpf_send_signal,
     },
     macros::{map, tracepoint},
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::TracePointContext,
 };
 use tracer_common::{
-    loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
+    loss, LossKey, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
     TRACKED_MAX_ENTRIES,
 };
 
@@ -41,6 +41,12 @@ const SIGSTOP: u32 = 19;
 #[map]
 pub(crate) static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss::COUNT, 0);
 
+/// The same, by the sessions following the process the loss happened in: what a session of
+/// a user other than root reports (the machine's counters would tell it of other users'
+/// work). Few keys: a cause and a set of sessions.
+#[map]
+static SLOT_LOSSES: PerCpuHashMap<LossKey, u64> = PerCpuHashMap::with_max_entries(4096, 0);
+
 // Tracepoint field offsets, patched in by the loader from tracefs (see `tracer_common::globals`).
 #[no_mangle]
 static NEWTASK_PID_OFFSET: u32 = 8;
@@ -64,6 +70,24 @@ pub(crate) fn count_losses(cause: u32, n: u64) {
     if let Some(slot) = LOSSES.get_ptr_mut(cause) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
         unsafe { *slot += n };
+    }
+    let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: map values are valid for the duration of the program.
+    let Some(&mask) = (unsafe { TRACKED.get(&pid) }) else {
+        return;
+    };
+    let key = LossKey {
+        mask,
+        cause,
+        _pad: 0,
+    };
+    match SLOT_LOSSES.get_ptr_mut(&key) {
+        // SAFETY: as above.
+        Some(c) => unsafe { *c += n },
+        // Full: the machine's counter above has it; the session's report falls short.
+        None => {
+            let _ = SLOT_LOSSES.insert(&key, &n, 0);
+        }
     }
 }
 

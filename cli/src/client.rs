@@ -103,21 +103,32 @@ pub async fn connect(addr: &str, remote: &Remote) -> anyhow::Result<Client> {
         return Ok(TracerClient::with_interceptor(channel, bearer));
     }
     let path = Path::new(addr).to_owned();
-    // Connect once by hand: its error says plainly what is wrong, where tonic's would not.
-    if let Err(e) = std::os::unix::net::UnixStream::connect(&path) {
-        let p = path.display();
-        anyhow::bail!(match e.kind() {
-            std::io::ErrorKind::NotFound => format!("tracerd is not running (no socket at {p}; start tracerd, or point --socket/TRACER_SOCKET at its socket)"),
-            std::io::ErrorKind::ConnectionRefused => format!("tracerd is not running (nothing listens on {p})"),
-            std::io::ErrorKind::PermissionDenied => format!("permission denied on {p}: only root and the daemon's --group may use it"),
-            _ => format!("cannot connect to {p}: {e}"),
-        });
-    }
+    // Connect by hand: its error says plainly what is wrong, where tonic's would not. The
+    // channel then uses this connection: a second one would count against the daemon's
+    // per-user cap while the first is still being closed.
+    let first = std::os::unix::net::UnixStream::connect(&path)
+        .and_then(|s| s.set_nonblocking(true).map(|()| s))
+        .map_err(|e| {
+            let p = path.display();
+            anyhow::anyhow!(match e.kind() {
+                std::io::ErrorKind::NotFound => format!("tracerd is not running (no socket at {p}; start tracerd, or point --socket/TRACER_SOCKET at its socket)"),
+                std::io::ErrorKind::ConnectionRefused => format!("tracerd is not running (nothing listens on {p})"),
+                std::io::ErrorKind::PermissionDenied => format!("permission denied on {p}: only root and the daemon's --group may use it"),
+                _ => format!("cannot connect to {p}: {e}"),
+            })
+        })?;
+    let first = std::sync::Arc::new(std::sync::Mutex::new(Some(first)));
     let channel = Endpoint::try_from("http://tracerd.local")?
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
+            let first = first.lock().unwrap_or_else(|e| e.into_inner()).take();
             async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+                let stream = match first {
+                    Some(s) => tokio::net::UnixStream::from_std(s)?,
+                    // Reconnecting (after the daemon closed an idle connection, say).
+                    None => tokio::net::UnixStream::connect(path).await?,
+                };
+                Ok::<_, std::io::Error>(TokioIo::new(stream))
             }
         }))
         .await

@@ -5,17 +5,21 @@ use std::ffi::CString;
 
 use anyhow::{bail, Context, Result};
 use nix::{
+    fcntl::OFlag,
     sys::{
         signal::{kill, Signal},
         wait::{waitpid, WaitStatus},
     },
-    unistd::{fork, pipe, read, write, ForkResult, Pid},
+    unistd::{fork, pipe, pipe2, read, write, ForkResult, Pid},
 };
 
 /// A forked child blocked before `execvp(cmd)`.
 pub struct Held {
     pub pid: Pid,
     go: Option<std::os::fd::OwnedFd>,
+    /// Closed by a successful exec; a failed one writes its errno there first.
+    exec_error: std::os::fd::OwnedFd,
+    program: String,
 }
 
 /// Forks. Must be called while the process is single-threaded (before the tokio runtime).
@@ -26,10 +30,12 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
         .collect::<Result<_, _>>()
         .context("command has a NUL byte")?;
     let (rx, tx) = pipe().context("pipe")?;
+    let (err_rx, err_tx) = pipe2(OFlag::O_CLOEXEC).context("pipe")?;
     // SAFETY: single-threaded here; the child only calls async-signal-safe functions before exec.
     match unsafe { fork() }.context("fork")? {
         ForkResult::Child => {
             drop(tx);
+            drop(err_rx);
             let mut byte = [0u8; 1];
             // EOF without a byte: the parent gave up (session refused); do not run the command.
             if !matches!(read(&rx, &mut byte), Ok(1)) {
@@ -37,30 +43,41 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
                 unsafe { libc::_exit(125) };
             }
             let err = nix::unistd::execvp(&args[0], &args).unwrap_err();
-            // Forked from a single-threaded process: formatting and printing are safe here.
-            eprintln!(
-                "tracerctl: cannot run '{}': {}",
-                cmd[0],
-                std::io::Error::from(err)
-            );
+            // The parent says it, in its one line of error.
+            let _ = write(&err_tx, &(err as i32).to_ne_bytes());
             // SAFETY: _exit skips the parent's atexit handlers and buffers, as a failed exec should.
             unsafe { libc::_exit(127) }
         }
         ForkResult::Parent { child } => {
             drop(rx);
+            drop(err_tx);
             Ok(Held {
                 pid: child,
                 go: Some(tx),
+                exec_error: err_rx,
+                program: cmd[0].clone(),
             })
         }
     }
 }
 
 impl Held {
-    /// Lets the command exec.
+    /// Lets the command exec, and waits to learn whether it could.
     pub fn release(&mut self) -> Result<()> {
         let fd = self.go.take().context("released twice")?;
         write(&fd, b"g").context("releasing the command")?;
+        let mut errno = [0u8; 4];
+        let n = loop {
+            match read(&self.exec_error, &mut errno) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                r => break r.unwrap_or(0),
+            }
+        };
+        if n == errno.len() {
+            let _ = waitpid(self.pid, None);
+            let e = std::io::Error::from_raw_os_error(i32::from_ne_bytes(errno));
+            bail!("cannot run '{}': {e}", self.program);
+        }
         Ok(())
     }
 

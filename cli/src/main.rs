@@ -103,7 +103,7 @@ struct StartArgs {
     #[arg(long, requires = "cuda")]
     gpu_times: bool,
     /// Sampling: samples per second on each CPU (default 99).
-    #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "HZ", value_parser = parse_frequency)]
     frequency: Option<u64>,
     /// Always-on low-rate profiling: sampling at 19 Hz (unless --frequency says otherwise)
     /// until stopped, each window pushed to --push.
@@ -175,6 +175,15 @@ struct Output {
     /// Sampling reports: only the stacks of processes with this name (comm).
     #[arg(long = "filter-comm", value_name = "NAME")]
     filter_comm: Option<String>,
+}
+
+/// `--frequency`: clap's own range check would print u64's whole range.
+fn parse_frequency(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("the frequency must be at least 1 Hz (samples per second on each CPU)".into()),
+        Ok(hz) => Ok(hz),
+        Err(_) => Err(format!("'{s}' is not a number of samples per second")),
+    }
 }
 
 /// `--continuous`'s default rate: low, and prime, so that samples do not beat with
@@ -285,11 +294,20 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
         (m, Some(c)) if !m.contains(&c) => format!("{m}: {c}"),
         (m, _) => m.to_owned(),
     };
-    match s.code() {
-        tonic::Code::Unavailable => anyhow::anyhow!("tracerd is unavailable: {message}"),
-        tonic::Code::Unauthenticated => anyhow::anyhow!("not authenticated: {message}"),
-        tonic::Code::PermissionDenied => anyhow::anyhow!("permission denied: {message}"),
-        _ => anyhow::anyhow!("{message}"),
+    let prefix = match s.code() {
+        tonic::Code::Unavailable => "tracerd is unavailable: ",
+        tonic::Code::Unauthenticated => "not authenticated: ",
+        tonic::Code::PermissionDenied => "permission denied: ",
+        _ => "",
+    };
+    // The daemon's message may say so itself ("permission denied: …"): once is enough.
+    if message
+        .get(..prefix.len())
+        .is_some_and(|m| m.eq_ignore_ascii_case(prefix))
+    {
+        anyhow::anyhow!("{message}")
+    } else {
+        anyhow::anyhow!("{prefix}{message}")
     }
 }
 
@@ -476,7 +494,12 @@ async fn start_followed(
         report(client, session.id, &args.out).await?;
         return Ok(ExitCode::SUCCESS);
     };
-    h.release()?;
+    if let Err(e) = h.release() {
+        // Nothing ran: the session is no one's measurement; a shell says 127 for it.
+        discard(client, &session.id).await;
+        eprintln!("tracerctl: {e:#}");
+        return Ok(ExitCode::from(127));
+    }
     let pid = h.pid;
     let mut waiter = tokio::task::spawn_blocking(move || launch::wait(pid));
     // The daemon sees the exit too and ends the session; following it shows progress meanwhile.
@@ -497,6 +520,19 @@ async fn start_followed(
     finish_after_exit(client, &session.id).await?;
     report(client, session.id, &args.out).await?;
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// Stops and deletes a session, as far as the daemon lets it (best effort: the command's
+/// failure is what gets reported).
+async fn discard(client: &mut client::Client, id: &str) {
+    let session = || SessionRef { id: id.to_owned() };
+    let _ = client.stop_session(session()).await;
+    for _ in 0..20 {
+        if client.delete_session(session()).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Follows a session until it ends, with a progress line on a terminal.

@@ -80,11 +80,15 @@ pub fn status(s: &SessionInfo) -> String {
         String::new()
     };
     let _ = writeln!(out, "elapsed:   {}{dur}", secs(s.elapsed_ms));
-    let _ = writeln!(
-        out,
-        "processes: {} live, {} exited",
-        s.live_processes, s.exited_processes
-    );
+    if matches!(s.target.and_then(|t| t.kind), Some(target::Kind::All(_))) {
+        let _ = writeln!(out, "processes: the whole machine (system-wide)");
+    } else {
+        let _ = writeln!(
+            out,
+            "processes: {} live, {} exited",
+            s.live_processes, s.exited_processes
+        );
+    }
     let _ = writeln!(out, "events:    {}", s.events);
     if s.mode == tracer_proto::Mode::Tracing as i32 {
         let _ = writeln!(

@@ -14,6 +14,8 @@ use crate::{
 pub struct Caller {
     /// The Unix socket peer's uid; None over TCP.
     pub uid: Option<u32>,
+    /// The Unix socket peer's pid (when the kernel could name it); None over TCP.
+    pub pid: Option<u32>,
     /// A TCP client's grant from the access policy.
     pub remote: Option<Arc<Grant>>,
 }
@@ -21,12 +23,14 @@ pub struct Caller {
 impl Caller {
     pub const ROOT: Caller = Caller {
         uid: Some(0),
+        pid: None,
         remote: None,
     };
 
     pub fn local(uid: u32) -> Self {
         Caller {
             uid: Some(uid),
+            pid: None,
             remote: None,
         }
     }
@@ -34,6 +38,7 @@ impl Caller {
     pub fn remote(grant: Arc<Grant>) -> Self {
         Caller {
             uid: None,
+            pid: None,
             remote: Some(grant),
         }
     }

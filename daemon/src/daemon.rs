@@ -7,8 +7,9 @@ use std::{
 };
 
 use tokio::{net::UnixListener, sync::watch};
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
+use tower::layer::util::{Identity, Stack};
 use tracer_proto::tracer_server::TracerServer;
 
 use crate::{bpf::Bpf, capabilities, server::Service, session::manager::Manager, store::Store};
@@ -31,6 +32,8 @@ pub struct Config {
     pub trace_ring_mb: u32,
     /// Caps on native probes (`--uprobe`), per session and per user.
     pub probe_limits: crate::native::ProbeLimits,
+    /// Caps on connections to the Unix socket, and when idle ones are closed.
+    pub connections: crate::conn::Limits,
 }
 
 pub const DEFAULT_TRACE_RING_MB: u32 = 64;
@@ -51,6 +54,10 @@ pub enum DaemonError {
     BadTraceRing(u32),
     #[error("--max-probes-per-session and --max-probes-per-user want 1 to 100000, got {0}")]
     BadProbeLimit(usize),
+    #[error("--max-connections wants 2 to 1000000 and --max-connections-per-user 1 to --max-connections, got {total} and {per_user}")]
+    BadConnectionLimit { total: usize, per_user: usize },
+    #[error("--idle-timeout wants 1 second or more")]
+    BadIdleTimeout,
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
     #[error(transparent)]
@@ -98,6 +105,26 @@ pub async fn run(
     {
         return Err(DaemonError::BadProbeLimit(bad));
     }
+    let conns = config.connections;
+    if !(2..=1_000_000).contains(&conns.total) || !(1..=conns.total).contains(&conns.per_user) {
+        return Err(DaemonError::BadConnectionLimit {
+            total: conns.total,
+            per_user: conns.per_user,
+        });
+    }
+    if conns.idle.is_zero() {
+        return Err(DaemonError::BadIdleTimeout);
+    }
+    match crate::conn::raise_fd_limit() {
+        // Room for the connections and for sessions' perf events and BPF objects besides.
+        Ok(n) if n < conns.total as u64 + 1024 => tracing::warn!(
+            limit = n,
+            "the open files limit leaves little room beside --max-connections {}",
+            conns.total
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(%e, "raising the open files limit"),
+    }
     let bpf = Bpf::load(ring_mb << 20)?;
     let gid = config
         .group
@@ -144,7 +171,7 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;
     let remote = tcp.as_ref().map(|(_, t)| t.remote.clone());
-    let router = |mut builder: Server| {
+    let router = |mut builder: Server<Stack<crate::requests::Layer, Identity>>| {
         let reflection_v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -171,8 +198,11 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
     tracing::info!(socket = %config.socket.display(), "tracerd listening");
-    let uds_server = router(Server::builder())
-        .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone()));
+    let uds_server = router(Server::builder().layer(crate::requests::Layer))
+        .serve_with_incoming_shutdown(
+            crate::conn::incoming(uds, config.connections),
+            stopped(stop_rx.clone()),
+        );
     let tcp_server = async {
         match tcp {
             Some((l, t)) => {
@@ -181,7 +211,8 @@ pub async fn run(
                 let builder = match t.tls {
                     Some(cfg) => Server::builder().tls_config(cfg)?,
                     None => Server::builder(),
-                };
+                }
+                .layer(crate::requests::Layer);
                 router(builder)
                     .serve_with_incoming_shutdown(
                         TcpListenerStream::new(l),

@@ -10,7 +10,7 @@ pub enum Error {
     NoSuchProcess { pid: u32 },
     #[error("permission denied: {reason}")]
     PermissionDenied { reason: String },
-    #[error("no session with id '{id}'")]
+    #[error("no session with id '{}'", clip(id, 64))]
     NoSuchSession { id: String },
     #[error("session {id} is still running; its report is available once it ends (stop it with `tracerctl stop {id}`)")]
     StillRunning { id: String },
@@ -64,6 +64,22 @@ impl Error {
 
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
-        Status::new(e.code(), e.to_string())
+        Status::new(e.code(), clip(&e.to_string(), MAX_MESSAGE))
     }
+}
+
+/// A status message travels in a header, which clients cap (16 KiB, percent-encoded): one
+/// that echoes a long input must not turn into a transport error.
+pub const MAX_MESSAGE: usize = 2048;
+
+/// `s` cut to at most `max` bytes (on a character boundary), saying how long it was.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &s[..end], s.len())
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use tracer_daemon::{
+    conn::Limits,
     daemon::{self, Config},
     native::ProbeLimits,
     remote::{Auth, ListenOptions},
@@ -62,6 +63,16 @@ struct Args {
     /// Native probes one user's running sessions may hold together (root's included).
     #[arg(long, default_value_t = ProbeLimits::default().per_user as u32)]
     max_probes_per_user: u32,
+    /// Connections the Unix socket serves at once, all users together; the last few
+    /// (1/16, at most 64) are kept for root.
+    #[arg(long, default_value_t = Limits::default().total)]
+    max_connections: usize,
+    /// Connections one user other than root may have open at once.
+    #[arg(long, default_value_t = Limits::default().per_user)]
+    max_connections_per_user: usize,
+    /// Seconds a connection may stay open with no request in flight before it is closed.
+    #[arg(long, value_name = "SECS", default_value_t = Limits::default().idle.as_secs())]
+    idle_timeout: u64,
     /// Print where Python call counting would probe this interpreter binary (libpython or
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
     #[arg(long, value_name = "PATH")]
@@ -115,6 +126,11 @@ fn main() {
         probe_limits: ProbeLimits {
             per_session: args.max_probes_per_session as usize,
             per_user: args.max_probes_per_user as usize,
+        },
+        connections: Limits {
+            total: args.max_connections,
+            per_user: args.max_connections_per_user,
+            idle: std::time::Duration::from_secs(args.idle_timeout),
         },
     };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");

@@ -150,6 +150,28 @@ pub fn tgid(tid: u32) -> Option<u32> {
         .ok()
 }
 
+/// Processes forked on the machine since boot (`processes` in /proc/stat).
+pub fn forks_since_boot() -> Option<u64> {
+    fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("processes "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The parent of a process.
+pub fn parent(pid: u32) -> Option<u32> {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// The command name of `pid`, for reports.
 pub fn comm(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/comm"))

@@ -148,6 +148,9 @@ pub struct NativeReport {
     pub probes: Vec<NativeProbe>,
     /// Calls per process and function, most first; functions never called are absent.
     pub calls: Vec<NativeCalls>,
+    /// Functions a spec matched that the kernel would not probe, and why ("BINARY:SYMBOL: why").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_probed: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -254,8 +257,15 @@ pub struct LossEntry {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Processes {
-    /// Processes followed at some point (target and forked children).
+    /// Processes followed at some point (target and forked children); none for a
+    /// system-wide session, which measures the machine rather than following processes.
     pub followed: u32,
+    /// A system-wide session (`--all`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub system_wide: bool,
+    /// System-wide sessions: processes forked on the machine while it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked: Option<u64>,
     pub exited: u32,
     /// The target's command name, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -413,11 +423,20 @@ impl Report {
             profile.table(&mut out, limit);
         }
         let _ = writeln!(out);
-        let _ = writeln!(
-            out,
-            " processes: {} followed, {} exited",
-            self.processes.followed, self.processes.exited
-        );
+        let p = &self.processes;
+        if p.system_wide {
+            let forked = p
+                .forked
+                .map(|n| format!(", {} forked while it ran", group(n)))
+                .unwrap_or_default();
+            let _ = writeln!(out, " processes: the whole machine (system-wide){forked}");
+        } else {
+            let _ = writeln!(
+                out,
+                " processes: {} followed, {} exited",
+                p.followed, p.exited
+            );
+        }
         for u in &self.processes.unfollowed {
             let _ = writeln!(out, " not followed: {u}");
         }
@@ -524,6 +543,9 @@ fn native_table(out: &mut String, native: &NativeReport, limit: usize) {
         .count();
     if never > 0 {
         let _ = writeln!(out, " {never} probed functions were not called");
+    }
+    for n in &native.not_probed {
+        let _ = writeln!(out, " not probed: {n}");
     }
 }
 

@@ -4,14 +4,14 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use tokio::sync::mpsc;
 use tokio_stream::{wrappers::ReceiverStream, Stream};
-use tonic::{transport::server::UdsConnectInfo, Request, Response, Status};
+use tonic::{Request, Response, Status};
 use tracer_proto::{
     tracer_server::Tracer, Capabilities, EventBatch, GetCapabilitiesRequest, GetReportRequest,
     ListSessionsRequest, ListSessionsResponse, ReportChunk, ReportFormat, SessionInfo, SessionRef,
     SessionState, StartSessionRequest, StreamEventsRequest, WatchSessionRequest,
 };
 
-use crate::{access::Caller, remote::Remote, session::manager::Handle};
+use crate::{access::Caller, conn::PeerInfo, remote::Remote, session::manager::Handle};
 
 /// Reports are streamed in pieces of this size.
 const CHUNK: usize = 64 * 1024;
@@ -30,9 +30,14 @@ impl Service {
     /// The caller: SO_PEERCRED on the Unix socket; over TCP, its certificate or token's
     /// grant in the access policy.
     fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
-        if let Some(info) = req.extensions().get::<UdsConnectInfo>() {
+        if let Some(info) = req.extensions().get::<PeerInfo>() {
             return Ok(Caller {
-                uid: info.peer_cred.map(|cred| cred.uid()),
+                uid: info.uds.peer_cred.map(|cred| cred.uid()),
+                pid: info
+                    .uds
+                    .peer_cred
+                    .and_then(|cred| cred.pid())
+                    .and_then(|pid| u32::try_from(pid).ok()),
                 remote: None,
             });
         }
@@ -173,7 +178,8 @@ impl Tracer for Service {
             s if crate::report::PY_SORTS.contains(&s) => s,
             s => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown sort key '{s}' (known: {})",
+                    "unknown sort key '{}' (known: {})",
+                    crate::error::clip(s, 64),
                     crate::report::PY_SORTS.join(", ")
                 )))
             }

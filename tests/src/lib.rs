@@ -5,6 +5,7 @@
 
 pub mod fleet;
 pub mod timeline;
+pub mod users;
 
 use std::{
     os::unix::{fs::PermissionsExt, process::CommandExt},

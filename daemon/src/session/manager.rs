@@ -551,10 +551,18 @@ impl Manager {
                     "a target is required: a pid, or all".into(),
                 ))
             }
+            Some(target::Kind::All(false)) => {
+                return Err(Error::InvalidArgument(
+                    "a target is required: a pid, or all = true (all = false names nothing)".into(),
+                ))
+            }
             Some(target::Kind::Pid(pid)) => {
                 caller.may_trace_pid(pid)?;
                 if !process::alive(pid) {
                     return Err(Error::NoSuchProcess { pid });
+                }
+                if target.launched {
+                    check_launched(pid, &caller)?;
                 }
                 let tids = process::threads(pid).map_err(|_| Error::NoSuchProcess { pid })?;
                 crate::container::note(pid, true);
@@ -566,7 +574,12 @@ impl Manager {
                     Some(pid),
                 )
             }
-            Some(target::Kind::All(_)) => {
+            Some(target::Kind::All(true)) => {
+                if target.launched {
+                    return Err(Error::InvalidArgument(
+                        "launched is for a pid tracerctl started, not a system-wide session".into(),
+                    ));
+                }
                 caller.may_trace_all()?;
                 (
                     perf::Scope::Cpus(
@@ -721,6 +734,7 @@ impl Manager {
             unfollowed: Vec::new(),
             exited: 0,
             proc_events: 0,
+            forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
             counting,
             python,
             native,
@@ -1189,6 +1203,10 @@ impl Manager {
         info.error = error.unwrap_or_default();
         let mut report = build_report(&info, s.followed, s.command.take());
         report.processes.unfollowed = std::mem::take(&mut s.unfollowed);
+        report.processes.forked = s
+            .forks_at_start
+            .zip(process::forks_since_boot())
+            .map(|(start, now)| now.saturating_sub(start));
         report.native = native;
         report.profile = profile;
         report.cuda = cuda;
@@ -1544,6 +1562,29 @@ fn sampling_frequency(sampling: bool, req: &StartSessionRequest) -> Result<Optio
             crate::sampler::MAX_FREQUENCY
         ))),
         hz => Ok(Some(hz)),
+    }
+}
+
+/// `launched` counts from the target's exec: it must be a child the caller forked and holds
+/// before its exec, or it would count nothing. Checked as far as /proc tells: the caller is
+/// its parent, and it still runs the caller's executable.
+fn check_launched(pid: u32, caller: &Caller) -> Result<(), Error> {
+    let not = |why: String| {
+        Err(Error::InvalidArgument(format!(
+            "launched: pid {pid} is not a command held before its exec by the caller ({why}); give the pid without launched"
+        )))
+    };
+    let Some(parent) = caller.pid else {
+        return not("only a local client's own child can be".into());
+    };
+    let ppid = process::parent(pid).ok_or(Error::NoSuchProcess { pid })?;
+    if ppid != parent {
+        return not(format!("its parent is pid {ppid}"));
+    }
+    let exe = |p: u32| std::fs::read_link(format!("/proc/{p}/exe")).ok();
+    match (exe(pid), exe(parent)) {
+        (Some(a), Some(b)) if a == b => Ok(()),
+        _ => not("it has exec'd already".into()),
     }
 }
 

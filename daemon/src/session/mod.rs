@@ -42,6 +42,8 @@ struct Session {
     /// Processes no longer followed, and why (an exec that gained credentials).
     unfollowed: Vec<String>,
     proc_events: u64,
+    /// System-wide sessions: the machine's fork count (since boot) at the start.
+    forks_at_start: Option<u64>,
     counting: Option<counting::Counting>,
     /// Counting Python calls.
     python: Option<python::PySession>,
@@ -219,6 +221,11 @@ fn build_report(info: &SessionInfo, followed: u32, command: Option<String>) -> r
         losses: info.losses.iter().map(report::LossEntry::from).collect(),
         processes: report::Processes {
             followed,
+            system_wide: matches!(
+                info.target.and_then(|t| t.kind),
+                Some(tracer_proto::target::Kind::All(_))
+            ),
+            forked: None,
             exited: info.exited_processes,
             command,
             unfollowed: Vec::new(),

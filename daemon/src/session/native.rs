@@ -10,12 +10,17 @@ use crate::{
 };
 
 pub struct NativeSession {
+    /// By probe number, the skipped ones included.
     targets: Vec<NativeTarget>,
     links: Vec<UProbeLinkId>,
+    /// Targets that could not be probed (by probe number), and why.
+    skipped: Vec<(usize, String)>,
 }
 
 impl NativeSession {
-    /// Attaches a counter to every target for session `slot`; all or nothing.
+    /// Attaches a counter to every target for session `slot`. A function the kernel will not
+    /// probe (one of a pattern's many, say) is skipped and named in the report; the session
+    /// fails only when none could be probed.
     pub fn attach(
         bpf: &mut Bpf,
         targets: Vec<NativeTarget>,
@@ -23,25 +28,36 @@ impl NativeSession {
         all: bool,
     ) -> Result<Self, Error> {
         let mut links = Vec::with_capacity(targets.len());
+        let mut skipped = Vec::new();
         for (i, t) in targets.iter().enumerate() {
             let probe = u32::try_from(i).unwrap_or(u32::MAX);
             match bpf.attach_native(t, slot, all, probe) {
                 Ok(link) => links.push(link),
-                Err(e) => {
-                    bpf.detach_native(links);
-                    return Err(Error::FailedPrecondition(format!(
-                        "attaching a uprobe to {} in {}: {e}",
-                        t.symbol, t.display
-                    )));
-                }
+                Err(e) => skipped.push((i, error_chain(&e))),
             }
         }
-        Ok(Self { targets, links })
+        if links.is_empty() {
+            let (i, why) = &skipped[0];
+            let t = &targets[*i];
+            let others = match skipped.len() {
+                1 => String::new(),
+                n => format!(" (nor any of the {} others)", n - 1),
+            };
+            return Err(Error::FailedPrecondition(format!(
+                "attaching a uprobe to {} in {}: {why}{others}",
+                t.symbol, t.display
+            )));
+        }
+        Ok(Self {
+            targets,
+            links,
+            skipped,
+        })
     }
 
     /// Functions probed.
     pub fn probes(&self) -> usize {
-        self.targets.len()
+        self.links.len()
     }
 
     /// "BINARY:SYMBOL" of each probe, by probe number.
@@ -83,17 +99,43 @@ impl NativeSession {
                 .then_with(|| a.symbol.cmp(&b.symbol))
                 .then(a.pid.cmp(&b.pid))
         });
+        let skipped: Vec<usize> = self.skipped.iter().map(|(i, _)| *i).collect();
         NativeReport {
             probes: self
                 .targets
                 .iter()
-                .map(|t| NativeProbe {
+                .enumerate()
+                .filter(|(i, _)| !skipped.contains(i))
+                .map(|(_, t)| NativeProbe {
                     spec: t.spec.clone(),
                     binary: t.display.clone(),
                     symbol: t.symbol.clone(),
                 })
                 .collect(),
             calls,
+            not_probed: self
+                .skipped
+                .iter()
+                .map(|(i, why)| {
+                    let t = &self.targets[*i];
+                    format!("{}:{}: {why}", t.display, t.symbol)
+                })
+                .collect(),
         }
     }
+}
+
+/// An error and its causes on one line: aya names the failed call (`perf_event_open`) and
+/// keeps the errno as its source.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !out.contains(&s_text) {
+            out = format!("{out}: {s_text}");
+        }
+        source = s.source();
+    }
+    out
 }

@@ -3,49 +3,33 @@
 
 use std::{os::unix::fs::PermissionsExt, path::PathBuf, process::Command};
 
-use tracer_tests::{bin, one_line_error, root_or_skip, ChildGuard, Daemon, DaemonOptions};
-
-const GROUP: &str = "tracer-test";
-const MEMBER: &str = "tracer-test-member";
+use tracer_tests::{
+    one_line_error, root_or_skip,
+    users::{as_user, public_ctl, GROUP, MEMBER},
+    ChildGuard, Daemon, DaemonOptions,
+};
 const OUTSIDER: &str = "tracer-test-outsider";
 
-fn ensure_user(name: &str, group: Option<&str>) -> Option<Ids> {
-    let u = nix::unistd::User::from_name(name).ok()??;
-    if let Some(g) = group {
-        let _ = Command::new("usermod").args(["-a", "-G", g, name]).status();
-    }
-    Some((u.uid.as_raw(), u.gid.as_raw()))
-}
-
-/// Creates the test group and users when missing (useradd/groupadd, as root).
 /// (uid, gid) of a user.
 type Ids = (u32, u32);
 
-/// The group member's ids, the outsider's ids, and the group's gid.
+/// The group member's ids, the outsider's ids (a user not in the group), and the group's gid;
+/// None where the tools to make them are missing.
 fn users() -> Option<(Ids, Ids, u32)> {
-    if nix::unistd::Group::from_name(GROUP).ok()?.is_none() {
-        Command::new("groupadd").arg(GROUP).status().ok()?;
+    let (m_uid, gid) = tracer_tests::users::member()?;
+    if nix::unistd::User::from_name(OUTSIDER).ok()?.is_none() {
+        Command::new("useradd")
+            .args(["--no-create-home", "--shell", "/usr/sbin/nologin", OUTSIDER])
+            .status()
+            .ok()?;
     }
-    for name in [MEMBER, OUTSIDER] {
-        if nix::unistd::User::from_name(name).ok()?.is_none() {
-            Command::new("useradd")
-                .args(["--no-create-home", "--shell", "/usr/sbin/nologin", name])
-                .status()
-                .ok()?;
-        }
-    }
-    let gid = nix::unistd::Group::from_name(GROUP).ok()??.gid.as_raw();
-    let member = ensure_user(MEMBER, Some(GROUP))?;
-    let outsider = ensure_user(OUTSIDER, None)?;
-    Some((member, outsider, gid))
-}
-
-/// tracerctl copied where any user can run it (the build tree may sit under a private home).
-fn public_ctl(d: &Daemon) -> PathBuf {
-    let path = d.dir.path().join("tracerctl");
-    std::fs::copy(bin("tracerctl"), &path).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
+    let member = nix::unistd::User::from_name(MEMBER).ok()??;
+    let outsider = nix::unistd::User::from_name(OUTSIDER).ok()??;
+    Some((
+        (m_uid, member.gid.as_raw()),
+        (outsider.uid.as_raw(), outsider.gid.as_raw()),
+        gid,
+    ))
 }
 
 #[test]
@@ -131,20 +115,6 @@ fn sleeper_of(uid: u32, gid: u32) -> ChildGuard {
     let mut cmd = Command::new("sleep");
     cmd.arg("60");
     ChildGuard::spawn(as_user(&mut cmd, uid, gid))
-}
-
-/// `cmd` run as `uid`:`gid`.
-fn as_user(cmd: &mut Command, uid: u32, gid: u32) -> &mut Command {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: only async-signal-safe syscalls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::unistd::setgroups(&[nix::unistd::Gid::from_raw(gid)])?;
-            nix::unistd::setgid(nix::unistd::Gid::from_raw(gid))?;
-            nix::unistd::setuid(nix::unistd::Uid::from_raw(uid))?;
-            Ok(())
-        })
-    }
 }
 
 /// A copy of `program` in `dir` named `name`, with `mode` (setuid and setgid bits included),

@@ -24,6 +24,8 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
+pub mod tcp;
+
 /// Refused connections held open at once, to be answered why; more are closed unanswered.
 const MAX_REFUSED: usize = 16;
 /// How long a refused connection stays open for its answer.
@@ -249,20 +251,36 @@ struct Refusals {
 
 impl Refusals {
     fn note(&mut self, uid: u32, why: &str) {
+        if let Some(unsaid) = self.due() {
+            tracing::warn!(
+                uid,
+                refused_since_last_said = unsaid,
+                "connection refused: {why}"
+            );
+        }
+    }
+
+    fn note_tcp(&mut self, address: std::net::IpAddr, why: &str) {
+        if let Some(unsaid) = self.due() {
+            tracing::warn!(
+                %address,
+                refused_since_last_said = unsaid,
+                "TCP connection closed: {why}"
+            );
+        }
+    }
+
+    /// Whether to say this one, with how many went unsaid since the last said.
+    fn due(&mut self) -> Option<u64> {
         if self
             .last
             .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
         {
             self.unsaid += 1;
-            return;
+            return None;
         }
         self.last = Some(Instant::now());
-        let unsaid = std::mem::take(&mut self.unsaid);
-        tracing::warn!(
-            uid,
-            refused_since_last_said = unsaid,
-            "connection refused: {why}"
-        );
+        Some(std::mem::take(&mut self.unsaid))
     }
 }
 

@@ -7,7 +7,6 @@ use std::{
 };
 
 use tokio::{net::UnixListener, sync::watch};
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tower::layer::util::{Identity, Stack};
 use tracer_proto::tracer_server::TracerServer;
@@ -208,14 +207,18 @@ pub async fn run(
             Some((l, t)) => {
                 let tls = t.tls.is_some();
                 tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), tls, "tracerd listening on TCP");
+                // Keepalive pings find peers that went away without closing.
+                let base = Server::builder()
+                    .http2_keepalive_interval(Some(std::time::Duration::from_secs(60)))
+                    .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
                 let builder = match t.tls {
-                    Some(cfg) => Server::builder().tls_config(cfg)?,
-                    None => Server::builder(),
+                    Some(cfg) => base.tls_config(cfg)?,
+                    None => base,
                 }
                 .layer(crate::requests::Layer);
                 router(builder)
                     .serve_with_incoming_shutdown(
-                        TcpListenerStream::new(l),
+                        crate::conn::tcp::incoming(l, config.connections),
                         stopped(stop_rx.clone()),
                     )
                     .await

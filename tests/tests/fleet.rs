@@ -853,3 +853,35 @@ fn fan_outs_tracerctl_cannot_do_are_refused_before_any_host_is_asked() {
         "{line}"
     );
 }
+
+/// TCP connections are capped per client address (and overall): one that would pass a cap is
+/// closed before its TLS handshake, so a host that opens connections and never speaks cannot
+/// take every descriptor; once they close, the address is served again.
+#[test]
+fn tcp_connections_are_capped_per_address() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls_with(1, |_| vec!["--max-connections-per-user".into(), "3".into()]);
+    ok(fleet.on("ops.example", 0, &["list"]));
+    let idle: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(&fleet.hosts[0].addr).unwrap())
+        .collect();
+    // Past the cap: closed at once, unanswered.
+    let mut extra = std::net::TcpStream::connect(&fleet.hosts[0].addr).unwrap();
+    extra
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    match std::io::Read::read(&mut extra, &mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("a connection past the cap was kept: {other:?}"),
+    }
+    let refused = fleet.on("ops.example", 0, &["list"]);
+    assert!(!refused.status.success());
+    drop(idle);
+    tracer_tests::wait_until(10, "the address served again", || {
+        fleet.on("ops.example", 0, &["list"]).status.success()
+    });
+}

@@ -1,0 +1,184 @@
+//! Connections on the TCP listener: capped overall and per client address. Without caps, a
+//! host that opens connections and never finishes its TLS handshake takes every descriptor
+//! tracerd has. A connection over a cap is closed at once, before any TLS: nothing on it is
+//! authenticated yet, so there is nobody to answer. Peers that vanish are found by HTTP/2
+//! keepalive pings (set on the server).
+
+use std::{
+    collections::HashMap,
+    io,
+    net::IpAddr,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream},
+    sync::mpsc,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use super::Limits;
+
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// A connection's place in the counts, given back when it closes.
+struct Permit {
+    counts: Arc<Mutex<Counts>>,
+    address: IpAddr,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        c.total -= 1;
+        if let Some(n) = c.per_address.get_mut(&self.address) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_address.remove(&self.address);
+            }
+        }
+    }
+}
+
+/// Why a connection from `address` is not taken, if it is not.
+fn refuse(c: &Counts, limits: &Limits, address: IpAddr) -> Option<String> {
+    let held = c.per_address.get(&address).copied().unwrap_or(0);
+    if c.total >= limits.total {
+        Some(format!(
+            "all {} TCP connections are open (tracerd --max-connections)",
+            limits.total
+        ))
+    } else if held >= limits.per_user {
+        Some(format!(
+            "{held} TCP connections from {address} are open, the most one address may hold (tracerd --max-connections-per-user)"
+        ))
+    } else {
+        None
+    }
+}
+
+/// Accepts connections on `listener` within `limits` (`per_user` counts per client
+/// address here), as tonic's incoming stream; ends when the server drops it.
+pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Result<TcpConn>> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let mut refusals = super::Refusals::default();
+        loop {
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                () = tx.closed() => return,
+            };
+            let (stream, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors: the connection waits in the backlog.
+                    tracing::warn!(%e, "accepting a TCP connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let address = peer.ip();
+            let permit = {
+                let mut c = counts.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(why) = refuse(&c, &limits, address) {
+                    drop(c);
+                    refusals.note_tcp(address, &why);
+                    continue;
+                }
+                c.total += 1;
+                *c.per_address.entry(address).or_default() += 1;
+                Permit {
+                    counts: counts.clone(),
+                    address,
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let conn = TcpConn {
+                stream,
+                _permit: permit,
+            };
+            if tx.send(Ok(conn)).await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// An accepted TCP connection, counted while it is open.
+pub struct TcpConn {
+    stream: TcpStream,
+    _permit: Permit,
+}
+
+impl Connected for TcpConn {
+    // The stream's own: TLS client certificates are found through it.
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for TcpConn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TcpConn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_and_the_total_are_capped() {
+        let limits = Limits {
+            total: 3,
+            per_user: 2,
+            idle: Duration::from_secs(1),
+        };
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let mut c = Counts::default();
+        assert!(refuse(&c, &limits, a).is_none());
+        c.per_address.insert(a, 2);
+        c.total = 2;
+        assert!(refuse(&c, &limits, a).unwrap().contains("from 10.0.0.1"));
+        assert!(refuse(&c, &limits, b).is_none());
+        c.total = 3;
+        assert!(refuse(&c, &limits, b)
+            .unwrap()
+            .contains("all 3 TCP connections"));
+    }
+}

@@ -66,8 +66,37 @@ pub struct Captured {
 /// A binary seen in a sampled process, kept open so that it can be named after the
 /// process is gone (also in a container, whose root dies with it).
 struct Binary {
+    key: BinaryKey,
     mapping: Mapping,
     file: Option<std::fs::File>,
+}
+
+/// A mapped binary's identity: device, inode, path in the maps.
+type BinaryKey = (u64, u64, String);
+
+/// Old id → new id of what a [`Resolver::compact`] kept.
+#[derive(Default)]
+pub struct Renumbered {
+    frames: HashMap<u32, u32>,
+    binaries: HashMap<u32, u32>,
+}
+
+impl Renumbered {
+    pub fn frame(&self, id: u32) -> u32 {
+        self.frames[&id]
+    }
+
+    pub fn stack(&self, mut raw: RawStack) -> RawStack {
+        for (b, _) in &mut raw.native {
+            if *b != UNMAPPED {
+                *b = self.binaries[b];
+            }
+        }
+        for (f, _) in &mut raw.python {
+            *f = self.frames[f];
+        }
+        raw
+    }
 }
 
 #[derive(Default)]
@@ -76,7 +105,7 @@ pub struct Resolver {
     symbolizer: Symbolizer,
     maps: HashMap<u32, (ProcMaps, Instant)>,
     binaries: Vec<Binary>,
-    binary_ids: HashMap<(u64, u64, String), u32>,
+    binary_ids: HashMap<BinaryKey, u32>,
     native: HashMap<(u32, u64), u32>,
     kernel: HashMap<u64, u32>,
     frames: Vec<Frame>,
@@ -118,6 +147,63 @@ impl Resolver {
                 self.forget(pid);
             }
         }
+    }
+
+    /// Forgets every binary, frame and name that the stacks in `live` (a process frame and
+    /// a captured stack each) do not refer to, and renumbers what stays: the files of binaries
+    /// no session needs are closed, and the caches start again from what is in use.
+    pub fn compact<'a>(&mut self, live: impl Iterator<Item = (u32, &'a RawStack)>) -> Renumbered {
+        let (mut frames, mut binaries) = (BTreeSet::new(), BTreeSet::new());
+        for (root, raw) in live {
+            frames.insert(root);
+            frames.extend(raw.python.iter().map(|&(f, _)| f));
+            binaries.extend(
+                raw.native
+                    .iter()
+                    .map(|&(b, _)| b)
+                    .filter(|&b| b != UNMAPPED),
+            );
+        }
+        let mut map = Renumbered::default();
+        let mut dropped = Vec::new();
+        self.binary_ids.clear();
+        for (old, b) in std::mem::take(&mut self.binaries).into_iter().enumerate() {
+            let old = old as u32;
+            if binaries.contains(&old) {
+                let new = self.binaries.len() as u32;
+                self.binary_ids.insert(b.key.clone(), new);
+                map.binaries.insert(old, new);
+                self.binaries.push(b);
+            } else {
+                dropped.push(b);
+            }
+        }
+        // The symbolizer knows them by their `/proc/self/fd/N` paths, which the next binaries
+        // opened may reuse: forget them, and close its files, before ours.
+        self.symbolizer
+            .evict(dropped.iter().map(read_path).collect());
+        drop(dropped);
+        self.frame_ids.clear();
+        for (old, mut f) in std::mem::take(&mut self.frames).into_iter().enumerate() {
+            let old = old as u32;
+            if frames.contains(&old) {
+                let new = self.frames.len() as u32;
+                f.mapping = f
+                    .mapping
+                    .and_then(|m| map.binaries.get(&(m as u32)).map(|&n| n as usize));
+                self.frame_ids.insert(f.clone(), new);
+                map.frames.insert(old, new);
+                self.frames.push(f);
+            }
+        }
+        // Named again when needed: the symbolizer keeps names per binary identity.
+        self.native.clear();
+        self.kernel.clear();
+        self.eval_frames.clear();
+        self.eval_ranges.clear();
+        self.python_frames.clear();
+        self.unwinder.trim();
+        map
     }
 
     /// Forgets what is per process (its maps and code objects) once it is gone.
@@ -305,15 +391,9 @@ impl Resolver {
             .any(|&(a, e)| off >= a && off < e)
     }
 
-    /// Where the daemon reads a binary: the file it opened while a process mapped it, or
-    /// (if that failed) its own view of the path.
+    /// [`read_path`] of binary `b`.
     fn read_path(&self, b: u32) -> PathBuf {
-        use std::os::fd::AsRawFd;
-        let bin = &self.binaries[b as usize];
-        match &bin.file {
-            Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
-            None => PathBuf::from(&bin.mapping.path),
-        }
+        read_path(&self.binaries[b as usize])
     }
 
     /// The user stack, leaf first, as (binary, file offset).
@@ -400,7 +480,7 @@ impl Resolver {
             return i;
         }
         let i = self.binaries.len() as u32;
-        self.binary_ids.insert(key, i);
+        self.binary_ids.insert(key.clone(), i);
         let file = match crate::process::mapped_path(pid, m) {
             Ok(p) => std::fs::File::open(p).ok(),
             Err(e) => {
@@ -409,6 +489,7 @@ impl Resolver {
             }
         };
         self.binaries.push(Binary {
+            key,
             mapping: Mapping {
                 path: m.path.clone(),
                 build_id: String::new(),
@@ -487,6 +568,16 @@ impl Resolver {
         let id = self.intern(frame);
         self.python_frames.insert((pid, code, names, instr), id);
         id
+    }
+}
+
+/// Where the daemon reads a binary: the file it opened while a process mapped it, or (if
+/// that failed) its own view of the path.
+fn read_path(bin: &Binary) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    match &bin.file {
+        Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
+        None => PathBuf::from(&bin.mapping.path),
     }
 }
 

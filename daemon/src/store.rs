@@ -5,6 +5,9 @@
 //! Faults: a write that fails fails its operation. redb refuses every operation on a handle
 //! that once saw an I/O error (a full disk), so the database is then reopened at its next use,
 //! and works again once the disk has room. A damaged file is moved aside at start ([`damage`]).
+//!
+//! redb reuses the pages of deleted rows but never gives them back to the filesystem on its
+//! own: deletes compact the file when most of it is free ([`Store::delete`]).
 
 mod damage;
 
@@ -20,6 +23,8 @@ const FILE: &str = "sessions.redb";
 const SESSIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("sessions");
 /// Session id → the report as JSON (`report::Report`).
 const REPORTS: TableDefinition<&str, &str> = TableDefinition::new("reports");
+/// Files smaller than this are not worth compacting.
+const COMPACT_ABOVE: u64 = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -146,13 +151,51 @@ impl Store {
         })
     }
 
-    /// Forgets a session and its report.
+    /// Forgets a session and its report, and compacts the file when most of it is free.
     pub fn delete(&mut self, id: &str) -> Result<(), StoreError> {
         self.write(|sessions, reports| {
             sessions.remove(id)?;
             reports.remove(id)?;
             Ok(())
-        })
+        })?;
+        // The delete is done: a compaction that fails only leaves the file as large as it was.
+        if let Err(e) = self.compact_if_mostly_free() {
+            tracing::warn!(%e, "compacting the state database");
+        }
+        Ok(())
+    }
+
+    /// Compacts the file when less than half of it holds data. Returns whether it did.
+    fn compact_if_mostly_free(&mut self) -> Result<bool, StoreError> {
+        let file = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        if file < COMPACT_ABOVE {
+            return Ok(false);
+        }
+        let used = self.with_db(|db| {
+            let txn = db.begin_write()?;
+            let stats = txn.stats()?;
+            txn.abort()?;
+            Ok(stats.allocated_pages() * stats.page_size() as u64)
+        })?;
+        if used * 2 > file {
+            return Ok(false);
+        }
+        // The manager owns the store and runs one operation at a time: no transaction is open.
+        let mut db = self.db.take().expect("with_db opened it");
+        let result = (|| {
+            // Each pass moves pages towards the start; a few are enough to reach the end.
+            for _ in 0..8 {
+                if !db.compact()? {
+                    break;
+                }
+            }
+            Ok(())
+        })();
+        self.db = Some(db);
+        result.map_err(|e: redb::CompactionError| self.db_err(e))?;
+        let after = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        tracing::info!(before = file, after, "state database compacted");
+        Ok(true)
     }
 
     /// Every stored session.
@@ -217,6 +260,38 @@ mod tests {
             .file_name()
             .to_string_lossy()
             .contains("damaged")));
+    }
+
+    /// Deleting most of what a large file holds gives the space back to the filesystem.
+    #[test]
+    fn deletes_compact_a_mostly_free_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path()).unwrap();
+        let report = format!("{{\"pad\":\"{}\"}}", "x".repeat(200 * 1024));
+        for i in 0..40 {
+            store.put(&session(&format!("s{i:02}")), &report).unwrap();
+        }
+        let size = || std::fs::metadata(dir.path().join(FILE)).unwrap().len();
+        let full = size();
+        assert!(full > 8 * COMPACT_ABOVE, "{full}");
+        // The newest stays: its pages at the end of the file keep redb from shrinking it.
+        for i in 0..39 {
+            store.delete(&format!("s{i:02}")).unwrap();
+        }
+        let after = size();
+        assert!(
+            after < full / 4,
+            "{full} bytes before the deletes, {after} after"
+        );
+        assert_eq!(store.sessions().unwrap(), vec![session("s39")]);
+        assert_eq!(store.report("s39").unwrap(), Some(report));
+        // Writes go on after a compaction, and the file reopens.
+        store.put(&session("new"), "{}").unwrap();
+        drop(store);
+        assert_eq!(
+            Store::open(dir.path()).unwrap().sessions().unwrap().len(),
+            2
+        );
     }
 
     #[test]

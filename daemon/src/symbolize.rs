@@ -49,7 +49,14 @@ type FileMeta = (u64, u64, u64, i64, i64);
 enum Job {
     User(PathBuf, Vec<u64>),
     Kernel(Vec<u64>),
+    /// Drop what is cached of these paths (closing blazesym's files of them).
+    Evict(Vec<PathBuf>),
 }
+
+/// Names kept per kind before the cache starts afresh: the answers are cheap to ask again,
+/// and a daemon that sees many short-lived programs must not keep them all.
+const MAX_NAMES: usize = 1 << 18;
+const MAX_BUILD_IDS: usize = 4096;
 
 type Reply = Result<Vec<Option<Sym>>, String>;
 
@@ -104,6 +111,9 @@ impl Symbolizer {
                 return vec![None; file_offsets.len()];
             }
         };
+        if self.user.values().map(HashMap::len).sum::<usize>() >= MAX_NAMES {
+            self.user.clear();
+        }
         let worker = &mut self.worker;
         let cache = self.user.entry(key).or_default();
         let path = binary.to_path_buf();
@@ -118,6 +128,9 @@ impl Symbolizer {
 
     /// Names kernel addresses through /proc/kallsyms (its addresses are only visible to root).
     pub fn kernel(&mut self, addrs: &[u64]) -> Vec<Option<Sym>> {
+        if self.kernel.len() >= MAX_NAMES {
+            self.kernel.clear();
+        }
         let worker = &mut self.worker;
         let (syms, result) = lookup(&mut self.kernel, addrs, |missing| {
             ask(worker, Job::Kernel(missing))
@@ -135,7 +148,21 @@ impl Symbolizer {
         self.build_id_of(binary, meta)
     }
 
+    /// Forgets the parsed files behind these paths (blazesym keeps each open); their names
+    /// stay cached here. Call before the paths go (a `/proc/self/fd/N` is reused).
+    pub fn evict(&mut self, paths: Vec<PathBuf>) {
+        if paths.is_empty() || self.worker.is_none() {
+            return;
+        }
+        if let Err(err) = ask(&mut self.worker, Job::Evict(paths)) {
+            tracing::debug!("evicting symbolizer files: {err}");
+        }
+    }
+
     fn build_id_of(&mut self, binary: &Path, meta: FileMeta) -> Option<String> {
+        if self.build_ids.len() >= MAX_BUILD_IDS {
+            self.build_ids.clear();
+        }
         self.build_ids
             .entry(meta)
             .or_insert_with(|| read_build_id(binary))
@@ -206,7 +233,7 @@ impl Worker {
             .name("symbolize".into())
             .spawn(move || {
                 // Defaults: DWARF code info, inlined functions, demangling all on.
-                let blaze = blazesym::symbolize::Symbolizer::new();
+                let mut blaze = blazesym::symbolize::Symbolizer::new();
                 // kallsyms only: a vmlinux blazesym might find would cost seconds and hundreds of
                 // MB of DWARF parsing for line numbers we do not need.
                 let kallsyms = Kernel {
@@ -225,6 +252,13 @@ impl Worker {
                                     .map(|f| to_sym(f, &[]).ok().flatten())
                                     .collect()
                             }),
+                        Job::Evict(paths) => {
+                            for path in paths {
+                                let evict = blazesym::symbolize::evict::Elf::new(path);
+                                let _ = blaze.evict(&evict.into());
+                            }
+                            Ok(Vec::new())
+                        }
                     };
                     if reply_tx
                         .send(reply.map_err(|err| format!("{err:#}")))

@@ -1120,9 +1120,24 @@ impl Manager {
         self.unsaved.remove(id);
         self.exported.remove(id);
         tracing::info!(id, "session deleted");
-        self.finished
+        let info = self
+            .finished
             .remove(id)
-            .ok_or_else(|| Error::NoSuchSession { id: id.into() })
+            .ok_or_else(|| Error::NoSuchSession { id: id.into() });
+        self.release_free_memory();
+        info
+    }
+
+    /// Gives the allocator's free memory back to the system when no session runs: glibc
+    /// otherwise keeps what ended sessions freed, and the daemon's memory never comes down.
+    fn release_free_memory(&self) {
+        if self.running.is_empty() {
+            #[cfg(target_env = "gnu")]
+            // SAFETY: malloc_trim has no preconditions.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
     }
 
     fn report(&mut self, id: &str, caller: Caller) -> Result<Report, Error> {
@@ -1151,6 +1166,7 @@ impl Manager {
     fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
         self.end(id, reason, error);
         self.store_report(id);
+        self.release_free_memory();
     }
 
     /// Ends a running session: final readings, and its report, kept in memory until stored.

@@ -26,8 +26,8 @@ type FileId = (u64, u64);
 /// through several paths is probed once.
 #[derive(Default)]
 pub struct Probes {
-    /// What inspecting each binary found. Kept for the daemon's life: a replaced binary is a
-    /// new inode.
+    /// What inspecting each binary found (a replaced binary is a new inode). Kept while
+    /// Python is counted; then only the machine's own interpreters' stay.
     inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
     /// Probes attached now.
     links: HashMap<FileId, crate::bpf::UprobeLinks>,
@@ -116,6 +116,9 @@ impl Probes {
         for (_, links) in self.links.drain() {
             bpf.detach_uprobes(links);
         }
+        // Copies, containers' and chroots' interpreters seen once must not pile up.
+        let known: Vec<FileId> = self.known.iter().filter_map(|p| file_id(p).ok()).collect();
+        self.inspected.retain(|id, _| known.contains(id));
     }
 
     /// Makes the probes see a running process's threads: those already inside the eval loop

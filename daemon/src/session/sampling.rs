@@ -33,6 +33,8 @@ use crate::{
 
 /// How long the worker waits for samples before it looks for a stop request.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
+/// Interpreter binaries whose layout is kept at most.
+const MAX_RUNTIMES: usize = 64;
 
 /// The maps the sampling program fills, taken out of the BPF object.
 pub struct SamplingMaps {
@@ -86,7 +88,9 @@ impl Windows {
         let h = st.sessions.get_mut(&u32::from(slot))?;
         let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
         let window = std::mem::replace(h, fresh);
-        Some(st.profile(window))
+        let profile = st.profile(window);
+        st.compact();
+        Some(profile)
     }
 }
 
@@ -212,6 +216,7 @@ impl Sampling {
         }
         st.resolver.forget_exited();
         st.versions.retain(|&pid, _| crate::process::alive(pid));
+        st.compact();
         Some(profile)
     }
 
@@ -325,6 +330,26 @@ impl State {
             .unwrap_or_default();
         self.kernel_stacks.insert(id, ips.clone());
         ips
+    }
+
+    /// Keeps of the resolver only what the running sessions' samples refer to: binaries
+    /// (and their open files) and names of programs gone do not pile up over the daemon's life.
+    fn compact(&mut self) {
+        let live = self
+            .sessions
+            .values()
+            .flat_map(|h| h.stacks.keys().map(|(_, _, root, raw)| (*root, raw)));
+        let map = self.resolver.compact(live);
+        for h in self.sessions.values_mut() {
+            h.stacks = std::mem::take(&mut h.stacks)
+                .into_iter()
+                .map(|((pid, tid, root, raw), n)| ((pid, tid, map.frame(root), map.stack(raw)), n))
+                .collect();
+        }
+        if self.runtimes.len() > MAX_RUNTIMES {
+            // Read again on demand (milliseconds each); copies of interpreters come and go.
+            self.runtimes.clear();
+        }
     }
 
     /// Stack ids are deduplicated by the kernel and reused across sessions; once no

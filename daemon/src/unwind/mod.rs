@@ -74,7 +74,11 @@ pub struct Unwound {
 /// Unwinds samples with cached per-binary CFI. Keep one per consumer thread: it is `Send`,
 /// and its cache is what makes unwinding cheap.
 pub struct Unwinder {
-    binaries: HashMap<Key, Cached>,
+    /// Each with the [`Unwinder::trim`] generation that last used it.
+    binaries: HashMap<Key, (Cached, u64)>,
+    generation: u64,
+    /// Bytes of unwind info held by `binaries`.
+    bytes: usize,
     /// Rows already computed, by (binary, address): samples hit the same call sites again
     /// and again, and replaying CFI instructions is most of a frame's cost.
     rows: HashMap<(usize, u64), SimpleRow>,
@@ -111,6 +115,10 @@ const MAX_ROWS: usize = 1 << 16;
 /// A bound on the cache for long sessions over many short-lived programs; past it the cache
 /// starts afresh rather than tracking recency on every sample.
 const MAX_BINARIES: usize = 4096;
+/// The same, in bytes of unwind info (libpython's is about 1 MiB).
+const MAX_BYTES: usize = 256 << 20;
+/// Binaries no sample used in this many [`Unwinder::trim`]s (sessions ending) are dropped.
+const KEEP_GENERATIONS: u64 = 4;
 
 impl Default for Unwinder {
     fn default() -> Self {
@@ -122,6 +130,8 @@ impl Unwinder {
     pub fn new() -> Self {
         Unwinder {
             binaries: HashMap::new(),
+            generation: 0,
+            bytes: 0,
             rows: HashMap::new(),
             ctx: Box::new(UnwindContext::new()),
         }
@@ -134,7 +144,23 @@ impl Unwinder {
 
     pub fn clear_cache(&mut self) {
         self.binaries.clear();
+        self.bytes = 0;
         self.rows.clear();
+    }
+
+    /// Drops the binaries no sample used in the last few calls: called as sessions end, so
+    /// the programs of sessions long gone do not stay in memory.
+    pub fn trim(&mut self) {
+        self.generation += 1;
+        let now = self.generation;
+        let before = self.binaries.len();
+        self.binaries
+            .retain(|_, (_, used)| *used + KEEP_GENERATIONS > now);
+        if self.binaries.len() != before {
+            self.bytes = self.binaries.values().map(|(c, _)| c.bytes()).sum();
+            // Rows are keyed by their binary's address, which a new binary may reuse.
+            self.rows.clear();
+        }
     }
 
     /// Unwinds one sample. `stack` holds the bytes of the user stack starting at `regs.sp`.
@@ -278,16 +304,19 @@ impl Unwinder {
         } else {
             return None;
         };
-        match self.binaries.get(&key) {
-            Some(Cached::Loaded(b)) => return Some(b.clone()),
-            Some(Cached::Failed { retry_at: None, .. }) => return None,
-            Some(Cached::Failed {
-                retry_at: Some(at),
-                pid: failed,
-            }) if Instant::now() < *at && *failed == pid => return None,
-            _ => {}
+        if let Some((cached, used)) = self.binaries.get_mut(&key) {
+            *used = self.generation;
+            match cached {
+                Cached::Loaded(b) => return Some(b.clone()),
+                Cached::Failed { retry_at: None, .. } => return None,
+                Cached::Failed {
+                    retry_at: Some(at),
+                    pid: failed,
+                } if Instant::now() < *at && *failed == pid => return None,
+                _ => {}
+            }
         }
-        if self.binaries.len() >= MAX_BINARIES {
+        if self.binaries.len() >= MAX_BINARIES || self.bytes >= MAX_BYTES {
             self.clear_cache();
         }
         let loaded = match key {
@@ -317,8 +346,20 @@ impl Unwinder {
                 )
             }
         };
-        self.binaries.insert(key, cached);
+        self.bytes += cached.bytes();
+        if let Some((old, _)) = self.binaries.insert(key, (cached, self.generation)) {
+            self.bytes -= old.bytes();
+        }
         result
+    }
+}
+
+impl Cached {
+    fn bytes(&self) -> usize {
+        match self {
+            Cached::Loaded(b) => b.bytes(),
+            Cached::Failed { .. } => 0,
+        }
     }
 }
 
@@ -614,6 +655,13 @@ impl Binary {
             binary.index = binary.build_index();
         }
         Ok(binary)
+    }
+
+    /// Memory held, roughly.
+    fn bytes(&self) -> usize {
+        self.eh_frame.len()
+            + self.eh_frame_hdr.len()
+            + self.index.len() * std::mem::size_of::<FdeSpan>()
     }
 
     fn eh_frame(&self) -> EhFrame<Slice<'_>> {

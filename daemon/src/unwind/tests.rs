@@ -188,6 +188,36 @@ fn thread_unwinds_to_root() {
     assert!(last.path.contains("libc"), "{trace}");
 }
 
+/// Binaries unused over a few trims go; one used between trims stays, and unwinds the same.
+#[test]
+fn trim_drops_binaries_no_longer_used() {
+    let capture = unwind_test_chain_a(black_box(256 * 1024));
+    let maps = ProcMaps::read(std::process::id()).unwrap();
+    let pid = std::process::id();
+    let mut unwinder = Unwinder::new();
+    let full = unwinder.unwind(pid, &maps, capture.regs, &capture.stack, 128);
+    let cached = unwinder.cached_binaries();
+    assert!(cached >= 2, "the test binary and libc: {cached}");
+    for _ in 0..10 {
+        unwinder.trim();
+        assert_eq!(
+            unwinder.unwind(pid, &maps, capture.regs, &capture.stack, 128),
+            full
+        );
+    }
+    assert_eq!(unwinder.cached_binaries(), cached);
+    for _ in 0..KEEP_GENERATIONS {
+        assert_eq!(unwinder.cached_binaries(), cached);
+        unwinder.trim();
+    }
+    assert_eq!(unwinder.cached_binaries(), 0);
+    assert_eq!(unwinder.bytes, 0);
+    assert_eq!(
+        unwinder.unwind(pid, &maps, capture.regs, &capture.stack, 128),
+        full
+    );
+}
+
 #[test]
 fn short_copy_and_frame_limit() {
     let capture = unwind_test_chain_a(black_box(256 * 1024));

@@ -9,11 +9,14 @@
 //!   slowdown of a traced Python program next to counting mode's;
 //! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons;
 //! - `cuda` (cuda.rs): the time tracer adds to each CUDA kernel launch, counting and tracing,
-//!   next to an untraced run.
+//!   next to an untraced run;
+//! - `longevity` (longevity.rs): tracerd's memory, open files and database size over rounds of
+//!   sessions, each round deleted.
 
 mod counting;
 mod cuda;
 mod fleet;
+mod longevity;
 mod sampling;
 mod tracing;
 
@@ -34,6 +37,7 @@ pub enum Which {
     Tracing,
     Fleet,
     Cuda,
+    Longevity,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -43,6 +47,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Tracing => tracing::run(),
         Which::Fleet => fleet::run(),
         Which::Cuda => cuda::run(),
+        Which::Longevity => longevity::run(),
     }
 }
 

@@ -78,6 +78,19 @@ impl ChildGuard {
     pub fn pid(&self) -> u32 {
         self.0.id()
     }
+
+    /// Spawns `cmd` and waits for its first line of output, which must be `ready`.
+    pub fn spawn_ready(cmd: &mut Command) -> Self {
+        let mut child = Self::spawn(cmd.stdout(std::process::Stdio::piped()));
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.0.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "ready\n", "{cmd:?}");
+        child
+    }
 }
 
 impl Drop for ChildGuard {

@@ -32,6 +32,22 @@ fn users() -> Option<(Ids, Ids, u32)> {
     ))
 }
 
+/// tracerd admitting the test group (with `args`), tracerctl where the member can run it,
+/// and the member's uid and the group's gid; None (said) where the users cannot be made.
+fn member_daemon(args: &[&str]) -> Option<(Daemon, PathBuf, u32, u32)> {
+    let Some(((m_uid, _), _, gid)) = users() else {
+        println!("skipping: could not create test users (useradd/groupadd missing)");
+        return None;
+    };
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        args: args.iter().map(|a| a.to_string()).collect(),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    Some((d, ctl, m_uid, gid))
+}
+
 #[test]
 fn the_socket_and_the_callers_uid_decide() {
     if !root_or_skip() {
@@ -135,15 +151,9 @@ fn credentials_gained_at_exec_are_not_traced() {
     if !root_or_skip() {
         return;
     }
-    let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[]) else {
         return;
     };
-    let d = Daemon::start_with(DaemonOptions {
-        group: Some(GROUP.into()),
-        ..DaemonOptions::default()
-    });
-    let ctl = public_ctl(&d);
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     let dir = d.dir.path();
     // id(1) asks geteuid: counted while the program is followed.
@@ -220,16 +230,8 @@ fn credentials_gained_at_exec_are_not_traced() {
     let sleeper = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
     let undumpable = "import ctypes, time\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\nprint('ready', flush=True)\ntime.sleep(60)";
     let mut cmd = Command::new("/usr/bin/python3");
-    cmd.args(["-c", undumpable])
-        .stdout(std::process::Stdio::piped());
-    let mut guarded = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(guarded.0.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready, "ready\n");
+    cmd.args(["-c", undumpable]);
+    let guarded = ChildGuard::spawn_ready(as_user(&mut cmd, m_uid, gid));
     for (pid, why) in [
         (sleeper.pid(), "setgid program"),
         (guarded.pid(), "not dumpable"),
@@ -254,23 +256,14 @@ fn probe_floods_are_merged_and_capped() {
     if !root_or_skip() {
         return;
     }
-    let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[
+        "--max-probes-per-session",
+        "5",
+        "--max-probes-per-user",
+        "6",
+    ]) else {
         return;
     };
-    let d = Daemon::start_with(DaemonOptions {
-        group: Some(GROUP.into()),
-        args: [
-            "--max-probes-per-session",
-            "5",
-            "--max-probes-per-user",
-            "6",
-        ]
-        .map(String::from)
-        .to_vec(),
-        ..DaemonOptions::default()
-    });
-    let ctl = public_ctl(&d);
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     let caps = String::from_utf8(d.ok(&["capabilities"]).into_bytes()).unwrap();
     assert!(
@@ -385,15 +378,9 @@ fn a_user_cannot_take_every_session_slot() {
     if !root_or_skip() {
         return;
     }
-    let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[]) else {
         return;
     };
-    let d = Daemon::start_with(DaemonOptions {
-        group: Some(GROUP.into()),
-        ..DaemonOptions::default()
-    });
-    let ctl = public_ctl(&d);
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     let mut cmd = Command::new("/usr/bin/python3");
     cmd.args(["-c", "import time; time.sleep(120)"]);
@@ -450,15 +437,9 @@ fn root_only_files_and_kernel_addresses_stay_hidden() {
     if !root_or_skip() {
         return;
     }
-    let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[]) else {
         return;
     };
-    let d = Daemon::start_with(DaemonOptions {
-        group: Some(GROUP.into()),
-        ..DaemonOptions::default()
-    });
-    let ctl = public_ctl(&d);
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     let dir = d.dir.path();
     let libc = std::fs::canonicalize("/lib/x86_64-linux-gnu/libc.so.6").unwrap();
@@ -558,30 +539,14 @@ fn a_members_report_holds_only_its_own_losses() {
     if !root_or_skip() {
         return;
     }
-    let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[]) else {
         return;
     };
-    let d = Daemon::start_with(DaemonOptions {
-        group: Some(GROUP.into()),
-        ..DaemonOptions::default()
-    });
-    let ctl = public_ctl(&d);
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     // Root's process recurses deeper than the probes' stacks: calls past their depth are
     // losses.
     let busy = "import sys\nsys.setrecursionlimit(5000)\ndef r(n): return r(n - 1) if n else 0\nprint('ready', flush=True)\nwhile True: r(400)";
-    let mut root_busy = ChildGuard::spawn(
-        Command::new("/usr/bin/python3")
-            .args(["-c", busy])
-            .stdout(std::process::Stdio::piped()),
-    );
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(root_busy.0.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
+    let root_busy = ChildGuard::spawn_ready(Command::new("/usr/bin/python3").args(["-c", busy]));
     let mut cmd = Command::new("/usr/bin/python3");
     cmd.args(["-c", "import time; time.sleep(60)"]);
     let idle = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
@@ -632,14 +597,8 @@ fn a_members_report_holds_only_its_own_losses() {
     assert_eq!(too_deep(&theirs), 0, "{}", theirs["losses"]);
     // Its own process's losses, it is told of.
     let mut cmd = Command::new("/usr/bin/python3");
-    cmd.args(["-c", busy]).stdout(std::process::Stdio::piped());
-    let mut deep = ChildGuard::spawn(as_user(&mut cmd, m_uid, gid));
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(deep.0.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
+    cmd.args(["-c", busy]);
+    let deep = ChildGuard::spawn_ready(as_user(&mut cmd, m_uid, gid));
     let out = member(&[
         "start",
         "--mode=counting",

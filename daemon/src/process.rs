@@ -17,11 +17,6 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
-/// Real, effective, saved and filesystem uids of `pid`.
-pub fn uids(pid: u32) -> io::Result<[u32; 4]> {
-    ids(&fs::read_to_string(format!("/proc/{pid}/status"))?, "Uid:")
-}
-
 /// The four ids on a `/proc/PID/status` line (`Uid:` or `Gid:`).
 fn ids(status: &str, key: &str) -> io::Result<[u32; 4]> {
     let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("no {key} line"));
@@ -293,7 +288,9 @@ mod tests {
     fn this_process_is_alive_and_ours() {
         let me = std::process::id();
         assert!(alive(me));
-        assert_eq!(uids(me).unwrap()[0], nix::unistd::getuid().as_raw());
+        let uid = nix::unistd::getuid().as_raw();
+        assert_eq!(ptrace_boundary(me, uid).unwrap(), None);
+        assert!(ptrace_boundary(me, uid + 1).unwrap().is_some());
         assert!(threads(me).unwrap().contains(&me));
         assert!(!alive(u32::MAX - 1));
     }

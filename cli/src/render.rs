@@ -200,6 +200,9 @@ pub fn capabilities(c: &Capabilities) -> String {
     if !c.session_limits.is_empty() {
         let _ = writeln!(out, "{}", c.session_limits);
     }
+    if !c.uprobe_links.is_empty() {
+        let _ = writeln!(out, "uprobes: {}", c.uprobe_links);
+    }
     let _ = writeln!(out, "\nPython interpreters:");
     if c.interpreters.is_empty() {
         let _ = writeln!(out, "  none found on PATH");

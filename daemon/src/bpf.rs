@@ -4,12 +4,14 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
-use std::{fs, path::Path};
+mod multi;
+
+use std::{fs, os::fd::OwnedFd, path::Path};
 
 use aya::{
     maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap},
     programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
         PerfEvent, TracePoint, UProbe,
     },
     Ebpf, EbpfError, EbpfLoader,
@@ -28,6 +30,9 @@ use crate::python::{
 
 const CUDA_CALL: &str = "tracer_cuda_call";
 const CUDA_RETURN: &str = "tracer_cuda_return";
+const NATIVE_CALL: &str = "tracer_native_call";
+/// The uprobe programs that run at a function's return (uretprobes).
+const AT_RETURN: [&str; 2] = ["tracer_py_eval_return", CUDA_RETURN];
 
 /// The probes' layout array, for layouts found after loading (an interpreter's own debug
 /// offsets): whoever hands a probe a layout index publishes its layout first.
@@ -86,7 +91,14 @@ pub enum BpfError {
     Program {
         name: &'static str,
         #[source]
-        source: Box<aya::programs::ProgramError>,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("attaching {name} to {probes} offsets in one link: {source}")]
+    Attach {
+        name: &'static str,
+        probes: usize,
+        #[source]
+        source: std::io::Error,
     },
     #[error("BPF map {name}: {source}")]
     Map {
@@ -98,8 +110,57 @@ pub enum BpfError {
     Tracefs(String),
 }
 
-/// Uprobe links with the name of the program each belongs to.
-pub type UprobeLinks = Vec<(&'static str, UProbeLinkId)>;
+/// Uprobes that come off together; dropping the set detaches them. That waits for the
+/// kernel's grace periods (once per multi-uprobe link, once per probe without them): drop
+/// sets off the task that answers RPCs, with [`crate::bpf::release`].
+#[derive(Default)]
+pub struct ProbeSet {
+    links: Vec<ProbeLink>,
+    probes: usize,
+}
+
+enum ProbeLink {
+    /// A multi-uprobe link: one program on many offsets of one binary.
+    Multi(#[allow(dead_code)] OwnedFd),
+    /// One probe, one perf event (kernels without multi-uprobe links).
+    Single(#[allow(dead_code)] UProbeLink),
+}
+
+impl ProbeSet {
+    /// Probes in the set.
+    pub fn len(&self) -> usize {
+        self.probes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.probes == 0
+    }
+
+    /// Takes in the probes of `other`.
+    pub fn extend(&mut self, other: ProbeSet) {
+        self.links.extend(other.links);
+        self.probes += other.probes;
+    }
+}
+
+/// Detaches `sets` on a thread of their own, then calls `done` there: the kernel's grace
+/// periods keep nobody else waiting.
+pub fn release(sets: Vec<ProbeSet>, done: impl FnOnce() + Send + 'static) {
+    if sets.iter().all(ProbeSet::is_empty) {
+        drop(sets);
+        done();
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("probe-release".into())
+        .spawn(move || {
+            drop(sets);
+            done();
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(%e, "no thread to release probes on");
+    }
+}
 
 /// A session's CUDA launch counts and memory totals.
 pub type CudaCounts = (Vec<(CudaLaunchKey, u64)>, Vec<(CudaMemKey, CudaMemStats)>);
@@ -136,6 +197,11 @@ pub struct Bpf {
     cuda_watch: Array<MapData, [SessionMask; 2]>,
     exec_hold: Array<MapData, SessionMask>,
     cuda_loaded: bool,
+    /// The uprobe programs loaded for multi-uprobe links; `None` where the kernel has none
+    /// (each probe is then a perf event of its own).
+    multi: Option<multi::MultiPrograms>,
+    /// Why uprobes are attached one by one, when they are.
+    multi_missing: Option<String>,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
     // Owns the programs; attached links live as long as it does.
@@ -155,7 +221,8 @@ fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
 
 impl Bpf {
     /// `trace_ring_bytes`: size of the tracing ring buffer (a power of two, at least a page).
-    pub fn load(trace_ring_bytes: u32) -> Result<Self, BpfError> {
+    /// `per_probe`: one perf event per uprobe even where multi-uprobe links exist.
+    pub fn load(trace_ring_bytes: u32, per_probe: bool) -> Result<Self, BpfError> {
         ensure_tracefs()?;
         let newtask = TracepointFormat::read("task", "task_newtask");
         let exit = TracepointFormat::read("sched", "sched_process_exit");
@@ -174,6 +241,25 @@ impl Bpf {
             .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
+        let (multi, multi_missing) = if per_probe {
+            (
+                None,
+                Some("tracerd was started with --per-probe-uprobes".to_owned()),
+            )
+        } else if !multi::supported() {
+            (
+                None,
+                Some("this kernel has no multi-uprobe links (Linux 6.6+)".to_owned()),
+            )
+        } else {
+            match multi::MultiPrograms::new(&ebpf, OBJECT) {
+                Ok(m) => (Some(m), None),
+                Err(e) => {
+                    tracing::warn!(%e, "multi-uprobe links unavailable");
+                    (None, Some(e.to_string()))
+                }
+            }
+        };
         attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
         attach(
             &mut ebpf,
@@ -232,6 +318,8 @@ impl Bpf {
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             cuda_loaded: false,
+            multi,
+            multi_missing,
             fsbase_error,
             ebpf,
         })
@@ -328,7 +416,7 @@ impl Bpf {
     /// Attaches the Python probes to one interpreter binary, for every process that maps it.
     /// `path`: where the binary is reachable now (the runtime may have been inspected through
     /// a process that has exited since, and its `/proc/PID/root` path with it).
-    pub fn attach_python(&mut self, rt: &Runtime, path: &Path) -> Result<UprobeLinks, BpfError> {
+    pub fn attach_python(&mut self, rt: &Runtime, path: &Path) -> Result<ProbeSet, BpfError> {
         const ENTRY: &str = "tracer_py_eval_entry";
         const RETURN: &str = "tracer_py_eval_return";
         const OPCODE: &str = "tracer_py_opcode";
@@ -354,10 +442,25 @@ impl Bpf {
         self.attach_all(path, &points)
     }
 
+    /// How uprobes are attached here, in one line (for `capabilities`).
+    pub fn uprobe_links(&self) -> String {
+        match &self.multi_missing {
+            None => "multi-uprobe links: one link per program and binary, attached and detached in one step".into(),
+            Some(why) => format!("one perf event per probe, each detached after its own grace period: {why}"),
+        }
+    }
+
     /// Loads uprobe programs once; after a failed attempt some are loaded already, so the
     /// error names the one that fails.
     fn load_uprobes(&mut self, names: &[&'static str]) -> Result<(), BpfError> {
         for &name in names {
+            if let Some(m) = self.multi.as_mut() {
+                m.load(name).map_err(|e| BpfError::Program {
+                    name,
+                    source: Box::new(e),
+                })?;
+                continue;
+            }
             match self.uprobe(name)?.load() {
                 Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
                 Err(e) => {
@@ -372,71 +475,90 @@ impl Bpf {
     }
 
     /// Attaches (program, file offset, cookie) points in `binary`, for every process that
-    /// maps it; all or nothing.
+    /// maps it; all or nothing. With multi-uprobe links, one link per program.
     fn attach_all(
         &mut self,
         binary: &Path,
         points: &[(&'static str, u64, u64)],
-    ) -> Result<UprobeLinks, BpfError> {
-        let mut links = Vec::new();
+    ) -> Result<ProbeSet, BpfError> {
+        let mut set = ProbeSet::default();
+        if let Some(m) = &self.multi {
+            let mut names: Vec<&'static str> = points.iter().map(|p| p.0).collect();
+            names.dedup();
+            names.sort_unstable();
+            names.dedup();
+            for name in names {
+                let (offsets, cookies): (Vec<u64>, Vec<u64>) = points
+                    .iter()
+                    .filter(|p| p.0 == name)
+                    .map(|p| (p.1, p.2))
+                    .unzip();
+                let fd = m
+                    .attach(name, binary, &offsets, &cookies, AT_RETURN.contains(&name))
+                    .map_err(|e| BpfError::Attach {
+                        name,
+                        probes: offsets.len(),
+                        source: e,
+                    })?;
+                set.links.push(ProbeLink::Multi(fd));
+                set.probes += offsets.len();
+            }
+            return Ok(set);
+        }
         for &(name, offset, cookie) in points {
             let at = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(cookie),
             };
-            match self
-                .uprobe(name)?
+            let program = self.uprobe(name)?;
+            let link = program
                 .attach(at, binary, UProbeScope::AllProcesses)
-            {
-                Ok(link) => links.push((name, link)),
-                Err(e) => {
-                    self.detach_uprobes(links);
-                    return Err(BpfError::Program {
-                        name,
-                        source: Box::new(e),
-                    });
-                }
-            }
+                .and_then(|id| program.take_link(id))
+                .map_err(|e| BpfError::Program {
+                    name,
+                    source: Box::new(e),
+                })?;
+            set.links.push(ProbeLink::Single(link));
+            set.probes += 1;
         }
-        Ok(links)
+        Ok(set)
     }
 
-    pub fn detach_uprobes(&mut self, links: UprobeLinks) {
-        for (name, link) in links {
-            if let Ok(p) = self.uprobe(name) {
-                let _ = p.detach(link);
-            }
-        }
-    }
-
-    /// Attaches a native-call counter for one session: `probe` numbers the function in the
-    /// session's report; `all`: count every process, not only those the session follows.
+    /// Attaches native-call counters for one session on functions of one binary: each
+    /// `(file offset, probe)` numbers the function in the session's report; `all`: count
+    /// every process, not only those the session follows. A function the kernel will not
+    /// probe is left out and comes back with why, by its index in `points`.
     pub fn attach_native(
         &mut self,
-        target: &crate::native::NativeTarget,
+        binary: &Path,
+        points: &[(u64, u32)],
         slot: u8,
         all: bool,
-        probe: u32,
-    ) -> Result<UProbeLinkId, BpfError> {
-        const NAME: &str = "tracer_native_call";
-        let program_err = |e| BpfError::Program {
-            name: NAME,
-            source: Box::new(e),
-        };
+    ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
         if !self.native_loaded {
-            match self.uprobe(NAME)?.load() {
-                Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
-                Err(e) => return Err(program_err(e)),
-            }
+            self.load_uprobes(&[NATIVE_CALL])?;
             self.native_loaded = true;
         }
-        let at = UProbeAttachPoint {
-            location: UProbeAttachLocation::AbsoluteOffset(target.file_offset),
-            cookie: Some(native_cookie::make(slot, all, probe)),
-        };
-        self.uprobe(NAME)?
-            .attach(at, &target.binary, UProbeScope::AllProcesses)
-            .map_err(program_err)
+        let points: Vec<_> = points
+            .iter()
+            .map(|&(offset, probe)| (NATIVE_CALL, offset, native_cookie::make(slot, all, probe)))
+            .collect();
+        if self.multi.is_some() {
+            // One link for all, unless the kernel refuses one of them: then one link each,
+            // to name those it refuses.
+            if let Ok(set) = self.attach_all(binary, &points) {
+                return Ok((set, Vec::new()));
+            }
+        }
+        let mut set = ProbeSet::default();
+        let mut refused = Vec::new();
+        for (i, p) in points.iter().enumerate() {
+            match self.attach_all(binary, std::slice::from_ref(p)) {
+                Ok(one) => set.extend(one),
+                Err(e) => refused.push((i, e)),
+            }
+        }
+        Ok((set, refused))
     }
 
     /// The ring buffer of CUDA kernel names; taken once by its reader.
@@ -455,23 +577,23 @@ impl Bpf {
         Ok(())
     }
 
-    /// Probes one CUDA entry point for one session (and its return, where the call's result
-    /// is read). `cookie`: `cuda_cookie::make(slot, all, api)`.
+    /// Probes CUDA entry points of one library for one session: (file offset, cookie, and
+    /// whether the call's result is read at its return). `cookie`:
+    /// `cuda_cookie::make(slot, all, api)`.
     pub fn attach_cuda(
         &mut self,
         binary: &Path,
-        file_offset: u64,
-        cookie: u64,
-        at_return: bool,
-    ) -> Result<UprobeLinks, BpfError> {
+        probes: &[(u64, u64, bool)],
+    ) -> Result<ProbeSet, BpfError> {
         self.load_cuda()?;
-        let call = (CUDA_CALL, file_offset, cookie);
-        let points: &[_] = if at_return {
-            &[call, (CUDA_RETURN, file_offset, cookie)]
-        } else {
-            &[call]
-        };
-        self.attach_all(binary, points)
+        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (CUDA_CALL, o, c)).collect();
+        points.extend(
+            probes
+                .iter()
+                .filter(|p| p.2)
+                .map(|&(o, c, _)| (CUDA_RETURN, o, c)),
+        );
+        self.attach_all(binary, &points)
     }
 
     /// A session's CUDA launch counts and memory totals, taken out of the kernel maps with
@@ -492,14 +614,6 @@ impl Bpf {
     ) -> Vec<(GpuKernelKey, GpuKernelStats)> {
         let slot = u32::from(slot);
         slot_entries(&mut self.gpu_kernels, |k| k.slot == slot, take)
-    }
-
-    pub fn detach_native(&mut self, links: Vec<UProbeLinkId>) {
-        if let Ok(p) = self.uprobe("tracer_native_call") {
-            for link in links {
-                let _ = p.detach(link);
-            }
-        }
     }
 
     /// A session's native call counts (pid, probe, calls), taken out of the map with `take`.

@@ -83,6 +83,8 @@ pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> C
         gpus_unavailable,
         probe_limits: probe_limits.describe(),
         session_limits: crate::session::slots::Slots::describe(),
+        // Known to the loaded BPF object: set by the caller.
+        uprobe_links: String::new(),
     }
 }
 

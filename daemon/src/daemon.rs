@@ -29,6 +29,8 @@ pub struct Config {
     /// Size of the kernel ring buffer tracing events pass through, in MiB (a power of two):
     /// what absorbs bursts while the daemon catches up.
     pub trace_ring_mb: u32,
+    /// One perf event per uprobe even where the kernel has multi-uprobe links.
+    pub per_probe_uprobes: bool,
     /// Caps on native probes (`--uprobe`), per session and per user.
     pub probe_limits: crate::native::ProbeLimits,
     /// Caps on connections to the Unix socket, and when idle ones are closed.
@@ -124,7 +126,7 @@ pub async fn run(
         Ok(_) => {}
         Err(e) => tracing::warn!(%e, "raising the open files limit"),
     }
-    let bpf = Bpf::load(ring_mb << 20)?;
+    let bpf = Bpf::load(ring_mb << 20, config.per_probe_uprobes)?;
     let gid = config
         .group
         .as_deref()
@@ -134,9 +136,10 @@ pub async fn run(
         })
         .transpose()?;
     let probe_limits = config.probe_limits;
-    let caps = tokio::task::spawn_blocking(move || capabilities::measure(true, &probe_limits))
+    let mut caps = tokio::task::spawn_blocking(move || capabilities::measure(true, &probe_limits))
         .await
         .expect("capabilities task");
+    caps.uprobe_links = bpf.uprobe_links();
     let interpreters = caps
         .interpreters
         .iter()

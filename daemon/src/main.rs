@@ -73,6 +73,11 @@ struct Args {
     /// Seconds a connection may stay open with no request in flight before it is closed.
     #[arg(long, value_name = "SECS", default_value_t = Limits::default().idle.as_secs())]
     idle_timeout: u64,
+    /// Attach every uprobe as a perf event of its own, as kernels before 6.6 must, instead of
+    /// one multi-uprobe link per program and binary (to compare the two; each such probe
+    /// costs ~150 ms of the kernel's grace periods to remove).
+    #[arg(long)]
+    per_probe_uprobes: bool,
     /// Print where Python call counting would probe this interpreter binary (libpython or
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
     #[arg(long, value_name = "PATH")]
@@ -123,6 +128,7 @@ fn main() {
         metrics: args.metrics,
         group: args.group,
         trace_ring_mb: args.trace_ring_mb,
+        per_probe_uprobes: args.per_probe_uprobes,
         probe_limits: ProbeLimits {
             per_session: args.max_probes_per_session as usize,
             per_user: args.max_probes_per_user as usize,

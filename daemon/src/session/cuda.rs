@@ -12,7 +12,7 @@ use std::{
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
 use crate::{
-    bpf::{Bpf, UprobeLinks},
+    bpf::{Bpf, ProbeSet},
     cuda::{self, Names},
     report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus},
     unwind::ProcMaps,
@@ -78,7 +78,7 @@ pub struct CudaSession {
     started: Instant,
     pub next_look: Instant,
     /// Probed libraries by (device, inode), with their probes.
-    libs: HashMap<(u32, u32, u64), UprobeLinks>,
+    libs: HashMap<(u32, u32, u64), ProbeSet>,
     found: Vec<CudaLibrary>,
     names: Names,
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
@@ -206,7 +206,7 @@ impl CudaSession {
                     if !self.libs.contains_key(&id) {
                         self.warnings.push(e.to_string());
                         // Once per library, not per mapping.
-                        self.libs.insert(id, Vec::new());
+                        self.libs.insert(id, ProbeSet::default());
                     }
                     continue;
                 }
@@ -225,7 +225,6 @@ impl CudaSession {
             if self.libs.contains_key(&id) {
                 continue;
             }
-            let mut links = Vec::new();
             let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
                 .iter()
                 .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
@@ -238,32 +237,33 @@ impl CudaSession {
                     HashMap::new()
                 }
             };
-            for ep in points {
-                // Not every version exports every variant.
-                let Some(&offset) = offsets.get(ep.symbol) else {
-                    continue;
-                };
-                // Stacks at the driver's launches only: every kernel launch reaches one
-                // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
-                let driver_launch =
-                    matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
-                let cookie = cuda_cookie::make(self.slot, self.all, ep.api)
-                    | if self.probing.stacks && driver_launch {
+            // Not every version exports every variant.
+            let probes: Vec<(u64, u64, bool)> = points
+                .iter()
+                .filter_map(|ep| {
+                    let offset = *offsets.get(ep.symbol)?;
+                    // Stacks at the driver's launches only: every kernel launch reaches one
+                    // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
+                    let driver_launch =
+                        matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
+                    let stacks = if self.probing.stacks && driver_launch {
                         cuda_cookie::STACKS
                     } else {
                         0
                     };
-                match bpf.attach_cuda(&path, offset, cookie, ep.at_return) {
-                    Ok(l) => links.extend(l),
-                    Err(e) => {
-                        // One failure says it for the library (a program that does not load
-                        // fails on every entry point).
-                        self.warnings
-                            .push(format!("{}: {}: {e}", m.path, ep.symbol));
-                        break;
-                    }
+                    let cookie = cuda_cookie::make(self.slot, self.all, ep.api) | stacks;
+                    Some((offset, cookie, ep.at_return))
+                })
+                .collect();
+            // All of a library's probes or none: one failure says it for the library (a
+            // program that does not load fails on every entry point).
+            let links = match bpf.attach_cuda(&path, &probes) {
+                Ok(set) => set,
+                Err(e) => {
+                    self.warnings.push(format!("{}: {e}", m.path));
+                    ProbeSet::default()
                 }
-            }
+            };
             tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
             self.found.push(CudaLibrary {
                 pid,
@@ -293,10 +293,19 @@ impl CudaSession {
     }
 
     /// Detaches the probes and takes the session's counts out of the kernel.
-    pub fn finish(mut self, bpf: &mut Bpf) -> CudaReport {
-        for (_, links) in std::mem::take(&mut self.libs) {
-            bpf.detach_uprobes(links);
+    /// The probes, taken out to be detached off the manager's task.
+    pub fn take_probes(&mut self) -> ProbeSet {
+        let mut all = ProbeSet::default();
+        for (_, set) in self.libs.drain() {
+            all.extend(set);
         }
+        all
+    }
+
+    /// Takes the session's counts out of the kernel. Probes not taken out with
+    /// [`Self::take_probes`] are detached here first.
+    pub fn finish(mut self, bpf: &mut Bpf) -> CudaReport {
+        drop(self.take_probes());
         let native = self.callers.name_all();
         let (mut rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
         let gpu_kernels = self.gpu_kernels(bpf.gpu_kernel_times(self.slot, true));

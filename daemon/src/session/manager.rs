@@ -25,7 +25,7 @@ mod persist;
 
 use crate::{
     access::Caller,
-    bpf::Bpf,
+    bpf::{Bpf, ProbeSet},
     error::Error,
     native::{NativeTarget, ProbeLimits},
     perf, process,
@@ -183,6 +183,8 @@ pub struct Manager {
     tracing: super::tracing::Tracing,
     slots: super::slots::Slots,
     tx: mpsc::Sender<Command>,
+    /// Slots whose ended session's probes are now gone (see `release`).
+    detached: mpsc::UnboundedSender<u8>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -200,6 +202,7 @@ impl Manager {
         let (tx, rx) = mpsc::channel(256);
         let persist::Recovered { finished, unsaved } = persist::recover(&mut store, &traces)?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
+        let (detached, detached_rx) = mpsc::unbounded_channel();
         bpf.events(proc_tx)
             .map_err(|e| Error::io("reading BPF process events", e))?;
         let ring = bpf.take_py_codes().expect("PY_CODES taken once");
@@ -225,8 +228,9 @@ impl Manager {
             tracing,
             slots: super::slots::Slots::default(),
             tx: tx.clone(),
+            detached,
         };
-        let task = tokio::spawn(manager.run(rx, proc_rx, codes, kernel_names));
+        let task = tokio::spawn(manager.run(rx, proc_rx, detached_rx, codes, kernel_names));
         Ok((Handle { tx }, task))
     }
 
@@ -234,6 +238,7 @@ impl Manager {
         mut self,
         mut rx: mpsc::Receiver<Command>,
         mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
+        mut detached_rx: mpsc::UnboundedReceiver<u8>,
         mut codes: CodeRing,
         mut kernel_names: CodeRing,
     ) {
@@ -277,6 +282,7 @@ impl Manager {
                     Some(cmd) => self.handle(cmd),
                     None => return,
                 }},
+                Some(slot) = detached_rx.recv() => self.free_slot(slot),
                 Some(ev) = proc_rx.recv() => {
                     self.drain_codes(codes.get_mut());
                     self.drain_kernel_names(kernel_names.get_mut());
@@ -971,7 +977,7 @@ impl Manager {
         }
         self.update_exec_hold(python & !all, all);
         if python == 0 {
-            self.py.detach_all(&mut self.bpf);
+            self.py.detach_all();
         }
     }
 
@@ -1064,12 +1070,37 @@ impl Manager {
     }
 
     fn release(&mut self, slot: Option<u8>) {
-        if let Some(slot) = slot {
-            if let Err(e) = self.bpf.release(slot) {
-                tracing::warn!(%e, slot, "releasing a BPF session slot");
-            }
-            self.slots.free(slot);
+        self.release_after(slot, Vec::new());
+    }
+
+    /// Frees an ended session's slot once `probes` (the session's own) are detached. That
+    /// waits for the kernel's grace periods, on a thread of its own: nobody waits for it.
+    /// Until then the slot stays taken, so that what the old probes still count cannot
+    /// reach a new session.
+    fn release_after(&mut self, slot: Option<u8>, probes: Vec<ProbeSet>) {
+        let Some(slot) = slot else {
+            return;
+        };
+        if let Err(e) = self.bpf.release(slot) {
+            tracing::warn!(%e, slot, "releasing a BPF session slot");
         }
+        if probes.iter().all(ProbeSet::is_empty) {
+            self.slots.free(slot);
+            return;
+        }
+        let detached = self.detached.clone();
+        crate::bpf::release(probes, move || {
+            let _ = detached.send(slot);
+        });
+    }
+
+    /// A slot whose session's probes are gone: what they counted since the session ended
+    /// is dropped, and the slot taken again.
+    fn free_slot(&mut self, slot: u8) {
+        self.bpf.native_counts(slot, true);
+        self.bpf.cuda_counts(slot, true);
+        self.bpf.gpu_kernel_times(slot, true);
+        self.slots.free(slot);
     }
 
     fn stop(&mut self, id: &str, caller: Caller) -> Result<SessionInfo, Error> {
@@ -1193,18 +1224,26 @@ impl Manager {
         if let Some(c) = s.continuous.take() {
             c.finish(profile.as_ref(), id);
         }
+        // Counts are read now, probes detached later (`release_after`).
+        let mut probes = Vec::new();
         let native = match (s.native.take(), s.slot) {
-            (Some(n), Some(slot)) => Some(n.finish(&mut self.bpf, slot)),
+            (Some(mut n), Some(slot)) => {
+                probes.push(n.take_probes());
+                Some(n.finish(&mut self.bpf, slot))
+            }
             _ => None,
         };
         let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.probing.stacks);
-        let cuda = s.cuda.take().map(|c| c.finish(&mut self.bpf));
+        let cuda = s.cuda.take().map(|mut c| {
+            probes.push(c.take_probes());
+            c.finish(&mut self.bpf)
+        });
         self.update_cuda_masks();
         if let (true, Some(slot)) = (launch_stacks, s.slot) {
-            // The launch probes are gone: every stack they recorded is in the ring.
+            // The launch stacks recorded so far; later ones find no histogram for the slot.
             profile = self.sampling.finish(slot);
         }
-        self.release(s.slot);
+        self.release_after(s.slot, probes);
         if s.owner_uid != 0 {
             // Its processes no longer wait at exec.
             self.update_python_masks();

@@ -1,9 +1,7 @@
 //! Counting mode's native source: one session's uprobes on native functions, and its report.
 
-use aya::programs::uprobe::UProbeLinkId;
-
 use crate::{
-    bpf::Bpf,
+    bpf::{Bpf, ProbeSet},
     error::Error,
     native::NativeTarget,
     report::{NativeCalls, NativeProbe, NativeReport},
@@ -12,7 +10,7 @@ use crate::{
 pub struct NativeSession {
     /// By probe number, the skipped ones included.
     targets: Vec<NativeTarget>,
-    links: Vec<UProbeLinkId>,
+    links: ProbeSet,
     /// Targets that could not be probed (by probe number), and why.
     skipped: Vec<(usize, String)>,
 }
@@ -27,15 +25,37 @@ impl NativeSession {
         slot: u8,
         all: bool,
     ) -> Result<Self, Error> {
-        let mut links = Vec::with_capacity(targets.len());
+        // One set of probes per binary: attached, and later detached, in one step each.
+        let mut binaries: Vec<&std::path::Path> =
+            targets.iter().map(|t| t.binary.as_path()).collect();
+        binaries.sort_unstable();
+        binaries.dedup();
+        let mut links = ProbeSet::default();
         let mut skipped = Vec::new();
-        for (i, t) in targets.iter().enumerate() {
-            let probe = u32::try_from(i).unwrap_or(u32::MAX);
-            match bpf.attach_native(t, slot, all, probe) {
-                Ok(link) => links.push(link),
-                Err(e) => skipped.push((i, error_chain(&e))),
+        for binary in binaries {
+            let numbers: Vec<usize> = (0..targets.len())
+                .filter(|&i| targets[i].binary == binary)
+                .collect();
+            let points: Vec<(u64, u32)> = numbers
+                .iter()
+                .map(|&i| (targets[i].file_offset, u32::try_from(i).unwrap_or(u32::MAX)))
+                .collect();
+            match bpf.attach_native(binary, &points, slot, all) {
+                Ok((set, refused)) => {
+                    links.extend(set);
+                    skipped.extend(
+                        refused
+                            .into_iter()
+                            .map(|(j, e)| (numbers[j], error_chain(&e))),
+                    );
+                }
+                Err(e) => {
+                    let why = error_chain(&e);
+                    skipped.extend(numbers.iter().map(|&i| (i, why.clone())));
+                }
             }
         }
+        skipped.sort_unstable_by_key(|(i, _)| *i);
         if links.is_empty() {
             let (i, why) = &skipped[0];
             let t = &targets[*i];
@@ -88,9 +108,15 @@ impl NativeSession {
             .collect()
     }
 
-    /// Detaches the probes, then takes the session's counts out of the kernel.
+    /// The probes, taken out to be detached off the manager's task.
+    pub fn take_probes(&mut self) -> ProbeSet {
+        std::mem::take(&mut self.links)
+    }
+
+    /// Takes the session's counts out of the kernel. Probes not taken out with
+    /// [`Self::take_probes`] are detached here first.
     pub fn finish(mut self, bpf: &mut Bpf, slot: u8) -> NativeReport {
-        bpf.detach_native(std::mem::take(&mut self.links));
+        drop(self.take_probes());
         let counts = bpf.native_counts(slot, true);
         let mut calls = self.named(counts);
         calls.sort_by(|a, b| {

@@ -30,9 +30,12 @@ pub struct Probes {
     /// Python is counted; then only the machine's own interpreters' stay.
     inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
     /// Probes attached now.
-    links: HashMap<FileId, crate::bpf::UprobeLinks>,
+    links: HashMap<FileId, crate::bpf::ProbeSet>,
     /// Interpreter runtimes found on this machine at start.
     known: Vec<PathBuf>,
+    /// Answers once the probes `detach_all` removed are gone. New ones are not attached
+    /// beside them: a call would count twice.
+    releasing: Option<std::sync::mpsc::Receiver<()>>,
 }
 
 /// Why a binary has no probes.
@@ -80,6 +83,10 @@ impl Probes {
             .as_ref()
             .map_err(Clone::clone)?;
         if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {
+            if let Some(released) = self.releasing.take() {
+                // One grace period per link at most; an error means it is done.
+                let _ = released.recv();
+            }
             let links = bpf.attach_python(rt, path).map_err(|e| {
                 Unprobed::Failed(format!("attaching probes to {}: {e}", path.display()))
             })?;
@@ -112,10 +119,14 @@ impl Probes {
     }
 
     /// Removes every probe (no session counts Python any more): processes stop paying for them.
-    pub fn detach_all(&mut self, bpf: &mut Bpf) {
-        for (_, links) in self.links.drain() {
-            bpf.detach_uprobes(links);
-        }
+    /// The kernel's grace periods are waited for on a thread of their own.
+    pub fn detach_all(&mut self) {
+        let sets: Vec<_> = self.links.drain().map(|(_, set)| set).collect();
+        let (done, released) = std::sync::mpsc::sync_channel(1);
+        crate::bpf::release(sets, move || {
+            let _ = done.send(());
+        });
+        self.releasing = Some(released);
         // Copies, containers' and chroots' interpreters seen once must not pile up.
         let known: Vec<FileId> = self.known.iter().filter_map(|p| file_id(p).ok()).collect();
         self.inspected.retain(|id, _| known.contains(id));

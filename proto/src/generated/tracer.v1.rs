@@ -482,6 +482,10 @@ pub struct Capabilities {
     /// The quotas on sessions of users other than root, and the room kept for root, in one line.
     #[prost(string, tag = "15")]
     pub session_limits: ::prost::alloc::string::String,
+    /// How uprobes are attached and detached (multi-uprobe links, or one perf event per probe
+    /// on kernels without them), in one line.
+    #[prost(string, tag = "16")]
+    pub uprobe_links: ::prost::alloc::string::String,
 }
 /// What a session measures.
 #[allow(clippy::all)]

@@ -10,6 +10,8 @@
 //! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons;
 //! - `cuda` (cuda.rs): the time tracer adds to each CUDA kernel launch, counting and tracing,
 //!   next to an untraced run;
+//! - `probes` (probes.rs): attaching and removing 1 to 1,000 uprobes, multi-uprobe links next
+//!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
 //! - `longevity` (longevity.rs): tracerd's memory, open files and database size over rounds of
 //!   sessions, each round deleted.
 
@@ -17,6 +19,7 @@ mod counting;
 mod cuda;
 mod fleet;
 mod longevity;
+mod probes;
 mod sampling;
 mod tracing;
 
@@ -38,6 +41,7 @@ pub enum Which {
     Fleet,
     Cuda,
     Longevity,
+    Probes,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -48,6 +52,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Fleet => fleet::run(),
         Which::Cuda => cuda::run(),
         Which::Longevity => longevity::run(),
+        Which::Probes => probes::run(),
     }
 }
 

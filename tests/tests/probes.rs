@@ -1,0 +1,289 @@
+//! Probes never outlive their session: they come off without holding up other requests, and
+//! a SIGKILLed daemon leaves no breakpoint in any process for long.
+//!
+//! Breakpoints are seen the way a debugger would: a process's executable text, read through
+//! `/proc/PID/mem`, differs from the file's bytes where the kernel put one.
+
+use std::{
+    io::{BufRead, BufReader, Read, Seek, SeekFrom},
+    path::{Path, PathBuf},
+    process::{ChildStdout, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use tracer_tests::{root_or_skip, ChildGuard, Daemon, DaemonOptions};
+
+/// How long the kernel may take to remove the probes of a killed daemon before the test
+/// calls it stuck: far above what multi-uprobe links need (about a second here), far below
+/// the tens of minutes one perf event per probe took.
+const STUCK: Duration = Duration::from_secs(60);
+
+/// `tests/native/probe_target.c`, built: functions to probe in groups of 1, 60 and 1,000.
+fn build_target(dir: &Path) -> Option<PathBuf> {
+    let exe = dir.join("probe_target");
+    let built = Command::new("cc")
+        .args(["-O1", "-o"])
+        .arg(&exe)
+        .arg(tracer_tests::test_file("native/probe_target.c"))
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        println!("skipping: no C compiler (cc)");
+        return None;
+    }
+    Some(exe)
+}
+
+struct Target {
+    child: ChildGuard,
+    out: BufReader<ChildStdout>,
+}
+
+impl Target {
+    fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+}
+
+/// Starts the target in its directory, waiting for it to say it runs.
+fn start_target(exe: &Path) -> Target {
+    let mut child = ChildGuard::spawn(
+        Command::new(exe)
+            .current_dir(exe.parent().unwrap())
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    Target { child, out }
+}
+
+/// Lets the target finish; returns what it printed after `ready`, and whether it exited 0.
+fn finish_target(mut target: Target, exe: &Path) -> (String, bool) {
+    std::fs::write(exe.parent().unwrap().join("stop"), "").unwrap();
+    let mut out = String::new();
+    target.out.read_to_string(&mut out).unwrap();
+    let status = target.child.0.wait().unwrap();
+    std::fs::remove_file(exe.parent().unwrap().join("stop")).unwrap();
+    (out, status.success())
+}
+
+/// Bytes of `pid`'s executable mappings that differ from the files they map: the kernel's
+/// breakpoints (an `int3`, or the call of an optimized uprobe).
+fn breakpoint_bytes(pid: u32) -> usize {
+    let Ok(maps) = std::fs::File::open(format!("/proc/{pid}/maps")) else {
+        return 0;
+    };
+    let Ok(mut mem) = std::fs::File::open(format!("/proc/{pid}/mem")) else {
+        return 0;
+    };
+    let mut differ = 0;
+    for line in BufReader::new(maps).lines().map_while(Result::ok) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 6 || !fields[1].contains('x') || !fields[5].starts_with('/') {
+            continue;
+        }
+        let (start, end) = fields[0].split_once('-').unwrap();
+        let start = u64::from_str_radix(start, 16).unwrap();
+        let end = u64::from_str_radix(end, 16).unwrap();
+        let offset = u64::from_str_radix(fields[2], 16).unwrap();
+        let path = format!("/proc/{pid}/root{}", fields[5]);
+        let Ok(file) = std::fs::read(&path) else {
+            continue;
+        };
+        let from = usize::try_from(offset).unwrap().min(file.len());
+        let to = usize::try_from(offset + (end - start))
+            .unwrap()
+            .min(file.len());
+        let mut text = vec![0u8; to - from];
+        if mem.seek(SeekFrom::Start(start)).is_err() || mem.read_exact(&mut text).is_err() {
+            continue;
+        }
+        differ += text
+            .iter()
+            .zip(&file[from..to])
+            .filter(|(a, b)| a != b)
+            .count();
+    }
+    differ
+}
+
+/// Waits for `pids`' text to be the files' own again; returns how long that took.
+fn wait_clean(pids: &[u32], what: &str) -> Duration {
+    let started = Instant::now();
+    while pids.iter().any(|&p| breakpoint_bytes(p) > 0) {
+        assert!(
+            started.elapsed() < STUCK,
+            "{what}: breakpoints still in {:?} after {STUCK:?}",
+            pids.iter()
+                .map(|&p| (p, breakpoint_bytes(p)))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    started.elapsed()
+}
+
+#[test]
+fn a_killed_daemon_leaves_no_breakpoint_behind() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = build_target(dir.path()) else {
+        return;
+    };
+    let bin = exe.display().to_string();
+    let (expected, ok) = finish_target(start_target(&exe), &exe);
+    assert!(ok && expected.starts_with("checksum"), "{expected}");
+
+    let mut d = Daemon::start();
+    for (pattern, probes) in [("one_*", 1), ("sixty_*", 60), ("many_*", 1000)] {
+        let target = start_target(&exe);
+        let pid = target.pid().to_string();
+        let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
+            "-c",
+            "def f(): pass\nprint('ready', flush=True)\nwhile True: f()",
+        ]));
+        let py_pid = python.pid().to_string();
+        let spec = format!("{bin}:{pattern}");
+        // Every mode at once: counting and tracing with the native probes, Python counting
+        // (probes on every interpreter), and sampling.
+        for args in [
+            &["--mode=counting", "--pid", &pid, "--uprobe", &spec][..],
+            &["--mode=tracing", "--pid", &pid, "--uprobe", &spec][..],
+            &["--mode=counting", "--python", "--pid", &py_pid][..],
+            &["--mode=sampling", "--pid", &pid][..],
+        ] {
+            let mut start = vec!["start"];
+            start.extend_from_slice(args);
+            d.ok(&start);
+        }
+        let pids = [target.pid(), python.pid()];
+        assert!(
+            breakpoint_bytes(target.pid()) >= probes && breakpoint_bytes(python.pid()) > 0,
+            "{probes} probes: no breakpoints seen while attached"
+        );
+
+        let killed = Instant::now();
+        d.kill();
+        let reaped = killed.elapsed();
+        let clean = wait_clean(&pids, &format!("{probes} probes")) + reaped;
+        d.restart();
+        let serving = killed.elapsed();
+        println!(
+            "{probes} native probes: tracerd reaped {reaped:?} after SIGKILL, no breakpoint left after {clean:?}, a new tracerd served after {serving:?}"
+        );
+        let list = d.ok(&["list"]);
+        assert_eq!(
+            list.matches("failed").count(),
+            4,
+            "the killed daemon's sessions:\n{list}"
+        );
+        let (out, ok) = finish_target(target, &exe);
+        assert!(
+            ok,
+            "{probes} probes: the target failed after the daemon died: {out}"
+        );
+        assert_eq!(
+            out, expected,
+            "{probes} probes: the target's output changed"
+        );
+        drop(python);
+        for line in list.lines().skip(1) {
+            if let Some(id) = line.split_whitespace().next() {
+                d.ok(&["delete", id]);
+            }
+        }
+    }
+}
+
+/// With one perf event per probe (`--per-probe-uprobes`, what kernels before 6.6 get),
+/// removing 60 probes takes ~9 s of the kernel's grace periods: long enough to see other
+/// requests answered while they come off.
+#[test]
+fn requests_are_answered_while_probes_come_off() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = build_target(dir.path()) else {
+        return;
+    };
+    let bin = exe.display().to_string();
+    let d = Daemon::start_with(DaemonOptions {
+        args: vec!["--per-probe-uprobes".into()],
+        ..DaemonOptions::default()
+    });
+    let caps = d.ok(&["capabilities"]);
+    assert!(caps.contains("--per-probe-uprobes"), "{caps}");
+    let target = start_target(&exe);
+    let pid = target.pid().to_string();
+    let spec = format!("{bin}:sixty_*");
+    let id = d.ok(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &spec]);
+    let id = id.trim();
+    std::thread::sleep(Duration::from_millis(300));
+    d.ok(&["stop", id]);
+    // The stop is answered with the counts before the probes are gone; meanwhile the daemon
+    // lists, reports and starts sessions.
+    let list = d.ok(&["list"]);
+    assert!(list.contains(id), "{list}");
+    let report: serde_json::Value =
+        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let calls = report["native"]["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 60, "one row per probed function: {calls:?}");
+    assert!(
+        calls.iter().all(|c| c["calls"].as_u64() > Some(0)),
+        "{calls:?}"
+    );
+    let other = d.ok(&["start", "--mode=counting", "--pid", &pid]);
+    assert!(
+        breakpoint_bytes(target.pid()) > 0,
+        "all the probes were gone before the daemon answered: the stop waited for them"
+    );
+    let took = wait_clean(&[target.pid()], "after the stop");
+    println!("60 per-probe uprobes came off {took:?} after the stop was answered");
+    d.ok(&["stop", other.trim()]);
+    let (_, ok) = finish_target(target, &exe);
+    assert!(ok);
+}
+
+/// Probe sets are per binary: one link per program on multi-uprobe kernels. Sessions that
+/// share a binary get their own counts, and a stopped session's probes stop counting for a
+/// session that takes its slot next.
+#[test]
+fn sessions_reusing_a_slot_count_only_their_own_calls() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = build_target(dir.path()) else {
+        return;
+    };
+    let bin = exe.display().to_string();
+    let d = Daemon::start();
+    let target = start_target(&exe);
+    let pid = target.pid().to_string();
+    let many = format!("{bin}:many_*");
+    let one = format!("{bin}:one_*");
+    for _ in 0..3 {
+        let a = d.ok(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &many]);
+        std::thread::sleep(Duration::from_millis(200));
+        d.ok(&["stop", a.trim()]);
+        // Likely the slot `a` had once its probes are gone; never its counts.
+        let b = d.ok(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &one]);
+        std::thread::sleep(Duration::from_millis(200));
+        d.ok(&["stop", b.trim()]);
+        let report: serde_json::Value =
+            serde_json::from_str(&d.ok(&["report", b.trim(), "--format", "json"])).unwrap();
+        let symbols: Vec<&str> = report["native"]["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["symbol"].as_str().unwrap())
+            .collect();
+        assert_eq!(symbols, ["one_0"], "{report}");
+    }
+    let (_, ok) = finish_target(target, &exe);
+    assert!(ok);
+}

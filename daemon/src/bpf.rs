@@ -196,6 +196,8 @@ pub struct Bpf {
     cuda_names: Option<RingBuf<MapData>>,
     cuda_watch: Array<MapData, [SessionMask; 2]>,
     exec_hold: Array<MapData, SessionMask>,
+    /// Processes stopped at exec, until continued (see `guardian`).
+    held: HashMap<MapData, u32, u64>,
     cuda_loaded: bool,
     /// The uprobe programs loaded for multi-uprobe links; `None` where the kernel has none
     /// (each probe is then a perf event of its own).
@@ -317,6 +319,7 @@ impl Bpf {
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
+            held: take(&mut ebpf, "HELD")?,
             cuda_loaded: false,
             multi,
             multi_missing,
@@ -348,6 +351,18 @@ impl Bpf {
             .set(0, followed, 0)
             .and_then(|()| self.exec_hold.set(1, everywhere, 0))
             .map_err(map_err("EXEC_HOLD"))
+    }
+
+    /// `pid`, stopped at exec, is continued: the guardian need not.
+    pub fn continued(&mut self, pid: u32) {
+        let _ = self.held.remove(&pid);
+    }
+
+    /// Another fd of the map of processes stopped at exec, for the guardian.
+    pub fn held_fd(&self) -> std::io::Result<OwnedFd> {
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        self.held.map().fd().as_fd().try_clone_to_owned()
     }
 
     /// Sets which session slots are CUDA sessions, and which of those follow every process:

@@ -127,6 +127,10 @@ pub async fn run(
         Err(e) => tracing::warn!(%e, "raising the open files limit"),
     }
     let bpf = Bpf::load(ring_mb << 20, config.per_probe_uprobes)?;
+    // Continues the processes held at exec if tracerd dies with them stopped.
+    if let Err(e) = bpf.held_fd().and_then(crate::guardian::spawn) {
+        tracing::warn!(%e, "no guardian: processes held at exec stay stopped if tracerd is killed");
+    }
     let gid = config
         .group
         .as_deref()

@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod error;
 pub mod export;
 pub mod gpu;
+pub mod guardian;
 pub mod live;
 pub mod metrics;
 pub mod native;

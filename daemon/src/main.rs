@@ -85,6 +85,17 @@ struct Args {
 }
 
 fn main() {
+    // The guardian is this executable too (see `guardian`), started by tracerd alone.
+    let argv: Vec<String> = std::env::args().collect();
+    if let [_, flag, fds] = argv.as_slice() {
+        if flag == tracer_daemon::guardian::ARG {
+            if let Err(e) = tracer_daemon::guardian::run(fds) {
+                eprintln!("tracerd guardian: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
+    }
     let args = Args::parse();
     if let Some(path) = &args.show_python_probes {
         match tracer_daemon::python::runtime::Runtime::inspect(path) {

@@ -287,3 +287,73 @@ fn sessions_reusing_a_slot_count_only_their_own_calls() {
     let (_, ok) = finish_target(target, &exe);
     assert!(ok);
 }
+
+/// `pid`'s state letter in `/proc/PID/stat` (`T`: stopped), if it lives.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+/// tracerd's guardian: its child that runs `--guard-held`.
+fn guardian_of(daemon: u32) -> u32 {
+    let children = std::fs::read_to_string(format!("/proc/{daemon}/task/{daemon}/children"))
+        .unwrap_or_default();
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("--guard-held"))
+        })
+        .expect("tracerd has a guardian")
+}
+
+/// A session counting Python everywhere holds each new `python…` at its exec until tracerd
+/// has looked at it. Killed right then (stopped first, to be sure it never answers),
+/// tracerd leaves the process stopped; its guardian continues it.
+#[test]
+fn a_process_held_at_exec_runs_on_when_the_daemon_dies() {
+    if !root_or_skip() {
+        return;
+    }
+    // Found before tracerd stops: pyenv's shim runs a Python to find it.
+    let python = tracer_tests::python();
+    let mut d = Daemon::start();
+    d.ok(&["start", "--mode=counting", "--python", "--all"]);
+    let guardian = guardian_of(d.pid());
+    let tracerd = nix::unistd::Pid::from_raw(d.pid() as i32);
+    nix::sys::signal::kill(tracerd, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let mut py = ChildGuard::spawn(
+        Command::new(&python)
+            .args(["-c", "print('ran')"])
+            .stdout(Stdio::piped()),
+    );
+    let pid = py.pid();
+    tracer_tests::wait_until(20, "the new Python process to be held at exec", || {
+        state(pid) == Some('T')
+    });
+    d.kill();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = py.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < STUCK,
+            "the process tracerd held is still {:?} {STUCK:?} after tracerd died",
+            state(pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    println!("continued {:?} after tracerd was killed", started.elapsed());
+    let mut out = String::new();
+    py.0.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert!(status.success() && out == "ran\n", "{status}: {out:?}");
+    tracer_tests::wait_until(20, "the guardian to exit", || {
+        matches!(state(guardian), None | Some('Z'))
+    });
+}

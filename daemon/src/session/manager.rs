@@ -1491,6 +1491,7 @@ impl Manager {
                 nix::unistd::Pid::from_raw(ev.pid as i32),
                 nix::sys::signal::Signal::SIGCONT,
             );
+            self.bpf.continued(ev.pid);
         }
         if exited_sampled {
             self.sampling.exited(ev.pid);

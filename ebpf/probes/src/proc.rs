@@ -36,6 +36,13 @@ static PROC_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 static EXEC_HOLD: Array<SessionMask> = Array::with_max_entries(2, 0);
 
 const SIGSTOP: u32 = 19;
+const SIGCONT: u32 = 18;
+
+/// Processes stopped at exec and not continued yet (pid → when). The daemon deletes a pid as
+/// it continues it; tracerd's guardian process, which holds this map too, continues whatever
+/// is left here if tracerd dies first.
+#[map]
+static HELD: HashMap<u32, u64> = HashMap::with_max_entries(4096, 0);
 
 /// Per-CPU loss counters, indexed by `tracer_common::loss::*`.
 #[map]
@@ -209,22 +216,34 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     if sessions == 0 {
         return 0;
     }
+    // SAFETY: plain BPF helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let hold_mask =
+        EXEC_HOLD.get(0).copied().unwrap_or(0) | EXEC_HOLD.get(1).copied().unwrap_or(0);
+    // Stopped, and recorded, before the daemon can hear of it: its SIGCONT always comes
+    // after the stop. It deletes the pid as it continues the process; tracerd's guardian
+    // continues whatever HELD names if tracerd dies first. A stop nobody could undo is not
+    // made.
+    let hold = hold_mask & sessions != 0 && HELD.insert(&tgid, &now, 0).is_ok();
+    if hold {
+        // SAFETY: plain BPF helper call; the stop takes effect before the new program's
+        // first instruction.
+        unsafe { bpf_send_signal(SIGSTOP) };
+    }
     let sent = emit(ProcEvent {
         kind: PROC_EVENT_EXEC,
         pid: tgid,
         parent_pid: 0,
         _pad: 0,
         sessions,
-        // SAFETY: plain BPF helper call.
-        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        ktime_ns: now,
         comm,
     });
-    let hold = EXEC_HOLD.get(0).copied().unwrap_or(0) | EXEC_HOLD.get(1).copied().unwrap_or(0);
-    // Only when the daemon will see the event, whose handling continues the process.
-    if sent && hold & sessions != 0 {
-        // SAFETY: plain BPF helper call; the stop takes effect before the new program's
-        // first instruction.
-        unsafe { bpf_send_signal(SIGSTOP) };
+    if hold && !sent {
+        // The daemon will not hear of it: a SIGCONT generated now flushes the pending stop.
+        // SAFETY: plain BPF helper call.
+        unsafe { bpf_send_signal(SIGCONT) };
+        let _ = HELD.remove(&tgid);
     }
     0
 }

@@ -89,7 +89,7 @@ impl Activity {
     }
 
     /// When the connection becomes idle for `idle`, if nothing is in flight.
-    fn deadline(&self, idle: Duration) -> Option<Instant> {
+    pub(crate) fn deadline(&self, idle: Duration) -> Option<Instant> {
         let since = *self.idle_since.lock().unwrap_or_else(|e| e.into_inner());
         (self.in_flight.load(Ordering::SeqCst) == 0).then_some(since + idle)
     }
@@ -222,15 +222,15 @@ pub fn incoming(listener: UnixListener, limits: Limits) -> ReceiverStream<io::Re
             } else {
                 limits.idle
             };
+            let activity = Arc::new(Activity::new());
             let conn = Conn {
                 info: PeerInfo {
                     uds: stream.connect_info(),
                     refused: refused.map(Arc::from),
-                    activity: Arc::new(Activity::new()),
+                    activity: activity.clone(),
                 },
                 stream,
-                idle: lifetime,
-                timer: Box::pin(tokio::time::sleep(lifetime)),
+                idle: IdleTimer::new(activity, lifetime),
                 _permit: permit,
             };
             if tx.send(Ok(conn)).await.is_err() {
@@ -284,12 +284,41 @@ impl Refusals {
     }
 }
 
+/// Ends a connection's input once no request has been in flight on it for its limit.
+struct IdleTimer {
+    activity: Arc<Activity>,
+    idle: Duration,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl IdleTimer {
+    fn new(activity: Arc<Activity>, idle: Duration) -> Self {
+        Self {
+            activity,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+
+    /// Whether the connection has been idle too long; else the timer is set for the next
+    /// look. Called where the server waits to read, which it always does.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        while self.timer.as_mut().poll(cx).is_ready() {
+            match self.activity.deadline(self.idle) {
+                Some(at) if at <= Instant::now() => return true,
+                Some(at) => self.timer.as_mut().reset(at),
+                None => self.timer.as_mut().reset(Instant::now() + self.idle),
+            }
+        }
+        false
+    }
+}
+
 /// An accepted connection: reads end (EOF) once it has been idle too long.
 pub struct Conn {
     stream: UnixStream,
     info: PeerInfo,
-    idle: Duration,
-    timer: Pin<Box<Sleep>>,
+    idle: IdleTimer,
     _permit: Permit,
 }
 
@@ -311,16 +340,9 @@ impl AsyncRead for Conn {
         if let Poll::Ready(r) = Pin::new(&mut this.stream).poll_read(cx, buf) {
             return Poll::Ready(r);
         }
-        // The server always waits to read: this is where the idle timer is looked at.
-        while this.timer.as_mut().poll(cx).is_ready() {
-            match this.info.activity.deadline(this.idle) {
-                Some(at) if at <= Instant::now() => {
-                    // An end of input: the server closes the connection.
-                    return Poll::Ready(Ok(()));
-                }
-                Some(at) => this.timer.as_mut().reset(at),
-                None => this.timer.as_mut().reset(Instant::now() + this.idle),
-            }
+        if this.idle.expired(cx) {
+            // An end of input: the server closes the connection.
+            return Poll::Ready(Ok(()));
         }
         Poll::Pending
     }

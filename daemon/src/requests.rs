@@ -1,4 +1,4 @@
-//! What every request on the Unix socket passes through, before the services: refusals of
+//! What every request (Unix socket and TCP) passes through, before the services: refusals of
 //! connections over their caps, the count of requests in flight that keeps a connection
 //! from being idle, and the status of requests that do not decode.
 
@@ -54,7 +54,10 @@ where
             let refused = Status::resource_exhausted(why.to_string()).into_http();
             return Box::pin(async move { Ok(refused) });
         }
-        let in_flight = peer.map(|p| p.activity.begin());
+        let in_flight = match &peer {
+            Some(p) => Some(p.activity.begin()),
+            None => crate::conn::tcp::peer(req.extensions()).map(|p| p.activity.begin()),
+        };
         let mut inner = self.inner.clone();
         std::mem::swap(&mut self.inner, &mut inner);
         Box::pin(async move {

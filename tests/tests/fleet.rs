@@ -885,3 +885,29 @@ fn tcp_connections_are_capped_per_address() {
         fleet.on("ops.example", 0, &["list"]).status.success()
     });
 }
+
+#[test]
+fn idle_tcp_connections_are_closed() {
+    if !root_or_skip() {
+        return;
+    }
+    let fleet = Fleet::mtls_with(1, |_| vec!["--idle-timeout".into(), "2".into()]);
+    // Connected, and silent: no TLS handshake, no request.
+    let mut idle = std::net::TcpStream::connect(&fleet.hosts[0].addr).unwrap();
+    idle.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut byte = [0u8; 1];
+    match std::io::Read::read(&mut idle, &mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("an idle connection was kept: {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(1),
+        "closed before it was idle for long: {:?}",
+        started.elapsed()
+    );
+    // Requests still go through: a client's connection is busy while it waits for them.
+    ok(fleet.on("ops.example", 0, &["list"]));
+}

@@ -1,8 +1,9 @@
 //! Connections on the TCP listener: capped overall and per client address. Without caps, a
 //! host that opens connections and never finishes its TLS handshake takes every descriptor
 //! tracerd has. A connection over a cap is closed at once, before any TLS: nothing on it is
-//! authenticated yet, so there is nobody to answer. Peers that vanish are found by HTTP/2
-//! keepalive pings (set on the server).
+//! authenticated yet, so there is nobody to answer. Connections with no request in flight
+//! for the idle limit are closed, as on the Unix socket; peers that vanish mid-request are
+//! found by HTTP/2 keepalive pings (set on the server).
 
 use std::{
     collections::HashMap,
@@ -20,9 +21,9 @@ use tokio::{
     sync::mpsc,
 };
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
 
-use super::Limits;
+use super::{Activity, IdleTimer, Limits};
 
 #[derive(Default)]
 struct Counts {
@@ -103,8 +104,10 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
                 }
             };
             let _ = stream.set_nodelay(true);
+            let activity = Arc::new(Activity::new());
             let conn = TcpConn {
                 stream,
+                idle: IdleTimer::new(activity, limits.idle),
                 _permit: permit,
             };
             if tx.send(Ok(conn)).await.is_err() {
@@ -115,19 +118,49 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
     ReceiverStream::new(rx)
 }
 
-/// An accepted TCP connection, counted while it is open.
+/// An accepted TCP connection, counted while it is open; its reads end (EOF) once it has
+/// been idle too long.
 pub struct TcpConn {
     stream: TcpStream,
+    idle: IdleTimer,
     _permit: Permit,
 }
 
-impl Connected for TcpConn {
-    // The stream's own: TLS client certificates are found through it.
-    type ConnectInfo = TcpConnectInfo;
+/// What a request learns of its TCP connection: the stream's own connect info, and the
+/// requests in flight on it (see `requests`). With TLS, it comes inside `TlsConnectInfo`.
+#[derive(Clone, Debug)]
+pub struct TcpPeer {
+    pub tcp: TcpConnectInfo,
+    pub activity: Arc<Activity>,
+}
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.stream.connect_info()
+impl Connected for TcpConn {
+    type ConnectInfo = TcpPeer;
+
+    fn connect_info(&self) -> TcpPeer {
+        TcpPeer {
+            tcp: self.stream.connect_info(),
+            activity: self.idle.activity.clone(),
+        }
     }
+}
+
+/// The TCP connection a request came on, with or without TLS.
+pub fn peer(extensions: &tonic::codegen::http::Extensions) -> Option<&TcpPeer> {
+    extensions.get::<TcpPeer>().or_else(|| {
+        extensions
+            .get::<TlsConnectInfo<TcpPeer>>()
+            .map(TlsConnectInfo::get_ref)
+    })
+}
+
+/// The client's TLS certificates, when it sent some.
+pub fn peer_certs(
+    extensions: &tonic::codegen::http::Extensions,
+) -> Option<Arc<Vec<tonic::transport::CertificateDer<'static>>>> {
+    extensions
+        .get::<TlsConnectInfo<TcpPeer>>()
+        .and_then(TlsConnectInfo::peer_certs)
 }
 
 impl AsyncRead for TcpConn {
@@ -136,7 +169,14 @@ impl AsyncRead for TcpConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+        let this = self.get_mut();
+        if let Poll::Ready(r) = Pin::new(&mut this.stream).poll_read(cx, buf) {
+            return Poll::Ready(r);
+        }
+        if this.idle.expired(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        Poll::Pending
     }
 }
 

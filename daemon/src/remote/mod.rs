@@ -154,7 +154,7 @@ impl Remote {
         match self.auth {
             Auth::Mtls => {
                 // TLS has already checked the chain against --client-ca.
-                let certs = req.peer_certs().ok_or_else(|| {
+                let certs = crate::conn::tcp::peer_certs(req.extensions()).ok_or_else(|| {
                     Status::unauthenticated("this daemon wants a client certificate (mTLS)")
                 })?;
                 let cert = certs.first().ok_or_else(|| {

@@ -162,6 +162,20 @@ pub fn release(sets: Vec<ProbeSet>, done: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// The maps trace events come through, taken out of the BPF object.
+pub struct TracingMaps {
+    pub events: RingBuf<MapData>,
+    /// Events dropped on a full ring buffer, per session slot.
+    pub drops: PerCpuArray<MapData, u64>,
+}
+
+/// The maps the sampling program fills, taken out of the BPF object.
+pub struct SamplingMaps {
+    pub samples: RingBuf<MapData>,
+    pub kernel_stacks: StackTraceMap<MapData>,
+    pub python_procs: HashMap<MapData, u32, PySampleProc>,
+}
+
 /// A session's CUDA launch counts and memory totals.
 pub type CudaCounts = (Vec<(CudaLaunchKey, u64)>, Vec<(CudaMemKey, CudaMemStats)>);
 
@@ -385,16 +399,16 @@ impl Bpf {
     }
 
     /// The maps trace events come through, for the tracing worker; taken once.
-    pub fn take_tracing(&mut self) -> Result<crate::session::tracing::TracingMaps, BpfError> {
-        Ok(crate::session::tracing::TracingMaps {
+    pub fn take_tracing(&mut self) -> Result<TracingMaps, BpfError> {
+        Ok(TracingMaps {
             events: take(&mut self.ebpf, "TRACE_EVENTS")?,
             drops: take(&mut self.ebpf, "TRACE_DROPS")?,
         })
     }
 
     /// The maps the sampling program fills, for the sampling worker; taken once.
-    pub fn take_sampling(&mut self) -> Result<crate::session::sampling::SamplingMaps, BpfError> {
-        Ok(crate::session::sampling::SamplingMaps {
+    pub fn take_sampling(&mut self) -> Result<SamplingMaps, BpfError> {
+        Ok(SamplingMaps {
             samples: take(&mut self.ebpf, "SAMPLES")?,
             kernel_stacks: take::<StackTraceMap<MapData>>(&mut self.ebpf, "SAMPLE_KSTACKS")?,
             python_procs: take::<HashMap<MapData, u32, PySampleProc>>(

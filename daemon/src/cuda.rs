@@ -105,7 +105,7 @@ pub fn entry_points(lib: Library) -> &'static [EntryPoint] {
 pub fn injection_status(
     pid: u32,
     file: &Path,
-    maps: &[&crate::unwind::MapEntry],
+    maps: &[&crate::process::MapEntry],
 ) -> Result<String, String> {
     use object::{Object, ObjectSegment, ObjectSymbol};
     const STATUS_LEN: usize = 256;

@@ -46,49 +46,31 @@ pub struct GpuMetric {
     pub max: f64,
 }
 
-/// A trace's counter tracks, for tracing sessions: readings become COUNTER events.
-pub struct TraceTracks {
-    pub spool: Arc<std::sync::Mutex<crate::session::tracing::Spool>>,
-    pub counters: crate::session::trace_session::Counters,
-    /// The pid the tracks are shown under (the target, or 0 for the machine).
-    pub pid: u32,
+/// Where every reading goes besides the session's totals (a tracing session's counter
+/// tracks): `record(device, readings)`, each reading a metric's name, its unit and its value
+/// in that unit, rounded: %, MiB, mW, MHz, °C.
+pub trait Tracks: Send {
+    fn record(&self, device: u32, readings: &[(&'static str, &'static str, u64)]);
 }
 
-impl TraceTracks {
-    /// One reading of a device as COUNTER events, in integer units: %, MiB, mW, MHz, °C.
-    fn record(&self, index: u32, values: &[Option<f64>; 6]) {
-        const UNITS: [(&str, f64); 6] = [
-            ("%", 1.0),
-            ("%", 1.0),
-            ("MiB", 1.0),
-            ("mW", 1000.0),
-            ("MHz", 1.0),
-            ("°C", 1.0),
-        ];
-        let at = crate::clock::monotonic_ns();
-        let events: Vec<tracer_common::TraceEvent> = METRICS
-            .iter()
-            .zip(UNITS)
-            .zip(values)
-            .filter_map(|(((name, _), (unit, scale)), v)| {
-                let v = (*v)?;
-                Some(tracer_common::TraceEvent {
-                    kind: tracer_common::trace_kind::COUNTER,
-                    pid: self.pid,
-                    start_ns: at,
-                    end_ns: at,
-                    a: self
-                        .counters
-                        .index(&format!("GPU {index} {name}"), unit, true),
-                    b: (v * scale).round().max(0.0) as u64,
-                    ..Default::default()
-                })
-            })
-            .collect();
-        if !events.is_empty() {
-            crate::session::tracing::push_local(&self.spool, &events);
-        }
-    }
+/// A device's readings in the units tracks show them in.
+fn in_track_units(values: &[Option<f64>; 6]) -> Vec<(&'static str, &'static str, u64)> {
+    const UNITS: [(&str, f64); 6] = [
+        ("%", 1.0),
+        ("%", 1.0),
+        ("MiB", 1.0),
+        ("mW", 1000.0),
+        ("MHz", 1.0),
+        ("°C", 1.0),
+    ];
+    METRICS
+        .iter()
+        .zip(UNITS)
+        .zip(values)
+        .filter_map(|(((name, _), (unit, scale)), v)| {
+            Some((*name, unit, ((*v)? * scale).round().max(0.0) as u64))
+        })
+        .collect()
 }
 
 /// Samples every GPU until finished.
@@ -155,7 +137,7 @@ pub fn devices() -> Result<Vec<String>, String> {
 fn sample(
     period: Duration,
     stop: &AtomicBool,
-    tracks: Option<TraceTracks>,
+    tracks: Option<Box<dyn Tracks>>,
 ) -> Result<Vec<GpuDevice>, String> {
     let nvml = Nvml::init().map_err(|e| format!("NVML: {e}"))?;
     let count = nvml.device_count().map_err(|e| format!("NVML: {e}"))?;
@@ -174,7 +156,10 @@ fn sample(
         for (k, (index, d)) in devices.iter().enumerate() {
             let values = read(d);
             if let Some(t) = &tracks {
-                t.record(*index, &values);
+                let readings = in_track_units(&values);
+                if !readings.is_empty() {
+                    t.record(*index, &readings);
+                }
             }
             for (m, v) in values.into_iter().enumerate() {
                 if let Some(v) = v {
@@ -216,7 +201,7 @@ fn sample(
 
 impl GpuSampler {
     /// `tracks`: a tracing session's counter tracks, which get every reading.
-    pub fn start(period: Duration, tracks: Option<TraceTracks>) -> Self {
+    pub fn start(period: Duration, tracks: Option<Box<dyn Tracks>>) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = thread::Builder::new()

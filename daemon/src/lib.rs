@@ -31,5 +31,4 @@ pub mod session;
 pub mod stacks;
 pub mod store;
 pub mod symbolize;
-pub mod trace;
 pub mod unwind;

@@ -107,7 +107,7 @@ fn convert(
     ev: &Raw,
     name: impl Fn((u32, u64, u64)) -> Option<(String, String, i32)>,
     probes: &[String],
-    counters: &[crate::trace::TraceCounter],
+    counters: &[crate::report::trace::TraceCounter],
     gpu_names: &HashMap<(u32, u64), String>,
 ) -> TraceEvent {
     let mut out = TraceEvent {
@@ -116,7 +116,7 @@ fn convert(
         pid: ev.pid,
         tid: ev.tid,
         cpu: ev.cpu,
-        exit_inferred: crate::trace::exit_inferred(ev),
+        exit_inferred: crate::report::trace::exit_inferred(ev),
         ..TraceEvent::default()
     };
     match ev.kind {
@@ -139,12 +139,12 @@ fn convert(
         }
         trace_kind::CUDA_MEMORY => {
             out.set_kind(Kind::CudaMemory);
-            out.name = crate::trace::Named::CudaMemory(u32::from(ev.flags)).name();
+            out.name = crate::report::trace::Named::CudaMemory(u32::from(ev.flags)).name();
             out.value = ev.a;
         }
         trace_kind::GPU_KERNEL => {
             out.set_kind(Kind::GpuKernel);
-            let track = crate::trace::GpuTrack::of(ev);
+            let track = crate::report::trace::GpuTrack::of(ev);
             let kernel = gpu_names
                 .get(&(ev.pid, ev.a))
                 .cloned()

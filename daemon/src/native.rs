@@ -345,7 +345,7 @@ fn find_binary(name: &str, pid: Option<u32>) -> Option<(PathBuf, String, bool)> 
 /// A file mapped by the process whose name `name` names: where the daemon opens it (see
 /// `process::mapped_path`) and its path in the process's maps.
 fn in_mappings(name: &str, pid: u32) -> Option<(PathBuf, String)> {
-    let maps = crate::unwind::ProcMaps::read(pid).ok()?;
+    let maps = crate::process::ProcMaps::read(pid).ok()?;
     maps.entries()
         .iter()
         .filter(|m| m.path.starts_with('/'))

@@ -1,9 +1,11 @@
 //! What /proc says about a process: whether it lives, who owns it, its threads, and where
 //! the daemon can open the files it maps.
 
-use std::{fs, io, os::unix::fs::MetadataExt, path::PathBuf};
+mod maps;
 
-use crate::unwind::MapEntry;
+pub use maps::{MapEntry, ProcMaps};
+
+use std::{fs, io, os::unix::fs::MetadataExt, path::PathBuf};
 
 /// Whether `pid` is a live process (not a zombie waiting to be reaped).
 pub fn alive(pid: u32) -> bool {
@@ -322,7 +324,7 @@ mod tests {
     /// The mapping of this test binary's code.
     fn own_code() -> MapEntry {
         let exe = fs::read_link("/proc/self/exe").unwrap();
-        crate::unwind::ProcMaps::read(std::process::id())
+        ProcMaps::read(std::process::id())
             .unwrap()
             .entries()
             .iter()
@@ -418,7 +420,7 @@ mod tests {
         // The maps name the (forked) test binary from the host's root; through the chroot
         // that path names nothing.
         let exe = fs::read_link("/proc/self/exe").unwrap();
-        let code = crate::unwind::ProcMaps::read(pid)
+        let code = ProcMaps::read(pid)
             .unwrap()
             .entries()
             .iter()
@@ -455,7 +457,7 @@ mod tests {
         // Another file where the mapped one was: its path must not be taken.
         fs::write(&file, b"other bytes").unwrap();
         let me = std::process::id();
-        let entry = crate::unwind::ProcMaps::read(me)
+        let entry = ProcMaps::read(me)
             .unwrap()
             .find(addr as u64)
             .cloned()

@@ -1,6 +1,15 @@
 //! A session's report: what it measured, and what it could not. Stored as JSON; rendered as
 //! a table or JSON on request.
 
+pub mod kernels;
+pub mod trace;
+
+/// `ns` as a number of microseconds with nanosecond decimals, exactly (no float rounding):
+/// Chrome's JSON times and the tables' µs columns.
+pub(crate) fn us(ns: u64) -> String {
+    format!("{}.{:03}", ns / 1000, ns % 1000)
+}
+
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
@@ -26,7 +35,7 @@ pub struct Report {
     /// Every event, with its time (tracing mode): a summary and the names; the events are in
     /// the trace file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trace: Option<crate::trace::Trace>,
+    pub trace: Option<trace::Trace>,
     /// CUDA launches, copies and allocations (counting mode with `--cuda`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda: Option<CudaReport>,
@@ -354,7 +363,7 @@ impl Report {
             let _ = writeln!(out, "error: {err}");
         }
         if let Some(c) = &self.cuda {
-            crate::export::kernels::table(&mut out, c, limit);
+            kernels::table(&mut out, c, limit);
         }
         if let Some(t) = &self.trace {
             let _ = writeln!(

@@ -221,7 +221,7 @@ impl Tracer for Service {
             ReportFormat::Kernels => match &report.cuda {
                 Some(c) => {
                     let mut out = String::new();
-                    crate::export::kernels::table(&mut out, c, limit);
+                    crate::report::kernels::table(&mut out, c, limit);
                     out.into_bytes()
                 }
                 None => {

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cpython;
+mod layers;
 mod proto;
 mod toolchain;
 
@@ -238,6 +239,7 @@ fn test() -> Result<()> {
     toolchain::setup()?;
     run(cargo().args(["fmt", "--all", "--check"]))?;
     proto::generate(true)?;
+    layers::check(&root())?;
     run(cargo().args([
         "clippy",
         "--workspace",

@@ -22,7 +22,7 @@ pub struct Mapped {
 /// executable. `path` is where the daemon opens it (see `process::mapped_path`: chroots and
 /// containers).
 pub fn runtime_of(pid: u32) -> Option<Mapped> {
-    let maps = crate::unwind::ProcMaps::read(pid).ok()?;
+    let maps = crate::process::ProcMaps::read(pid).ok()?;
     let mut exe = None;
     for m in maps.entries() {
         let name = m.path.rsplit('/').next().unwrap_or(&m.path);

@@ -107,7 +107,7 @@ impl CudaSession {
         all: bool,
         probing: Probing,
         gpu_period: Duration,
-        tracks: Option<crate::gpu::TraceTracks>,
+        tracks: Option<Box<dyn crate::gpu::Tracks>>,
     ) -> Self {
         Self {
             slot,

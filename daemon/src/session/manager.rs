@@ -164,7 +164,7 @@ pub struct Subscription {
     pub next_seq: u64,
     pub names: super::trace_session::Names,
     pub probes: std::sync::Arc<Vec<String>>,
-    pub counters: Vec<crate::trace::TraceCounter>,
+    pub counters: Vec<crate::report::trace::TraceCounter>,
 }
 
 pub struct Manager {
@@ -321,7 +321,7 @@ impl Manager {
                 if let (Some(t), Some((q, f, line))) =
                     (&s.trace, py.name(ev.pid, ev.code, ev.names))
                 {
-                    let function = crate::trace::TraceFunction {
+                    let function = crate::report::trace::TraceFunction {
                         pid: ev.pid,
                         code: ev.code,
                         names: ev.names,
@@ -1276,21 +1276,21 @@ impl Manager {
                 report.session.error.get_or_insert(e);
             }
             // Launch events carry their row: the trace keeps the rows to name and describe them.
-            let mut launches: Vec<crate::trace::TraceLaunch> = report
+            let mut launches: Vec<crate::report::trace::TraceLaunch> = report
                 .cuda
                 .iter()
                 .flat_map(|c| &c.launches)
-                .map(|l| crate::trace::TraceLaunch {
+                .map(|l| crate::report::trace::TraceLaunch {
                     row: l.row_id,
                     launch: l.clone(),
                 })
                 .collect();
             launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
-            let mut gpu_kernel_names: Vec<crate::trace::TraceGpuKernel> = report
+            let mut gpu_kernel_names: Vec<crate::report::trace::TraceGpuKernel> = report
                 .cuda
                 .iter()
                 .flat_map(|c| &c.gpu_kernels)
-                .map(|k| crate::trace::TraceGpuKernel {
+                .map(|k| crate::report::trace::TraceGpuKernel {
                     pid: k.pid,
                     name: k.name_ptr,
                     kernel: k.kernel.clone(),
@@ -1298,7 +1298,7 @@ impl Manager {
                 .collect();
             gpu_kernel_names.sort_unstable_by_key(|k| (k.pid, k.name));
             gpu_kernel_names.dedup_by_key(|k| (k.pid, k.name));
-            report.trace = Some(crate::trace::Trace {
+            report.trace = Some(crate::report::trace::Trace {
                 launches,
                 gpu_kernel_names,
                 ..trace

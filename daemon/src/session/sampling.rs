@@ -17,7 +17,6 @@ use std::{
 
 use std::os::fd::AsRawFd;
 
-use aya::maps::{HashMap as BpfHashMap, MapData, RingBuf, StackTraceMap};
 use tracer_common::{sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON};
 
 use crate::{
@@ -36,12 +35,7 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// Interpreter binaries whose layout is kept at most.
 const MAX_RUNTIMES: usize = 64;
 
-/// The maps the sampling program fills, taken out of the BPF object.
-pub struct SamplingMaps {
-    pub samples: RingBuf<MapData>,
-    pub kernel_stacks: StackTraceMap<MapData>,
-    pub python_procs: BpfHashMap<MapData, u32, PySampleProc>,
-}
+use crate::bpf::SamplingMaps;
 
 /// One session's histogram.
 struct Histogram {

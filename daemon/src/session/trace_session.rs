@@ -14,7 +14,7 @@ use super::tracing::{self as worker, Limits, Spool};
 use crate::{
     clock::monotonic_ns,
     error::Error,
-    trace::{Trace, TraceCounter, TraceFunction, TraceThread},
+    report::trace::{Trace, TraceCounter, TraceFunction, TraceThread},
 };
 
 pub const DEFAULT_BUFFER_MB: u32 = 64;
@@ -120,12 +120,12 @@ impl TraceSession {
     }
 
     /// Where the GPU sampler puts its readings, as counter tracks of this trace.
-    pub fn gpu_tracks(&self) -> crate::gpu::TraceTracks {
-        crate::gpu::TraceTracks {
+    pub fn gpu_tracks(&self) -> Box<dyn crate::gpu::Tracks> {
+        Box::new(GpuTracks {
             spool: self.spool.clone(),
             counters: self.counters.clone(),
             pid: self.counter_pid,
-        }
+        })
     }
 
     /// Records the counters' values as COUNTER events, if their period has come (or `now`).
@@ -278,4 +278,33 @@ pub fn unfinished(
             ..TraceEvent::default()
         })
         .collect()
+}
+
+/// A trace's counter tracks for GPU readings: each becomes a COUNTER event.
+struct GpuTracks {
+    spool: Arc<std::sync::Mutex<super::tracing::Spool>>,
+    counters: Counters,
+    /// The pid the tracks are shown under (the target, or 0 for the machine).
+    pid: u32,
+}
+
+impl crate::gpu::Tracks for GpuTracks {
+    fn record(&self, device: u32, readings: &[(&'static str, &'static str, u64)]) {
+        let at = monotonic_ns();
+        let events: Vec<tracer_common::TraceEvent> = readings
+            .iter()
+            .map(|&(name, unit, value)| tracer_common::TraceEvent {
+                kind: tracer_common::trace_kind::COUNTER,
+                pid: self.pid,
+                start_ns: at,
+                end_ns: at,
+                a: self
+                    .counters
+                    .index(&format!("GPU {device} {name}"), unit, true),
+                b: value,
+                ..Default::default()
+            })
+            .collect();
+        super::tracing::push_local(&self.spool, &events);
+    }
 }

@@ -18,11 +18,10 @@ use std::{
     time::Duration,
 };
 
-use aya::maps::{MapData, PerCpuArray, RingBuf};
 use tokio::sync::broadcast;
 use tracer_common::{trace_kind, TraceEvent, TRACE_EXIT_INFERRED, TRACE_UNFINISHED};
 
-use crate::trace::{as_bytes, TraceThread, RECORD};
+use crate::report::trace::{as_bytes, TraceThread, RECORD};
 
 /// How long the worker waits for a wakeup before it drains anyway.
 const DRAIN_EVERY: Duration = Duration::from_millis(10);
@@ -32,12 +31,7 @@ const BATCH: usize = 4096;
 /// misses some.
 const WATCH_BACKLOG: usize = 64;
 
-/// The maps the trace events come through, taken out of the BPF object.
-pub struct TracingMaps {
-    pub events: RingBuf<MapData>,
-    /// Events dropped on a full ring buffer, per session slot.
-    pub drops: PerCpuArray<MapData, u64>,
-}
+use crate::bpf::TracingMaps;
 
 /// Limits of one session's storage.
 #[derive(Clone, Copy, Debug)]

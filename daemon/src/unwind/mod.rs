@@ -28,7 +28,6 @@ use nix::{
 };
 use object::{Object, ObjectSection, ObjectSegment};
 
-mod maps;
 #[cfg(test)]
 mod tests;
 
@@ -40,7 +39,7 @@ pub struct Regs {
     pub bp: u64,
 }
 
-pub use maps::{MapEntry, ProcMaps};
+pub use crate::process::{MapEntry, ProcMaps};
 
 /// Why an unwind stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]

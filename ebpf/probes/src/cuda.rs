@@ -23,7 +23,7 @@ use tracer_common::{
 };
 
 use crate::{
-    proc::{count_loss, count_losses, TRACKED},
+    shared::{count_loss, count_losses, TRACKED},
     sample::{python_thread, PyThread},
     trace,
 };

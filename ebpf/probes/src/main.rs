@@ -6,6 +6,7 @@
 #![feature(core_intrinsics)]
 
 mod proc;
+mod shared;
 mod cuda;
 mod native;
 mod python;

@@ -12,7 +12,7 @@ use aya_ebpf::{
 use tracer_common::{loss, native_cookie, trace_kind, NativeCallKey, TraceEvent, NATIVE_CALLS_MAX};
 
 use crate::{
-    proc::{count_loss, TRACKED},
+    shared::{count_loss, TRACKED},
     trace,
 };
 

@@ -27,7 +27,7 @@ const BPF_F_NO_PREALLOC: u32 = 1;
 use core::ffi::c_void;
 
 use crate::{
-    proc::{count_loss, TRACKED},
+    shared::{count_loss, TRACKED},
     trace,
 };
 

@@ -26,7 +26,7 @@ use tracer_common::{
     SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
 };
 
-use crate::proc::{count_loss, TRACKED};
+use crate::shared::{count_loss, TRACKED};
 
 /// 32 MiB: ≈ 1,700 samples of ≈ 18.5 KiB, a second of 999 Hz on both CPUs of a small machine.
 #[map]
@@ -201,7 +201,7 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
     // Thread states are matched on `thread_id`, which CPython sets to pthread_self(): the
     // thread's fs base. Its `native_thread_id` is the tid in the process's own pid
     // namespace, which is not the kernel's tid here inside a container.
-    let off = crate::proc::global(&TASK_FSBASE_OFFSET);
+    let off = crate::shared::global(&TASK_FSBASE_OFFSET);
     if off == u32::MAX {
         return PyThread::NotPython;
     }

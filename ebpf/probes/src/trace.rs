@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use tracer_common::{loss, SessionMask, TraceEvent, MAX_TRACKED_SESSIONS, TRACE_WAKEUP_BYTES};
 
-use crate::proc::count_loss;
+use crate::shared::count_loss;
 
 #[map]
 static TRACE_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024 * 1024, 0);

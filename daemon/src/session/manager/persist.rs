@@ -7,7 +7,11 @@ use std::{collections::HashMap, path::Path};
 use tracer_proto::{EndReason, SessionInfo, SessionState};
 
 use super::{super::build_report, super::trace_session::TraceSession, Manager};
-use crate::{error::Error, report::Report, store::Store, trace::RECORD};
+use crate::{
+    error::Error,
+    report::{trace::RECORD, Report},
+    store::Store,
+};
 
 /// Why a session the store shows as running is no longer.
 const DIED: &str = "daemon died";
@@ -15,7 +19,7 @@ const DIED: &str = "daemon died";
 /// The report stored with a session as it starts: what a daemon killed before its end leaves.
 pub(super) fn running_report(info: &SessionInfo, trace: Option<&TraceSession>) -> String {
     let mut report = build_report(info, 0, None);
-    report.trace = trace.map(|t| crate::trace::Trace {
+    report.trace = trace.map(|t| crate::report::trace::Trace {
         file: t.file.clone(),
         start_ns: t.start_ns,
         end_ns: t.start_ns,

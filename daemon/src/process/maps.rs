@@ -1,4 +1,4 @@
-//! /proc/PID/maps, as the unwinder and the symbolizer read it.
+//! /proc/PID/maps, as the unwinder, the symbolizer and the probes read it.
 
 use std::{fs, io};
 
@@ -25,7 +25,7 @@ impl MapEntry {
         self.path.ends_with(" (deleted)")
     }
 
-    pub(super) fn is_file(&self) -> bool {
+    pub(crate) fn is_file(&self) -> bool {
         self.path.starts_with('/') && self.inode != 0
     }
 }

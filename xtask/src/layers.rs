@@ -1,0 +1,242 @@
+//! The import check `cargo xtask test` runs: no circle of modules in a crate, read from the
+//! `crate::…` and `super::…` paths each file names. A module may use its ancestors (a child
+//! is part of its parent); any other circle means two modules can no longer be read, tested
+//! or moved one without the other.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    path::Path,
+};
+
+use anyhow::{bail, Result};
+
+/// The crates' source roots checked, relative to the repository.
+pub const ROOTS: [&str; 3] = ["daemon/src", "ebpf/probes/src", "cli/src"];
+
+pub fn check(repo: &Path) -> Result<()> {
+    let mut found = Vec::new();
+    for root in ROOTS {
+        for circle in circles(&repo.join(root))? {
+            found.push(format!("{root}: {}", circle.join(" → ")));
+        }
+    }
+    if !found.is_empty() {
+        bail!(
+            "modules that import each other in a circle:\n  {}",
+            found.join("\n  ")
+        );
+    }
+    println!("xtask: no import circles in {}", ROOTS.join(", "));
+    Ok(())
+}
+
+/// Module path (`session::manager`) → its source, for every file under `root`.
+fn modules(root: &Path) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = path.strip_prefix(root)?.with_extension("");
+            let mut parts: Vec<String> = rel
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            if matches!(
+                parts.last().map(String::as_str),
+                Some("mod" | "lib" | "main")
+            ) {
+                parts.pop();
+            }
+            out.insert(parts.join("::"), fs::read_to_string(&path)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The paths a `use` tree or an inline path names, from just after `crate::` (or the
+/// module `super::` stands for): `a::{b, c::d}` gives `a::b` and `a::c::d`.
+fn paths(prefix: &str, text: &str, out: &mut Vec<String>) -> usize {
+    let mut path = prefix.to_owned();
+    let mut i = 0;
+    let bytes = text.as_bytes();
+    loop {
+        let start = i;
+        while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+            i += 1;
+        }
+        if i > start {
+            if !path.is_empty() {
+                path.push_str("::");
+            }
+            path.push_str(&text[start..i]);
+        }
+        if text[i..].starts_with("::{") {
+            i += 3;
+            loop {
+                while i < bytes.len() && (bytes[i] as char).is_whitespace() {
+                    i += 1;
+                }
+                if i >= bytes.len() || bytes[i] == b'}' {
+                    return i + 1;
+                }
+                i += paths(&path, &text[i..], out);
+                while i < bytes.len() && matches!(bytes[i], b',' | b' ' | b'\n' | b'\t' | b'\r') {
+                    i += 1;
+                }
+            }
+        } else if text[i..].starts_with("::") {
+            i += 2;
+        } else {
+            out.push(path);
+            // Past an ` as name` or whatever ends the path.
+            while i < bytes.len() && !matches!(bytes[i], b',' | b'}' | b';') {
+                i += 1;
+            }
+            return i;
+        }
+    }
+}
+
+/// Module → the other modules it names (ancestors left out).
+fn graph(mods: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
+    let resolve = |path: &str| -> Option<String> {
+        let segs: Vec<&str> = path.split("::").collect();
+        (1..=segs.len())
+            .rev()
+            .map(|n| segs[..n].join("::"))
+            .find(|m| mods.contains_key(m))
+    };
+    let mut g = BTreeMap::new();
+    for (m, src) in mods {
+        let parent = m.rsplit_once("::").map_or("", |(p, _)| p);
+        let mut named = Vec::new();
+        for (needle, base) in [("crate::", ""), ("super::", parent)] {
+            let mut at = 0;
+            while let Some(k) = src[at..].find(needle) {
+                let from = at + k + needle.len();
+                // `crate::` inside a longer name (`tracer_crate::`) is not this crate.
+                let before = src[..at + k].chars().next_back();
+                at = from;
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                    continue;
+                }
+                paths(base, &src[from..], &mut named);
+            }
+        }
+        let edges: &mut BTreeSet<String> = g.entry(m.clone()).or_default();
+        for path in named {
+            if let Some(target) = resolve(&path) {
+                let ancestor = target.is_empty() || m.starts_with(&format!("{target}::"));
+                if target != *m && !ancestor {
+                    edges.insert(target);
+                }
+            }
+        }
+    }
+    g
+}
+
+/// Circles of two or more modules (strongly connected components, Tarjan's).
+fn circles(root: &Path) -> Result<Vec<Vec<String>>> {
+    let g = graph(&modules(root)?);
+    struct Walk<'a> {
+        g: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        out: Vec<Vec<String>>,
+    }
+    impl<'a> Walk<'a> {
+        fn visit(&mut self, v: &'a str) {
+            let n = self.index.len();
+            self.index.insert(v, n);
+            self.low.insert(v, n);
+            self.stack.push(v);
+            for w in self.g.get(v).into_iter().flatten() {
+                let w = w.as_str();
+                if !self.index.contains_key(w) {
+                    self.visit(w);
+                    let lw = self.low[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(lw);
+                } else if self.stack.contains(&w) {
+                    let iw = self.index[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(iw);
+                }
+            }
+            if self.low[v] == self.index[v] {
+                let mut comp = Vec::new();
+                while let Some(w) = self.stack.pop() {
+                    comp.push(w.to_owned());
+                    if w == v {
+                        break;
+                    }
+                }
+                if comp.len() > 1 {
+                    comp.sort();
+                    self.out.push(comp);
+                }
+            }
+        }
+    }
+    let mut walk = Walk {
+        g: &g,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        out: Vec::new(),
+    };
+    for v in g.keys() {
+        if !walk.index.contains_key(v.as_str()) {
+            walk.visit(v);
+        }
+    }
+    Ok(walk.out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn use_trees_give_every_path() {
+        let mut out = Vec::new();
+        paths("", "a::{b, c::{d, e as f}, g::*};", &mut out);
+        out.sort();
+        assert_eq!(out, ["a::b", "a::c::d", "a::c::e", "a::g"]);
+    }
+
+    #[test]
+    fn a_circle_is_found_and_a_parent_is_not_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |p: &str, s: &str| {
+            let path = dir.path().join(p);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, s).unwrap();
+        };
+        w("lib.rs", "mod a; mod b; mod p;");
+        w("a.rs", "use crate::b::X;");
+        w("b.rs", "fn f() { crate::a::y(); }");
+        w("p/mod.rs", "mod c; pub use c::Z;");
+        w("p/c.rs", "use super::W; use crate::p::V;");
+        assert_eq!(circles(dir.path()).unwrap(), [["a", "b"]]);
+    }
+}
+
+#[cfg(test)]
+mod repository {
+    #[test]
+    fn has_no_import_circles() {
+        super::check(&crate::root()).unwrap();
+    }
+}

@@ -80,7 +80,7 @@ struct StartArgs {
     /// perf events to count, comma-separated (as `perf stat -e`).
     #[arg(long, value_delimiter = ',')]
     events: Vec<String>,
-    /// Count calls of every Python function (CPython 3.10-3.13), as cProfile counts them.
+    /// Count calls of every Python function (CPython 3.10-3.15), as cProfile counts them.
     #[arg(long)]
     python: bool,
     /// Count CUDA kernel launches, copies and allocations (libcudart and libcuda, probed as

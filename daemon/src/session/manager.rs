@@ -1316,7 +1316,7 @@ impl Manager {
             let mut warnings = py.warnings;
             if functions.is_empty() && !seen_interpreter {
                 warnings.push(
-                    "no probed CPython 3.10-3.13 interpreter was seen running in the followed processes".into(),
+                    "no probed CPython 3.10-3.15 interpreter was seen running in the followed processes".into(),
                 );
             }
             report.python = Some(PythonReport {

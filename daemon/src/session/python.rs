@@ -84,8 +84,7 @@ impl Probes {
             .map_err(Clone::clone)?;
         if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {
             if let Some(released) = self.releasing.take() {
-                // One grace period per link at most; an error means it is done.
-                let _ = released.recv();
+                wait_released(&released);
             }
             let links = bpf.attach_python(rt, path).map_err(|e| {
                 Unprobed::Failed(format!("attaching probes to {}: {e}", path.display()))
@@ -145,6 +144,20 @@ impl Probes {
         }
         Ok(states.len())
     }
+}
+
+/// Waits for the release `detach_all` started (a few grace periods); an error means it is
+/// done. Other tasks of this worker move to another thread meanwhile: a connection's task
+/// left waiting here would miss its client's keepalive pings.
+fn wait_released(released: &std::sync::mpsc::Receiver<()>) {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(|| released.recv())
+    } else {
+        released.recv()
+    }
+    .ok();
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

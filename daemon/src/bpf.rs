@@ -119,6 +119,7 @@ pub struct ProbeSet {
     probes: usize,
 }
 
+/// Held only to be dropped: that detaches.
 enum ProbeLink {
     /// A multi-uprobe link: one program on many offsets of one binary.
     Multi(#[allow(dead_code)] OwnedFd),
@@ -513,7 +514,6 @@ impl Bpf {
         let mut set = ProbeSet::default();
         if let Some(m) = &self.multi {
             let mut names: Vec<&'static str> = points.iter().map(|p| p.0).collect();
-            names.dedup();
             names.sort_unstable();
             names.dedup();
             for name in names {

@@ -64,7 +64,7 @@ enum Command {
     Report {
         id: String,
         caller: Caller,
-        reply: Reply<Report>,
+        reply: Reply<(Fetched, std::path::PathBuf)>,
     },
     Subscribe {
         id: String,
@@ -139,9 +139,27 @@ impl Handle {
             .await
     }
 
+    /// A finished session's report. A stored one is parsed here, in the caller's task (on a
+    /// blocking thread: a large profile's JSON takes a while), not in the manager's.
     pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
-        self.call(|reply| Command::Report { id, caller, reply })
-            .await
+        let (fetched, traces) = self
+            .call(|reply| Command::Report {
+                id: id.clone(),
+                caller,
+                reply,
+            })
+            .await?;
+        let mut report = match fetched {
+            Fetched::Parsed(r) => *r,
+            Fetched::Json(json) => tokio::task::spawn_blocking(move || Report::from_json(&json))
+                .await
+                .map_err(|e| Error::io("parsing a stored report", std::io::Error::other(e)))?
+                .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?,
+        };
+        if let Some(t) = report.trace.as_mut() {
+            t.path = traces.join(&t.file);
+        }
+        Ok(report)
     }
     /// A running tracing session's events from now on.
     pub async fn subscribe(&self, id: String, caller: Caller) -> Result<Subscription, Error> {
@@ -165,6 +183,13 @@ pub struct Subscription {
     pub names: super::trace_session::Names,
     pub probes: std::sync::Arc<Vec<String>>,
     pub counters: Vec<crate::report::trace::TraceCounter>,
+}
+
+/// A report as the manager hands it out: the one in memory, or the stored JSON, which the
+/// caller's task parses.
+pub enum Fetched {
+    Parsed(Box<Report>),
+    Json(String),
 }
 
 pub struct Manager {
@@ -1171,26 +1196,21 @@ impl Manager {
         }
     }
 
-    fn report(&mut self, id: &str, caller: Caller) -> Result<Report, Error> {
+    /// A finished session's report, and where its trace files are.
+    fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
         caller.may_read(self.owner(id)?, id)?;
         if self.running.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }
-        let mut report = match self.unsaved.get(id) {
-            Some(r) => r.clone(),
-            None => {
-                let json = self
-                    .store
+        let fetched = match self.unsaved.get(id) {
+            Some(r) => Fetched::Parsed(Box::new(r.clone())),
+            None => Fetched::Json(
+                self.store
                     .report(id)?
-                    .ok_or_else(|| Error::NoSuchSession { id: id.into() })?;
-                Report::from_json(&json)
-                    .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?
-            }
+                    .ok_or_else(|| Error::NoSuchSession { id: id.into() })?,
+            ),
         };
-        if let Some(t) = report.trace.as_mut() {
-            t.path = self.tracing.dir().join(&t.file);
-        }
-        Ok(report)
+        Ok((fetched, self.tracing.dir().to_owned()))
     }
 
     /// Ends a running session: final readings, report, stored.

@@ -114,7 +114,7 @@ struct Counts {
 }
 
 /// A connection's place in the counts, given back when it closes.
-struct Permit {
+pub struct Permit {
     counts: Arc<Mutex<Counts>>,
     /// None for a refused connection.
     uid: Option<u32>,
@@ -223,15 +223,15 @@ pub fn incoming(listener: UnixListener, limits: Limits) -> ReceiverStream<io::Re
                 limits.idle
             };
             let activity = Arc::new(Activity::new());
-            let conn = Conn {
-                info: PeerInfo {
-                    uds: stream.connect_info(),
-                    refused: refused.map(Arc::from),
-                    activity: activity.clone(),
-                },
+            let info = PeerInfo {
+                uds: stream.connect_info(),
+                refused: refused.map(Arc::from),
+                activity: activity.clone(),
+            };
+            let conn = Counted {
                 stream,
                 idle: IdleTimer::new(activity, lifetime),
-                _permit: permit,
+                held: (info, permit),
             };
             if tx.send(Ok(conn)).await.is_err() {
                 return;
@@ -314,23 +314,27 @@ impl IdleTimer {
     }
 }
 
-/// An accepted connection: reads end (EOF) once it has been idle too long.
-pub struct Conn {
-    stream: UnixStream,
-    info: PeerInfo,
+/// An accepted connection, on the Unix socket or TCP: `held` keeps its place in the counts
+/// (and what requests learn of it) while it is open, and its reads end (EOF) once it has been
+/// idle too long.
+pub struct Counted<S, H> {
+    stream: S,
     idle: IdleTimer,
-    _permit: Permit,
+    held: H,
 }
+
+/// A Unix socket connection.
+pub type Conn = Counted<UnixStream, (PeerInfo, Permit)>;
 
 impl Connected for Conn {
     type ConnectInfo = PeerInfo;
 
     fn connect_info(&self) -> PeerInfo {
-        self.info.clone()
+        self.held.0.clone()
     }
 }
 
-impl AsyncRead for Conn {
+impl<S: AsyncRead + Unpin, H: Unpin> AsyncRead for Counted<S, H> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -348,7 +352,7 @@ impl AsyncRead for Conn {
     }
 }
 
-impl AsyncWrite for Conn {
+impl<S: AsyncWrite + Unpin, H: Unpin> AsyncWrite for Counted<S, H> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -9,21 +9,18 @@ use std::{
     collections::HashMap,
     io,
     net::IpAddr,
-    pin::Pin,
     sync::{Arc, Mutex},
-    task::{Context, Poll},
     time::Duration,
 };
 
 use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
     sync::mpsc,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
 
-use super::{Activity, IdleTimer, Limits};
+use super::{Activity, Counted, IdleTimer, Limits};
 
 #[derive(Default)]
 struct Counts {
@@ -32,7 +29,7 @@ struct Counts {
 }
 
 /// A connection's place in the counts, given back when it closes.
-struct Permit {
+pub struct Permit {
     counts: Arc<Mutex<Counts>>,
     address: IpAddr,
 }
@@ -105,10 +102,10 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
             };
             let _ = stream.set_nodelay(true);
             let activity = Arc::new(Activity::new());
-            let conn = TcpConn {
+            let conn = Counted {
                 stream,
                 idle: IdleTimer::new(activity, limits.idle),
-                _permit: permit,
+                held: permit,
             };
             if tx.send(Ok(conn)).await.is_err() {
                 return;
@@ -118,13 +115,8 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
     ReceiverStream::new(rx)
 }
 
-/// An accepted TCP connection, counted while it is open; its reads end (EOF) once it has
-/// been idle too long.
-pub struct TcpConn {
-    stream: TcpStream,
-    idle: IdleTimer,
-    _permit: Permit,
-}
+/// An accepted TCP connection.
+pub type TcpConn = Counted<TcpStream, Permit>;
 
 /// What a request learns of its TCP connection: the stream's own connect info, and the
 /// requests in flight on it (see `requests`). With TLS, it comes inside `TlsConnectInfo`.
@@ -161,41 +153,6 @@ pub fn peer_certs(
     extensions
         .get::<TlsConnectInfo<TcpPeer>>()
         .and_then(TlsConnectInfo::peer_certs)
-}
-
-impl AsyncRead for TcpConn {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if let Poll::Ready(r) = Pin::new(&mut this.stream).poll_read(cx, buf) {
-            return Poll::Ready(r);
-        }
-        if this.idle.expired(cx) {
-            return Poll::Ready(Ok(()));
-        }
-        Poll::Pending
-    }
-}
-
-impl AsyncWrite for TcpConn {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
-    }
 }
 
 #[cfg(test)]

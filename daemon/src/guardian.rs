@@ -114,3 +114,17 @@ fn wait_for_exit(pid: RawFd) -> Result<(), String> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bad_arguments_are_named_before_anything_is_done() {
+        for bad in ["", "7", "7,x", "pid,3"] {
+            let e = super::run(bad).unwrap_err();
+            assert!(
+                e.contains("--guard-held takes TRACERD_PID,MAP_FD"),
+                "{bad}: {e}"
+            );
+        }
+    }
+}

@@ -18,9 +18,11 @@ use tracer_tests::{root_or_skip, ChildGuard, Daemon, DaemonOptions};
 /// the tens of minutes one perf event per probe took.
 const STUCK: Duration = Duration::from_secs(60);
 
-/// `tests/native/probe_target.c`, built: functions to probe in groups of 1, 60 and 1,000.
-fn build_target(dir: &Path) -> Option<PathBuf> {
-    let exe = dir.join("probe_target");
+/// `tests/native/probe_target.c`, built in a directory of its own: functions to probe in
+/// groups of 1, 60 and 1,000.
+fn build_target() -> Option<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("probe_target");
     let built = Command::new("cc")
         .args(["-O1", "-o"])
         .arg(&exe)
@@ -30,7 +32,7 @@ fn build_target(dir: &Path) -> Option<PathBuf> {
         println!("skipping: no C compiler (cc)");
         return None;
     }
-    Some(exe)
+    Some((dir, exe))
 }
 
 struct Target {
@@ -129,8 +131,7 @@ fn a_killed_daemon_leaves_no_breakpoint_behind() {
     if !root_or_skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = build_target(dir.path()) else {
+    let Some((_dir, exe)) = build_target() else {
         return;
     };
     let bin = exe.display().to_string();
@@ -199,15 +200,14 @@ fn a_killed_daemon_leaves_no_breakpoint_behind() {
 }
 
 /// With one perf event per probe (`--per-probe-uprobes`, what kernels before 6.6 get),
-/// removing 60 probes takes ~9 s of the kernel's grace periods: long enough to see other
+/// removing 60 probes takes seconds of the kernel's grace periods: long enough to see other
 /// requests answered while they come off.
 #[test]
 fn requests_are_answered_while_probes_come_off() {
     if !root_or_skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = build_target(dir.path()) else {
+    let Some((_dir, exe)) = build_target() else {
         return;
     };
     let bin = exe.display().to_string();
@@ -256,8 +256,7 @@ fn sessions_reusing_a_slot_count_only_their_own_calls() {
     if !root_or_skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = build_target(dir.path()) else {
+    let Some((_dir, exe)) = build_target() else {
         return;
     };
     let bin = exe.display().to_string();

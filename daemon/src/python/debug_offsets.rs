@@ -4,15 +4,17 @@
 //!
 //! The struct itself grows between versions (fields are added inside its sub-structs), so
 //! each version's declaration is written out below, in the order of CPython's
-//! `Include/internal/pycore_debug_offsets.h`; a field is found by its position. A newer
-//! version tracer has not seen is read with the newest declaration it knows, and checked for
-//! sense before use.
+//! `Include/internal/pycore_debug_offsets.h`; a field is found by its position: 3.14 and
+//! 3.15 in full, to the last sub-struct `debugger_support` (PEP 768 remote execution,
+//! `remote_exec`), 3.13 up to `unicode_object`, all tracer reads of it. A newer version
+//! tracer has not seen is read with the newest declaration it knows, and checked for sense
+//! before use.
 
 use object::{Object, ObjectSection, ObjectSymbol};
 
 /// What each version's struct declares, word by word: `struct: field field …`, structs
-/// separated by `|`. Only the prefix tracer reads is written (everything before
-/// `unicode_object` included); later structs may change freely.
+/// separated by `|`. Every word before a field tracer uses must be there, or the field is
+/// miscounted: `debugger_support` tells where remote execution writes into the target.
 const V3_13: &str = "\
     : cookie version free_threaded |\
     runtime_state: size finalizing interpreters_head |\
@@ -56,7 +58,12 @@ const V3_14: &str = "\
     float_object: size ob_fval |\
     long_object: size lv_tag ob_digit |\
     bytes_object: size ob_size ob_sval |\
-    unicode_object: size state length asciiobject_size";
+    unicode_object: size state length asciiobject_size |\
+    gc: size collecting |\
+    gen_object: size gi_name gi_iframe gi_frame_state |\
+    llist_node: next prev |\
+    debugger_support: eval_breaker remote_debugger_support remote_debugging_enabled \
+        debugger_pending_call debugger_script_path debugger_script_path_size";
 
 const V3_15: &str = "\
     : cookie version free_threaded |\
@@ -83,7 +90,12 @@ const V3_15: &str = "\
     float_object: size ob_fval |\
     long_object: size lv_tag ob_digit |\
     bytes_object: size ob_size ob_sval |\
-    unicode_object: size state length asciiobject_size";
+    unicode_object: size state length asciiobject_size compactunicodeobject_size |\
+    gc: size collecting frame generation_stats_size generation_stats |\
+    gen_object: size gi_name gi_iframe gi_frame_state |\
+    llist_node: next prev |\
+    debugger_support: eval_breaker remote_debugger_support remote_debugging_enabled \
+        debugger_pending_call debugger_script_path debugger_script_path_size";
 
 const COOKIE: &[u8; 8] = b"xdebugpy";
 
@@ -284,6 +296,45 @@ mod tests {
         assert_eq!(d.minor(), 16);
         assert_eq!(d.version(), "3.16.0a1");
         assert!(!d.exact_declaration);
+    }
+
+    /// Debian's 3.14 and 3.15 (`cargo xtask setup`), executables and libpython: the whole
+    /// struct is counted right if its last sub-struct reads as CPython declares it
+    /// (`_PyRemoteDebuggerSupport`: an int32 flag, then a 512-byte path).
+    #[test]
+    fn debugger_support_is_read_from_real_binaries() {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cpython-root/usr");
+        for (minor, path) in [
+            (14, "bin/python3.14"),
+            (15, "bin/python3.15"),
+            (14, "lib/x86_64-linux-gnu/libpython3.14.so.1.0"),
+            (15, "lib/x86_64-linux-gnu/libpython3.15.so.1.0"),
+        ] {
+            let path = root.join(path);
+            let Ok(data) = std::fs::read(&path) else {
+                println!("skipping: {} is absent (cargo xtask setup)", path.display());
+                continue;
+            };
+            let file = object::File::parse(&*data).unwrap();
+            let d = DebugOffsets::read(&file).unwrap().unwrap();
+            let at = |f: &str| d.get(&format!("debugger_support.{f}")).unwrap();
+            assert_eq!((d.minor(), d.exact_declaration), (minor, true));
+            assert_eq!(at("debugger_script_path_size"), 512, "{}", path.display());
+            assert_eq!(at("debugger_pending_call"), 0, "{}", path.display());
+            assert_eq!(at("debugger_script_path"), 4, "{}", path.display());
+            let tstate = d.get("thread_state.size").unwrap();
+            assert!(at("eval_breaker") + 8 <= tstate);
+            assert!(at("remote_debugger_support") + 4 + 512 <= tstate);
+            assert!(at("remote_debugging_enabled") < d.get("interpreter_state.size").unwrap());
+            if minor == 15 {
+                // PyCompactUnicodeObject: the ASCII header, utf8_length and utf8.
+                assert_eq!(
+                    d.get("unicode_object.compactunicodeobject_size"),
+                    Some(d.get("unicode_object.asciiobject_size").unwrap() + 16)
+                );
+            }
+        }
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! agree on the layout byte for byte.
 #![no_std]
 
+pub mod inproc;
+
 /// How many sessions may follow processes at once: one bit each in [`SessionMask`].
 pub const MAX_TRACKED_SESSIONS: usize = 64;
 

@@ -1,0 +1,135 @@
+//! The file an in-process counter (`libtracer_pycount.so`, loaded into a CPython 3.14+
+//! process through PEP 768's remote execution) shares with tracerd: a header, a table of
+//! functions, a table of caller → callee pairs and the functions' names, all fixed-size, so
+//! that both sides map the same file and tracerd reads it while the process runs or after
+//! it has died.
+//!
+//! tracerd creates the file (header filled, `state` = [`state::PENDING`]) and holds an
+//! exclusive `flock` on it while it lives. The counter takes it over with one
+//! compare-and-swap, PENDING → RUNNING; tracerd gives up on a process that did not do so in
+//! time with PENDING → CANCELLED, so exactly one of them counts the process. A forked child
+//! writes a file of its own (`counts.<pid>` beside its parent's), RUNNING from the start.
+//!
+//! Semantics are those of the BPF counter (`ebpf/probes/src/python.rs`): a call (start,
+//! resume or throw into a frame) counts at its start, primitive when its code is not active
+//! further down the same thread; times are added when it ends; caller pairs count when the
+//! callee ends, primitive when the pair is not active further down.
+
+/// `b"tracerpc"`, little-endian.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"tracerpc");
+/// Bumped whenever anything below changes shape.
+pub const VERSION: u32 = 1;
+
+/// Header `state` values.
+pub mod state {
+    /// Written by tracerd; nobody counts yet.
+    pub const PENDING: u32 = 0;
+    /// The counter counts.
+    pub const RUNNING: u32 = 1;
+    /// tracerd gave up waiting (the process counts the uprobe way): the counter must not start.
+    pub const CANCELLED: u32 = 2;
+    /// The session ended: callbacks count nothing more and ask the interpreter to stop
+    /// calling them where it can (`sys.monitoring.DISABLE`).
+    pub const STOPPED: u32 = 3;
+    /// The counter could not start; `why` says why.
+    pub const REFUSED: u32 = 4;
+    /// tracerd died while the counter ran (its lock was free): as STOPPED.
+    pub const ORPHANED: u32 = 5;
+}
+
+/// Where each part of the file starts, and the sizes tracerd creates it with.
+pub const HEADER_SIZE: usize = 4096;
+pub const ENTRIES: usize = 1 << 16;
+pub const EDGES: usize = 1 << 18;
+pub const STRINGS: usize = 8 << 20;
+
+pub const fn entries_offset() -> usize {
+    HEADER_SIZE
+}
+pub const fn edges_offset(entries: usize) -> usize {
+    HEADER_SIZE + entries * core::mem::size_of::<Entry>()
+}
+pub const fn strings_offset(entries: usize, edges: usize) -> usize {
+    edges_offset(entries) + edges * core::mem::size_of::<Edge>()
+}
+pub const fn file_size(entries: usize, edges: usize, strings: usize) -> usize {
+    strings_offset(entries, edges) + strings
+}
+
+/// The first bytes of the file. Counters are written by the process only; `state` by both
+/// (compare-and-swap); `busy` is 1 while a callback runs, so that tracerd, having stopped the
+/// counter, reads the tables only once the last callback is out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    pub magic: u64,
+    pub version: u32,
+    pub state: u32,
+    pub busy: u32,
+    /// The `sys.monitoring` tool id the counter uses (set when it starts).
+    pub tool_id: u32,
+    /// The process that writes this file (the child's own, after a fork).
+    pub pid: u32,
+    /// Capacities (entries and edges: powers of two) and what is used of them.
+    pub entries_cap: u32,
+    pub edges_cap: u32,
+    pub strings_cap: u32,
+    pub entries_used: u32,
+    pub edges_used: u32,
+    pub strings_used: u32,
+    pub _pad: u32,
+    /// Calls not counted because the function table was full.
+    pub lost_calls: u64,
+    /// Caller pairs not counted because the pair table was full.
+    pub lost_edges: u64,
+    /// Functions whose names did not fit or could not be read.
+    pub lost_names: u64,
+    /// Why the counter refused to start ([`state::REFUSED`]), NUL-padded UTF-8.
+    pub why: [u8; 256],
+}
+
+/// A name in the strings area.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StrRef {
+    pub offset: u32,
+    pub len: u32,
+}
+
+/// One function (code object). `code` 0: an empty slot. Open addressing, linear probing from
+/// `hash(code) & (cap - 1)`; the counter keeps a reference to each code object it lists, so
+/// that no other code object takes its address while the file counts.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Entry {
+    pub code: u64,
+    pub ncalls: u64,
+    pub primitive: u64,
+    pub tottime_ns: u64,
+    pub cumtime_ns: u64,
+    pub qualname: StrRef,
+    pub filename: StrRef,
+    pub firstlineno: i32,
+    pub _pad: u32,
+}
+
+/// One caller → callee pair, keyed by both code objects (`callee` 0: an empty slot).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Edge {
+    pub caller: u64,
+    pub callee: u64,
+    pub ncalls: u64,
+    pub primitive: u64,
+    pub tottime_ns: u64,
+    pub cumtime_ns: u64,
+}
+
+/// The slot a key starts probing at (both sides must agree only for lookups; tracerd scans).
+pub const fn slot(key: u64, cap: usize) -> usize {
+    // Fibonacci hashing: code objects are 16-byte aligned, low bits carry nothing.
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (cap - 1)
+}
+
+/// The file of the process itself, and of a child it forked, in the directory tracerd made.
+pub const FILE_PREFIX: &str = "counts.";

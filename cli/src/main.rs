@@ -83,6 +83,10 @@ struct StartArgs {
     /// Count calls of every Python function (CPython 3.10-3.15), as cProfile counts them.
     #[arg(long)]
     python: bool,
+    /// With --python: count with uprobes only, loading no code into any process (by default a
+    /// running CPython 3.14+ named by --pid is counted in-process, through sys.monitoring).
+    #[arg(long, requires = "python")]
+    python_uprobes_only: bool,
     /// Count CUDA kernel launches, copies and allocations (libcudart and libcuda, probed as
     /// the target maps them).
     #[arg(long)]
@@ -446,6 +450,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
         duration_ms: args.duration,
         counting: Some(CountingOptions {
             python: args.python,
+            python_uprobes_only: args.python_uprobes_only,
             events: args.events.clone(),
             uprobes: args.uprobes.iter().map(|s| absolute_spec(s)).collect(),
             cuda: args.cuda,

@@ -200,6 +200,9 @@ pub fn capabilities(c: &Capabilities) -> String {
     if !c.session_limits.is_empty() {
         let _ = writeln!(out, "{}", c.session_limits);
     }
+    if !c.python_in_process.is_empty() {
+        let _ = writeln!(out, "python in-process: {}", c.python_in_process);
+    }
     if !c.uprobe_links.is_empty() {
         let _ = writeln!(out, "uprobes: {}", c.uprobe_links);
     }

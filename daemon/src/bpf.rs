@@ -198,6 +198,8 @@ pub struct Bpf {
     pub py_edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
     py_codes: Option<RingBuf<MapData>>,
     py_sessions: Array<MapData, [SessionMask; 2]>,
+    /// Processes counted in-process → the slots counting them so (their probes skip them).
+    py_inproc: HashMap<MapData, u32, SessionMask>,
     /// Threads' shadow stacks of Python frames, read when a tracing session ends.
     pub py_stacks: HashMap<MapData, u32, PyStack>,
     trace_sessions: Array<MapData, SessionMask>,
@@ -323,6 +325,7 @@ impl Bpf {
             py_edges: take(&mut ebpf, "PY_EDGES")?,
             py_codes: Some(take(&mut ebpf, "PY_CODES")?),
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
+            py_inproc: take(&mut ebpf, "PY_INPROC")?,
             py_stacks: take(&mut ebpf, "PY_STACKS")?,
             trace_sessions: take(&mut ebpf, "TRACE_SESSIONS")?,
             py_loaded: false,
@@ -352,6 +355,38 @@ impl Bpf {
         self.py_sessions
             .set(0, [python, all], 0)
             .map_err(map_err("PY_SESSIONS"))
+    }
+
+    /// Marks `pid` as counted in-process by `slot`: that slot's probes skip it (and its
+    /// forked children, which the kernel marks as they fork).
+    pub fn set_inproc(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let mask = self.py_inproc.get(&pid, 0).unwrap_or(0);
+        self.py_inproc
+            .insert(pid, mask | 1 << slot, 0)
+            .map_err(map_err("PY_INPROC"))
+    }
+
+    /// The slots counting `pid` in-process.
+    pub fn inproc(&self, pid: u32) -> SessionMask {
+        self.py_inproc.get(&pid, 0).unwrap_or(0)
+    }
+
+    /// Forgets `slot` everywhere in `PY_INPROC` (its session ended).
+    pub fn clear_inproc(&mut self, slot: u8) {
+        let pids: Vec<(u32, SessionMask)> = self
+            .py_inproc
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, m)| m & (1 << slot) != 0)
+            .collect();
+        for (pid, mask) in pids {
+            let rest = mask & !(1 << slot);
+            let _ = if rest == 0 {
+                self.py_inproc.remove(&pid)
+            } else {
+                self.py_inproc.insert(pid, rest, 0)
+            };
+        }
     }
 
     /// Sets which session slots stop their processes at each exec until the daemon has

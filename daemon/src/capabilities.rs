@@ -85,6 +85,7 @@ pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> C
         session_limits: crate::session::slots::Slots::describe(),
         // Known to the loaded BPF object: set by the caller.
         uprobe_links: String::new(),
+        python_in_process: crate::python::inproc::describe(),
     }
 }
 

@@ -257,6 +257,13 @@ pub async fn run(
     };
     let (a, b, (), ()) = tokio::join!(uds_server, tcp_server, metrics_server, on_shutdown);
     let _ = manager_task.await;
+    // Ended sessions' in-process counters leave files in their processes' /tmp until their
+    // removal scripts have run: a little longer for them.
+    tokio::task::spawn_blocking(|| {
+        crate::python::inproc::wait_cleanups(std::time::Duration::from_secs(2))
+    })
+    .await
+    .ok();
     let _ = std::fs::remove_file(&config.socket);
     a?;
     b?;

@@ -189,6 +189,20 @@ pub struct PythonReport {
     pub inferred_exits: u64,
     /// What limits these numbers: interpreters that could not be probed, late attaches.
     pub warnings: Vec<String>,
+    /// How each process named by pid was counted, and why: in-process (CPython 3.14+,
+    /// sys.monitoring) or with uprobes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub counted: Vec<CountedWay>,
+}
+
+/// How one process's Python calls were counted.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CountedWay {
+    pub pid: u32,
+    /// "in-process" or "uprobes".
+    pub way: String,
+    /// Why that way (for uprobes: why not in-process).
+    pub why: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -636,6 +650,9 @@ fn py_table(out: &mut String, py: &PythonReport, limit: usize) {
             " {} frame exits by exception were timed at the thread's next Python event",
             py.inferred_exits
         );
+    }
+    for c in &py.counted {
+        let _ = writeln!(out, " pid {} counted {}: {}", c.pid, c.way, c.why);
     }
     for w in &py.warnings {
         let _ = writeln!(out, " warning: {w}");

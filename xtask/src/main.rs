@@ -96,8 +96,9 @@ fn build() -> Result<()> {
     build_binaries()
 }
 
-/// tracerd and tracerctl, and the CUPTI injection library tracerctl's `--gpu-times` puts
-/// beside them (target/release/libtracer_cupti.so).
+/// tracerd and tracerctl, and beside them the CUPTI injection library tracerctl's
+/// `--gpu-times` puts (target/release/libtracer_cupti.so) and the in-process Python counter
+/// tracerd loads into CPython 3.14+ processes (libtracer_pycount.so).
 fn build_binaries() -> Result<()> {
     run(cargo().args([
         "build",
@@ -107,7 +108,14 @@ fn build_binaries() -> Result<()> {
         "--bin",
         "tracerctl",
     ]))?;
-    run(cargo().args(["build", "--release", "-p", "tracer-cupti"]))
+    run(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "tracer-cupti",
+        "-p",
+        "tracer-pycount",
+    ]))
 }
 
 fn demo() -> Result<()> {

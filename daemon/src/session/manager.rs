@@ -680,8 +680,15 @@ impl Manager {
                 process::kernel_addresses_for(owner_uid),
             );
         }
+        let id = new_id();
+        // In-process counting replaces the probes only where they would count calls alone.
+        let inproc = match (mode, slot) {
+            _ if options.python_uprobes_only => Err("--python-uprobes-only asked for uprobes"),
+            (Mode::Counting, Some(slot)) => Ok((slot, id.as_str())),
+            _ => Err("tracing sessions time every call with the probes"),
+        };
         let python = if python {
-            match self.start_python(pid, target.launched) {
+            match self.start_python(pid, target.launched, inproc) {
                 Ok(py) => Some(py),
                 Err(e) => {
                     self.release(slot);
@@ -711,7 +718,6 @@ impl Manager {
                 tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
             }
         }
-        let id = new_id();
         let trace = match (trace_limits, slot) {
             (Some((limits, interval)), Some(slot)) => match self.tracing.add(slot, &id, limits) {
                 Ok(spool) => {
@@ -895,8 +901,20 @@ impl Manager {
     }
 
     /// Probes what a Python-counting session needs before it starts counting.
-    fn start_python(&mut self, pid: Option<u32>, launched: bool) -> Result<PySession, Error> {
+    /// `inproc`: the session's slot and id where a CPython 3.14+ target may be counted
+    /// in-process (counting mode, not `--python-uprobes-only`), else why not.
+    fn start_python(
+        &mut self,
+        pid: Option<u32>,
+        launched: bool,
+        inproc: Result<(u8, &str), &str>,
+    ) -> Result<PySession, Error> {
         let mut py = PySession::default();
+        let way = |pid, way: &str, why: String| crate::report::CountedWay {
+            pid,
+            way: way.into(),
+            why,
+        };
         match pid {
             // Already running: probe its interpreter and find the threads inside the eval loop.
             Some(pid) if !launched => {
@@ -905,6 +923,31 @@ impl Manager {
                         "pid {pid} does not run CPython (no libpython3.X or python3.X mapped)"
                     ))
                 })?;
+                match inproc {
+                    Ok((slot, tag)) => {
+                        match wait_blocking(|| crate::python::inproc::start(pid, tag, INPROC_WAIT))
+                        {
+                            Ok(counter) => {
+                                if let Err(e) = self.bpf.set_inproc(pid, slot) {
+                                    tracing::warn!(%e, pid, "marking a process counted in-process");
+                                }
+                                py.counted.push(way(
+                                pid,
+                                "in-process",
+                                format!(
+                                    "sys.monitoring callbacks (tool id {}), loaded through remote execution",
+                                    counter.tool_id()
+                                ),
+                            ));
+                                py.inproc.push(counter);
+                                py.checked.insert(pid, exe_id(pid));
+                                return Ok(py);
+                            }
+                            Err(why) => py.counted.push(way(pid, "uprobes", why)),
+                        }
+                    }
+                    Err(why) => py.counted.push(way(pid, "uprobes", why.into())),
+                }
                 self.py
                     .ensure(&mut self.bpf, &mapped.path)
                     .map_err(|why| Error::FailedPrecondition(format!("pid {pid}: {why}")))?;
@@ -916,7 +959,12 @@ impl Manager {
             }
             // Not exec'd yet: probe every interpreter on the machine, so the first call is counted
             // whichever it runs. One found later is probed then, with a warning (see sweep).
-            Some(_) => {
+            Some(pid) => {
+                py.counted.push(way(
+                    pid,
+                    "uprobes",
+                    "launched: counted from its first instruction, before any code could be loaded into it".into(),
+                ));
                 for why in self.py.ensure_known(&mut self.bpf) {
                     tracing::debug!(%why, "known interpreter not probed (see capabilities)");
                 }
@@ -1329,8 +1377,30 @@ impl Manager {
             self.update_python_masks();
             let counts = self.python_counts(slot, true);
             let edges = self.python_edges(slot);
+            let mut py = py;
+            let inproc: Vec<_> = std::mem::take(&mut py.inproc)
+                .into_iter()
+                .flat_map(crate::python::inproc::Counter::finish)
+                .collect();
+            self.bpf.clear_inproc(slot);
             let seen_interpreter = !py.checked.is_empty();
-            let (functions, unknown_names) = py.functions(counts, edges);
+            let (mut functions, unknown_names) = py.functions(counts, edges);
+            for c in &inproc {
+                if c.namespace_pid {
+                    py.warnings.push(format!(
+                        "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",
+                        c.pid
+                    ));
+                }
+                if c.lost_calls + c.lost_edges + c.lost_names > 0 {
+                    py.warnings.push(format!(
+                        "pid {}: the in-process counter's tables were full: {} calls and {} caller pairs not counted, {} functions not named",
+                        c.pid, c.lost_calls, c.lost_edges, c.lost_names
+                    ));
+                }
+            }
+            functions.extend(super::python::inproc_functions(inproc));
+            crate::report::sort_functions(&mut functions, "tottime");
             let inferred_exits = losses[tracer_common::loss::PY_EXIT_INFERRED as usize]
                 .saturating_sub(s.loss_base[tracer_common::loss::PY_EXIT_INFERRED as usize]);
             let mut warnings = py.warnings;
@@ -1344,6 +1414,7 @@ impl Manager {
                 functions,
                 unknown_names,
                 warnings,
+                counted: py.counted,
             });
         }
         // Which container and pod each process ran in (targets of pid sessions included).
@@ -1667,6 +1738,21 @@ fn check_launched(pid: u32, caller: &Caller) -> Result<(), Error> {
 /// Samples per second on each CPU unless asked otherwise: perf's and py-spy's habit of an odd
 /// rate, so that sampling does not beat in step with periodic work.
 const DEFAULT_FREQUENCY: u64 = 99;
+
+/// How long a process may take to start its in-process counter (a thread must reach a safe
+/// point of the eval loop) before it is counted with uprobes instead.
+const INPROC_WAIT: Duration = Duration::from_millis(1000);
+
+/// Runs `f`, which blocks, without stranding the other tasks of this worker thread.
+fn wait_blocking<T>(f: impl FnOnce() -> T) -> T {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
 
 /// Identity of the executable a process runs now (changes on exec).
 fn exe_id(pid: u32) -> (u64, u64) {

@@ -174,6 +174,10 @@ pub struct PySession {
     /// Processes already checked for an interpreter, with the executable they ran then.
     pub checked: HashMap<u32, (u64, u64)>,
     pub warnings: Vec<String>,
+    /// Processes counted in-process (CPython 3.14+, see `python::inproc`).
+    pub inproc: Vec<crate::python::inproc::Counter>,
+    /// How each process named by pid is counted, and why.
+    pub counted: Vec<crate::report::CountedWay>,
 }
 
 fn c_str(bytes: &[u8]) -> String {
@@ -297,4 +301,54 @@ impl PySession {
         crate::report::sort_functions(&mut out, "tottime");
         (out, unknown)
     }
+}
+
+/// The report's functions from in-process counters: callers are named from the same
+/// process's table (a caller is always counted before its callee ends).
+pub fn inproc_functions(all: Vec<crate::python::inproc::Counts>) -> Vec<PyFunction> {
+    let mut out = Vec::new();
+    for c in all {
+        let names: HashMap<u64, &crate::python::inproc::Function> =
+            c.functions.iter().map(|f| (f.code, f)).collect();
+        let mut callers: HashMap<u64, Vec<PyCaller>> = HashMap::new();
+        for e in &c.edges {
+            let (qualname, filename, firstlineno) = match names.get(&e.caller) {
+                Some(f) => (f.qualname.clone(), f.filename.clone(), f.firstlineno),
+                None => (
+                    format!("[unknown: code object {:#x}]", e.caller),
+                    String::new(),
+                    0,
+                ),
+            };
+            callers.entry(e.callee).or_default().push(PyCaller {
+                qualname,
+                filename,
+                firstlineno,
+                ncalls: e.ncalls,
+                primitive_calls: e.primitive,
+                tottime_ns: e.tottime_ns,
+                cumtime_ns: e.cumtime_ns,
+            });
+        }
+        for f in &c.functions {
+            let mut callers = callers.remove(&f.code).unwrap_or_default();
+            callers.sort_by(|a, b| {
+                b.ncalls
+                    .cmp(&a.ncalls)
+                    .then_with(|| a.qualname.cmp(&b.qualname))
+            });
+            out.push(PyFunction {
+                callers,
+                pid: c.pid,
+                qualname: f.qualname.clone(),
+                filename: f.filename.clone(),
+                firstlineno: f.firstlineno,
+                ncalls: f.ncalls,
+                primitive_calls: f.primitive,
+                tottime_ns: f.tottime_ns,
+                cumtime_ns: f.cumtime_ns,
+            });
+        }
+    }
+    out
 }

@@ -88,6 +88,7 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
     // Every fork, followed or not (`--all` sessions follow no pid).
     crate::python::forked(current as u32, child);
     crate::sample::forked(parent, child);
+    crate::python::inproc_forked(parent, child);
     // SAFETY: map lookups return pointers valid for the duration of the program.
     let Some(&sessions) = (unsafe { TRACKED.get(&parent) }) else {
         return Ok(());
@@ -131,6 +132,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
         return Ok(());
     }
     crate::sample::forget_process(tgid);
+    crate::python::inproc_forget(tgid);
     // SAFETY: see try_task_newtask.
     let Some(&sessions) = (unsafe { TRACKED.get(&tgid) }) else {
         return Ok(());
@@ -156,6 +158,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
 pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     crate::sample::forget_process(tgid);
+    crate::python::inproc_forget(tgid);
     let comm = bpf_get_current_comm().unwrap_or([0; 16]);
     // SAFETY: see try_task_newtask.
     let sessions = match unsafe { TRACKED.get(&tgid) } {

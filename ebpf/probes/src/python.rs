@@ -65,6 +65,12 @@ static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 #[map]
 static PY_SESSIONS: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
 
+/// Processes counted in-process (CPython 3.14+, `libtracer_pycount.so`) → the sessions that
+/// count them that way: those sessions' probes skip them. Copied to forked children (the
+/// counter goes on in the child); dropped at exec (the new program has no counter).
+#[map]
+static PY_INPROC: HashMap<u32, SessionMask> = HashMap::with_max_entries(4096, 0);
+
 /// `PyASCIIObject.state` bits: compact (5) and ascii (6), the same from 3.10 to 3.13.
 const COMPACT_ASCII: u32 = (1 << 5) | (1 << 6);
 
@@ -76,7 +82,22 @@ fn sessions(pid: u32) -> SessionMask {
     }
     // SAFETY: map values are valid for the duration of the program.
     let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
-    (followed | all) & python & ((1 << MAX_PY_SESSIONS) - 1)
+    // SAFETY: as above.
+    let inproc = unsafe { PY_INPROC.get(&pid) }.copied().unwrap_or(0);
+    (followed | all) & python & !inproc & ((1 << MAX_PY_SESSIONS) - 1)
+}
+
+/// A process forked: a child of a process counted in-process is counted so too.
+pub(crate) fn inproc_forked(parent: u32, child: u32) {
+    // SAFETY: map values are valid for the duration of the program.
+    if let Some(&mask) = unsafe { PY_INPROC.get(&parent) } {
+        let _ = PY_INPROC.insert(&child, &mask, 0);
+    }
+}
+
+/// A process exec'd or exited: whatever counted it in-process is gone.
+pub(crate) fn inproc_forget(pid: u32) {
+    let _ = PY_INPROC.remove(&pid);
 }
 
 /// The probe's interpreter layout and role, from its attach cookie.

@@ -32,8 +32,12 @@ pub struct CountingOptions {
     /// `python` or `uprobes` is set, when empty means no perf counters.
     #[prost(string, repeated, tag = "1")]
     pub events: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
-    /// Count calls of every Python function (CPython 3.10-3.13) in the target, exactly as
-    /// cProfile counts them, with uprobes on the interpreter's eval loop.
+    /// Count calls of every Python function (CPython 3.10-3.15) in the target, exactly as
+    /// cProfile counts them. A running CPython 3.14+ process named by pid is counted
+    /// in-process: tracerd has it load a small counter (libtracer_pycount.so, through PEP 768's
+    /// remote execution) that counts with sys.monitoring and is removed at the session's end.
+    /// Everything else, and processes that forbid that, are counted with uprobes on the
+    /// interpreter's eval loop; the report says which way each process was counted and why.
     #[prost(bool, tag = "2")]
     pub python: bool,
     /// Native functions whose calls to count, like bcc's funccount: "BINARY_OR_LIB:SYMBOL".
@@ -72,6 +76,9 @@ pub struct CountingOptions {
     /// callers in the program's own code). Copies, allocations and names are probed as before.
     #[prost(bool, tag = "8")]
     pub cuda_driver_only: bool,
+    /// With `python`: count every process with uprobes only, loading no code into any.
+    #[prost(bool, tag = "9")]
+    pub python_uprobes_only: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -486,6 +493,10 @@ pub struct Capabilities {
     /// on kernels without them), in one line.
     #[prost(string, tag = "16")]
     pub uprobe_links: ::prost::alloc::string::String,
+    /// How Python calls can be counted in-process (CPython 3.14+ through PEP 768, the counter
+    /// library's path), or why not, in one line.
+    #[prost(string, tag = "17")]
+    pub python_in_process: ::prost::alloc::string::String,
 }
 /// What a session measures.
 #[allow(clippy::all)]

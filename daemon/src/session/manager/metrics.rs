@@ -144,7 +144,12 @@ impl Manager {
                     let s = &self.running[&id];
                     s.python
                         .as_ref()
-                        .map(|py| py.functions(counts, Vec::new()).0)
+                        .map(|py| {
+                            let mut f = py.functions(counts, Vec::new()).0;
+                            let live = py.inproc.iter().flat_map(|c| c.peek()).collect();
+                            f.extend(crate::session::python::inproc_functions(live));
+                            f
+                        })
                         .unwrap_or_default()
                 }
                 None => Vec::new(),

@@ -1,0 +1,425 @@
+//! In-process counting: a running CPython 3.14+ process named by pid loads tracer's counter
+//! (PEP 768 remote execution, sys.monitoring callbacks) instead of paying a uprobe trap per
+//! call. Its counts must equal cProfile's in a separate run of the same program, its output
+//! and exit status must not change, nothing of the counter may stay after the session but a
+//! freed tool id, and processes that forbid it are counted with uprobes, saying why.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use serde_json::Value;
+use tracer_tests::{chroot_interpreters, root_or_skip, script, wait_until, ChildGuard, Daemon};
+
+/// `GROUND_TRUTH` of ground_truth.py: {"line:name": [ncalls, primitive, tottime, cumtime]}.
+fn ground_truth(python: &Path, mode: &str, wl: &Path, args: &[&str]) -> BTreeMap<String, Value> {
+    let out = Command::new(python)
+        .arg(script("ground_truth.py"))
+        .args([mode, wl.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let json = text
+        .lines()
+        .find_map(|l| l.strip_prefix("GROUND_TRUTH "))
+        .expect("ground truth line");
+    serde_json::from_str(json).unwrap()
+}
+
+/// (ncalls, primitive calls) per "line:name" of the functions of `wl` in the report.
+fn ours(report: &Value, wl: &Path) -> BTreeMap<String, (u64, u64)> {
+    let mut out = BTreeMap::new();
+    for f in report["python"]["functions"].as_array().expect("functions") {
+        if Path::new(f["filename"].as_str().unwrap()) != wl {
+            continue;
+        }
+        let name = f["qualname"].as_str().unwrap().rsplit('.').next().unwrap();
+        let e = out
+            .entry(format!("{}:{name}", f["firstlineno"]))
+            .or_insert((0, 0));
+        e.0 += f["ncalls"].as_u64().unwrap();
+        e.1 += f["primitive_calls"].as_u64().unwrap();
+    }
+    out
+}
+
+fn truth_calls(t: &BTreeMap<String, Value>, primitive: bool) -> BTreeMap<String, (u64, u64)> {
+    t.iter()
+        .map(|(k, v)| {
+            let p = if primitive { v[1].as_u64().unwrap() } else { 0 };
+            (k.clone(), (v[0].as_u64().unwrap(), p))
+        })
+        .collect()
+}
+
+/// The program under a gate: started, attached to by pid, then let go.
+struct Gated {
+    child: ChildGuard,
+    out: BufReader<std::process::ChildStdout>,
+    go: PathBuf,
+}
+
+impl Gated {
+    fn spawn(
+        d: &Daemon,
+        python: &Path,
+        pre: &[&str],
+        wl: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let go = d.dir.path().join(format!("go-{}", rand_suffix()));
+        let mut child = ChildGuard::spawn(
+            Command::new(python)
+                .args(pre)
+                .arg(script("attach_gate.py"))
+                .arg(&go)
+                .arg(wl)
+                .args(args)
+                .envs(env.iter().copied())
+                .stdout(Stdio::piped()),
+        );
+        let mut out = BufReader::new(child.0.stdout.take().unwrap());
+        let mut ready = String::new();
+        out.read_line(&mut ready).unwrap();
+        assert_eq!(ready, "ready\n", "{}", python.display());
+        Self { child, out, go }
+    }
+
+    fn pid(&self) -> String {
+        self.child.pid().to_string()
+    }
+
+    /// Lets it run to its end: its output after `ready`, and whether it exited 0.
+    fn finish(mut self) -> (String, bool) {
+        std::fs::write(&self.go, b"").unwrap();
+        let mut rest = String::new();
+        self.out.read_to_string(&mut rest).unwrap();
+        let ok = self.child.0.wait().unwrap().success();
+        (rest, ok)
+    }
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+/// The same program untraced: its output after `ready`.
+fn untraced(python: &Path, wl: &Path, args: &[&str]) -> String {
+    let go = tempfile::NamedTempFile::new().unwrap();
+    let out = Command::new(python)
+        .arg(script("attach_gate.py"))
+        .arg(go.path())
+        .arg(wl)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .replacen("ready\n", "", 1)
+}
+
+fn start(d: &Daemon, pid: &str, extra: &[&str]) -> String {
+    let mut args = vec!["start", "--mode=counting", "--python", "--pid", pid];
+    args.extend_from_slice(extra);
+    d.ok(&args).trim().to_owned()
+}
+
+fn ended_report(d: &Daemon, id: &str) -> Value {
+    wait_until(30, "the session to end", || {
+        d.ok(&["status", id]).contains("target exited")
+    });
+    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+}
+
+/// (way, why) the report gives for `pid`.
+fn counted(report: &Value, pid: &str) -> (String, String) {
+    let c = report["python"]["counted"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["pid"].as_u64() == pid.parse().ok()))
+        .unwrap_or_else(|| panic!("no counted entry for {pid}: {}", report["python"]));
+    (
+        c["way"].as_str().unwrap().to_owned(),
+        c["why"].as_str().unwrap().to_owned(),
+    )
+}
+
+#[test]
+fn running_314_processes_are_counted_in_process_like_cprofile() {
+    if !root_or_skip() {
+        return;
+    }
+    let pythons = chroot_interpreters();
+    if pythons.is_empty() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    for py in &pythons {
+        // Whole functions, recursion, generators, exceptions, coroutines: cProfile's numbers.
+        let truth = truth_calls(&ground_truth(py, "cprofile", &wl, &[]), true);
+        let expected_out = untraced(py, &wl, &[]);
+        let g = Gated::spawn(&d, py, &[], &wl, &[], &[]);
+        let pid = g.pid();
+        let id = start(&d, &pid, &[]);
+        let (out, ok) = g.finish();
+        assert!(ok, "{}: the program failed", py.display());
+        assert_eq!(out, expected_out, "{}: output changed", py.display());
+        let report = ended_report(&d, &id);
+        let (way, why) = counted(&report, &pid);
+        assert_eq!(way, "in-process", "{}: {why}", py.display());
+        assert_eq!(ours(&report, &wl), truth, "{}", py.display());
+        assert_eq!(report["losses"], serde_json::json!([]));
+
+        // Threads started after the attach: every call, as the profile hook in each thread.
+        let truth = truth_calls(&ground_truth(py, "hook", &wl, &["threads"]), false);
+        let g = Gated::spawn(&d, py, &[], &wl, &["threads"], &[]);
+        let pid = g.pid();
+        let id = start(&d, &pid, &[]);
+        let (_, ok) = g.finish();
+        assert!(ok);
+        let report = ended_report(&d, &id);
+        assert_eq!(counted(&report, &pid).0, "in-process");
+        let got: BTreeMap<String, (u64, u64)> = ours(&report, &wl)
+            .into_iter()
+            .map(|(k, (n, _))| (k, (n, 0)))
+            .collect();
+        assert_eq!(got, truth, "{} threads", py.display());
+        println!(
+            "{}: counted in-process, equal to cProfile and the hook",
+            py.display()
+        );
+    }
+}
+
+#[test]
+fn callers_equal_cprofiles_and_the_counter_leaves_with_the_session() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let after = d.dir.path().join("after");
+    let after_s = after.to_str().unwrap();
+    let g = Gated::spawn(&d, &py, &[], &wl, &[], &[("GATE_AFTER", after_s)]);
+    let pid = g.pid();
+    let id = start(&d, &pid, &["--duration", "1h"]);
+    std::fs::write(&g.go, b"").unwrap();
+    // The workload ends with the gate waiting for `after`: stop the session meanwhile.
+    let Gated {
+        mut child, mut out, ..
+    } = g;
+    loop {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).unwrap() > 0, "the gate ended early");
+        if l == "script done\n" {
+            break;
+        }
+    }
+    d.ok(&["stop", &id]);
+    std::fs::write(&after, b"").unwrap();
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(child.0.wait().unwrap().success());
+    // The removal script ran: tool ids 3 and 4 are free again.
+    assert!(rest.contains("tools after: None None"), "{rest}");
+
+    // Callers, through the pstats export, as cProfile records them (Python callers only).
+    let prof = d.dir.path().join("inproc.prof");
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "pstats",
+        "-o",
+        prof.to_str().unwrap(),
+    ]);
+    let read = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
+                print(json.dumps({f'{k[1]}:{k[2]}': {f'{c[0]}:{c[1]}:{c[2]}': list(v[:2]) \
+                for c, v in s[k][4].items()} for k in s if k[0] == sys.argv[2]}))";
+    let ours_out = Command::new(&py)
+        .args(["-c", read])
+        .arg(&prof)
+        .arg(&wl)
+        .output()
+        .unwrap();
+    let ours: BTreeMap<String, BTreeMap<String, Value>> =
+        serde_json::from_slice(&ours_out.stdout).unwrap();
+    let truth = ground_truth(&py, "cprofile-callers", &wl, &[]);
+    let mut compared = 0;
+    for (f, callers) in &truth {
+        let callers = callers.as_object().unwrap();
+        // The runpy frames that call the script's top level differ between the two runs.
+        if callers
+            .keys()
+            .any(|c| c.starts_with("~:") || c.contains("runpy"))
+        {
+            continue;
+        }
+        compared += 1;
+        let expected: BTreeMap<String, Value> = callers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(ours.get(f), Some(&expected), "callers of {f}");
+    }
+    assert!(compared >= 10, "only {compared} functions compared");
+}
+
+#[test]
+fn processes_that_forbid_it_are_counted_with_uprobes_saying_why() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let d = Daemon::start();
+    let wl = script("workload.py");
+    let fib = |r: &Value| ours(r, &wl).get("5:fib").map(|c| c.0);
+    let truth = ground_truth(&py, "cprofile", &wl, &["1"])["5:fib"][0]
+        .as_u64()
+        .unwrap();
+    // (what, interpreter options, environment, tracerctl options, the reason says).
+    type Case<'a> = (
+        &'a str,
+        &'a [&'a str],
+        &'a [(&'a str, &'a str)],
+        &'a [&'a str],
+        &'a str,
+    );
+    let cases: [Case; 3] = [
+        (
+            "remote debugging disabled",
+            &["-X", "disable-remote-debug"],
+            &[],
+            &[],
+            "disabled",
+        ),
+        (
+            "tool ids taken",
+            &[],
+            &[("GATE_TAKE_TOOLS", "1")],
+            &[],
+            "taken",
+        ),
+        (
+            "asked for",
+            &[],
+            &[],
+            &["--python-uprobes-only"],
+            "uprobes-only",
+        ),
+    ];
+    for (what, pre, env, extra, says) in cases {
+        let g = Gated::spawn(&d, &py, pre, &wl, &["1"], env);
+        let pid = g.pid();
+        let id = start(&d, &pid, extra);
+        let (_, ok) = g.finish();
+        assert!(ok, "{what}");
+        let report = ended_report(&d, &id);
+        let (way, why) = counted(&report, &pid);
+        assert_eq!(way, "uprobes", "{what}: {why}");
+        assert!(why.to_lowercase().contains(says), "{what}: {why}");
+        assert_eq!(fib(&report), Some(truth), "{what}");
+        println!("{what}: counted with uprobes ({why})");
+    }
+}
+
+/// tracerd SIGKILLed mid-session: the program runs on, its output and exit status unchanged,
+/// and the counter, finding tracerd's lock free, stops counting (ORPHANED).
+#[test]
+fn a_killed_daemon_leaves_the_program_running_as_before() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let mut d = Daemon::start();
+    let wl = script("workload.py");
+    let expected = untraced(&py, &wl, &["6"]);
+    let g = Gated::spawn(&d, &py, &[], &wl, &["6"], &[]);
+    let pid = g.pid();
+    let id = start(&d, &pid, &[]);
+    let counts = PathBuf::from(format!("/tmp/tracer-{id}-{pid}/counts.{pid}"));
+    assert!(counts.exists(), "{}", counts.display());
+    d.kill();
+    let (out, ok) = g.finish();
+    assert!(ok);
+    assert_eq!(out, expected);
+    let state = std::fs::read(&counts)
+        .map(|b| u32::from_le_bytes(b[12..16].try_into().unwrap()))
+        .unwrap_or(0);
+    // 5: ORPHANED (tracer_common::inproc::state).
+    assert_eq!(state, 5, "counter state");
+    let _ = std::fs::remove_dir_all(counts.parent().unwrap());
+}
+
+/// `--export prometheus`: while the session runs, tracerd's endpoint shows the in-process
+/// counts as they grow, read from the counter's file without stopping it.
+#[test]
+fn live_counts_reach_prometheus() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let addr = tracer_tests::free_loopback_addr();
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        args: vec!["--metrics".into(), format!("tcp://{addr}")],
+        ..Default::default()
+    });
+    // fib(20) (21,891 calls) until a file appears.
+    let stop = d.dir.path().join("stop");
+    let code = format!(
+        "import os\n\
+         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         print('ready', flush=True)\n\
+         while not os.path.exists({stop:?}):\n    fib(20)\n"
+    );
+    let file = d.dir.path().join("spin.py");
+    std::fs::write(&file, code).unwrap();
+    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
+    let mut ready = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let pid = child.pid().to_string();
+    let id = start(&d, &pid, &["--export", "prometheus"]);
+    let series = format!(
+        "tracer_python_calls_total{{session=\"{id}\",function=\"fib\",file=\"{}\",line=\"2\"}} ",
+        file.display()
+    );
+    let calls = || -> u64 {
+        let text = tracer_tests::fleet::http_get(&addr, "/metrics").unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    };
+    wait_until(10, "fib's calls on the endpoint", || calls() > 0);
+    let first = calls();
+    wait_until(10, "the count to grow", || calls() > first);
+    std::fs::write(&stop, b"").unwrap();
+    assert!(child.0.wait().unwrap().success());
+    let report = ended_report(&d, &id);
+    assert_eq!(counted(&report, &pid).0, "in-process");
+    assert!(ours(&report, &file)["2:fib"].0 > first);
+}

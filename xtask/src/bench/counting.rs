@@ -511,7 +511,10 @@ fn pyperformance(
     println!(
         "   each benchmark's core function run {RUNS} times in one process, fastest run; untraced,"
     );
-    println!("   under cProfile, under tracer");
+    println!("   under cProfile, under tracer launching it (`tracerctl start … -- CMD`: uprobes), and under");
+    println!(
+        "   tracer attached by pid while it waits before its work (`--pid`: in-process on 3.14+)"
+    );
     println!(
         "columns: seconds and slowdown (×); Python calls a run (cProfile's count, C functions"
     );
@@ -529,7 +532,7 @@ fn pyperformance(
     }
     println!();
     println!(
-        "{:<10} {:<11} {:>8} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>10} {:>9}",
+        "{:<10} {:<11} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>9} {:>10} {:>9}",
         "work",
         "python",
         "base s",
@@ -537,11 +540,15 @@ fn pyperformance(
         "×",
         "tracer s",
         "×",
+        "--pid s",
+        "×",
         "calls/run",
         "ours/call",
+        "pid/call",
         "cProf/call",
         "daemon ms"
     );
+    let mut ratios: Vec<(String, f64, f64, f64)> = Vec::new();
     for (interp, bare) in interps.iter().zip(probes) {
         if !interp.pyperformance {
             continue;
@@ -575,9 +582,18 @@ fn pyperformance(
                 )?;
                 Ok((t, report, daemon.cpu_ticks() - before))
             })?;
+            let (pid_t, pid_report, way) = bare.quiet(SETTLE, || {
+                attached(
+                    &daemon.socket,
+                    &interp.python,
+                    &args,
+                    &[("PYTHONPATH", pythonpath)],
+                    dir,
+                )
+            })?;
             let calls = cprof.calls_per_run.max(1) as f64;
             println!(
-                "{:<10} {:<11} {:>8.3} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>10} {:>9.0} {:>10.0} {:>9.0}",
+                "{:<10} {:<11} {:>8.3} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>8.3} {:>6.1} {:>10} {:>9.0} {:>9.0} {:>10.0} {:>9.0}",
                 name,
                 interp.label,
                 base,
@@ -585,17 +601,48 @@ fn pyperformance(
                 cprof.seconds / base,
                 t,
                 t / base,
+                pid_t,
+                pid_t / base,
                 group(cprof.calls_per_run),
                 (t - base) / calls * 1e9,
+                (pid_t - base) / calls * 1e9,
                 (cprof.seconds - base) / calls * 1e9,
                 ticks as f64 * 1000.0 / clock_ticks()
             );
+            ratios.push((
+                format!("{} {way}", interp.label),
+                cprof.seconds / base,
+                t / base,
+                pid_t / base,
+            ));
             let file = benchmarks
                 .join(format!("bm_{name}"))
                 .join("run_benchmark.py");
             println!("           {what}");
-            println!("           {}", compare(&report, &file, &cprof));
+            println!("           launched: {}", compare(&report, &file, &cprof));
+            println!(
+                "           --pid ({way}): {}",
+                compare(&pid_report, &file, &cprof)
+            );
         }
+    }
+    // Geometric means of the slowdowns, per interpreter and way of counting.
+    println!();
+    println!("geomean slowdown (×)      cProfile  launched  --pid");
+    let mut labels: Vec<&String> = ratios.iter().map(|r| &r.0).collect();
+    labels.dedup();
+    for label in labels {
+        let rows: Vec<_> = ratios.iter().filter(|r| &r.0 == label).collect();
+        let g = |f: fn(&(String, f64, f64, f64)) -> f64| {
+            (rows.iter().map(|r| f(r).ln()).sum::<f64>() / rows.len() as f64).exp()
+        };
+        println!(
+            "  {:<24} {:>8.2} {:>9.2} {:>6.2}",
+            label,
+            g(|r| r.1),
+            g(|r| r.2),
+            g(|r| r.3)
+        );
     }
     Ok(())
 }
@@ -712,6 +759,80 @@ fn traced(
     }
     let json = serde_json::from_str(&fs::read_to_string(&report)?)?;
     Ok((seconds(&out.stdout)?, json))
+}
+
+/// One run of `python ARGS gated:FILE` counted by pid (`tracerctl start --pid`, attached
+/// while the program waits before its work, as one attaches to a running service; in-process
+/// on CPython 3.14+, else with uprobes): the workload's seconds, tracer's JSON report, and
+/// how the process was counted.
+fn attached(
+    socket: &Path,
+    python: &Path,
+    args: &[&OsStr],
+    env: &[(&str, &Path)],
+    dir: &Path,
+) -> Result<(f64, serde_json::Value, String)> {
+    use std::io::{BufRead, Read};
+    let go = dir.join("go");
+    let _ = fs::remove_file(&go);
+    let mut child = Command::new(python)
+        .args(args)
+        .arg(format!("gated:{}", go.display()))
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let mut out = std::io::BufReader::new(child.stdout.take().context("stdout")?);
+    let mut ready = String::new();
+    out.read_line(&mut ready)?;
+    if ready != "ready\n" {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("the driver did not say ready: {ready:?}");
+    }
+    let ctl = |args: &[&str]| -> Result<String> {
+        let o = Command::new(bin_dir().join("tracerctl"))
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .stderr(Stdio::inherit())
+            .output()?;
+        if !o.status.success() {
+            bail!("tracerctl {} failed", args.join(" "));
+        }
+        Ok(String::from_utf8(o.stdout)?)
+    };
+    let pid = child.id().to_string();
+    let id = match ctl(&["start", "--mode=counting", "--python", "--pid", &pid]) {
+        Ok(id) => id.trim().to_owned(),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
+    fs::write(&go, b"")?;
+    let mut stdout = Vec::new();
+    out.read_to_end(&mut stdout)?;
+    if !child.wait()?.success() {
+        bail!("the driver failed under tracer");
+    }
+    let started = Instant::now();
+    while !ctl(&["status", &id])?.contains("target exited") {
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("session {id} did not end with its target");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&ctl(&["report", &id, "--format", "json"])?)?;
+    let way = report["python"]["counted"]
+        .as_array()
+        .and_then(|c| c.first())
+        .and_then(|c| c["way"].as_str())
+        .unwrap_or("?")
+        .to_owned();
+    Ok((seconds(&stdout)?, report, way))
 }
 
 /// `RESUME handler +0x0: handler start (single-stepped)` as `RESUME+0x0 (single-stepped)`.

@@ -5,7 +5,9 @@
 #   python DRIVER BENCHMARKS_DIR NAME MODE
 #
 # BENCHMARKS_DIR is pyperformance's data-files/benchmarks (its bm_NAME/run_benchmark.py imports
-# pyperf: PYTHONPATH names it). MODE is `plain` or `cprofile` (cProfile enabled around each
+# pyperf: PYTHONPATH names it). MODE is `plain`, `gated:FILE` (as plain, but first prints
+# `ready` and waits, in a sleep loop, until FILE exists: a profiler attaches by pid meanwhile,
+# and sees the module's import and every run) or `cprofile` (cProfile enabled around each
 # timed run, and around the module's import, untimed). Prints `SECONDS` (the fastest of RUNS
 # runs, each timed as pyperf times it: the workload's own timer) and, under cProfile, `CALLS`
 # (the Python calls cProfile saw per run: entries other than C functions) and `FILE` lines
@@ -22,6 +24,12 @@ bench_dir, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 path = os.path.join(bench_dir, "bm_" + name, "run_benchmark.py")
 spec = importlib.util.spec_from_file_location("bm_" + name, path)
 bm = importlib.util.module_from_spec(spec)
+if mode.startswith("gated:"):
+    import time
+
+    print("ready", flush=True)
+    while not os.path.exists(mode[len("gated:"):]):
+        time.sleep(0.005)
 if mode == "cprofile":
     import cProfile
 

@@ -423,3 +423,39 @@ fn live_counts_reach_prometheus() {
     assert_eq!(counted(&report, &pid).0, "in-process");
     assert!(ours(&report, &file)["2:fib"].0 > first);
 }
+
+/// The counts file belongs to the counted process's user, who may shrink it under tracerd's
+/// mapping: tracerd reads zeros there instead of dying of SIGBUS, and goes on serving.
+#[test]
+fn a_counts_file_shrunk_by_its_process_does_not_harm_tracerd() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let d = Daemon::start();
+    let go = d.dir.path().join("go");
+    let code = format!(
+        "import glob, os, time\n\
+         print('ready', flush=True)\n\
+         while not os.path.exists({go:?}):\n    time.sleep(0.005)\n\
+         for f in glob.glob(f'/tmp/tracer-*-{{os.getpid()}}/counts.*'):\n    os.truncate(f, 0)\n\
+         os._exit(0)\n"
+    );
+    let file = d.dir.path().join("shrink.py");
+    std::fs::write(&file, code).unwrap();
+    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
+    let mut ready = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let pid = child.pid().to_string();
+    let id = start(&d, &pid, &[]);
+    std::fs::write(&go, b"").unwrap();
+    // Killed by its own counter's SIGBUS, or exited: either way tracerd reads the file.
+    let _ = child.0.wait();
+    let report = ended_report(&d, &id);
+    assert_eq!(counted(&report, &pid).0, "in-process");
+    assert!(d.ok(&["list"]).contains(&id), "tracerd still serves");
+}

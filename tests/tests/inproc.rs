@@ -459,3 +459,56 @@ fn a_counts_file_shrunk_by_its_process_does_not_harm_tracerd() {
     assert_eq!(counted(&report, &pid).0, "in-process");
     assert!(d.ok(&["list"]).contains(&id), "tracerd still serves");
 }
+
+/// A process whose only thread sits in native code (`time.sleep`) takes no request until it
+/// wakes: tracerd answers other requests meanwhile, counts it with uprobes after its wait,
+/// saying why, and the start script the process runs when it wakes finds the session gave
+/// up on it and deletes its files.
+#[test]
+fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let d = Daemon::start();
+    let code = "import time\n\
+                def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+                print('ready', flush=True)\n\
+                time.sleep(3)\n\
+                fib(15)\n";
+    let file = d.dir.path().join("asleep.py");
+    std::fs::write(&file, code).unwrap();
+    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
+    let mut ready = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let pid = child.pid().to_string();
+    let mut start = d
+        .ctl()
+        .args(["start", "--mode=counting", "--python", "--pid", &pid])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The start waits for the process (a second); the daemon answers meanwhile.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    d.ok(&["list"]);
+    d.ok(&["capabilities"]);
+    assert!(
+        start.try_wait().unwrap().is_none(),
+        "the start was answered before the other requests"
+    );
+    let out = start.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(child.0.wait().unwrap().success());
+    let report = ended_report(&d, &id);
+    let (way, why) = counted(&report, &pid);
+    assert_eq!(way, "uprobes", "{why}");
+    assert!(why.contains("safe point"), "{why}");
+    assert_eq!(ours(&report, &file).get("2:fib").map(|c| c.0), Some(1973));
+    let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
+    wait_until(10, "the session's files to go", || !dir.exists());
+}

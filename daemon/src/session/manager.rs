@@ -85,6 +85,20 @@ enum Command {
     Shutdown {
         reply: oneshot::Sender<()>,
     },
+    /// A start whose target was asked to count in-process, off the manager's task.
+    StartPrepared {
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+        prepared: Prepared,
+    },
+}
+
+/// The in-process counter of a start's target, made before the session is: the session's
+/// id, and the counter or why there is none.
+struct Prepared {
+    id: String,
+    counter: Result<crate::python::inproc::Counter, String>,
 }
 
 /// A cheap, cloneable way to talk to the manager.
@@ -456,8 +470,47 @@ impl Manager {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Start { req, caller, reply } => {
-                let _ = reply.send(self.start(req, caller));
+            Command::Start { req, caller, reply } => match inproc_candidate(&req, &caller) {
+                // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
+                // hold up other requests: the attempt runs on a blocking thread and the start
+                // comes back as StartPrepared.
+                Some(pid) => {
+                    let tx = self.tx.clone();
+                    let id = new_id();
+                    tokio::task::spawn_blocking(move || {
+                        let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
+                        let prepared = Prepared { id, counter };
+                        let cmd = Command::StartPrepared {
+                            req,
+                            caller,
+                            reply,
+                            prepared,
+                        };
+                        if let Err(mpsc::error::SendError(Command::StartPrepared {
+                            prepared: Prepared { counter: Ok(c), .. },
+                            ..
+                        })) = tx.blocking_send(cmd)
+                        {
+                            c.finish();
+                        }
+                    });
+                }
+                None => {
+                    let _ = reply.send(self.start(req, caller, &mut None));
+                }
+            },
+            Command::StartPrepared {
+                req,
+                caller,
+                reply,
+                prepared,
+            } => {
+                let mut prepared = Some(prepared);
+                let _ = reply.send(self.start(req, caller, &mut prepared));
+                // Refused after all (bad options, no slot): the counter goes again.
+                if let Some(Prepared { counter: Ok(c), .. }) = prepared {
+                    std::thread::spawn(move || c.finish());
+                }
             }
             Command::Stop { id, caller, reply } => {
                 let _ = reply.send(self.stop(&id, caller));
@@ -499,7 +552,13 @@ impl Manager {
         }
     }
 
-    fn start(&mut self, req: StartSessionRequest, caller: Caller) -> Result<SessionInfo, Error> {
+    /// `prepared`: the target's in-process counter, made before (taken when the session uses it).
+    fn start(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        prepared: &mut Option<Prepared>,
+    ) -> Result<SessionInfo, Error> {
         let mode = Mode::try_from(req.mode)
             .map_err(|_| Error::InvalidArgument(format!("unknown mode {}", req.mode)))?;
         match mode {
@@ -680,12 +739,17 @@ impl Manager {
                 process::kernel_addresses_for(owner_uid),
             );
         }
-        let id = new_id();
+        let id = prepared.as_ref().map_or_else(new_id, |p| p.id.clone());
         // In-process counting replaces the probes only where they would count calls alone.
         let inproc = match (mode, slot) {
-            _ if options.python_uprobes_only => Err("--python-uprobes-only asked for uprobes"),
-            (Mode::Counting, Some(slot)) => Ok((slot, id.as_str())),
-            _ => Err("tracing sessions time every call with the probes"),
+            _ if options.python_uprobes_only => {
+                Err("--python-uprobes-only asked for uprobes".into())
+            }
+            (Mode::Counting, Some(slot)) => match prepared.take() {
+                Some(p) => p.counter.map(|c| (slot, c)),
+                None => Err("not a running process the caller may trace".into()),
+            },
+            _ => Err("tracing sessions time every call with the probes".into()),
         };
         let python = if python {
             match self.start_python(pid, target.launched, inproc) {
@@ -901,13 +965,13 @@ impl Manager {
     }
 
     /// Probes what a Python-counting session needs before it starts counting.
-    /// `inproc`: the session's slot and id where a CPython 3.14+ target may be counted
-    /// in-process (counting mode, not `--python-uprobes-only`), else why not.
+    /// `inproc`: the session's slot and its target's in-process counter, else why there is
+    /// none.
     fn start_python(
         &mut self,
         pid: Option<u32>,
         launched: bool,
-        inproc: Result<(u8, &str), &str>,
+        inproc: Result<(u8, crate::python::inproc::Counter), String>,
     ) -> Result<PySession, Error> {
         let mut py = PySession::default();
         let way = |pid, way: &str, why: String| crate::report::CountedWay {
@@ -924,29 +988,23 @@ impl Manager {
                     ))
                 })?;
                 match inproc {
-                    Ok((slot, tag)) => {
-                        match wait_blocking(|| crate::python::inproc::start(pid, tag, INPROC_WAIT))
-                        {
-                            Ok(counter) => {
-                                if let Err(e) = self.bpf.set_inproc(pid, slot) {
-                                    tracing::warn!(%e, pid, "marking a process counted in-process");
-                                }
-                                py.counted.push(way(
-                                pid,
-                                "in-process",
-                                format!(
-                                    "sys.monitoring callbacks (tool id {}), loaded through remote execution",
-                                    counter.tool_id()
-                                ),
-                            ));
-                                py.inproc.push(counter);
-                                py.checked.insert(pid, exe_id(pid));
-                                return Ok(py);
-                            }
-                            Err(why) => py.counted.push(way(pid, "uprobes", why)),
+                    Ok((slot, counter)) => {
+                        if let Err(e) = self.bpf.set_inproc(pid, slot) {
+                            tracing::warn!(%e, pid, "marking a process counted in-process");
                         }
+                        py.counted.push(way(
+                            pid,
+                            "in-process",
+                            format!(
+                                "sys.monitoring callbacks (tool id {}), loaded through remote execution",
+                                counter.tool_id()
+                            ),
+                        ));
+                        py.inproc.push(counter);
+                        py.checked.insert(pid, exe_id(pid));
+                        return Ok(py);
                     }
-                    Err(why) => py.counted.push(way(pid, "uprobes", why.into())),
+                    Err(why) => py.counted.push(way(pid, "uprobes", why)),
                 }
                 self.py
                     .ensure(&mut self.bpf, &mapped.path)
@@ -1743,15 +1801,21 @@ const DEFAULT_FREQUENCY: u64 = 99;
 /// point of the eval loop) before it is counted with uprobes instead.
 const INPROC_WAIT: Duration = Duration::from_millis(1000);
 
-/// Runs `f`, which blocks, without stranding the other tasks of this worker thread.
-fn wait_blocking<T>(f: impl FnOnce() -> T) -> T {
-    let multi_thread = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if multi_thread {
-        tokio::task::block_in_place(f)
-    } else {
-        f()
-    }
+/// The pid of a start that may count its target in-process: a counting session with
+/// `--python` (not `--python-uprobes-only`) of a running process the caller may trace.
+fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
+    let options = req.counting.as_ref()?;
+    let target = req.target.as_ref()?;
+    let pid = match target.kind {
+        Some(target::Kind::Pid(pid)) if pid != 0 && !target.launched => pid,
+        _ => return None,
+    };
+    (req.mode == Mode::Counting as i32
+        && options.python
+        && !options.python_uprobes_only
+        && caller.may_trace_pid(pid).is_ok()
+        && process::alive(pid))
+    .then_some(pid)
 }
 
 /// Identity of the executable a process runs now (changes on exec).

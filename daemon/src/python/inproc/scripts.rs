@@ -33,12 +33,16 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str) -> String {
         except BaseException:
             pass
 
-    # Every thread was asked: a second run finds the counter started (or given up on) and
-    # leaves, calling nothing in Python (its own two frames are taken out of the report).
+    # Every thread was asked: a second run finds the counter started and leaves, calling
+    # nothing in Python (its own two frames are taken out of the report). A run after
+    # tracerd gave up (the process was busy in native code) deletes the files.
     try:
         with open(counts, "rb") as f:
             head = f.read(16)
-        if len(head) < 16 or int.from_bytes(head[12:16], "little") != {PENDING}:
+        state = int.from_bytes(head[12:16], "little") if len(head) == 16 else None
+        if state == {CANCELLED}:
+            cleanup()
+        if state != {PENDING}:
             return
     except BaseException:
         return
@@ -96,6 +100,7 @@ _tracer_pycount({}, {}, {})
 }
 
 const PENDING: u32 = state::PENDING;
+const CANCELLED: u32 = state::CANCELLED;
 
 /// Written by the start script when the library does not load (a musl libc, say).
 pub(super) const LOAD_ERROR: &str = "load-error";

@@ -109,6 +109,16 @@ impl Gated {
     }
 }
 
+/// Runs `code` (saved as `name` in the daemon's directory), which prints `ready` first and
+/// nothing after: the child, its pid, the script's path.
+fn script_ready(d: &Daemon, py: &Path, name: &str, code: &str) -> (ChildGuard, String, PathBuf) {
+    let file = d.dir.path().join(name);
+    std::fs::write(&file, code).unwrap();
+    let child = ChildGuard::spawn_ready(Command::new(py).arg(&file));
+    let pid = child.pid().to_string();
+    (child, pid, file)
+}
+
 fn rand_suffix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -395,14 +405,7 @@ fn live_counts_reach_prometheus() {
          print('ready', flush=True)\n\
          while not os.path.exists({stop:?}):\n    fib(20)\n"
     );
-    let file = d.dir.path().join("spin.py");
-    std::fs::write(&file, code).unwrap();
-    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
-    let mut ready = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let pid = child.pid().to_string();
+    let (mut child, pid, file) = script_ready(&d, &py, "spin.py", &code);
     let id = start(&d, &pid, &["--export", "prometheus"]);
     let series = format!(
         "tracer_python_calls_total{{session=\"{id}\",function=\"fib\",file=\"{}\",line=\"2\"}} ",
@@ -443,14 +446,7 @@ fn a_counts_file_shrunk_by_its_process_does_not_harm_tracerd() {
          for f in glob.glob(f'/tmp/tracer-*-{{os.getpid()}}/counts.*'):\n    os.truncate(f, 0)\n\
          os._exit(0)\n"
     );
-    let file = d.dir.path().join("shrink.py");
-    std::fs::write(&file, code).unwrap();
-    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
-    let mut ready = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let pid = child.pid().to_string();
+    let (mut child, pid, _) = script_ready(&d, &py, "shrink.py", &code);
     let id = start(&d, &pid, &[]);
     std::fs::write(&go, b"").unwrap();
     // Killed by its own counter's SIGBUS, or exited: either way tracerd reads the file.
@@ -478,14 +474,7 @@ fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
                 print('ready', flush=True)\n\
                 time.sleep(3)\n\
                 fib(15)\n";
-    let file = d.dir.path().join("asleep.py");
-    std::fs::write(&file, code).unwrap();
-    let mut child = ChildGuard::spawn(Command::new(&py).arg(&file).stdout(Stdio::piped()));
-    let mut ready = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let pid = child.pid().to_string();
+    let (mut child, pid, file) = script_ready(&d, &py, "asleep.py", code);
     let mut start = d
         .ctl()
         .args(["start", "--mode=counting", "--python", "--pid", &pid])

@@ -451,22 +451,12 @@ fn fill_child(fd: c_int, parent: &Header, tool_id: u32, pid: u32) -> Result<Shar
     let shared = Shared::map(fd, parent)?;
     let h = Header {
         magic: 0,
-        version: inproc::VERSION,
-        state: state::RUNNING,
-        busy: 0,
         tool_id,
-        pid,
-        entries_cap: parent.entries_cap,
-        edges_cap: parent.edges_cap,
-        strings_cap: parent.strings_cap,
-        entries_used: 0,
-        edges_used: 0,
-        strings_used: 0,
-        _pad: 0,
-        lost_calls: 0,
-        lost_edges: 0,
-        lost_names: 0,
-        why: [0; 256],
+        ..Header::new(
+            pid,
+            state::RUNNING,
+            (parent.entries_cap, parent.edges_cap, parent.strings_cap),
+        )
     };
     // SAFETY: the new mapping's header; the magic goes in last, so that tracerd, finding the
     // file, reads a whole header once it sees the magic.

@@ -111,25 +111,7 @@ fn workdir(what: &str) -> PathBuf {
 
 /// A session's file as tracerd creates it.
 fn session_file(path: &Path, st: u32) -> fs::File {
-    let h = Header {
-        magic: inproc::MAGIC,
-        version: inproc::VERSION,
-        state: st,
-        busy: 0,
-        tool_id: 0,
-        pid: 0,
-        entries_cap: inproc::ENTRIES as u32,
-        edges_cap: inproc::EDGES as u32,
-        strings_cap: inproc::STRINGS as u32,
-        entries_used: 0,
-        edges_used: 0,
-        strings_used: 0,
-        _pad: 0,
-        lost_calls: 0,
-        lost_edges: 0,
-        lost_names: 0,
-        why: [0; 256],
-    };
+    let h = Header::new(0, st, inproc::CAPS);
     let f = fs::OpenOptions::new()
         .read(true)
         .write(true)

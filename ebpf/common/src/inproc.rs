@@ -88,6 +88,34 @@ pub struct Header {
     pub why: [u8; 256],
 }
 
+impl Header {
+    /// A header with nothing counted yet: `(entries, edges, strings)` capacities.
+    pub const fn new(pid: u32, state: u32, caps: (u32, u32, u32)) -> Self {
+        Self {
+            magic: MAGIC,
+            version: VERSION,
+            state,
+            busy: 0,
+            tool_id: 0,
+            pid,
+            entries_cap: caps.0,
+            edges_cap: caps.1,
+            strings_cap: caps.2,
+            entries_used: 0,
+            edges_used: 0,
+            strings_used: 0,
+            _pad: 0,
+            lost_calls: 0,
+            lost_edges: 0,
+            lost_names: 0,
+            why: [0; 256],
+        }
+    }
+}
+
+/// The capacities tracerd creates files with.
+pub const CAPS: (u32, u32, u32) = (ENTRIES as u32, EDGES as u32, STRINGS as u32);
+
 /// A name in the strings area.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -282,25 +282,7 @@ pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
         )));
     }
     let map = Mapping::new(&file).map_err(|e| fail(format!("mapping the counts file: {e}")))?;
-    let header = Header {
-        magic: inproc::MAGIC,
-        version: inproc::VERSION,
-        state: state::PENDING,
-        busy: 0,
-        tool_id: 0,
-        pid,
-        entries_cap: inproc::ENTRIES as u32,
-        edges_cap: inproc::EDGES as u32,
-        strings_cap: inproc::STRINGS as u32,
-        entries_used: 0,
-        edges_used: 0,
-        strings_used: 0,
-        _pad: 0,
-        lost_calls: 0,
-        lost_edges: 0,
-        lost_names: 0,
-        why: [0; 256],
-    };
+    let header = Header::new(pid, state::PENDING, inproc::CAPS);
     // SAFETY: the mapping starts with room for a header; nobody else writes it yet.
     unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), header) };
     let script = start_script(

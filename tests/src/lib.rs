@@ -473,3 +473,24 @@ pub fn spawn_python_in_pid_namespace(
     );
     (guard, pid)
 }
+
+/// The callers of each function of `script` in the pstats file `prof`, as pstats reads them
+/// (run by `python`): {"line:name": {"file:line:name": [ncalls, primitive calls]}}.
+pub fn pstats_callers(python: &Path, prof: &Path, script: &Path) -> serde_json::Value {
+    let read = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
+                print(json.dumps({f'{k[1]}:{k[2]}': {f'{c[0]}:{c[1]}:{c[2]}': list(v[:2]) \
+                for c, v in s[k][4].items()} for k in s if k[0] == sys.argv[2]}))";
+    let out = Command::new(python)
+        .args(["-c", read])
+        .arg(prof)
+        .arg(script)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "reading {}: {}",
+        prof.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}

@@ -260,17 +260,8 @@ fn callers_equal_cprofiles_and_the_counter_leaves_with_the_session() {
         "-o",
         prof.to_str().unwrap(),
     ]);
-    let read = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
-                print(json.dumps({f'{k[1]}:{k[2]}': {f'{c[0]}:{c[1]}:{c[2]}': list(v[:2]) \
-                for c, v in s[k][4].items()} for k in s if k[0] == sys.argv[2]}))";
-    let ours_out = Command::new(&py)
-        .args(["-c", read])
-        .arg(&prof)
-        .arg(&wl)
-        .output()
-        .unwrap();
     let ours: BTreeMap<String, BTreeMap<String, Value>> =
-        serde_json::from_slice(&ours_out.stdout).unwrap();
+        serde_json::from_value(tracer_tests::pstats_callers(&py, &prof, &wl)).unwrap();
     let truth = ground_truth(&py, "cprofile-callers", &wl, &[]);
     let mut compared = 0;
     for (f, callers) in &truth {

@@ -453,9 +453,6 @@ fn pstats_callers_agree_with_cprofile() {
     }
     let d = Daemon::start();
     let wl = script("py_workload.py");
-    let read = "import pstats, sys, json; s = pstats.Stats(sys.argv[1]).stats; \
-                print(json.dumps({f'{k[1]}:{k[2]}': {f'{c[0]}:{c[1]}:{c[2]}': list(v[:2]) \
-                for c, v in s[k][4].items()} for k in s if k[0] == sys.argv[2]}))";
     for py in interpreters() {
         let out = Command::new(&py)
             .arg(script("ground_truth.py"))
@@ -480,7 +477,8 @@ fn pstats_callers_agree_with_cprofile() {
             "-o",
             prof.to_str().unwrap(),
         ]);
-        let ours: Callers = serde_json::from_value(python_json(&py, read, &[&prof, &wl])).unwrap();
+        let ours: Callers =
+            serde_json::from_value(tracer_tests::pstats_callers(&py, &prof, &wl)).unwrap();
         // tracer sees Python frames only: compare the functions that cProfile says only
         // Python functions called (not sorted(), sum(), next(), a C event loop…).
         let mut compared = 0;

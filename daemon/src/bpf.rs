@@ -366,11 +366,6 @@ impl Bpf {
             .map_err(map_err("PY_INPROC"))
     }
 
-    /// The slots counting `pid` in-process.
-    pub fn inproc(&self, pid: u32) -> SessionMask {
-        self.py_inproc.get(&pid, 0).unwrap_or(0)
-    }
-
     /// Forgets `slot` everywhere in `PY_INPROC` (its session ended).
     pub fn clear_inproc(&mut self, slot: u8) {
         let pids: Vec<(u32, SessionMask)> = self

@@ -175,6 +175,28 @@ fn a_zero_frequency_is_named() {
 }
 
 #[test]
+fn uprobes_only_is_named_as_a_python_option() {
+    let d = tempfile::tempdir().unwrap();
+    let out = Command::new(tracer_tests::bin("tracerctl"))
+        .arg("--socket")
+        .arg(d.path().join("none.sock"))
+        .args([
+            "start",
+            "--mode=counting",
+            "--python-uprobes-only",
+            "--pid",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("required arguments were not provided: --python"),
+        "{line}"
+    );
+}
+
+#[test]
 fn a_system_wide_session_counts_the_forks_it_saw() {
     if !root_or_skip() {
         return;

@@ -126,8 +126,13 @@ pub fn injection_status(
         .find(|m| m.offset == 0)
         .map(|m| m.start.wrapping_sub(first.address() & !0xfff))
         .ok_or("the library's first page is not mapped")?;
-    c_string(pid, bias.wrapping_add(sym.address()), STATUS_LEN)
-        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))
+    let line = c_string(pid, bias.wrapping_add(sym.address()), STATUS_LEN)
+        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))?;
+    // Mid-dlopen the address may still show other bytes of the file.
+    if line.is_empty() || line.chars().any(|c| c.is_control() || c == '\u{fffd}') {
+        return Err("the library was still being loaded".into());
+    }
+    Ok(line)
 }
 
 /// A kernel name CUPTI keeps in process `pid`'s memory at `addr` (live views name GPU

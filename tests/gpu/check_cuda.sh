@@ -3,12 +3,13 @@
 # Not part of CI: run by hand on a GPU machine, as root; results go in docs/GPU_VALIDATION.md.
 # usage: check_cuda.sh BIN_DIR
 # The first run follows the program from its start, so the kernels loaded during the warm-up are
-# named; its counts cover the warm-up and the counted run (the profiler's, the latter only).
+# named; without --profile the program runs `work` once, so its counts are the profiler's plus
+# the two random-number kernels that set up the inputs.
 # The second attaches to the warm process with --cuda-stacks: its kernels were named before
 # tracer came, so the runtime rows are named from symbols; the stacks show where launches
 # come from. The third starts the program with --gpu-times (CUPTI through tracer's injection
-# library): GPU time per kernel, next to the profiler's for the counted run (the program runs
-# the same work twice, so each kernel should run twice as often as the profiler saw).
+# library): GPU time per kernel, next to the profiler's: each kernel as often as the
+# profiler saw it, and the two random-number kernels.
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -65,7 +66,7 @@ for line in open(sys.argv[2]):
     m = re.match(r"\s+(\d+)\s+([\d.]+)\s+(.*)$", line)
     if m:
         prof[m.group(3)] = (int(m.group(1)), float(m.group(2)))
-print("executions: tracer", sum(n for n, _ in ours.values()), "profiler x2", 2 * sum(n for n, _ in prof.values()))
+print("executions: tracer", sum(n for n, _ in ours.values()), "profiler + 2", 2 + sum(n for n, _ in prof.values()))
 for name, (n, ns) in sorted(ours.items(), key=lambda kv: -kv[1][1])[:15]:
     p = prof.get(name[:110])
     pavg = f"{p[1] / p[0]:9.2f}" if p else "        -"

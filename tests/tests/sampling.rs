@@ -601,7 +601,16 @@ fn short_lived_processes_keep_their_python_frames() {
             python.display()
         );
         assert!(samples >= 10, "{}: {u}", python.display());
-        assert!(python_samples * 2 >= samples, "{}: {u}", python.display());
+        // Samples without Python frames: the interpreter's start before its first frame and
+        // its finalization, and those taken before tracerd read an interpreter it had not
+        // seen (a chroot's: 3-7 ms of reading, longer on a loaded machine).
+        assert!(python_samples * 3 >= samples, "{}: {u}", python.display());
+        let complete = u["python_complete"].as_u64().unwrap();
+        assert!(
+            complete * 10 >= python_samples * 9,
+            "{}: Python chains cut or unreadable: {u}",
+            python.display()
+        );
         let root = u["reached_root"].as_u64().unwrap();
         assert!(
             root * 2 >= samples,

@@ -211,8 +211,13 @@ impl CudaSession {
                     continue;
                 }
             };
+            if !self.libs.contains_key(&id) {
+                self.probe(bpf, lib, &path, m, pid, found_by);
+            }
             if lib == cuda::Library::Cupti && !self.injected.contains_key(&pid) {
-                // Set up already (a warm process), or about to be (its probe will say).
+                // Read once its probes are in: set up already (a warm process), or about to
+                // be, and then its probe announces it (a read before the attach could miss
+                // both, the announcement and the finished line).
                 let mine: Vec<_> = maps
                     .entries()
                     .iter()
@@ -222,60 +227,69 @@ impl CudaSession {
                     .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
                 self.injected.insert(pid, status);
             }
-            if self.libs.contains_key(&id) {
-                continue;
-            }
-            let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
-                .iter()
-                .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
-                .collect();
-            let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
-            let offsets = match crate::native::resolve_exact(&path, &symbols) {
-                Ok(o) => o,
-                Err(e) => {
-                    self.warnings.push(format!("{}: {e}", m.path));
-                    HashMap::new()
-                }
-            };
-            // Not every version exports every variant.
-            let probes: Vec<(u64, u64, bool)> = points
-                .iter()
-                .filter_map(|ep| {
-                    let offset = *offsets.get(ep.symbol)?;
-                    // Stacks at the driver's launches only: every kernel launch reaches one
-                    // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
-                    let driver_launch =
-                        matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
-                    let stacks = if self.probing.stacks && driver_launch {
-                        cuda_cookie::STACKS
-                    } else {
-                        0
-                    };
-                    let cookie = cuda_cookie::make(self.slot, self.all, ep.api) | stacks;
-                    Some((offset, cookie, ep.at_return))
-                })
-                .collect();
-            // All of a library's probes or none: one failure says it for the library (a
-            // program that does not load fails on every entry point).
-            let links = match bpf.attach_cuda(&path, &probes) {
-                Ok(set) => set,
-                Err(e) => {
-                    self.warnings.push(format!("{}: {e}", m.path));
-                    ProbeSet::default()
-                }
-            };
-            tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
-            self.found.push(CudaLibrary {
-                pid,
-                path: m.path.clone(),
-                probes: u32::try_from(links.len()).unwrap_or(u32::MAX),
-                found_after_ms: u64::try_from(self.started.elapsed().as_millis())
-                    .unwrap_or(u64::MAX),
-                found_by: found_by.to_owned(),
-            });
-            self.libs.insert(id, links);
         }
         maps_cuda
+    }
+
+    /// Attaches `lib`'s entry points in the file `path` (mapped by `m` in `pid`).
+    fn probe(
+        &mut self,
+        bpf: &mut Bpf,
+        lib: cuda::Library,
+        path: &std::path::Path,
+        m: &crate::process::MapEntry,
+        pid: u32,
+        found_by: &str,
+    ) {
+        let id = (m.dev.0, m.dev.1, m.inode);
+        let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
+            .iter()
+            .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
+            .collect();
+        let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
+        let offsets = match crate::native::resolve_exact(&path, &symbols) {
+            Ok(o) => o,
+            Err(e) => {
+                self.warnings.push(format!("{}: {e}", m.path));
+                HashMap::new()
+            }
+        };
+        // Not every version exports every variant.
+        let probes: Vec<(u64, u64, bool)> = points
+            .iter()
+            .filter_map(|ep| {
+                let offset = *offsets.get(ep.symbol)?;
+                // Stacks at the driver's launches only: every kernel launch reaches one
+                // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
+                let driver_launch =
+                    matches!(ep.api, api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CU_GRAPH);
+                let stacks = if self.probing.stacks && driver_launch {
+                    cuda_cookie::STACKS
+                } else {
+                    0
+                };
+                let cookie = cuda_cookie::make(self.slot, self.all, ep.api) | stacks;
+                Some((offset, cookie, ep.at_return))
+            })
+            .collect();
+        // All of a library's probes or none: one failure says it for the library (a
+        // program that does not load fails on every entry point).
+        let links = match bpf.attach_cuda(&path, &probes) {
+            Ok(set) => set,
+            Err(e) => {
+                self.warnings.push(format!("{}: {e}", m.path));
+                ProbeSet::default()
+            }
+        };
+        tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
+        self.found.push(CudaLibrary {
+            pid,
+            path: m.path.clone(),
+            probes: u32::try_from(links.len()).unwrap_or(u32::MAX),
+            found_after_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            found_by: found_by.to_owned(),
+        });
+        self.libs.insert(id, links);
     }
 
     /// The launches and copies so far, named, left in the kernel (for live metrics; native

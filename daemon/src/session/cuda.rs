@@ -247,7 +247,7 @@ impl CudaSession {
             .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
             .collect();
         let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
-        let offsets = match crate::native::resolve_exact(&path, &symbols) {
+        let offsets = match crate::native::resolve_exact(path, &symbols) {
             Ok(o) => o,
             Err(e) => {
                 self.warnings.push(format!("{}: {e}", m.path));
@@ -274,7 +274,7 @@ impl CudaSession {
             .collect();
         // All of a library's probes or none: one failure says it for the library (a
         // program that does not load fails on every entry point).
-        let links = match bpf.attach_cuda(&path, &probes) {
+        let links = match bpf.attach_cuda(path, &probes) {
             Ok(set) => set,
             Err(e) => {
                 self.warnings.push(format!("{}: {e}", m.path));

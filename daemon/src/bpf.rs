@@ -252,8 +252,16 @@ impl Bpf {
             Ok(off) => (off, None),
             Err(e) => (u32::MAX, Some(e.to_string())),
         };
+        // One sample record under construction per CPU (`SAMPLE_SCRATCH`).
+        let cpus = aya::util::nr_cpus().map_err(|(what, e)| {
+            BpfError::Load(Box::new(EbpfError::FileError {
+                path: what.into(),
+                error: e,
+            }))
+        })?;
         let mut ebpf = EbpfLoader::new()
             .map_max_entries("TRACE_EVENTS", trace_ring_bytes)
+            .map_max_entries("SAMPLE_SCRATCH", u32::try_from(cpus).unwrap_or(u32::MAX))
             .override_global(globals::TASK_FSBASE_OFFSET, &fsbase_off, true)
             .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
             .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)

@@ -22,8 +22,9 @@ use crate::{
     unwind::{End, MapEntry, ProcMaps, Regs, Unwinder},
 };
 
-/// Native frames unwound per sample at most.
-const MAX_NATIVE_FRAMES: usize = 256;
+/// Native frames unwound per sample at most: a 64 KiB stack copy holds ~1,000 frames of
+/// 64 bytes (a libpython without symbols nests 6 or more frames per Python call from C).
+const MAX_NATIVE_FRAMES: usize = 1024;
 /// How long a process's memory map is trusted before it is read again on a miss.
 const MAPS_TTL: Duration = Duration::from_millis(200);
 

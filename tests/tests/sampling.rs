@@ -300,6 +300,56 @@ fn native_frames_sit_under_the_python_caller() {
     }
 }
 
+/// Stacks deeper than the 16 KiB a stack copy once held (importing PyTorch runs deeper):
+/// Python frames nested through C, 24-47 KiB of native stack, unwind to the root whole.
+#[test]
+fn deep_native_stacks_unwind_to_the_root() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    for python in interpreters() {
+        let ours = tracer_folded(
+            &d,
+            &python,
+            &script("deep_native.py"),
+            &["40", "0.5"],
+            "299",
+        );
+        let spinning: Vec<&(Vec<String>, u64)> = ours
+            .iter()
+            .filter(|(s, _)| s.iter().any(|f| function(f) == "spin"))
+            .collect();
+        let total: u64 = spinning.iter().map(|(_, n)| n).sum();
+        // Whole: from the process's entry point down through all 41 levels of `nest`.
+        let whole: u64 = spinning
+            .iter()
+            .filter(|(s, _)| {
+                s.get(1).is_some_and(|f| f == "_start")
+                    && s.iter().filter(|f| function(f) == "nest").count() == 41
+            })
+            .map(|(_, n)| n)
+            .sum();
+        println!(
+            "{}: {whole} of {total} spin samples whole",
+            python.display()
+        );
+        assert!(
+            total >= 50,
+            "{}: too few samples: {ours:?}",
+            python.display()
+        );
+        assert!(
+            whole * 10 >= total * 9,
+            "{}: {whole} of {total} spin samples whole: {:?}",
+            python.display(),
+            spinning
+                .iter()
+                .find(|(s, _)| s.get(1).is_none_or(|f| f != "_start"))
+        );
+    }
+}
+
 #[test]
 fn every_busy_thread_is_sampled() {
     if !root_or_skip() {

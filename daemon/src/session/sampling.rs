@@ -17,7 +17,9 @@ use std::{
 
 use std::os::fd::AsRawFd;
 
-use tracer_common::{sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON};
+use tracer_common::{
+    sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON, SAMPLE_STACK_OFFSET,
+};
 
 use crate::{
     profile::{Frame, FrameKind, Mapping, Profile, Stack, Unwinding},
@@ -237,26 +239,31 @@ impl State {
         // pid → when it was last looked at in this batch: once for a definite answer; a
         // process whose libpython is not mapped yet again every millisecond.
         let mut checked: HashMap<u32, Option<Instant>> = HashMap::new();
+        // One record's room (≈ 67 KiB), reused: a record holds only the stack bytes copied.
+        let mut ev: Box<SampleEvent> = {
+            // SAFETY: SampleEvent is plain integers and arrays: all zeros is a valid value.
+            unsafe { Box::new_zeroed().assume_init() }
+        };
         loop {
-            let ev = {
+            {
                 let Some(item) = self.maps.samples.next() else {
                     break;
                 };
-                if item.len() < std::mem::size_of::<SampleEvent>() {
+                let n = item.len().min(std::mem::size_of::<SampleEvent>());
+                if n < SAMPLE_STACK_OFFSET {
                     continue;
                 }
-                // SAFETY: written as a SampleEvent by the BPF side; read unaligned, boxed
-                // (18 KiB).
-                let mut b: Box<std::mem::MaybeUninit<SampleEvent>> = Box::new_uninit();
+                // SAFETY: written as a SampleEvent's first `n` bytes by the BPF side; the
+                // rest of `ev` is never read (`stack_len` covers the bytes sent).
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         item.as_ptr(),
-                        b.as_mut_ptr().cast::<u8>(),
-                        std::mem::size_of::<SampleEvent>(),
+                        (&mut *ev as *mut SampleEvent).cast::<u8>(),
+                        n,
                     );
-                    b.assume_init()
                 }
-            };
+                ev.stack_len = ev.stack_len.min((n - SAMPLE_STACK_OFFSET) as u32);
+            }
             if ev.flags & sample_flag::PY_UNKNOWN_PROCESS != 0 {
                 let due = match checked.get(&ev.pid) {
                     None => true,
@@ -539,7 +546,7 @@ fn end_reason(end: &End) -> String {
         // Seen here mostly for samples taken while the kernel handled a page fault: only the
         // stack pointer's page could be read then.
         End::StackCopyExhausted => {
-            "the stack copy ended first (deeper than 16 KiB, or pages unreadable at the sample)"
+            "the stack copy ended first (deeper than 64 KiB, or pages unreadable at the sample)"
                 .into()
         }
         End::NoUnwindInfo(path) => format!("code without unwind entries in {path}"),

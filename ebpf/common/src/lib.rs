@@ -324,9 +324,14 @@ pub struct PyCodeEvent {
 
 /// Python frames read per sample; deeper frames are cut (the sample says so).
 pub const SAMPLE_PY_DEPTH: usize = 128;
-/// Bytes of the sampled thread's user stack copied for unwinding in user space, from the
-/// start of the page holding its stack pointer (no frame pointers in distribution builds).
-pub const SAMPLE_STACK_BYTES: usize = 16_384;
+/// Most bytes of the sampled thread's user stack copied for unwinding in user space, from
+/// the start of the page holding its stack pointer (no frame pointers in distribution
+/// builds); the copy ends earlier at the first unreadable page (the top of a main thread's
+/// stack). 64 KiB, perf's own limit: importing PyTorch runs deeper than 16 KiB.
+pub const SAMPLE_STACK_BYTES: usize = 65_536;
+/// Where `SampleEvent::stack` starts: a record on the ring is this many bytes plus the
+/// stack bytes copied (`stack_len`).
+pub const SAMPLE_STACK_OFFSET: usize = core::mem::offset_of!(SampleEvent, stack);
 
 /// `PySampleFrame::code` bits above any user address: this frame was the first of its
 /// run of the eval loop (3.10: every frame; 3.11: `is_entry`).
@@ -365,9 +370,9 @@ pub mod sample_flag {
     pub const KERNEL_MODE: u32 = 32;
 }
 
-/// One stack sample, sent on the `SAMPLES` ring buffer. Kernel stacks are aggregated in a
-/// stack map (`kernel_stack` is its id); user stacks travel as a stack copy, unwound by the
-/// daemon with the binaries' unwind tables.
+/// One stack sample, sent on the `SAMPLES` ring buffer up to the stack bytes copied. Kernel
+/// stacks are aggregated in a stack map (`kernel_stack` is its id); user stacks travel as a
+/// stack copy, unwound by the daemon with the binaries' unwind tables.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct SampleEvent {

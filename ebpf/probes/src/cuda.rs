@@ -23,8 +23,8 @@ use tracer_common::{
 };
 
 use crate::{
-    shared::{count_loss, count_losses, TRACKED},
     sample::{python_thread, PyThread},
+    shared::{count_loss, count_losses, TRACKED},
     trace,
 };
 

@@ -5,12 +5,12 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
-mod proc;
-mod shared;
 mod cuda;
 mod native;
+mod proc;
 mod python;
 pub(crate) mod sample;
+mod shared;
 mod trace;
 
 #[cfg(not(test))]

@@ -52,7 +52,12 @@ pub fn tracer_native_call(ctx: ProbeContext) -> u32 {
             ..TraceEvent::default()
         });
     }
-    let key = NativeCallKey { slot, pid, probe, _pad: 0 };
+    let key = NativeCallKey {
+        slot,
+        pid,
+        probe,
+        _pad: 0,
+    };
     for _ in 0..2 {
         if let Some(n) = NATIVE_CALLS.get_ptr_mut(&key) {
             crate::python::add(n, 1);

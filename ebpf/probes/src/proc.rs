@@ -14,7 +14,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, RingBuf},
     programs::TracePointContext,
 };
-use tracer_common::{loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
+use tracer_common::{
+    loss, ProcEvent, SessionMask, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK,
+};
 
 use crate::shared::{count_loss, global, TRACKED};
 
@@ -171,8 +173,7 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     }
     // SAFETY: plain BPF helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    let hold_mask =
-        EXEC_HOLD.get(0).copied().unwrap_or(0) | EXEC_HOLD.get(1).copied().unwrap_or(0);
+    let hold_mask = EXEC_HOLD.get(0).copied().unwrap_or(0) | EXEC_HOLD.get(1).copied().unwrap_or(0);
     // Stopped, and recorded, before the daemon can hear of it: its SIGCONT always comes
     // after the stop. It deletes the pid as it continues the process; tracerd's guardian
     // continues whatever HELD names if tracerd dies first. A stop nobody could undo is not

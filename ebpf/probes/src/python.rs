@@ -18,8 +18,8 @@ use tracer_common::{
     loss, py_kind, py_names_id, py_role, trace_kind, PyCallKey, PyCallStats, PyCodeEvent,
     PyEdgeKey, PyLayout, PyStack, PyStackEntry, SessionMask, TraceEvent, MAX_PY_SESSIONS,
     PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD, PY_CO_GENERATOR_LIKE, PY_EDGES_MAX,
-    PY_EVAL_EVENTS_MASK, PY_FRAME_OWNED_BY_THREAD, PY_FRAME_OWNER_NOT_PYTHON,
-    PY_LAYOUTS_MAX, PY_STACK_DEPTH, PY_THREADS_MAX, PY_UNWIND_PER_EVENT, TRACE_EXIT_INFERRED,
+    PY_EVAL_EVENTS_MASK, PY_FRAME_OWNED_BY_THREAD, PY_FRAME_OWNER_NOT_PYTHON, PY_LAYOUTS_MAX,
+    PY_STACK_DEPTH, PY_THREADS_MAX, PY_UNWIND_PER_EVENT, TRACE_EXIT_INFERRED,
 };
 
 const BPF_F_NO_PREALLOC: u32 = 1;
@@ -236,14 +236,21 @@ fn runs_again(tstate: u64, frame: u64, layout: &PyLayout) -> bool {
     {
         return false;
     }
-    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else { return false };
+    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else {
+        return false;
+    };
     let code = layout.code_of(executable);
-    let Ok(code_version) = read::<u64>(code + u64::from(layout.code_instr_version)) else { return false };
+    let Ok(code_version) = read::<u64>(code + u64::from(layout.code_instr_version)) else {
+        return false;
+    };
     let global = if layout.interp_monitoring_version != 0 {
-        let Ok(interp) = read::<u64>(tstate + u64::from(layout.tstate_interp)) else { return false };
+        let Ok(interp) = read::<u64>(tstate + u64::from(layout.tstate_interp)) else {
+            return false;
+        };
         read::<u64>(interp + u64::from(layout.interp_monitoring_version))
     } else {
-        read::<u64>(tstate + u64::from(layout.tstate_eval_breaker)).map(|b| b & !PY_EVAL_EVENTS_MASK)
+        read::<u64>(tstate + u64::from(layout.tstate_eval_breaker))
+            .map(|b| b & !PY_EVAL_EVENTS_MASK)
     };
     global.is_ok_and(|g| g != code_version)
 }
@@ -252,10 +259,15 @@ fn runs_again(tstate: u64, frame: u64, layout: &PyLayout) -> bool {
 /// (3.15's generator expressions): profilers count no call for it.
 #[inline(always)]
 fn creating_generator(frame: u64, layout: &PyLayout) -> bool {
-    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else { return false };
-    let Ok(flags) = read::<u32>(layout.code_of(executable) + u64::from(layout.code_flags)) else { return false };
+    let Ok(executable) = read::<u64>(frame + u64::from(layout.frame_code)) else {
+        return false;
+    };
+    let Ok(flags) = read::<u32>(layout.code_of(executable) + u64::from(layout.code_flags)) else {
+        return false;
+    };
     flags & PY_CO_GENERATOR_LIKE != 0
-        && read::<u8>(frame + u64::from(layout.frame_owner)).is_ok_and(|o| o == PY_FRAME_OWNED_BY_THREAD)
+        && read::<u8>(frame + u64::from(layout.frame_owner))
+            .is_ok_and(|o| o == PY_FRAME_OWNED_BY_THREAD)
 }
 
 /// Layout `index` of `PY_LAYOUTS` (for the sampler).
@@ -327,10 +339,21 @@ pub(crate) fn forget_thread(tid: u32) {
         if mask != 0 {
             // SAFETY: this thread's map value; the thread is exiting, so no probe of it runs.
             let st = unsafe { &mut *st };
-            let mut u = Unwind { st, mask, who, now: unsafe { bpf_ktime_get_ns() }, depth: 0 };
+            let mut u = Unwind {
+                st,
+                mask,
+                who,
+                now: unsafe { bpf_ktime_get_ns() },
+                depth: 0,
+            };
             // SAFETY: as in `pop_inferred_to`.
             unsafe {
-                bpf_loop(PY_STACK_DEPTH as u32, unwind_step as *mut c_void, (&raw mut u).cast(), 0);
+                bpf_loop(
+                    PY_STACK_DEPTH as u32,
+                    unwind_step as *mut c_void,
+                    (&raw mut u).cast(),
+                    0,
+                );
             }
         }
     }

@@ -16,21 +16,29 @@ use aya_ebpf::{
         bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated as gen,
     },
     macros::{map, perf_event},
-    maps::{HashMap, RingBuf, StackTrace},
+    maps::{Array, HashMap, RingBuf, StackTrace},
     programs::{tracing::StackIdContext, PerfEventContext},
     EbpfContext,
 };
 use tracer_common::{
     loss, py_kind, py_names_id, sample_cookie, sample_flag, PyLayout, PySampleFrame, PySampleProc,
     SampleEvent, PY_FRAME_ENTRY, PY_FRAME_OWNER_NOT_PYTHON, PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON,
-    SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
+    SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES, SAMPLE_STACK_OFFSET,
 };
 
 use crate::shared::{count_loss, TRACKED};
 
-/// 32 MiB: ≈ 1,700 samples of ≈ 18.5 KiB, a second of 999 Hz on both CPUs of a small machine.
+/// 32 MiB: ≥ 480 samples (a record is ≈ 3 KiB plus the stack bytes copied, at most 64 KiB),
+/// a quarter second of 999 Hz on both CPUs of a small machine at the deepest stacks.
 #[map]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(32 * 1024 * 1024, 0);
+
+/// Each CPU's record under construction: the ring receives only the stack bytes copied, a
+/// length a ring reservation cannot have. One entry per possible CPU (set by the loader).
+/// Programs of this object never nest on a CPU (the kernel runs one tracing program at a
+/// time per CPU), so an entry has one writer.
+#[map]
+static SAMPLE_SCRATCH: Array<SampleEvent> = Array::with_max_entries(1, 0);
 
 /// Kernel stacks, deduplicated by the kernel itself.
 #[map]
@@ -75,13 +83,11 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
             return Ok(());
         }
     }
-    let Some(mut entry) = SAMPLES.reserve::<SampleEvent>(0) else {
-        count_loss(loss::SAMPLES_RINGBUF_FULL);
+    let Some(ev) = scratch() else {
         return Ok(());
     };
-    let ev = entry.as_mut_ptr();
-    // SAFETY: `ev` points at the reserved record, ours until submitted; fields are written
-    // one by one so that the 18 KiB record never lands on the 512-byte BPF stack.
+    // SAFETY: `ev` is this CPU's record, ours until sent; fields are written one by one so
+    // that the record never lands on the 512-byte BPF stack.
     unsafe {
         header(ev, slot, pid, tid);
         let interrupted = ctx.as_ptr() as *const u8;
@@ -99,31 +105,55 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
     }
     // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
     let _ = BPF_F_USER_STACK;
-    entry.submit(0);
+    // SAFETY: filled above.
+    unsafe { send(ev) };
     Ok(())
+}
+
+/// This CPU's record to fill (`SAMPLE_SCRATCH`).
+fn scratch() -> Option<*mut SampleEvent> {
+    // SAFETY: plain helper call.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let ev = SAMPLE_SCRATCH.get_ptr_mut(cpu);
+    if ev.is_none() {
+        // More CPUs than the loader counted: cannot happen, but never silently.
+        count_loss(loss::SAMPLES_RINGBUF_FULL);
+    }
+    ev
+}
+
+/// Puts the record on the ring, up to the stack bytes copied.
+unsafe fn send(ev: *mut SampleEvent) {
+    // SAFETY: `ev` is this CPU's filled record.
+    let copied = unsafe { (*ev).stack_len } as usize;
+    // A mask, not a comparison, keeps the length's bound visible to the verifier.
+    let len = SAMPLE_STACK_OFFSET + (copied & (SAMPLE_STACK_BYTES * 2 - 1)).min(SAMPLE_STACK_BYTES);
+    // SAFETY: the record is `SAMPLE_STACK_OFFSET + SAMPLE_STACK_BYTES` bytes long.
+    let bytes = unsafe { core::slice::from_raw_parts(ev as *const u8, len) };
+    if SAMPLES.output::<[u8]>(bytes, 0).is_err() {
+        count_loss(loss::SAMPLES_RINGBUF_FULL);
+    }
 }
 
 /// A CUDA launch's stack (`--cuda-stacks`), as a sample of the launching thread taken in
 /// the launch probe: its user stack and Python frames, no kernel stack.
 pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
-    let Some(mut entry) = SAMPLES.reserve::<SampleEvent>(0) else {
-        count_loss(loss::SAMPLES_RINGBUF_FULL);
+    let Some(ev) = scratch() else {
         return;
     };
-    let ev = entry.as_mut_ptr();
     // SAFETY: as in `try_sample`.
     unsafe {
         header(ev, slot, pid, tid);
         (*ev).kernel_stack = -1;
         user_stack(ev);
         python(ev, pid);
+        send(ev);
     }
-    entry.submit(0);
 }
 
 /// The record's fixed fields.
 unsafe fn header(ev: *mut SampleEvent, slot: u32, pid: u32, tid: u32) {
-    // SAFETY: `ev` is a reserved record.
+    // SAFETY: `ev` is this CPU's record.
     unsafe {
         (*ev).slot = slot;
         (*ev).cpu = bpf_get_smp_processor_id();
@@ -222,7 +252,7 @@ unsafe fn python(ev: *mut SampleEvent, pid: u32) {
     let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l) => (t, l),
         PyThread::UnknownProcess => {
-            // SAFETY: `ev` is the reserved record.
+            // SAFETY: `ev` is this CPU's record.
             unsafe { (*ev).flags |= sample_flag::PY_UNKNOWN_PROCESS };
             return;
         }
@@ -355,7 +385,7 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
     let qualname = read::<u64>(code + u64::from(l.code_qualname)).unwrap_or(0);
     let filename = read::<u64>(code + u64::from(l.code_filename)).unwrap_or(0);
     let i = (w.depth as usize) & (SAMPLE_PY_DEPTH - 1);
-    // SAFETY: `ev` is the reserved record; `i` is masked into the array.
+    // SAFETY: `ev` is this CPU's record; `i` is masked into the array.
     unsafe {
         (*w.ev).py[i] = PySampleFrame {
             code: code | flags,
@@ -377,7 +407,11 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
 pub(crate) fn forked(parent: u32, child: u32) {
     // SAFETY: map values are valid for the duration of the program.
     if let Some(&proc) = unsafe { PY_SAMPLE_PROCS.get(&parent) } {
-        let origin = if proc.origin != 0 { proc.origin } else { parent };
+        let origin = if proc.origin != 0 {
+            proc.origin
+        } else {
+            parent
+        };
         let _ = PY_SAMPLE_PROCS.insert(&child, &PySampleProc { origin, ..proc }, 0);
     }
 }

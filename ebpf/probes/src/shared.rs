@@ -55,4 +55,3 @@ pub(crate) fn count_losses(cause: u32, n: u64) {
         }
     }
 }
-

@@ -19,7 +19,8 @@ static TRACE_SESSIONS: Array<SessionMask> = Array::with_max_entries(1, 0);
 
 /// Events dropped because `TRACE_EVENTS` was full, per session slot: exact per-session loss.
 #[map]
-static TRACE_DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_TRACKED_SESSIONS as u32, 0);
+static TRACE_DROPS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(MAX_TRACKED_SESSIONS as u32, 0);
 
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;

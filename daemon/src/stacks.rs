@@ -263,7 +263,7 @@ impl Resolver {
 
     /// A captured stack's frames, root first, without the process frame: Python frames in
     /// place of the eval-loop frames. Its native and kernel frames must have been named
-    /// (`name_all`).
+    /// ([`Self::to_name`], [`Naming::run`], [`Self::apply`]).
     pub fn frames(&mut self, raw: &RawStack) -> Vec<u32> {
         let native: Vec<(u32, bool)> = raw
             .native
@@ -296,9 +296,10 @@ impl Resolver {
         frames
     }
 
-    /// Names every native and kernel address of these stacks not named before: one
-    /// symbolizer call per binary.
-    pub fn name_all<'a>(&mut self, raws: impl Iterator<Item = &'a RawStack>) {
+    /// What naming these stacks' native and kernel addresses not named yet needs: quick, so
+    /// that the slow part ([`Naming::run`], one symbolizer call per binary) can run without
+    /// the caller's lock. Until [`Self::apply`], binary ids must hold (no [`Self::compact`]).
+    pub fn to_name<'a>(&self, raws: impl Iterator<Item = &'a RawStack>) -> Naming {
         let mut natives: HashMap<u32, BTreeSet<u64>> = HashMap::new();
         let mut kernel = BTreeSet::new();
         for raw in raws {
@@ -309,12 +310,67 @@ impl Resolver {
             }
             kernel.extend(raw.kernel.iter().filter(|a| !self.kernel.contains_key(a)));
         }
-        for (b, offsets) in natives {
-            self.name_binary(b, offsets.into_iter().collect());
+        let binaries = natives
+            .into_iter()
+            .map(|(b, offsets)| {
+                let bin = &self.binaries[b as usize];
+                ToName {
+                    id: b,
+                    // Its own descriptor: ours may be closed meanwhile, and its number reused.
+                    file: bin.file.as_ref().and_then(|f| f.try_clone().ok()),
+                    path: PathBuf::from(&bin.mapping.path),
+                    offsets: offsets.into_iter().collect(),
+                }
+            })
+            .collect();
+        Naming {
+            binaries,
+            kernel: kernel.into_iter().collect(),
         }
-        let kernel: Vec<u64> = kernel.into_iter().collect();
-        let syms = self.symbolizer.kernel(&kernel);
-        for (addr, sym) in kernel.into_iter().zip(syms) {
+    }
+
+    /// Takes in what [`Naming::run`] found.
+    pub fn apply(&mut self, named: Named) {
+        for (b, names) in named.binaries {
+            let display = self.binaries[b as usize].mapping.path.clone();
+            let base = display.rsplit('/').next().unwrap_or(&display).to_owned();
+            for (off, sym) in names {
+                if self.native.contains_key(&(b, off)) {
+                    // Named meanwhile, for another profile.
+                    continue;
+                }
+                let frame = match sym {
+                    Some(s) => Frame {
+                        kind: FrameKind::Native,
+                        name: s.name,
+                        file: s.file,
+                        line: s.line,
+                        mapping: Some(b as usize),
+                        address: off,
+                    },
+                    None => Frame {
+                        kind: FrameKind::Native,
+                        // perf's habit: an unnamed address is shown as its binary, so that the
+                        // stripped functions of one library add up in one place.
+                        name: format!("[{base}]"),
+                        mapping: Some(b as usize),
+                        address: off,
+                        ..Frame::default()
+                    },
+                };
+                let eval = frame.name.starts_with("_PyEval_EvalFrameDefault")
+                    || (frame.name.starts_with('[') && self.in_eval_loop(b, off));
+                let id = self.intern(frame);
+                if eval {
+                    self.eval_frames.insert(id);
+                }
+                self.native.insert((b, off), id);
+            }
+        }
+        for (addr, sym) in named.kernel {
+            if self.kernel.contains_key(&addr) {
+                continue;
+            }
             let id = self.intern(Frame {
                 kind: FrameKind::Kernel,
                 name: sym.map_or_else(|| format!("0x{addr:x}"), |s| s.name),
@@ -322,53 +378,6 @@ impl Resolver {
                 ..Frame::default()
             });
             self.kernel.insert(addr, id);
-        }
-    }
-
-    fn name_binary(&mut self, b: u32, offsets: Vec<u64>) {
-        let path = self.read_path(b);
-        let plt = std::fs::read(&path)
-            .map(|d| crate::plt::Plt::read(&d))
-            .unwrap_or_default();
-        let syms = self.symbolizer.user(&path, &offsets);
-        let display = self.binaries[b as usize].mapping.path.clone();
-        let base = display.rsplit('/').next().unwrap_or(&display).to_owned();
-        for (off, sym) in offsets.into_iter().zip(syms) {
-            let sym = plt
-                .name(off)
-                .map(|n| crate::symbolize::Sym {
-                    name: n.to_owned(),
-                    file: None,
-                    line: None,
-                    offset: 0,
-                })
-                .or(sym);
-            let frame = match sym {
-                Some(s) => Frame {
-                    kind: FrameKind::Native,
-                    name: s.name,
-                    file: s.file,
-                    line: s.line,
-                    mapping: Some(b as usize),
-                    address: off,
-                },
-                None => Frame {
-                    kind: FrameKind::Native,
-                    // perf's habit: an unnamed address is shown as its binary, so that the
-                    // stripped functions of one library add up in one place.
-                    name: format!("[{base}]"),
-                    mapping: Some(b as usize),
-                    address: off,
-                    ..Frame::default()
-                },
-            };
-            let eval = frame.name.starts_with("_PyEval_EvalFrameDefault")
-                || (frame.name.starts_with('[') && self.in_eval_loop(b, off));
-            let id = self.intern(frame);
-            if eval {
-                self.eval_frames.insert(id);
-            }
-            self.native.insert((b, off), id);
         }
     }
 
@@ -574,6 +583,75 @@ impl Resolver {
 
 /// Where the daemon reads a binary: the file it opened while a process mapped it, or (if
 /// that failed) its own view of the path.
+/// Addresses to name, taken from a [`Resolver`] ([`Resolver::to_name`]).
+pub struct Naming {
+    binaries: Vec<ToName>,
+    kernel: Vec<u64>,
+}
+
+struct ToName {
+    id: u32,
+    file: Option<std::fs::File>,
+    /// As mapped: read when the binary could not be kept open.
+    path: PathBuf,
+    offsets: Vec<u64>,
+}
+
+/// Names found by [`Naming::run`], for [`Resolver::apply`]: per binary id, and for kernel
+/// addresses, each address with its symbol.
+pub struct Named {
+    binaries: Vec<(u32, Names)>,
+    kernel: Names,
+}
+
+type Names = Vec<(u64, Option<crate::symbolize::Sym>)>;
+
+impl Naming {
+    /// Names the addresses: the slow part (symbol tables and DWARF), one symbolizer call per
+    /// binary; PLT stubs as `name@plt`.
+    pub fn run(self, symbolizer: &mut Symbolizer) -> Named {
+        use std::os::fd::AsRawFd;
+        let mut binaries = Vec::with_capacity(self.binaries.len());
+        let mut opened = Vec::new();
+        for b in self.binaries {
+            let path = match &b.file {
+                Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
+                None => b.path.clone(),
+            };
+            let plt = std::fs::read(&path)
+                .map(|d| crate::plt::Plt::read(&d))
+                .unwrap_or_default();
+            let syms = symbolizer.user(&path, &b.offsets);
+            let names = b
+                .offsets
+                .into_iter()
+                .zip(syms)
+                .map(|(off, sym)| {
+                    let stub = plt.name(off).map(|n| crate::symbolize::Sym {
+                        name: n.to_owned(),
+                        file: None,
+                        line: None,
+                        offset: 0,
+                    });
+                    (off, stub.or(sym))
+                })
+                .collect();
+            binaries.push((b.id, names));
+            if let Some(f) = b.file {
+                opened.push((path, f));
+            }
+        }
+        // The symbolizer knows our descriptors by their numbers, which later files reuse.
+        symbolizer.evict(opened.iter().map(|(p, _)| p.clone()).collect());
+        drop(opened);
+        let kernel = symbolizer.kernel(&self.kernel);
+        Named {
+            binaries,
+            kernel: self.kernel.into_iter().zip(kernel).collect(),
+        }
+    }
+}
+
 fn read_path(bin: &Binary) -> PathBuf {
     use std::os::fd::AsRawFd;
     match &bin.file {

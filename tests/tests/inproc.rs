@@ -463,13 +463,14 @@ fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
     let code = "import time\n\
                 def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
                 print('ready', flush=True)\n\
-                time.sleep(3)\n\
+                time.sleep(5)\n\
                 fib(15)\n";
     let (mut child, pid, file) = script_ready(&d, &py, "asleep.py", code);
     let mut start = d
         .ctl()
         .args(["start", "--mode=counting", "--python", "--pid", &pid])
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     // The start waits for the process (a second); the daemon answers meanwhile.
@@ -481,7 +482,7 @@ fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
         "the start was answered before the other requests"
     );
     let out = start.wait_with_output().unwrap();
-    assert!(out.status.success());
+    assert!(out.status.success(), "{out:?}");
     let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
     assert!(child.0.wait().unwrap().success());
     let report = ended_report(&d, &id);

@@ -300,6 +300,84 @@ fn native_frames_sit_under_the_python_caller() {
     }
 }
 
+/// Naming a profile reads the symbol tables and DWARF of every binary sampled (here tracerd's
+/// own, ~100 MB of debug info, sampled while it unwinds): seconds, spent off the manager.
+/// Meanwhile the session is shown running, its report is not ready, and other requests are
+/// answered; the stop is answered with the final state.
+#[test]
+fn requests_are_answered_while_a_profile_is_named() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let mut busy = ChildGuard(
+        Command::new(tracer_tests::python())
+            .args([
+                "-c",
+                "import time\nend = time.time() + 6\nwhile time.time() < end: pass",
+            ])
+            .spawn()
+            .unwrap(),
+    );
+    let id = d.ok(&["start", "--mode=sampling", "--all", "--frequency", "999"]);
+    let id = id.trim();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let mut stop = d
+        .ctl()
+        .args(["stop", id])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut ending, mut listed_running, mut deleted) = (0, 0, false);
+    while stop.try_wait().unwrap().is_none() {
+        let out = d.run(&["delete", id]);
+        if out.status.success() {
+            // Ended already; the stop's client is on its way out.
+            deleted = true;
+            break;
+        }
+        if String::from_utf8_lossy(&out.stderr).contains("is ending: its profile is being named") {
+            ending += 1;
+            let list = d.ok(&["list"]);
+            if list
+                .lines()
+                .any(|l| l.starts_with(id) && l.contains("running"))
+            {
+                listed_running += 1;
+            }
+        }
+    }
+    let stopped = stop.wait_with_output().unwrap();
+    assert!(stopped.status.success(), "{stopped:?}");
+    let info = String::from_utf8_lossy(&stopped.stdout);
+    assert!(
+        info.contains("finished"),
+        "the stop answers with the final state: {info}"
+    );
+    println!("{ending} requests answered while the profile was named");
+    assert!(
+        ending > 0,
+        "the stop was answered before anything else: naming held the manager"
+    );
+    assert!(listed_running > 0, "listed as running while ending");
+    if !deleted {
+        let report: serde_json::Value =
+            serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+        let frames = report["profile"]["stacks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["frames"].as_array().unwrap());
+        let mut names = frames.filter_map(|f| f["name"].as_str());
+        assert!(
+            names.any(|n| n.contains("tracer_daemon")),
+            "tracerd's own frames named"
+        );
+    }
+    busy.0.kill().unwrap();
+}
+
 /// Stacks deeper than the 16 KiB a stack copy once held (importing PyTorch runs deeper):
 /// Python frames nested through C, 24-47 KiB of native stack, unwind to the root whole.
 #[test]

@@ -316,13 +316,59 @@ impl CudaSession {
         all
     }
 
-    /// Takes the session's counts out of the kernel. Probes not taken out with
-    /// [`Self::take_probes`] are detached here first.
-    pub fn finish(mut self, bpf: &mut Bpf) -> CudaReport {
+    /// Takes the session's counts out of the kernel; quick. Naming them is
+    /// [`CudaEnd::finish`]'s work. Probes not taken out with [`Self::take_probes`] are
+    /// detached here first.
+    pub fn end(mut self, bpf: &mut Bpf) -> CudaEnd {
         drop(self.take_probes());
+        let counts = bpf.cuda_counts(self.slot, true);
+        let times = bpf.gpu_kernel_times(self.slot, true);
+        CudaEnd {
+            cuda: self,
+            counts,
+            times,
+        }
+    }
+}
+
+/// An ended CUDA session's counts, to be named where waiting is fine: native callers are
+/// named from the symbol tables of libraries such as libtorch_cuda (hundreds of MB).
+pub struct CudaEnd {
+    cuda: CudaSession,
+    counts: crate::bpf::CudaCounts,
+    times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
+}
+
+impl CudaEnd {
+    /// The processes counted.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.counts.0.iter().map(|(k, _)| k.pid).collect();
+        pids.extend(self.counts.1.iter().map(|(k, _)| k.pid));
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// The session's CUDA report, named.
+    pub fn finish(self) -> CudaReport {
+        let CudaEnd {
+            cuda: this,
+            counts,
+            times,
+        } = self;
+        this.report(counts, times)
+    }
+}
+
+impl CudaSession {
+    fn report(
+        mut self,
+        counts: crate::bpf::CudaCounts,
+        times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
+    ) -> CudaReport {
         let native = self.callers.name_all();
-        let (mut rows, memory, unnamed) = self.rows(bpf.cuda_counts(self.slot, true), &native);
-        let gpu_kernels = self.gpu_kernels(bpf.gpu_kernel_times(self.slot, true));
+        let (mut rows, memory, unnamed) = self.rows(counts, &native);
+        let gpu_kernels = self.gpu_kernels(times);
         gpu_averages(&mut rows, &gpu_kernels);
         // The latest word of each process this session found the library in.
         let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injected)

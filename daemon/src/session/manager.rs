@@ -20,6 +20,7 @@ use super::{
     python::{Probes, PySession, Unprobed},
     Session,
 };
+mod closing;
 mod metrics;
 mod persist;
 
@@ -42,6 +43,11 @@ pub const MAX_RUNNING: usize = 256;
 type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
 enum Command {
+    /// A closing session's profile, named off the manager's task.
+    Named {
+        id: String,
+        done: Box<closing::Done>,
+    },
     Start {
         req: StartSessionRequest,
         caller: Caller,
@@ -209,6 +215,10 @@ pub enum Fetched {
 pub struct Manager {
     probe_limits: ProbeLimits,
     running: HashMap<String, Session>,
+    /// Ended sessions whose profile is being named (`closing`).
+    closing: HashMap<String, closing::Closing>,
+    /// Sessions end in place during shutdown.
+    shutting_down: bool,
     finished: HashMap<String, SessionInfo>,
     /// Reports of ended sessions not in the store (yet): served from memory, and stored once
     /// the store takes writes again.
@@ -257,6 +267,8 @@ impl Manager {
         let manager = Manager {
             probe_limits,
             running: HashMap::new(),
+            closing: HashMap::new(),
+            shutting_down: false,
             finished,
             unsaved,
             exported: HashMap::new(),
@@ -310,9 +322,18 @@ impl Manager {
                     self.drain_kernel_names(kernel_names.get_mut());
                     match cmd {
                     Some(Command::Shutdown { reply }) => {
+                        self.shutting_down = true;
                         let ids: Vec<String> = self.running.keys().cloned().collect();
                         for id in ids {
                             self.finish(&id, EndReason::DaemonShutdown, None);
+                        }
+                        // Profiles being named when the shutdown came are waited for.
+                        while !self.closing.is_empty() {
+                            match rx.recv().await {
+                                Some(Command::Named { id, done }) => self.named(&id, *done),
+                                Some(_) => {}
+                                None => break,
+                            }
                         }
                         self.save_unsaved();
                         let _ = reply.send(());
@@ -512,9 +533,17 @@ impl Manager {
                     std::thread::spawn(move || c.finish());
                 }
             }
-            Command::Stop { id, caller, reply } => {
-                let _ = reply.send(self.stop(&id, caller));
-            }
+            Command::Named { id, done } => self.named(&id, *done),
+            Command::Stop { id, caller, reply } => match self.stop(&id, caller) {
+                Ok(None) => {
+                    if let Some(c) = self.closing.get_mut(&id) {
+                        c.stops.push(reply);
+                    }
+                }
+                done => {
+                    let _ = reply.send(done.map(|info| info.expect("answered")));
+                }
+            },
             Command::Get { id, caller, reply } => {
                 let _ = reply.send(self.get(&id, caller));
             }
@@ -526,6 +555,7 @@ impl Manager {
                     .values_mut()
                     .map(|s| s.info(&super::scoped_losses(bpf, s.owner_uid, s.slot, &losses)))
                     .collect();
+                all.extend(self.closing.values().map(|c| c.shown.clone()));
                 all.extend(self.finished.values().cloned());
                 all.retain(|s| caller.sees(s.owner_uid));
                 all.sort_by(|a, b| {
@@ -1234,19 +1264,24 @@ impl Manager {
         self.slots.free(slot);
     }
 
-    fn stop(&mut self, id: &str, caller: Caller) -> Result<SessionInfo, Error> {
+    /// The session's final state, or None while its profile is named (answered then).
+    fn stop(&mut self, id: &str, caller: Caller) -> Result<Option<SessionInfo>, Error> {
         let owner = self.owner(id)?;
         caller.may_stop(owner, id)?;
         if self.running.contains_key(id) {
             self.finish(id, EndReason::Stopped, None);
         }
-        Ok(self.finished[id].clone())
+        if self.closing.contains_key(id) {
+            return Ok(None);
+        }
+        Ok(Some(self.finished[id].clone()))
     }
 
     fn owner(&self, id: &str) -> Result<u32, Error> {
         self.running
             .get(id)
             .map(|s| s.owner_uid)
+            .or_else(|| self.closing.get(id).map(|c| c.shown.owner_uid))
             .or_else(|| self.finished.get(id).map(|s| s.owner_uid))
             .ok_or_else(|| Error::NoSuchSession { id: id.into() })
     }
@@ -1262,6 +1297,9 @@ impl Manager {
             let losses = super::scoped_losses(&self.bpf, s.owner_uid, s.slot, &losses);
             return Ok((s.info(&losses), s.ended.subscribe()));
         }
+        if let Some(c) = self.closing.get(id) {
+            return Ok((c.shown.clone(), c.ended.subscribe()));
+        }
         let (_, rx) = watch::channel(true);
         Ok((self.finished[id].clone(), rx))
     }
@@ -1273,6 +1311,11 @@ impl Manager {
         if self.running.contains_key(id) {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is running: stop it first"
+            )));
+        }
+        if self.closing.contains_key(id) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is ending: its profile is being named"
             )));
         }
         // The trace first: on a full disk, its space is what lets the store write again. If the
@@ -1305,7 +1348,7 @@ impl Manager {
     /// A finished session's report, and where its trace files are.
     fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
         caller.may_read(self.owner(id)?, id)?;
-        if self.running.contains_key(id) {
+        if self.running.contains_key(id) || self.closing.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }
         let fetched = match self.unsaved.get(id) {
@@ -1337,19 +1380,17 @@ impl Manager {
         let trace_end = self.close_trace(&mut s);
         let losses = super::scoped_losses(&self.bpf, s.owner_uid, s.slot, &self.bpf.losses());
         let mut info = s.info(&losses);
+        let shown = info.clone();
         // Close the counters before anything else can fail.
         s.counting = None;
-        // Stop sampling, then name what was sampled.
+        // Stop sampling; what was sampled is named off this task (`close`).
         let mut profile = match (s.sampler.take(), s.slot) {
             (Some(sampler), Some(slot)) => {
                 drop(sampler);
-                self.sampling.finish(slot)
+                self.sampling.end(slot)
             }
             _ => None,
         };
-        if let Some(c) = s.continuous.take() {
-            c.finish(profile.as_ref(), id);
-        }
         // Counts are read now, probes detached later (`release_after`).
         let mut probes = Vec::new();
         let native = match (s.native.take(), s.slot) {
@@ -1362,12 +1403,12 @@ impl Manager {
         let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.probing.stacks);
         let cuda = s.cuda.take().map(|mut c| {
             probes.push(c.take_probes());
-            c.finish(&mut self.bpf)
+            c.end(&mut self.bpf)
         });
         self.update_cuda_masks();
         if let (true, Some(slot)) = (launch_stacks, s.slot) {
             // The launch stacks recorded so far; later ones find no histogram for the slot.
-            profile = self.sampling.finish(slot);
+            profile = self.sampling.end(slot);
         }
         self.release_after(s.slot, probes);
         if s.owner_uid != 0 {
@@ -1389,8 +1430,6 @@ impl Manager {
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
         report.native = native;
-        report.profile = profile;
-        report.cuda = cuda;
         if let (Some(t), Some(end_ns)) = (s.trace.take(), trace_end) {
             let py = &self.py;
             let (trace, write_error) = t.finish(end_ns, |pid, code, names| {
@@ -1401,34 +1440,7 @@ impl Manager {
             if let Some(e) = write_error {
                 report.session.error.get_or_insert(e);
             }
-            // Launch events carry their row: the trace keeps the rows to name and describe them.
-            let mut launches: Vec<crate::report::trace::TraceLaunch> = report
-                .cuda
-                .iter()
-                .flat_map(|c| &c.launches)
-                .map(|l| crate::report::trace::TraceLaunch {
-                    row: l.row_id,
-                    launch: l.clone(),
-                })
-                .collect();
-            launches.sort_unstable_by_key(|l| (l.launch.pid, l.row));
-            let mut gpu_kernel_names: Vec<crate::report::trace::TraceGpuKernel> = report
-                .cuda
-                .iter()
-                .flat_map(|c| &c.gpu_kernels)
-                .map(|k| crate::report::trace::TraceGpuKernel {
-                    pid: k.pid,
-                    name: k.name_ptr,
-                    kernel: k.kernel.clone(),
-                })
-                .collect();
-            gpu_kernel_names.sort_unstable_by_key(|k| (k.pid, k.name));
-            gpu_kernel_names.dedup_by_key(|k| (k.pid, k.name));
-            report.trace = Some(crate::report::trace::Trace {
-                launches,
-                gpu_kernel_names,
-                ..trace
-            });
+            report.trace = Some(trace);
         }
         if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
             // Stop counting for this slot before reading it out.
@@ -1477,6 +1489,8 @@ impl Manager {
         }
         // Which container and pod each process ran in (targets of pid sessions included).
         let mut pids = report.pids();
+        pids.extend(profile.iter().flat_map(super::sampling::Ending::pids));
+        pids.extend(cuda.iter().flat_map(super::cuda::CudaEnd::pids));
         pids.extend(s.live.iter().copied());
         if let Some(target::Kind::Pid(pid)) = s.target.kind {
             pids.push(pid);
@@ -1488,18 +1502,16 @@ impl Manager {
         if self.running.is_empty() {
             crate::container::forget_exited();
         }
-        if s.export_prometheus {
-            self.exported
-                .insert(id.to_owned(), metrics::Ended::new(&info, &report));
-        }
-        self.unsaved.insert(id.to_owned(), report);
-        tracing::info!(
-            id,
-            reason = super::end_reason_name(info.end_reason),
-            "session ended"
-        );
-        self.finished.insert(id.to_owned(), info);
-        let _ = s.ended.send(true);
+        let closing = closing::Closing {
+            shown,
+            info,
+            report,
+            continuous: s.continuous.take(),
+            export_prometheus: s.export_prometheus,
+            ended: s.ended,
+            stops: Vec::new(),
+        };
+        self.close(id, closing, closing::Pending { profile, cuda });
     }
 
     /// Stops a tracing session's events: probes off, last counter readings, calls still

@@ -28,7 +28,8 @@ use crate::{
         memory,
         runtime::{Runtime, RuntimeError},
     },
-    stacks::{RawStack, Resolver},
+    stacks::{Naming, RawStack, Resolver},
+    symbolize::Symbolizer,
     unwind::End,
 };
 
@@ -64,29 +65,81 @@ struct State {
     /// Interpreter binaries by (device, inode); the error says whether to look again later.
     runtimes: HashMap<(u64, u64), Result<Arc<Runtime>, bool>>,
     kernel_stacks: HashMap<u32, Vec<u64>>,
+    /// Profiles being named off the lock ([`Ending`]): the resolver's ids must hold still
+    /// (no compaction) until they are in.
+    naming: usize,
 }
 
 pub struct Sampling {
     state: Arc<Mutex<State>>,
+    /// Names ended sessions' profiles without the state's lock (the worker and the manager
+    /// keep using it meanwhile).
+    namer: Arc<Mutex<Symbolizer>>,
     stop: Arc<AtomicBool>,
     worker: Option<thread::JoinHandle<()>>,
 }
 
+/// An ended session's samples, to be named where waiting is fine ([`Ending::name`]): reading
+/// symbol tables and DWARF of large binaries takes seconds.
+pub struct Ending {
+    state: Arc<Mutex<State>>,
+    namer: Arc<Mutex<Symbolizer>>,
+    work: Option<(Histogram, Naming)>,
+}
+
+impl Ending {
+    /// The processes sampled.
+    pub fn pids(&self) -> Vec<u32> {
+        let Some((h, _)) = &self.work else {
+            return Vec::new();
+        };
+        let mut pids: Vec<u32> = h.stacks.keys().map(|k| k.0).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    /// The session's profile, named.
+    pub fn name(mut self) -> Profile {
+        let (h, naming) = self.work.take().expect("named once");
+        let named = naming.run(&mut lock(&self.namer));
+        let mut st = lock(&self.state);
+        st.resolver.apply(named);
+        let profile = st.named_profile(h);
+        st.naming -= 1;
+        st.tidy();
+        profile
+    }
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        if self.work.take().is_some() {
+            lock(&self.state).naming -= 1;
+        }
+    }
+}
+
 /// Takes windows of a session's samples while it runs (continuous profiling).
 #[derive(Clone)]
-pub struct Windows(Arc<Mutex<State>>);
+pub struct Windows {
+    state: Arc<Mutex<State>>,
+    namer: Arc<Mutex<Symbolizer>>,
+}
 
 impl Windows {
-    /// The samples since the last window (or the start), named; the session goes on.
+    /// The samples since the last window (or the start), named (without the sampling
+    /// lock, as at a session's end); the session goes on.
     pub fn take(&self, slot: u8) -> Option<Profile> {
-        let mut st = lock(&self.0);
-        st.drain();
-        let h = st.sessions.get_mut(&u32::from(slot))?;
-        let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
-        let window = std::mem::replace(h, fresh);
-        let profile = st.profile(window);
-        st.compact();
-        Some(profile)
+        let ending = {
+            let mut st = lock(&self.state);
+            st.drain();
+            let h = st.sessions.get_mut(&u32::from(slot))?;
+            let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
+            let window = std::mem::replace(h, fresh);
+            st.ending(window, &self.state, &self.namer)
+        };
+        Some(ending.name())
     }
 }
 
@@ -109,7 +162,10 @@ impl Histogram {
 
 impl Sampling {
     pub fn windows(&self) -> Windows {
-        Windows(self.state.clone())
+        Windows {
+            state: self.state.clone(),
+            namer: self.namer.clone(),
+        }
     }
 
     /// `interpreters`: the Python runtime binaries on this machine, read ahead so that the
@@ -122,6 +178,7 @@ impl Sampling {
             versions: HashMap::new(),
             runtimes: HashMap::new(),
             kernel_stacks: HashMap::new(),
+            naming: 0,
         }));
         let started = Instant::now();
         for path in &interpreters {
@@ -161,6 +218,7 @@ impl Sampling {
         };
         Self {
             state,
+            namer: Arc::new(Mutex::new(Symbolizer::new())),
             stop,
             worker: Some(worker),
         }
@@ -201,19 +259,21 @@ impl Sampling {
         );
     }
 
-    /// Ends `slot`'s histogram (its perf events must be closed already) and names it.
-    pub fn finish(&self, slot: u8) -> Option<Profile> {
+    /// Ends `slot`'s histogram (its perf events must be closed already); quick. Naming it
+    /// is [`Ending::name`]'s work.
+    pub fn end(&self, slot: u8) -> Option<Ending> {
         let mut st = lock(&self.state);
         st.drain();
         let h = st.sessions.remove(&u32::from(slot))?;
-        let profile = st.profile(h);
         if st.sessions.is_empty() {
             st.forget_kernel_stacks();
         }
-        st.resolver.forget_exited();
-        st.versions.retain(|&pid, _| crate::process::alive(pid));
-        st.compact();
-        Some(profile)
+        Some(st.ending(h, &self.state, &self.namer))
+    }
+
+    /// Ends `slot`'s histogram and names it, here and now.
+    pub fn finish(&self, slot: u8) -> Option<Profile> {
+        self.end(slot).map(Ending::name)
     }
 
     /// A process exited: what was per process goes (its samples are already counted).
@@ -335,7 +395,34 @@ impl State {
 
     /// Keeps of the resolver only what the running sessions' samples refer to: binaries
     /// (and their open files) and names of programs gone do not pile up over the daemon's life.
+    /// `h`, to be named off the lock.
+    fn ending(
+        &mut self,
+        h: Histogram,
+        state: &Arc<Mutex<State>>,
+        namer: &Arc<Mutex<Symbolizer>>,
+    ) -> Ending {
+        let naming = self.resolver.to_name(h.stacks.keys().map(|k| &k.3));
+        self.naming += 1;
+        Ending {
+            state: state.clone(),
+            namer: namer.clone(),
+            work: Some((h, naming)),
+        }
+    }
+
+    /// What ended sessions no longer need goes.
+    fn tidy(&mut self) {
+        self.resolver.forget_exited();
+        self.versions.retain(|&pid, _| crate::process::alive(pid));
+        self.compact();
+    }
+
     fn compact(&mut self) {
+        if self.naming > 0 {
+            // Ids in flight; the last profile named compacts.
+            return;
+        }
         let live = self
             .sessions
             .values()
@@ -451,9 +538,8 @@ impl State {
         }
     }
 
-    fn profile(&mut self, h: Histogram) -> Profile {
-        // Naming, once per distinct address, now that sampling is over.
-        self.resolver.name_all(h.stacks.keys().map(|k| &k.3));
+    /// The profile of `h`, whose addresses are named.
+    fn named_profile(&mut self, h: Histogram) -> Profile {
         let mut named: HashMap<(u32, u32, Vec<u32>), u64> = HashMap::new();
         for ((pid, tid, root, raw), count) in &h.stacks {
             let mut ids = vec![*root];
@@ -519,7 +605,7 @@ impl State {
 }
 
 /// The state, also after a panic elsewhere left the lock poisoned.
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     state
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

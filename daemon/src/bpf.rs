@@ -197,7 +197,10 @@ pub struct Bpf {
     pub py_calls: HashMap<MapData, PyCallKey, PyCallStats>,
     pub py_edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
     py_codes: Option<RingBuf<MapData>>,
-    py_sessions: Array<MapData, [SessionMask; 2]>,
+    py_sessions: Array<MapData, [SessionMask; 3]>,
+    /// What `PY_SESSIONS` holds: Python slots, those counting every process, those with
+    /// processes counted in-process.
+    py_masks: [SessionMask; 3],
     /// Processes counted in-process → the slots counting them so (their probes skip them).
     py_inproc: HashMap<MapData, u32, SessionMask>,
     /// Threads' shadow stacks of Python frames, read when a tracing session ends.
@@ -333,6 +336,7 @@ impl Bpf {
             py_edges: take(&mut ebpf, "PY_EDGES")?,
             py_codes: Some(take(&mut ebpf, "PY_CODES")?),
             py_sessions: take(&mut ebpf, "PY_SESSIONS")?,
+            py_masks: [0; 3],
             py_inproc: take(&mut ebpf, "PY_INPROC")?,
             py_stacks: take(&mut ebpf, "PY_STACKS")?,
             trace_sessions: take(&mut ebpf, "TRACE_SESSIONS")?,
@@ -360,14 +364,23 @@ impl Bpf {
         python: SessionMask,
         all: SessionMask,
     ) -> Result<(), BpfError> {
+        self.write_py_masks([python, all, self.py_masks[2]])
+    }
+
+    fn write_py_masks(&mut self, masks: [SessionMask; 3]) -> Result<(), BpfError> {
         self.py_sessions
-            .set(0, [python, all], 0)
-            .map_err(map_err("PY_SESSIONS"))
+            .set(0, masks, 0)
+            .map_err(map_err("PY_SESSIONS"))?;
+        self.py_masks = masks;
+        Ok(())
     }
 
     /// Marks `pid` as counted in-process by `slot`: that slot's probes skip it (and its
-    /// forked children, which the kernel marks as they fork).
+    /// forked children, which the kernel marks as they fork). The slot's in-process bit is
+    /// set first, so that the probes look the process up from then on.
     pub fn set_inproc(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let [python, all, inproc] = self.py_masks;
+        self.write_py_masks([python, all, inproc | 1 << slot])?;
         let mask = self.py_inproc.get(&pid, 0).unwrap_or(0);
         self.py_inproc
             .insert(pid, mask | 1 << slot, 0)
@@ -389,6 +402,10 @@ impl Bpf {
             } else {
                 self.py_inproc.insert(pid, rest, 0)
             };
+        }
+        let [python, all, inproc] = self.py_masks;
+        if let Err(e) = self.write_py_masks([python, all, inproc & !(1 << slot)]) {
+            tracing::error!(%e, "updating Python session masks");
         }
     }
 
@@ -835,6 +852,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::CUDA_MAP_FULL => "cuda_maps_full",
         loss::CUDA_NAMES_RINGBUF_FULL => "cuda_names_ringbuf_full",
         loss::CUPTI_RECORDS_DROPPED => "cupti_records_dropped",
+        loss::PY_INPROC_FULL => "python_inproc_map_full",
         _ => "unknown",
     }
 }

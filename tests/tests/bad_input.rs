@@ -103,6 +103,14 @@ fn malformed_requests_and_empty_targets_are_invalid_arguments() {
     let (code, details) = raw(&d, "StartSession", &start_counting(&[0x10, 0x00])).unwrap();
     assert_eq!(code, "INVALID_ARGUMENT", "{details}");
     assert!(details.contains("a target is required"), "{details}");
+    // CountingOptions { python_uprobes_only: true } without python, as tracerctl refuses it.
+    let mut target = vec![0x08];
+    target.extend(varint(u64::from(std::process::id())));
+    let mut req = start_counting(&target);
+    req.extend(bytes_field(4, &[0x48, 0x01]));
+    let (code, details) = raw(&d, "StartSession", &req).unwrap();
+    assert_eq!(code, "INVALID_ARGUMENT", "{details}");
+    assert!(details.contains("it needs --python"), "{details}");
     no_sessions(&d);
 }
 

@@ -48,6 +48,8 @@ enum Command {
         id: String,
         done: Box<closing::Done>,
     },
+    /// The machine's interpreters, inspected at start off this task.
+    Inspected(super::python::Inspected),
     Start {
         req: StartSessionRequest,
         caller: Caller,
@@ -274,13 +276,18 @@ impl Manager {
             exported: HashMap::new(),
             store,
             bpf,
-            py: Probes::new(interpreters),
+            py: Probes::new(interpreters.clone()),
             sampling,
             tracing,
             slots: super::slots::Slots::default(),
             tx: tx.clone(),
             detached,
         };
+        let ahead = tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let found = super::python::Inspected::read(&interpreters);
+            let _ = ahead.blocking_send(Command::Inspected(found));
+        });
         let task = tokio::spawn(manager.run(rx, proc_rx, detached_rx, codes, kernel_names));
         Ok((Handle { tx }, task))
     }
@@ -534,6 +541,7 @@ impl Manager {
                 }
             }
             Command::Named { id, done } => self.named(&id, *done),
+            Command::Inspected(found) => self.py.add_inspected(found),
             Command::Stop { id, caller, reply } => match self.stop(&id, caller) {
                 Ok(None) => {
                     if let Some(c) = self.closing.get_mut(&id) {
@@ -638,6 +646,11 @@ impl Manager {
         if (options.cuda_stacks || options.cuda_driver_only) && !options.cuda {
             return Err(Error::InvalidArgument(
                 "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
+            ));
+        }
+        if options.python_uprobes_only && !options.python {
+            return Err(Error::InvalidArgument(
+                "--python-uprobes-only says how Python calls are counted: it needs --python".into(),
             ));
         }
         if options.cuda_stacks && mode == Mode::Sampling {

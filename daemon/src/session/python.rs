@@ -55,6 +55,28 @@ impl std::fmt::Display for Unprobed {
     }
 }
 
+/// The machine's interpreters, inspected ahead (tens of milliseconds each: symbol tables,
+/// opcode tables) so that the first Python session's start does not wait for it.
+pub struct Inspected(Vec<(FileId, Result<Runtime, Unprobed>)>);
+
+impl Inspected {
+    pub fn read(paths: &[PathBuf]) -> Self {
+        Self(
+            paths
+                .iter()
+                .filter_map(|p| Some((file_id(p).ok()?, inspect(p))))
+                .collect(),
+        )
+    }
+}
+
+fn inspect(path: &Path) -> Result<Runtime, Unprobed> {
+    Runtime::inspect(path).map_err(|e| match e {
+        RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
+        e => Unprobed::Failed(e.to_string()),
+    })
+}
+
 fn file_id(path: &Path) -> Result<(u64, u64), String> {
     let m = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok((m.dev(), m.ino()))
@@ -68,18 +90,20 @@ impl Probes {
         }
     }
 
+    /// Takes in what [`Inspected::read`] found ahead, for binaries not looked at since.
+    pub fn add_inspected(&mut self, found: Inspected) {
+        for (id, rt) in found.0 {
+            self.inspected.entry(id).or_insert(rt);
+        }
+    }
+
     /// Probes `path` (once). Returns the runtime, or why it cannot be probed.
     pub fn ensure(&mut self, bpf: &mut Bpf, path: &Path) -> Result<&Runtime, Unprobed> {
         let id = file_id(path).map_err(Unprobed::Failed)?;
         let rt = self
             .inspected
             .entry(id)
-            .or_insert_with(|| {
-                Runtime::inspect(path).map_err(|e| match e {
-                    RuntimeError::NoEvalLoop { .. } => Unprobed::NotRuntime,
-                    e => Unprobed::Failed(e.to_string()),
-                })
-            })
+            .or_insert_with(|| inspect(path))
             .as_ref()
             .map_err(Clone::clone)?;
         if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {

@@ -2,7 +2,7 @@
 //! few milliseconds — while the sampled processes are alive, so their memory and binaries
 //! can still be read — turns each sample into a named stack ([`crate::stacks`]) and counts
 //! it in its session's histogram. The manager adds a session when its perf events start
-//! and takes its [`Profile`] when they stop.
+//! and takes its samples when they stop ([`Sampling::end`]), to be named off its task.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -269,11 +269,6 @@ impl Sampling {
             st.forget_kernel_stacks();
         }
         Some(st.ending(h, &self.state, &self.namer))
-    }
-
-    /// Ends `slot`'s histogram and names it, here and now.
-    pub fn finish(&self, slot: u8) -> Option<Profile> {
-        self.end(slot).map(Ending::name)
     }
 
     /// A process exited: what was per process goes (its samples are already counted).

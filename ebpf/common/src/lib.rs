@@ -85,8 +85,11 @@ pub mod loss {
     /// CUPTI dropped kernel activity records (its buffers were full), as tracer's injection
     /// library reported them: kernels whose GPU time is missing.
     pub const CUPTI_RECORDS_DROPPED: u32 = 15;
+    /// `PY_INPROC` was full: a forked child of a process counted in-process was not marked,
+    /// so another session's Python uprobes may count its calls too.
+    pub const PY_INPROC_FULL: u32 = 16;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 17;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).

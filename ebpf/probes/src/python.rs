@@ -61,9 +61,10 @@ static PY_EDGES: HashMap<PyEdgeKey, PyCallStats> =
 #[map]
 static PY_CODES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 
-/// One entry: [sessions counting Python calls, those of them that count every process].
+/// One entry: [sessions counting Python calls, those of them that count every process,
+/// those with processes counted in-process (`PY_INPROC`)].
 #[map]
-static PY_SESSIONS: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
+static PY_SESSIONS: Array<[SessionMask; 3]> = Array::with_max_entries(1, 0);
 
 /// Processes counted in-process (CPython 3.14+, `libtracer_pycount.so`) → the sessions that
 /// count them that way: those sessions' probes skip them. Copied to forked children (the
@@ -76,22 +77,29 @@ const COMPACT_ASCII: u32 = (1 << 5) | (1 << 6);
 
 /// The sessions that count this process's calls, if any.
 fn sessions(pid: u32) -> SessionMask {
-    let [python, all] = PY_SESSIONS.get(0).copied().unwrap_or([0, 0]);
+    let [python, all, inproc_slots] = PY_SESSIONS.get(0).copied().unwrap_or([0, 0, 0]);
     if python == 0 {
         return 0;
     }
     // SAFETY: map values are valid for the duration of the program.
     let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
+    let counting = (followed | all) & python & ((1 << MAX_PY_SESSIONS) - 1);
+    if counting & inproc_slots == 0 {
+        // No lookup on the hot path while nobody counts in-process.
+        return counting;
+    }
     // SAFETY: as above.
     let inproc = unsafe { PY_INPROC.get(&pid) }.copied().unwrap_or(0);
-    (followed | all) & python & !inproc & ((1 << MAX_PY_SESSIONS) - 1)
+    counting & !inproc
 }
 
 /// A process forked: a child of a process counted in-process is counted so too.
 pub(crate) fn inproc_forked(parent: u32, child: u32) {
     // SAFETY: map values are valid for the duration of the program.
     if let Some(&mask) = unsafe { PY_INPROC.get(&parent) } {
-        let _ = PY_INPROC.insert(&child, &mask, 0);
+        if PY_INPROC.insert(&child, &mask, 0).is_err() {
+            count_loss(loss::PY_INPROC_FULL);
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     path::PathBuf,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -103,7 +104,12 @@ impl Renumbered {
 #[derive(Default)]
 pub struct Resolver {
     unwinder: Unwinder,
+    /// Build ids of the binaries as they are first seen.
     symbolizer: Symbolizer,
+    /// Names addresses ([`Naming::run`]) without the lock its caller keeps the resolver
+    /// under. Knows the binaries by their `/proc/self/fd/N` paths, so its parsed files stay
+    /// open until [`Self::compact`] closes ours.
+    namer: Arc<Mutex<Symbolizer>>,
     maps: HashMap<u32, (ProcMaps, Instant)>,
     binaries: Vec<Binary>,
     binary_ids: HashMap<BinaryKey, u32>,
@@ -179,9 +185,11 @@ impl Resolver {
                 dropped.push(b);
             }
         }
-        // The symbolizer knows them by their `/proc/self/fd/N` paths, which the next binaries
+        // The namer knows them by their `/proc/self/fd/N` paths, which the next binaries
         // opened may reuse: forget them, and close its files, before ours.
-        self.symbolizer
+        self.namer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .evict(dropped.iter().map(read_path).collect());
         drop(dropped);
         self.frame_ids.clear();
@@ -312,21 +320,21 @@ impl Resolver {
         }
         let binaries = natives
             .into_iter()
-            .map(|(b, offsets)| {
-                let bin = &self.binaries[b as usize];
-                ToName {
-                    id: b,
-                    // Its own descriptor: ours may be closed meanwhile, and its number reused.
-                    file: bin.file.as_ref().and_then(|f| f.try_clone().ok()),
-                    path: PathBuf::from(&bin.mapping.path),
-                    offsets: offsets.into_iter().collect(),
-                }
+            .map(|(b, offsets)| ToName {
+                id: b,
+                path: self.read_path(b),
+                offsets: offsets.into_iter().collect(),
             })
             .collect();
         Naming {
             binaries,
             kernel: kernel.into_iter().collect(),
         }
+    }
+
+    /// What names addresses: [`Naming::run`]'s symbolizer.
+    pub fn namer(&self) -> Arc<Mutex<Symbolizer>> {
+        self.namer.clone()
     }
 
     /// Takes in what [`Naming::run`] found.
@@ -591,8 +599,7 @@ pub struct Naming {
 
 struct ToName {
     id: u32,
-    file: Option<std::fs::File>,
-    /// As mapped: read when the binary could not be kept open.
+    /// [`read_path`]: open until the resolver compacts, which waits for the names.
     path: PathBuf,
     offsets: Vec<u64>,
 }
@@ -610,18 +617,12 @@ impl Naming {
     /// Names the addresses: the slow part (symbol tables and DWARF), one symbolizer call per
     /// binary; PLT stubs as `name@plt`.
     pub fn run(self, symbolizer: &mut Symbolizer) -> Named {
-        use std::os::fd::AsRawFd;
         let mut binaries = Vec::with_capacity(self.binaries.len());
-        let mut opened = Vec::new();
         for b in self.binaries {
-            let path = match &b.file {
-                Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
-                None => b.path.clone(),
-            };
-            let plt = std::fs::read(&path)
+            let plt = std::fs::read(&b.path)
                 .map(|d| crate::plt::Plt::read(&d))
                 .unwrap_or_default();
-            let syms = symbolizer.user(&path, &b.offsets);
+            let syms = symbolizer.user(&b.path, &b.offsets);
             let names = b
                 .offsets
                 .into_iter()
@@ -637,13 +638,7 @@ impl Naming {
                 })
                 .collect();
             binaries.push((b.id, names));
-            if let Some(f) = b.file {
-                opened.push((path, f));
-            }
         }
-        // The symbolizer knows our descriptors by their numbers, which later files reuse.
-        symbolizer.evict(opened.iter().map(|(p, _)| p.clone()).collect());
-        drop(opened);
         let kernel = symbolizer.kernel(&self.kernel);
         Named {
             binaries,

@@ -351,12 +351,7 @@ impl CudaEnd {
 
     /// The session's CUDA report, named.
     pub fn finish(self) -> CudaReport {
-        let CudaEnd {
-            cuda: this,
-            counts,
-            times,
-        } = self;
-        this.report(counts, times)
+        self.cuda.report(self.counts, self.times)
     }
 }
 

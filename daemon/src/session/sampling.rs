@@ -72,9 +72,6 @@ struct State {
 
 pub struct Sampling {
     state: Arc<Mutex<State>>,
-    /// Names ended sessions' profiles without the state's lock (the worker and the manager
-    /// keep using it meanwhile).
-    namer: Arc<Mutex<Symbolizer>>,
     stop: Arc<AtomicBool>,
     worker: Option<thread::JoinHandle<()>>,
 }
@@ -122,22 +119,19 @@ impl Drop for Ending {
 
 /// Takes windows of a session's samples while it runs (continuous profiling).
 #[derive(Clone)]
-pub struct Windows {
-    state: Arc<Mutex<State>>,
-    namer: Arc<Mutex<Symbolizer>>,
-}
+pub struct Windows(Arc<Mutex<State>>);
 
 impl Windows {
     /// The samples since the last window (or the start), named (without the sampling
     /// lock, as at a session's end); the session goes on.
     pub fn take(&self, slot: u8) -> Option<Profile> {
         let ending = {
-            let mut st = lock(&self.state);
+            let mut st = lock(&self.0);
             st.drain();
             let h = st.sessions.get_mut(&u32::from(slot))?;
             let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
             let window = std::mem::replace(h, fresh);
-            st.ending(window, &self.state, &self.namer)
+            st.ending(window, &self.0)
         };
         Some(ending.name())
     }
@@ -162,10 +156,7 @@ impl Histogram {
 
 impl Sampling {
     pub fn windows(&self) -> Windows {
-        Windows {
-            state: self.state.clone(),
-            namer: self.namer.clone(),
-        }
+        Windows(self.state.clone())
     }
 
     /// `interpreters`: the Python runtime binaries on this machine, read ahead so that the
@@ -218,7 +209,6 @@ impl Sampling {
         };
         Self {
             state,
-            namer: Arc::new(Mutex::new(Symbolizer::new())),
             stop,
             worker: Some(worker),
         }
@@ -268,7 +258,7 @@ impl Sampling {
         if st.sessions.is_empty() {
             st.forget_kernel_stacks();
         }
-        Some(st.ending(h, &self.state, &self.namer))
+        Some(st.ending(h, &self.state))
     }
 
     /// A process exited: what was per process goes (its samples are already counted).
@@ -391,17 +381,12 @@ impl State {
     /// Keeps of the resolver only what the running sessions' samples refer to: binaries
     /// (and their open files) and names of programs gone do not pile up over the daemon's life.
     /// `h`, to be named off the lock.
-    fn ending(
-        &mut self,
-        h: Histogram,
-        state: &Arc<Mutex<State>>,
-        namer: &Arc<Mutex<Symbolizer>>,
-    ) -> Ending {
+    fn ending(&mut self, h: Histogram, state: &Arc<Mutex<State>>) -> Ending {
         let naming = self.resolver.to_name(h.stacks.keys().map(|k| &k.3));
         self.naming += 1;
         Ending {
             state: state.clone(),
-            namer: namer.clone(),
+            namer: self.resolver.namer(),
             work: Some((h, naming)),
         }
     }

@@ -126,7 +126,7 @@ fn scratch() -> Option<*mut SampleEvent> {
 unsafe fn send(ev: *mut SampleEvent) {
     // SAFETY: `ev` is this CPU's filled record.
     let copied = unsafe { (*ev).stack_len } as usize;
-    // A mask, not a comparison, keeps the length's bound visible to the verifier.
+    // Masked, then capped: a bound the verifier can follow to the scratch entry's size.
     let len = SAMPLE_STACK_OFFSET + (copied & (SAMPLE_STACK_BYTES * 2 - 1)).min(SAMPLE_STACK_BYTES);
     // SAFETY: the record is `SAMPLE_STACK_OFFSET + SAMPLE_STACK_BYTES` bytes long.
     let bytes = unsafe { core::slice::from_raw_parts(ev as *const u8, len) };

@@ -32,7 +32,14 @@ const CUDA_CALL: &str = "tracer_cuda_call";
 const CUDA_RETURN: &str = "tracer_cuda_return";
 const NATIVE_CALL: &str = "tracer_native_call";
 /// The uprobe programs that run at a function's return (uretprobes).
-const AT_RETURN: [&str; 2] = ["tracer_py_eval_return", CUDA_RETURN];
+const PY_ENTRY: &str = "tracer_py_eval_entry";
+const PY_RETURN: &str = "tracer_py_eval_return";
+const PY_OPCODE: &str = "tracer_py_opcode";
+const AT_RETURN: [&str; 2] = [PY_RETURN, CUDA_RETURN];
+/// The programs each kind of probe needs, loaded at its first use.
+const PY_PROGRAMS: [&str; 3] = [PY_ENTRY, PY_RETURN, PY_OPCODE];
+const CUDA_PROGRAMS: [&str; 2] = [CUDA_CALL, CUDA_RETURN];
+const NATIVE_PROGRAMS: [&str; 1] = [NATIVE_CALL];
 
 /// The probes' layout array, for layouts found after loading (an interpreter's own debug
 /// offsets): whoever hands a probe a layout index publishes its layout first.
@@ -141,6 +148,25 @@ impl ProbeSet {
     pub fn extend(&mut self, other: ProbeSet) {
         self.links.extend(other.links);
         self.probes += other.probes;
+    }
+}
+
+/// Uprobe programs still to be verified and loaded, from [`Bpf::to_load`]; `run` them on a
+/// thread that may wait seconds. What they load, the daemon's later attaches use.
+pub struct Loading {
+    programs: multi::MultiPrograms,
+    names: Vec<&'static str>,
+}
+
+impl Loading {
+    pub fn run(self) -> Result<(), BpfError> {
+        for name in self.names {
+            self.programs.load(name).map_err(|e| BpfError::Program {
+                name,
+                source: Box::new(e),
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -502,24 +528,21 @@ impl Bpf {
     /// `path`: where the binary is reachable now (the runtime may have been inspected through
     /// a process that has exited since, and its `/proc/PID/root` path with it).
     pub fn attach_python(&mut self, rt: &Runtime, path: &Path) -> Result<ProbeSet, BpfError> {
-        const ENTRY: &str = "tracer_py_eval_entry";
-        const RETURN: &str = "tracer_py_eval_return";
-        const OPCODE: &str = "tracer_py_opcode";
         if !self.py_loaded {
-            self.load_uprobes(&[ENTRY, RETURN, OPCODE])?;
+            self.load_uprobes(&PY_PROGRAMS)?;
             self.py_loaded = true;
         }
         publish_layout(rt.version)?;
         let index = u64::from(rt.version.index);
         let entry = index | (py_role::ENTRY << py_role::SHIFT);
         let exit = index | (py_role::EXIT << py_role::SHIFT);
-        let mut points = vec![(ENTRY, &rt.eval_entry, entry)];
+        let mut points = vec![(PY_ENTRY, &rt.eval_entry, entry)];
         if rt.resume.is_empty() {
             // 3.10: every frame is one call of the eval loop, left when it returns.
-            points.push((RETURN, &rt.eval_entry, exit));
+            points.push((PY_RETURN, &rt.eval_entry, exit));
         }
-        points.extend(rt.resume.iter().map(|p| (OPCODE, p, entry)));
-        points.extend(rt.exit.iter().map(|p| (OPCODE, p, exit)));
+        points.extend(rt.resume.iter().map(|p| (PY_OPCODE, p, entry)));
+        points.extend(rt.exit.iter().map(|p| (PY_OPCODE, p, exit)));
         let points: Vec<_> = points
             .into_iter()
             .map(|(name, p, cookie)| (name, p.file_offset, cookie))
@@ -535,11 +558,35 @@ impl Bpf {
         }
     }
 
+    /// The uprobe programs that sessions counting `python`, `cuda` launches or `native`
+    /// calls need and that are not loaded yet, as work for another thread: the verifier takes
+    /// seconds over the Python and CUDA ones, and the thread that asks serves every client.
+    /// `None` when all are loaded, or without multi-uprobe links (aya's own programs load
+    /// only in place, on the kernels older than 6.6 that lack them).
+    pub fn to_load(&self, python: bool, cuda: bool, native: bool) -> Option<Loading> {
+        let m = self.multi.as_ref()?;
+        let groups: [(bool, &[&'static str]); 3] = [
+            (python, &PY_PROGRAMS),
+            (cuda, &CUDA_PROGRAMS),
+            (native, &NATIVE_PROGRAMS),
+        ];
+        let names: Vec<&'static str> = groups
+            .into_iter()
+            .filter(|(wanted, _)| *wanted)
+            .flat_map(|(_, names)| names.iter().copied())
+            .filter(|name| !m.is_loaded(name))
+            .collect();
+        (!names.is_empty()).then(|| Loading {
+            programs: m.clone(),
+            names,
+        })
+    }
+
     /// Loads uprobe programs once; after a failed attempt some are loaded already, so the
     /// error names the one that fails.
     fn load_uprobes(&mut self, names: &[&'static str]) -> Result<(), BpfError> {
         for &name in names {
-            if let Some(m) = self.multi.as_mut() {
+            if let Some(m) = &self.multi {
                 m.load(name).map_err(|e| BpfError::Program {
                     name,
                     source: Box::new(e),
@@ -620,7 +667,7 @@ impl Bpf {
         all: bool,
     ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
         if !self.native_loaded {
-            self.load_uprobes(&[NATIVE_CALL])?;
+            self.load_uprobes(&NATIVE_PROGRAMS)?;
             self.native_loaded = true;
         }
         let points: Vec<_> = points
@@ -651,11 +698,12 @@ impl Bpf {
     }
 
     /// Loads the CUDA probes' programs (once). Their verification takes seconds (they hold
-    /// the Python frame walk of launch stacks): a CUDA session loads them as it starts, so
-    /// that a library mapped later is probed at once.
+    /// the Python frame walk of launch stacks): a CUDA session has them loaded before it
+    /// starts (ahead, through [`Bpf::to_load`]), so that a library mapped later is probed at
+    /// once.
     pub fn load_cuda(&mut self) -> Result<(), BpfError> {
         if !self.cuda_loaded {
-            self.load_uprobes(&[CUDA_CALL, CUDA_RETURN])?;
+            self.load_uprobes(&CUDA_PROGRAMS)?;
             self.cuda_loaded = true;
         }
         Ok(())

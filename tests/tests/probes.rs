@@ -248,6 +248,54 @@ fn requests_are_answered_while_probes_come_off() {
     assert!(ok);
 }
 
+/// The first CUDA and the first Python session of a daemon wait for their probe programs,
+/// which the kernel's verifier takes seconds over; other requests do not wait with them.
+#[test]
+fn requests_are_answered_while_probe_programs_load() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(120)",
+    ]));
+    let pid = python.pid().to_string();
+    for kind in [&["--cuda"][..], &["--python", "--python-uprobes-only"]] {
+        let mut args = vec!["start", "--mode=counting", "--pid", &pid];
+        args.extend_from_slice(kind);
+        let mut start = d.ctl().args(&args).stdout(Stdio::piped()).spawn().unwrap();
+        // Only an ordering margin: the start is in the daemon's queue before the lists.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut answered = 0;
+        let status = loop {
+            if let Some(status) = start.try_wait().unwrap() {
+                break status;
+            }
+            d.ok(&["list"]);
+            // A list sent before the start came back, and answered first.
+            if start.try_wait().unwrap().is_none() {
+                answered += 1;
+            }
+        };
+        assert!(status.success(), "{kind:?}: the start failed");
+        let mut id = String::new();
+        start
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut id)
+            .unwrap();
+        println!("{kind:?}: {answered} lists answered while the first start loaded its programs");
+        // One list may come back between the start's answer and tracerctl's exit.
+        assert!(
+            answered > 2,
+            "{kind:?}: {answered} requests answered while the probe programs loaded"
+        );
+        d.ok(&["stop", id.trim()]);
+    }
+}
+
 /// Probe sets are per binary: one link per program on multi-uprobe kernels. Sessions that
 /// share a binary get their own counts, and a stopped session's probes stop counting for a
 /// session that takes its slot next.

@@ -18,6 +18,7 @@ use std::{
         unix::ffi::OsStrExt,
     },
     path::Path,
+    sync::{Arc, Mutex, PoisonError},
 };
 
 use aya::{maps::Map, Ebpf};
@@ -251,14 +252,21 @@ pub enum MultiError {
     },
 }
 
-/// The uprobe programs, loaded for multi-uprobe links, by name.
-pub struct MultiPrograms {
+/// The uprobe programs, loaded for multi-uprobe links, by name. Cloned handles share them:
+/// verifying a program takes up to seconds, so it may be loaded on another thread than the
+/// one that attaches it.
+#[derive(Clone)]
+pub struct MultiPrograms(Arc<Shared>);
+
+struct Shared {
     object: Object,
     btf: Option<OwnedFd>,
     /// Duplicates of the fds of aya's maps, kept open for programs loaded later: relocated
     /// instructions name the maps by these fd numbers.
     _maps: HashMap<String, OwnedFd>,
-    loaded: HashMap<&'static str, OwnedFd>,
+    /// Each program of the object, once loaded. Its lock is held while it is verified, so a
+    /// second loader waits for the first instead of verifying it again.
+    loaded: HashMap<String, Mutex<Option<OwnedFd>>>,
 }
 
 impl MultiPrograms {
@@ -287,26 +295,49 @@ impl MultiPrograms {
         object
             .relocate_calls(&text)
             .map_err(|e| MultiError::Relocate(e.to_string()))?;
-        Ok(Self {
+        let loaded = object
+            .programs
+            .keys()
+            .map(|name| (name.clone(), Mutex::new(None)))
+            .collect();
+        Ok(Self(Arc::new(Shared {
             object,
             btf,
             _maps: maps,
-            loaded: HashMap::new(),
-        })
+            loaded,
+        })))
+    }
+
+    fn slot(&self, name: &str) -> Result<&Mutex<Option<OwnedFd>>, MultiError> {
+        self.0
+            .loaded
+            .get(name)
+            .ok_or_else(|| MultiError::NoProgram(name.into()))
+    }
+
+    /// Whether `name` is loaded; one being verified on another thread is not yet.
+    pub fn is_loaded(&self, name: &str) -> bool {
+        self.slot(name)
+            .ok()
+            .and_then(|s| s.try_lock().ok())
+            .is_some_and(|fd| fd.is_some())
     }
 
     /// Loads `name` (once); the verifier's refusal comes back with its last lines.
-    pub fn load(&mut self, name: &'static str) -> Result<(), MultiError> {
-        if self.loaded.contains_key(name) {
+    pub fn load(&self, name: &str) -> Result<(), MultiError> {
+        let mut slot = self
+            .slot(name)?
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() {
             return Ok(());
         }
-        let program = self
-            .object
+        let object = &self.0.object;
+        let program = object
             .programs
             .get(name)
             .ok_or_else(|| MultiError::NoProgram(name.into()))?;
-        let function = self
-            .object
+        let function = object
             .functions
             .get(&program.function_key())
             .ok_or_else(|| MultiError::NoProgram(name.into()))?;
@@ -314,7 +345,7 @@ impl MultiPrograms {
             name,
             insns: &function.instructions,
             license: &program.license,
-            btf: self.btf.as_ref().map(|fd| (fd.as_fd(), function)),
+            btf: self.0.btf.as_ref().map(|fd| (fd.as_fd(), function)),
         };
         let fd = match load(&code, &mut []) {
             Ok(fd) => fd,
@@ -337,7 +368,7 @@ impl MultiPrograms {
                 });
             }
         };
-        self.loaded.insert(name, fd);
+        *slot = Some(fd);
         Ok(())
     }
 
@@ -350,9 +381,10 @@ impl MultiPrograms {
         cookies: &[u64],
         at_return: bool,
     ) -> io::Result<OwnedFd> {
-        let prog = self
-            .loaded
-            .get(name)
+        let slot = self.slot(name).map_err(io::Error::other)?;
+        let prog = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let prog = prog
+            .as_ref()
             .ok_or_else(|| io::Error::other(format!("{name} is not loaded")))?;
         link(prog.as_fd(), binary, offsets, cookies, at_return)
     }

@@ -12,7 +12,9 @@ use tokio::{
     sync::{mpsc, oneshot, watch},
 };
 use tracer_common::{ProcEvent, PyCodeEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
-use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
+use tracer_proto::{
+    target, CountingOptions, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest,
+};
 
 use super::{
     build_report, counting,
@@ -92,6 +94,13 @@ enum Command {
     },
     Shutdown {
         reply: oneshot::Sender<()>,
+    },
+    /// A start whose probe programs were loaded off the manager's task (or failed to).
+    Loaded {
+        loaded: Result<(), crate::bpf::BpfError>,
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
     },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
@@ -498,35 +507,38 @@ impl Manager {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Start { req, caller, reply } => match inproc_candidate(&req, &caller) {
-                // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
-                // hold up other requests: the attempt runs on a blocking thread and the start
-                // comes back as StartPrepared.
-                Some(pid) => {
+            Command::Start { req, caller, reply } => {
+                // The programs a first Python or CUDA session needs take the verifier
+                // seconds: they are loaded on a blocking thread, and the start comes back as
+                // Loaded.
+                if let Some(loading) = programs_to_load(&self.bpf, &req) {
                     let tx = self.tx.clone();
-                    let id = new_id();
                     tokio::task::spawn_blocking(move || {
-                        let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
-                        let prepared = Prepared { id, counter };
-                        let cmd = Command::StartPrepared {
+                        let loaded = loading.run();
+                        let _ = tx.blocking_send(Command::Loaded {
+                            loaded,
                             req,
                             caller,
                             reply,
-                            prepared,
-                        };
-                        if let Err(mpsc::error::SendError(Command::StartPrepared {
-                            prepared: Prepared { counter: Ok(c), .. },
-                            ..
-                        })) = tx.blocking_send(cmd)
-                        {
-                            c.finish();
-                        }
+                        });
                     });
+                    return;
                 }
-                None => {
-                    let _ = reply.send(self.start(req, caller, &mut None));
+                self.begin(req, caller, reply);
+            }
+            Command::Loaded {
+                loaded,
+                req,
+                caller,
+                reply,
+            } => {
+                // A program that would not load is tried again in place, where the start
+                // says why or goes on without it as it would have.
+                if let Err(e) = loaded {
+                    tracing::warn!(%e, "loading probe programs ahead of a start");
                 }
-            },
+                self.begin(req, caller, reply);
+            }
             Command::StartPrepared {
                 req,
                 caller,
@@ -591,6 +603,40 @@ impl Manager {
     }
 
     /// `prepared`: the target's in-process counter, made before (taken when the session uses it).
+    /// A start whose probe programs are loaded: counting in-process is tried first where
+    /// it may replace the probes.
+    fn begin(&mut self, req: StartSessionRequest, caller: Caller, reply: Reply<SessionInfo>) {
+        match inproc_candidate(&req, &caller) {
+            // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
+            // hold up other requests: the attempt runs on a blocking thread and the start
+            // comes back as StartPrepared.
+            Some(pid) => {
+                let tx = self.tx.clone();
+                let id = new_id();
+                tokio::task::spawn_blocking(move || {
+                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
+                    let prepared = Prepared { id, counter };
+                    let cmd = Command::StartPrepared {
+                        req,
+                        caller,
+                        reply,
+                        prepared,
+                    };
+                    if let Err(mpsc::error::SendError(Command::StartPrepared {
+                        prepared: Prepared { counter: Ok(c), .. },
+                        ..
+                    })) = tx.blocking_send(cmd)
+                    {
+                        c.finish();
+                    }
+                });
+            }
+            None => {
+                let _ = reply.send(self.start(req, caller, &mut None));
+            }
+        }
+    }
+
     fn start(
         &mut self,
         req: StartSessionRequest,
@@ -658,12 +704,7 @@ impl Manager {
                 "--cuda-stacks is for counting and tracing sessions: a sampling session's profile is CPU time, not launches".into(),
             ));
         }
-        // Tracing with no source named traces Python calls.
-        let python = options.python
-            || trace_mode
-                && options.uprobes.is_empty()
-                && options.events.is_empty()
-                && !options.cuda;
+        let python = counts_python(mode, &options);
         // With --python or --uprobe, perf counters are only what was asked for.
         let specs = if sampling
             || (python || trace_mode || options.cuda || !options.uprobes.is_empty())
@@ -1634,6 +1675,27 @@ const INPROC_WAIT: Duration = Duration::from_millis(1000);
 
 /// The pid of a start that may count its target in-process: a counting session with
 /// `--python` (not `--python-uprobes-only`) of a running process the caller may trace.
+/// Whether a session of `mode` with `options` follows Python calls: tracing with no source
+/// named traces them.
+fn counts_python(mode: Mode, options: &CountingOptions) -> bool {
+    options.python
+        || mode == Mode::Tracing
+            && options.uprobes.is_empty()
+            && options.events.is_empty()
+            && !options.cuda
+}
+
+/// The probe programs `req` needs that are not loaded yet (see [`Bpf::to_load`]).
+fn programs_to_load(bpf: &Bpf, req: &StartSessionRequest) -> Option<crate::bpf::Loading> {
+    let mode = Mode::try_from(req.mode).ok()?;
+    let options = req.counting.clone().unwrap_or_default();
+    bpf.to_load(
+        counts_python(mode, &options),
+        options.cuda,
+        !options.uprobes.is_empty(),
+    )
+}
+
 fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
     let options = req.counting.as_ref()?;
     let target = req.target.as_ref()?;

@@ -95,20 +95,31 @@ enum Command {
     Shutdown {
         reply: oneshot::Sender<()>,
     },
-    /// A start whose probe programs were loaded off the manager's task (or failed to).
-    Loaded {
-        loaded: Result<(), crate::bpf::BpfError>,
+    /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
+    Ready {
         req: StartSessionRequest,
         caller: Caller,
         reply: Reply<SessionInfo>,
+        ahead: Ahead,
     },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,
         caller: Caller,
         reply: Reply<SessionInfo>,
+        ahead: Ahead,
         prepared: Prepared,
     },
+}
+
+/// What a start needs that can take long, done on a blocking thread before the start runs on
+/// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
+/// CUDA session), and `--uprobe` patterns matched against symbol tables (tens of ms for a
+/// large binary, more for libraries the size of libtorch's).
+#[derive(Default)]
+struct Ahead {
+    /// The `--uprobe` functions, resolved for the start's caller and target.
+    natives: Option<Result<Vec<NativeTarget>, Error>>,
 }
 
 /// The in-process counter of a start's target, made before the session is: the session's
@@ -182,10 +193,21 @@ impl Handle {
             .await?;
         let mut report = match fetched {
             Fetched::Parsed(r) => *r,
-            Fetched::Json(json) => tokio::task::spawn_blocking(move || Report::from_json(&json))
+            // Read and parsed here: a large report takes the manager's task no time.
+            Fetched::Stored(store) => {
+                let key = id.clone();
+                let json = tokio::task::spawn_blocking(move || {
+                    store
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .report(&key)
+                        .map(|json| json.map(|j| Report::from_json(&j)))
+                })
                 .await
-                .map_err(|e| Error::io("parsing a stored report", std::io::Error::other(e)))?
-                .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?,
+                .map_err(|e| Error::io("reading a stored report", std::io::Error::other(e)))??;
+                json.ok_or_else(|| Error::NoSuchSession { id: id.clone() })?
+                    .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?
+            }
         };
         if let Some(t) = report.trace.as_mut() {
             t.path = traces.join(&t.file);
@@ -220,8 +242,12 @@ pub struct Subscription {
 /// caller's task parses.
 pub enum Fetched {
     Parsed(Box<Report>),
-    Json(String),
+    /// In the store: read by the caller, off the manager's task.
+    Stored(SharedStore),
 }
+
+/// The store, shared with the tasks that read reports out of it.
+pub type SharedStore = std::sync::Arc<std::sync::Mutex<Store>>;
 
 pub struct Manager {
     probe_limits: ProbeLimits,
@@ -236,7 +262,7 @@ pub struct Manager {
     unsaved: HashMap<String, Report>,
     /// Final counts of exported sessions that ended lately, for the Prometheus endpoint.
     exported: HashMap<String, metrics::Ended>,
-    store: Store,
+    store: SharedStore,
     bpf: Bpf,
     py: Probes,
     sampling: super::sampling::Sampling,
@@ -283,7 +309,7 @@ impl Manager {
             finished,
             unsaved,
             exported: HashMap::new(),
-            store,
+            store: std::sync::Arc::new(std::sync::Mutex::new(store)),
             bpf,
             py: Probes::new(interpreters.clone()),
             sampling,
@@ -508,45 +534,45 @@ impl Manager {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Start { req, caller, reply } => {
-                // The programs a first Python or CUDA session needs take the verifier
-                // seconds: they are loaded on a blocking thread, and the start comes back as
-                // Loaded.
-                if let Some(loading) = programs_to_load(&self.bpf, &req) {
-                    let tx = self.tx.clone();
-                    tokio::task::spawn_blocking(move || {
-                        let loaded = loading.run();
-                        let _ = tx.blocking_send(Command::Loaded {
-                            loaded,
-                            req,
-                            caller,
-                            reply,
-                        });
-                    });
+                let loading = programs_to_load(&self.bpf, &req);
+                let resolving = natives_to_resolve(&req, &caller);
+                if loading.is_none() && resolving.is_none() {
+                    self.begin(req, caller, reply, Ahead::default());
                     return;
                 }
-                self.begin(req, caller, reply);
+                let tx = self.tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    // A program that would not load is tried again in place by the start,
+                    // which says why or goes on without it as it would have.
+                    if let Some(Err(e)) = loading.map(crate::bpf::Loading::run) {
+                        tracing::warn!(%e, "loading probe programs ahead of a start");
+                    }
+                    let natives = resolving
+                        .map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
+                    let ahead = Ahead { natives };
+                    let _ = tx.blocking_send(Command::Ready {
+                        req,
+                        caller,
+                        reply,
+                        ahead,
+                    });
+                });
             }
-            Command::Loaded {
-                loaded,
+            Command::Ready {
                 req,
                 caller,
                 reply,
-            } => {
-                // A program that would not load is tried again in place, where the start
-                // says why or goes on without it as it would have.
-                if let Err(e) = loaded {
-                    tracing::warn!(%e, "loading probe programs ahead of a start");
-                }
-                self.begin(req, caller, reply);
-            }
+                ahead,
+            } => self.begin(req, caller, reply, ahead),
             Command::StartPrepared {
                 req,
                 caller,
                 reply,
+                ahead,
                 prepared,
             } => {
                 let mut prepared = Some(prepared);
-                let _ = reply.send(self.start(req, caller, &mut prepared));
+                let _ = reply.send(self.start(req, caller, ahead, &mut prepared));
                 // Refused after all (bad options, no slot): the counter goes again.
                 if let Some(Prepared { counter: Ok(c), .. }) = prepared {
                     std::thread::spawn(move || c.finish());
@@ -602,10 +628,15 @@ impl Manager {
         }
     }
 
-    /// `prepared`: the target's in-process counter, made before (taken when the session uses it).
-    /// A start whose probe programs are loaded: counting in-process is tried first where
-    /// it may replace the probes.
-    fn begin(&mut self, req: StartSessionRequest, caller: Caller, reply: Reply<SessionInfo>) {
+    /// A start made ready ahead: counting in-process is tried first where it may replace the
+    /// probes.
+    fn begin(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+        ahead: Ahead,
+    ) {
         match inproc_candidate(&req, &caller) {
             // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
             // hold up other requests: the attempt runs on a blocking thread and the start
@@ -620,6 +651,7 @@ impl Manager {
                         req,
                         caller,
                         reply,
+                        ahead,
                         prepared,
                     };
                     if let Err(mpsc::error::SendError(Command::StartPrepared {
@@ -632,15 +664,18 @@ impl Manager {
                 });
             }
             None => {
-                let _ = reply.send(self.start(req, caller, &mut None));
+                let _ = reply.send(self.start(req, caller, ahead, &mut None));
             }
         }
     }
 
+    /// `ahead`: what was made ready off this task; `prepared`: the target's in-process counter,
+    /// made before (taken when the session uses it).
     fn start(
         &mut self,
         req: StartSessionRequest,
         caller: Caller,
+        ahead: Ahead,
         prepared: &mut Option<Prepared>,
     ) -> Result<SessionInfo, Error> {
         let mode = Mode::try_from(req.mode)
@@ -767,7 +802,11 @@ impl Manager {
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !target.launched);
-        let natives = self.natives(&options.uprobes, maps_of, owner_uid)?;
+        let natives = match ahead.natives {
+            Some(resolved) => resolved?,
+            None => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
+        };
+        self.check_native_limits(&natives, owner_uid)?;
 
         let slot = if sampling
             || trace_mode
@@ -962,7 +1001,8 @@ impl Manager {
         self.running.insert(id.clone(), session);
         // Recorded as running, so that a daemon killed now leaves it behind as failed: a
         // session that could not be recorded does not start.
-        if let Err(e) = self.store.put(&info, &record) {
+        let stored = self.store().put(&info, &record);
+        if let Err(e) = stored {
             self.end(&id, EndReason::Error, Some(e.to_string()));
             self.discard(&id);
             return Err(e.into());
@@ -1237,28 +1277,8 @@ impl Manager {
 
     /// The functions `--uprobe` specs name, one probe per function, within the caps: a
     /// session's, and what `uid`'s running sessions hold already.
-    fn natives(
-        &self,
-        specs: &[String],
-        maps_of: Option<u32>,
-        uid: u32,
-    ) -> Result<Vec<NativeTarget>, Error> {
-        use crate::native::{self, MAX_SPECS};
-        let specs = native::distinct_specs(specs);
-        if specs.len() > MAX_SPECS {
-            return Err(Error::InvalidArgument(format!(
-                "{} different --uprobe specs; at most {MAX_SPECS} a session (a pattern such as libc:'str*' names many functions in one)",
-                specs.len()
-            )));
-        }
-        let mut targets = Vec::new();
-        for spec in specs {
-            targets.extend(
-                native::resolve(spec, maps_of, (uid != 0).then_some(uid))
-                    .map_err(|e| Error::InvalidArgument(e.to_string()))?,
-            );
-        }
-        let targets = native::merge(targets);
+    /// Refuses `targets` beyond what one session or one user may probe.
+    fn check_native_limits(&self, targets: &[NativeTarget], uid: u32) -> Result<(), Error> {
         let limits = self.probe_limits;
         if targets.len() > limits.per_session {
             return Err(Error::InvalidArgument(format!(
@@ -1281,7 +1301,7 @@ impl Manager {
                 limits.per_user
             )));
         }
-        Ok(targets)
+        Ok(())
     }
 
     fn release(&mut self, slot: Option<u8>) {
@@ -1375,7 +1395,7 @@ impl Manager {
         // The trace first: on a full disk, its space is what lets the store write again. If the
         // store cannot, the session stays listed, to be deleted again.
         self.remove_trace(id);
-        self.store.delete(id)?;
+        self.store().delete(id)?;
         self.unsaved.remove(id);
         self.exported.remove(id);
         tracing::info!(id, "session deleted");
@@ -1399,7 +1419,16 @@ impl Manager {
         }
     }
 
-    /// A finished session's report, and where its trace files are.
+    /// The store, for the manager's writes (a reader may hold it for the milliseconds a
+    /// report takes to read).
+    fn store(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A finished session's report (or the store that holds it), and where its trace files
+    /// are.
     fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
         caller.may_read(self.owner(id)?, id)?;
         if self.running.contains_key(id) || self.closing.contains_key(id) {
@@ -1407,11 +1436,7 @@ impl Manager {
         }
         let fetched = match self.unsaved.get(id) {
             Some(r) => Fetched::Parsed(Box::new(r.clone())),
-            None => Fetched::Json(
-                self.store
-                    .report(id)?
-                    .ok_or_else(|| Error::NoSuchSession { id: id.into() })?,
-            ),
+            None => Fetched::Stored(self.store.clone()),
         };
         Ok((fetched, self.tracing.dir().to_owned()))
     }
@@ -1683,6 +1708,59 @@ fn counts_python(mode: Mode, options: &CountingOptions) -> bool {
             && options.uprobes.is_empty()
             && options.events.is_empty()
             && !options.cuda
+}
+
+/// The functions `--uprobe` `specs` name, in the binaries `maps_of` maps (else the paths
+/// given), as `uid` may read them (0: any).
+fn resolve_natives(
+    specs: &[String],
+    maps_of: Option<u32>,
+    uid: u32,
+) -> Result<Vec<NativeTarget>, Error> {
+    use crate::native::{self, MAX_SPECS};
+    let specs = native::distinct_specs(specs);
+    if specs.len() > MAX_SPECS {
+        return Err(Error::InvalidArgument(format!(
+            "{} different --uprobe specs; at most {MAX_SPECS} a session (a pattern such as libc:'str*' names many functions in one)",
+            specs.len()
+        )));
+    }
+    let mut targets = Vec::new();
+    for spec in specs {
+        targets.extend(
+            native::resolve(spec, maps_of, (uid != 0).then_some(uid))
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?,
+        );
+    }
+    Ok(native::merge(targets))
+}
+
+/// What resolving `req`'s `--uprobe` specs ahead takes (specs, the process whose mappings
+/// they are looked up in, the caller's uid), when the caller may trace the target: the start
+/// computes the same, and says why when it may not.
+fn natives_to_resolve(
+    req: &StartSessionRequest,
+    caller: &Caller,
+) -> Option<(Vec<String>, Option<u32>, u32)> {
+    let options = req.counting.as_ref()?;
+    if options.uprobes.is_empty() {
+        return None;
+    }
+    let target = req.target.as_ref()?;
+    let maps_of = match target.kind {
+        Some(target::Kind::Pid(pid)) if pid != 0 => {
+            caller.may_trace_pid(pid).ok()?;
+            // A launched target has not exec'd yet: its mappings are tracerctl's.
+            (!target.launched).then_some(pid)
+        }
+        Some(target::Kind::All(true)) => {
+            caller.may_trace_all().ok()?;
+            None
+        }
+        _ => return None,
+    };
+    let uid = caller.acting_uid("starting a session").ok()?;
+    Some((options.uprobes.clone(), maps_of, uid))
 }
 
 /// The probe programs `req` needs that are not loaded yet (see [`Bpf::to_load`]).

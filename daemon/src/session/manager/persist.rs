@@ -105,7 +105,8 @@ impl Manager {
         let (Some(info), Some(report)) = (self.finished.get(id), self.unsaved.get(id)) else {
             return;
         };
-        match self.store.put(info, &report.to_json()) {
+        let stored = self.store().put(info, &report.to_json());
+        match stored {
             Ok(()) => {
                 self.unsaved.remove(id);
             }
@@ -122,7 +123,7 @@ impl Manager {
             let (Some(info), Some(report)) = (self.finished.get(&id), self.unsaved.get(&id)) else {
                 continue;
             };
-            if self.store.put(info, &report.to_json()).is_err() {
+            if self.store().put(info, &report.to_json()).is_err() {
                 // Still failing: the next sweep tries again.
                 return;
             }
@@ -139,7 +140,7 @@ impl Manager {
         self.finished.remove(id);
         self.unsaved.remove(id);
         self.exported.remove(id);
-        let _ = self.store.delete(id);
+        let _ = self.store().delete(id);
         self.remove_trace(id);
     }
 

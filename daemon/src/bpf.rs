@@ -40,6 +40,8 @@ const AT_RETURN: [&str; 2] = [PY_RETURN, CUDA_RETURN];
 const PY_PROGRAMS: [&str; 3] = [PY_ENTRY, PY_RETURN, PY_OPCODE];
 const CUDA_PROGRAMS: [&str; 2] = [CUDA_CALL, CUDA_RETURN];
 const NATIVE_PROGRAMS: [&str; 1] = [NATIVE_CALL];
+const SAMPLE: &str = "tracer_sample";
+const SAMPLE_PROGRAMS: [&str; 1] = [SAMPLE];
 
 /// The probes' layout array, for layouts found after loading (an interpreter's own debug
 /// offsets): whoever hands a probe a layout index publishes its layout first.
@@ -500,23 +502,31 @@ impl Bpf {
         })
     }
 
-    /// The sampling program, loaded on first use, for `sampler::Sampler` to attach.
-    pub fn sample_program(&mut self) -> Result<&PerfEvent, BpfError> {
-        const NAME: &str = "tracer_sample";
-        let err = |e| BpfError::Program {
-            name: NAME,
-            source: Box::new(e),
+    /// The sampling program's fd, the program loaded on first use, for `sampler::Sampler`
+    /// to attach.
+    pub fn sample_program(&mut self) -> Result<OwnedFd, BpfError> {
+        let err = |e: Box<dyn std::error::Error + Send + Sync>| BpfError::Program {
+            name: SAMPLE,
+            source: e,
         };
+        if let Some(m) = &self.multi {
+            m.load(SAMPLE).map_err(|e| err(Box::new(e)))?;
+            return m.fd(SAMPLE).map_err(|e| err(Box::new(e)));
+        }
         let prog: &mut PerfEvent = self
             .ebpf
-            .program_mut(NAME)
+            .program_mut(SAMPLE)
             .expect("tracer_sample in object")
             .try_into()
-            .map_err(err)?;
+            .map_err(|e: aya::programs::ProgramError| err(Box::new(e)))?;
         match prog.load() {
-            Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => Ok(prog),
-            Err(e) => Err(err(e)),
+            Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+            Err(e) => return Err(err(Box::new(e))),
         }
+        let fd = prog.fd().map_err(|e| err(Box::new(e)))?;
+        std::os::fd::AsFd::as_fd(fd)
+            .try_clone_to_owned()
+            .map_err(|e| err(Box::new(e)))
     }
 
     /// The ring buffer of first-seen code objects; taken once by its reader.
@@ -558,17 +568,25 @@ impl Bpf {
         }
     }
 
-    /// The uprobe programs that sessions counting `python`, `cuda` launches or `native`
-    /// calls need and that are not loaded yet, as work for another thread: the verifier takes
-    /// seconds over the Python and CUDA ones, and the thread that asks serves every client.
-    /// `None` when all are loaded, or without multi-uprobe links (aya's own programs load
-    /// only in place, on the kernels older than 6.6 that lack them).
-    pub fn to_load(&self, python: bool, cuda: bool, native: bool) -> Option<Loading> {
+    /// The programs that sessions counting `python`, `cuda` launches or `native` calls, or
+    /// `sampling`, need and that are not loaded yet, as work for another thread: the verifier
+    /// takes seconds over the Python and CUDA ones, a quarter of one over the sampling one,
+    /// and the thread that asks serves every client. `None` when all are loaded, or without
+    /// multi-uprobe links (aya's own programs load only in place, on the kernels older than
+    /// 6.6 that lack them).
+    pub fn to_load(
+        &self,
+        python: bool,
+        cuda: bool,
+        native: bool,
+        sampling: bool,
+    ) -> Option<Loading> {
         let m = self.multi.as_ref()?;
-        let groups: [(bool, &[&'static str]); 3] = [
+        let groups: [(bool, &[&'static str]); 4] = [
             (python, &PY_PROGRAMS),
             (cuda, &CUDA_PROGRAMS),
             (native, &NATIVE_PROGRAMS),
+            (sampling, &SAMPLE_PROGRAMS),
         ];
         let names: Vec<&'static str> = groups
             .into_iter()

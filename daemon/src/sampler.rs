@@ -4,7 +4,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
 };
 
 use perf_event_open_sys as sys;
@@ -44,19 +44,12 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn start(
-        program: &aya::programs::PerfEvent,
+        program: BorrowedFd<'_>,
         slot: u8,
         all: bool,
         frequency: u64,
     ) -> Result<Self, SamplerError> {
-        let prog_fd = program
-            .fd()
-            .map_err(|e| SamplerError::Attach {
-                cpu: 0,
-                source: io::Error::other(e),
-            })?
-            .as_fd()
-            .as_raw_fd();
+        let prog_fd = program.as_raw_fd();
         let cpus = crate::perf::online_cpus().map_err(SamplerError::Cpus)?;
         let Some(&first_cpu) = cpus.first() else {
             return Err(SamplerError::Cpus(io::Error::new(

@@ -28,6 +28,7 @@ const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
+const BPF_PROG_TYPE_PERF_EVENT: u32 = 7;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
 const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
 
@@ -110,6 +111,8 @@ fn sys_bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<OwnedFd> {
 /// hands it functions (`bpf_loop` callbacks).
 struct Code<'a> {
     name: &'a str,
+    /// A perf-event program (sampling) rather than a uprobe for multi-uprobe links.
+    perf_event: bool,
     insns: &'a [bpf_insn],
     license: &'a CString,
     btf: Option<(BorrowedFd<'a>, &'a Function)>,
@@ -121,7 +124,11 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
         *d = s;
     }
     let mut attr = ProgLoadAttr {
-        prog_type: BPF_PROG_TYPE_KPROBE,
+        prog_type: if code.perf_event {
+            BPF_PROG_TYPE_PERF_EVENT
+        } else {
+            BPF_PROG_TYPE_KPROBE
+        },
         insn_cnt: u32::try_from(code.insns.len()).unwrap_or(u32::MAX),
         insns: code.insns.as_ptr() as u64,
         license: code.license.as_ptr() as u64,
@@ -133,7 +140,11 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
             log.as_mut_ptr() as u64
         },
         prog_name,
-        expected_attach_type: BPF_TRACE_UPROBE_MULTI,
+        expected_attach_type: if code.perf_event {
+            0
+        } else {
+            BPF_TRACE_UPROBE_MULTI
+        },
         ..ProgLoadAttr::default()
     };
     // Kept alive until the call returns: the attribute points into them.
@@ -222,6 +233,7 @@ pub fn supported() -> bool {
     let license = CString::new("GPL").expect("no NUL");
     let code = Code {
         name: "tracer_probe",
+        perf_event: false,
         insns: &insns,
         license: &license,
         btf: None,
@@ -252,7 +264,7 @@ pub enum MultiError {
     },
 }
 
-/// The uprobe programs, loaded for multi-uprobe links, by name. Cloned handles share them:
+/// The uprobe programs, loaded for multi-uprobe links, and the sampling program, by name. Cloned handles share them:
 /// verifying a program takes up to seconds, so it may be loaded on another thread than the
 /// one that attaches it.
 #[derive(Clone)]
@@ -343,6 +355,7 @@ impl MultiPrograms {
             .ok_or_else(|| MultiError::NoProgram(name.into()))?;
         let code = Code {
             name,
+            perf_event: matches!(program.section, aya_obj::ProgramSection::PerfEvent),
             insns: &function.instructions,
             license: &program.license,
             btf: self.0.btf.as_ref().map(|fd| (fd.as_fd(), function)),
@@ -370,6 +383,16 @@ impl MultiPrograms {
         };
         *slot = Some(fd);
         Ok(())
+    }
+
+    /// A duplicate of the loaded program `name`'s fd (the perf-event program, which
+    /// `sampler` attaches itself).
+    pub fn fd(&self, name: &str) -> io::Result<OwnedFd> {
+        let slot = self.slot(name).map_err(io::Error::other)?;
+        let prog = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        prog.as_ref()
+            .ok_or_else(|| io::Error::other(format!("{name} is not loaded")))?
+            .try_clone()
     }
 
     /// One link of the loaded program `name` on `offsets` (with their `cookies`) of `binary`.

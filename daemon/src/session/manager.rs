@@ -1076,7 +1076,12 @@ impl Manager {
         owner_uid: u32,
     ) -> Result<crate::sampler::Sampler, Error> {
         let program = self.bpf.sample_program()?;
-        let sampler = crate::sampler::Sampler::start(program, slot, pid.is_none(), hz)?;
+        let sampler = crate::sampler::Sampler::start(
+            std::os::fd::AsFd::as_fd(&program),
+            slot,
+            pid.is_none(),
+            hz,
+        )?;
         let pids = pid.map_or_else(all_pids, |p| vec![p]);
         self.sampling.add(
             slot,
@@ -1771,6 +1776,7 @@ fn programs_to_load(bpf: &Bpf, req: &StartSessionRequest) -> Option<crate::bpf::
         counts_python(mode, &options),
         options.cuda,
         !options.uprobes.is_empty(),
+        mode == Mode::Sampling,
     )
 }
 

@@ -95,6 +95,9 @@ enum Command {
     Shutdown {
         reply: oneshot::Sender<()>,
     },
+    /// The processes that map a CUDA library, found off the manager's task for the CUDA
+    /// sessions on every process.
+    CudaScanned(Vec<u32>),
     /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
     Ready {
         req: StartSessionRequest,
@@ -120,6 +123,9 @@ enum Command {
 struct Ahead {
     /// The `--uprobe` functions, resolved for the start's caller and target.
     natives: Option<Result<Vec<NativeTarget>, Error>>,
+    /// For a CUDA session on every process: the processes that map a CUDA library now
+    /// (reading every process's mappings takes ~100 ms with 1,500 processes).
+    cuda_pids: Option<Vec<u32>>,
 }
 
 /// The in-process counter of a start's target, made before the session is: the session's
@@ -271,6 +277,8 @@ pub struct Manager {
     tx: mpsc::Sender<Command>,
     /// Slots whose ended session's probes are now gone (see `release`).
     detached: mpsc::UnboundedSender<u8>,
+    /// A scan for processes that map CUDA is under way (`CudaScanned`).
+    cuda_scanning: bool,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -317,6 +325,7 @@ impl Manager {
             slots: super::slots::Slots::default(),
             tx: tx.clone(),
             detached,
+            cuda_scanning: false,
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -397,7 +406,7 @@ impl Manager {
                 _ = readings.tick() => {
                     self.drain_kernel_names(kernel_names.get_mut());
                     self.read_trace_counters(false);
-                    self.look_for_cuda(false);
+                    self.look_for_cuda(false, None);
                 }
             }
         }
@@ -488,22 +497,33 @@ impl Manager {
     /// CUDA sessions' processes looked at for CUDA libraries: all of them when a session
     /// starts (`force`), then as a fallback to the kernel's announcements of new mappings,
     /// every second for the processes a session follows and every 10 s for `--all`.
-    fn look_for_cuda(&mut self, force: bool) {
+    /// Probes the CUDA libraries the sessions' processes map: for sessions following
+    /// processes, each of theirs (once a `LOOK_EVERY`, or now with `force`); for sessions on
+    /// every process, those in `scanned`, else a scan of every process off this task is
+    /// asked for once a `LOOK_ALL_EVERY` (it comes back as `CudaScanned`).
+    fn look_for_cuda(&mut self, force: bool, scanned: Option<&[u32]>) {
         let now = Instant::now();
-        let mut everyone = None;
+        let mut scan = false;
         for s in self.running.values_mut() {
             let follows = s.follows_pid();
             let Some(c) = s.cuda.as_mut() else { continue };
-            if !force && now < c.next_look {
-                continue;
-            }
             let found_by = if force { "start" } else { "look" };
-            let pids: Vec<u32> = if follows {
-                c.next_look = now + super::cuda::LOOK_EVERY;
-                s.live.iter().copied().collect()
-            } else {
-                c.next_look = now + super::cuda::LOOK_ALL_EVERY;
-                everyone.get_or_insert_with(all_pids).clone()
+            let pids: Vec<u32> = match (follows, scanned) {
+                (true, _) => {
+                    if !force && now < c.next_look {
+                        continue;
+                    }
+                    c.next_look = now + super::cuda::LOOK_EVERY;
+                    s.live.iter().copied().collect()
+                }
+                (false, Some(pids)) => pids.to_vec(),
+                (false, None) => {
+                    if force || now >= c.next_look {
+                        c.next_look = now + super::cuda::LOOK_ALL_EVERY;
+                        scan = true;
+                    }
+                    continue;
+                }
             };
             for pid in pids {
                 // Launches read their Python call site through the sampling's process
@@ -513,9 +533,15 @@ impl Manager {
                 }
             }
         }
+        if scan && !self.cuda_scanning {
+            self.cuda_scanning = true;
+            let tx = self.tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.blocking_send(Command::CudaScanned(cuda_processes()));
+            });
+        }
     }
 
-    /// Which slots' processes have their executable mappings announced (CUDA sessions).
     fn update_cuda_masks(&mut self) {
         let (mut cuda, mut all) = (0u64, 0u64);
         for s in self.running.values().filter(|s| s.cuda.is_some()) {
@@ -536,7 +562,8 @@ impl Manager {
             Command::Start { req, caller, reply } => {
                 let loading = programs_to_load(&self.bpf, &req);
                 let resolving = natives_to_resolve(&req, &caller);
-                if loading.is_none() && resolving.is_none() {
+                let scanning = cuda_on_every_process(&req);
+                if loading.is_none() && resolving.is_none() && !scanning {
                     self.begin(req, caller, reply, Ahead::default());
                     return;
                 }
@@ -549,7 +576,8 @@ impl Manager {
                     }
                     let natives = resolving
                         .map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
-                    let ahead = Ahead { natives };
+                    let cuda_pids = scanning.then(cuda_processes);
+                    let ahead = Ahead { natives, cuda_pids };
                     let _ = tx.blocking_send(Command::Ready {
                         req,
                         caller,
@@ -564,6 +592,10 @@ impl Manager {
                 reply,
                 ahead,
             } => self.begin(req, caller, reply, ahead),
+            Command::CudaScanned(pids) => {
+                self.cuda_scanning = false;
+                self.look_for_cuda(false, Some(&pids));
+            }
             Command::StartPrepared {
                 req,
                 caller,
@@ -802,7 +834,8 @@ impl Manager {
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !target.launched);
-        let natives = match ahead.natives {
+        let Ahead { natives, cuda_pids } = ahead;
+        let natives = match natives {
             Some(resolved) => resolved?,
             None => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
         };
@@ -1011,7 +1044,7 @@ impl Manager {
         self.update_python_masks();
         if options.cuda {
             self.update_cuda_masks();
-            self.look_for_cuda(true);
+            self.look_for_cuda(true, cuda_pids.as_deref());
         }
         if trace_mode {
             self.update_trace_masks();
@@ -1799,6 +1832,29 @@ fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
 fn exe_id(pid: u32) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |m| (m.dev(), m.ino()))
+}
+
+/// Whether `req` asks for CUDA launches of every process.
+fn cuda_on_every_process(req: &StartSessionRequest) -> bool {
+    let all = req
+        .target
+        .as_ref()
+        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
+    all && req.counting.as_ref().is_some_and(|o| o.cuda)
+}
+
+/// The processes that map a CUDA library now.
+fn cuda_processes() -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|&pid| {
+            crate::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
+                maps.entries()
+                    .iter()
+                    .any(|m| crate::cuda::library(std::path::Path::new(&m.path)).is_some())
+            })
+        })
+        .collect()
 }
 
 fn all_pids() -> Vec<u32> {

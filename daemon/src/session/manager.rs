@@ -98,6 +98,9 @@ enum Command {
     /// The processes that map a CUDA library, found off the manager's task for the CUDA
     /// sessions on every process.
     CudaScanned(Vec<u32>),
+    /// The processes that map a Python interpreter, found off the manager's task for the
+    /// Python sessions on every process (see `sweep`).
+    PythonScanned(Vec<u32>),
     /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
     Ready {
         req: StartSessionRequest,
@@ -126,6 +129,8 @@ struct Ahead {
     /// For a CUDA session on every process: the processes that map a CUDA library now
     /// (reading every process's mappings takes ~100 ms with 1,500 processes).
     cuda_pids: Option<Vec<u32>>,
+    /// For a Python session on every process: the processes that map an interpreter now.
+    python_pids: Option<Vec<u32>>,
 }
 
 /// The in-process counter of a start's target, made before the session is: the session's
@@ -279,6 +284,8 @@ pub struct Manager {
     detached: mpsc::UnboundedSender<u8>,
     /// A scan for processes that map CUDA is under way (`CudaScanned`).
     cuda_scanning: bool,
+    /// A scan for processes that map Python is under way (`PythonScanned`).
+    python_scanning: bool,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -326,6 +333,7 @@ impl Manager {
             tx: tx.clone(),
             detached,
             cuda_scanning: false,
+            python_scanning: false,
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -563,7 +571,8 @@ impl Manager {
                 let loading = programs_to_load(&self.bpf, &req);
                 let resolving = natives_to_resolve(&req, &caller);
                 let scanning = cuda_on_every_process(&req);
-                if loading.is_none() && resolving.is_none() && !scanning {
+                let python_all = python_on_every_process(&req);
+                if loading.is_none() && resolving.is_none() && !scanning && !python_all {
                     self.begin(req, caller, reply, Ahead::default());
                     return;
                 }
@@ -577,7 +586,12 @@ impl Manager {
                     let natives = resolving
                         .map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
                     let cuda_pids = scanning.then(cuda_processes);
-                    let ahead = Ahead { natives, cuda_pids };
+                    let python_pids = python_all.then(python_processes);
+                    let ahead = Ahead {
+                        natives,
+                        cuda_pids,
+                        python_pids,
+                    };
                     let _ = tx.blocking_send(Command::Ready {
                         req,
                         caller,
@@ -595,6 +609,20 @@ impl Manager {
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));
+            }
+            Command::PythonScanned(pids) => {
+                self.python_scanning = false;
+                let ids: Vec<String> = self
+                    .running
+                    .iter()
+                    .filter(|(_, s)| s.python.is_some() && !s.follows_pid())
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in ids {
+                    for &pid in &pids {
+                        self.check_session_process(&id, pid, false);
+                    }
+                }
             }
             Command::StartPrepared {
                 req,
@@ -834,7 +862,11 @@ impl Manager {
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !target.launched);
-        let Ahead { natives, cuda_pids } = ahead;
+        let Ahead {
+            natives,
+            cuda_pids,
+            python_pids,
+        } = ahead;
         let natives = match natives {
             Some(resolved) => resolved?,
             None => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
@@ -891,7 +923,7 @@ impl Manager {
                 slot,
                 0,
                 super::cuda::LAUNCH_STACKS,
-                &pid.into_iter().collect::<Vec<_>>(),
+                pid.into_iter().collect(),
                 process::kernel_addresses_for(owner_uid),
             );
         }
@@ -908,7 +940,7 @@ impl Manager {
             _ => Err("tracing sessions time every call with the probes".into()),
         };
         let python = if python {
-            match self.start_python(pid, target.launched, inproc) {
+            match self.start_python(pid, target.launched, inproc, python_pids) {
                 Ok(py) => Some(py),
                 Err(e) => {
                     self.release(slot);
@@ -1120,7 +1152,7 @@ impl Manager {
             slot,
             hz,
             sampler.event,
-            &pids,
+            pids,
             process::kernel_addresses_for(owner_uid),
         );
         Ok(sampler)
@@ -1134,6 +1166,8 @@ impl Manager {
         pid: Option<u32>,
         launched: bool,
         inproc: Result<(u8, crate::python::inproc::Counter), String>,
+        // Every process's: those that map an interpreter, found ahead.
+        scanned: Option<Vec<u32>>,
     ) -> Result<PySession, Error> {
         let mut py = PySession::default();
         let way = |pid, way: &str, why: String| crate::report::CountedWay {
@@ -1191,7 +1225,7 @@ impl Manager {
             }
             None => {
                 let _ = self.py.ensure_known(&mut self.bpf);
-                for pid in all_pids() {
+                for pid in scanned.unwrap_or_else(python_processes) {
                     self.check_python_process(&mut py, pid, false, false);
                 }
             }
@@ -1622,25 +1656,34 @@ impl Manager {
             self.finish(&id, EndReason::TargetExited, None);
         }
         self.save_unsaved();
-        // Python processes that appeared, or exec'd an interpreter, since the last look.
+        // Python processes that appeared, or exec'd an interpreter, since the last look: a
+        // session's own now, and for sessions on every process, those a scan of every
+        // process's mappings off this task finds (`PythonScanned`).
         let ids: Vec<String> = self
             .running
             .iter()
-            .filter(|(_, s)| s.python.is_some())
+            .filter(|(_, s)| s.python.is_some() && s.follows_pid())
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
-            let Some(s) = self.running.get_mut(&id) else {
+            let Some(s) = self.running.get(&id) else {
                 continue;
             };
-            let pids: Vec<u32> = if s.follows_pid() {
-                s.live.iter().copied().collect()
-            } else {
-                all_pids()
-            };
+            let pids: Vec<u32> = s.live.iter().copied().collect();
             for pid in pids {
                 self.check_session_process(&id, pid, false);
             }
+        }
+        let everyone = self
+            .running
+            .values()
+            .any(|s| s.python.is_some() && !s.follows_pid());
+        if everyone && !self.python_scanning {
+            self.python_scanning = true;
+            let tx = self.tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.blocking_send(Command::PythonScanned(python_processes()));
+            });
         }
     }
 }
@@ -1841,6 +1884,26 @@ fn cuda_on_every_process(req: &StartSessionRequest) -> bool {
         .as_ref()
         .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
     all && req.counting.as_ref().is_some_and(|o| o.cuda)
+}
+
+/// Whether `req` counts or traces Python calls of every process.
+fn python_on_every_process(req: &StartSessionRequest) -> bool {
+    let all = req
+        .target
+        .as_ref()
+        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
+    let Ok(mode) = Mode::try_from(req.mode) else {
+        return false;
+    };
+    all && counts_python(mode, &req.counting.clone().unwrap_or_default())
+}
+
+/// The processes that map a Python interpreter now.
+fn python_processes() -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|&pid| memory::runtime_of(pid).is_some())
+        .collect()
 }
 
 /// The processes that map a CUDA library now.

@@ -12,9 +12,7 @@ use tokio::{
     sync::{mpsc, oneshot, watch},
 };
 use tracer_common::{ProcEvent, PyCodeEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
-use tracer_proto::{
-    target, CountingOptions, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest,
-};
+use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
 
 use super::{
     build_report, counting,
@@ -22,6 +20,8 @@ use super::{
     python::{Probes, PySession, Unprobed},
     Session,
 };
+mod ahead;
+use ahead::{counts_python, cuda_processes, python_processes, resolve_natives, Ahead};
 mod closing;
 mod metrics;
 mod persist;
@@ -116,21 +116,6 @@ enum Command {
         ahead: Ahead,
         prepared: Prepared,
     },
-}
-
-/// What a start needs that can take long, done on a blocking thread before the start runs on
-/// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
-/// CUDA session), and `--uprobe` patterns matched against symbol tables (tens of ms for a
-/// large binary, more for libraries the size of libtorch's).
-#[derive(Default)]
-struct Ahead {
-    /// The `--uprobe` functions, resolved for the start's caller and target.
-    natives: Option<Result<Vec<NativeTarget>, Error>>,
-    /// For a CUDA session on every process: the processes that map a CUDA library now
-    /// (reading every process's mappings takes ~100 ms with 1,500 processes).
-    cuda_pids: Option<Vec<u32>>,
-    /// For a Python session on every process: the processes that map an interpreter now.
-    python_pids: Option<Vec<u32>>,
 }
 
 /// The in-process counter of a start's target, made before the session is: the session's
@@ -567,39 +552,7 @@ impl Manager {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Start { req, caller, reply } => {
-                let loading = programs_to_load(&self.bpf, &req);
-                let resolving = natives_to_resolve(&req, &caller);
-                let scanning = cuda_on_every_process(&req);
-                let python_all = python_on_every_process(&req);
-                if loading.is_none() && resolving.is_none() && !scanning && !python_all {
-                    self.begin(req, caller, reply, Ahead::default());
-                    return;
-                }
-                let tx = self.tx.clone();
-                tokio::task::spawn_blocking(move || {
-                    // A program that would not load is tried again in place by the start,
-                    // which says why or goes on without it as it would have.
-                    if let Some(Err(e)) = loading.map(crate::bpf::Loading::run) {
-                        tracing::warn!(%e, "loading probe programs ahead of a start");
-                    }
-                    let natives = resolving
-                        .map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
-                    let cuda_pids = scanning.then(cuda_processes);
-                    let python_pids = python_all.then(python_processes);
-                    let ahead = Ahead {
-                        natives,
-                        cuda_pids,
-                        python_pids,
-                    };
-                    let _ = tx.blocking_send(Command::Ready {
-                        req,
-                        caller,
-                        reply,
-                        ahead,
-                    });
-                });
-            }
+            Command::Start { req, caller, reply } => self.prepare(req, caller, reply),
             Command::Ready {
                 req,
                 caller,
@@ -610,20 +563,7 @@ impl Manager {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));
             }
-            Command::PythonScanned(pids) => {
-                self.python_scanning = false;
-                let ids: Vec<String> = self
-                    .running
-                    .iter()
-                    .filter(|(_, s)| s.python.is_some() && !s.follows_pid())
-                    .map(|(id, _)| id.clone())
-                    .collect();
-                for id in ids {
-                    for &pid in &pids {
-                        self.check_session_process(&id, pid, false);
-                    }
-                }
-            }
+            Command::PythonScanned(pids) => self.python_scanned(&pids),
             Command::StartPrepared {
                 req,
                 caller,
@@ -1781,81 +1721,6 @@ const INPROC_WAIT: Duration = Duration::from_millis(1000);
 
 /// The pid of a start that may count its target in-process: a counting session with
 /// `--python` (not `--python-uprobes-only`) of a running process the caller may trace.
-/// Whether a session of `mode` with `options` follows Python calls: tracing with no source
-/// named traces them.
-fn counts_python(mode: Mode, options: &CountingOptions) -> bool {
-    options.python
-        || mode == Mode::Tracing
-            && options.uprobes.is_empty()
-            && options.events.is_empty()
-            && !options.cuda
-}
-
-/// The functions `--uprobe` `specs` name, in the binaries `maps_of` maps (else the paths
-/// given), as `uid` may read them (0: any).
-fn resolve_natives(
-    specs: &[String],
-    maps_of: Option<u32>,
-    uid: u32,
-) -> Result<Vec<NativeTarget>, Error> {
-    use crate::native::{self, MAX_SPECS};
-    let specs = native::distinct_specs(specs);
-    if specs.len() > MAX_SPECS {
-        return Err(Error::InvalidArgument(format!(
-            "{} different --uprobe specs; at most {MAX_SPECS} a session (a pattern such as libc:'str*' names many functions in one)",
-            specs.len()
-        )));
-    }
-    let mut targets = Vec::new();
-    for spec in specs {
-        targets.extend(
-            native::resolve(spec, maps_of, (uid != 0).then_some(uid))
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?,
-        );
-    }
-    Ok(native::merge(targets))
-}
-
-/// What resolving `req`'s `--uprobe` specs ahead takes (specs, the process whose mappings
-/// they are looked up in, the caller's uid), when the caller may trace the target: the start
-/// computes the same, and says why when it may not.
-fn natives_to_resolve(
-    req: &StartSessionRequest,
-    caller: &Caller,
-) -> Option<(Vec<String>, Option<u32>, u32)> {
-    let options = req.counting.as_ref()?;
-    if options.uprobes.is_empty() {
-        return None;
-    }
-    let target = req.target.as_ref()?;
-    let maps_of = match target.kind {
-        Some(target::Kind::Pid(pid)) if pid != 0 => {
-            caller.may_trace_pid(pid).ok()?;
-            // A launched target has not exec'd yet: its mappings are tracerctl's.
-            (!target.launched).then_some(pid)
-        }
-        Some(target::Kind::All(true)) => {
-            caller.may_trace_all().ok()?;
-            None
-        }
-        _ => return None,
-    };
-    let uid = caller.acting_uid("starting a session").ok()?;
-    Some((options.uprobes.clone(), maps_of, uid))
-}
-
-/// The probe programs `req` needs that are not loaded yet (see [`Bpf::to_load`]).
-fn programs_to_load(bpf: &Bpf, req: &StartSessionRequest) -> Option<crate::bpf::Loading> {
-    let mode = Mode::try_from(req.mode).ok()?;
-    let options = req.counting.clone().unwrap_or_default();
-    bpf.to_load(
-        counts_python(mode, &options),
-        options.cuda,
-        !options.uprobes.is_empty(),
-        mode == Mode::Sampling,
-    )
-}
-
 fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
     let options = req.counting.as_ref()?;
     let target = req.target.as_ref()?;
@@ -1875,49 +1740,6 @@ fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
 fn exe_id(pid: u32) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |m| (m.dev(), m.ino()))
-}
-
-/// Whether `req` asks for CUDA launches of every process.
-fn cuda_on_every_process(req: &StartSessionRequest) -> bool {
-    let all = req
-        .target
-        .as_ref()
-        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
-    all && req.counting.as_ref().is_some_and(|o| o.cuda)
-}
-
-/// Whether `req` counts or traces Python calls of every process.
-fn python_on_every_process(req: &StartSessionRequest) -> bool {
-    let all = req
-        .target
-        .as_ref()
-        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
-    let Ok(mode) = Mode::try_from(req.mode) else {
-        return false;
-    };
-    all && counts_python(mode, &req.counting.clone().unwrap_or_default())
-}
-
-/// The processes that map a Python interpreter now.
-fn python_processes() -> Vec<u32> {
-    all_pids()
-        .into_iter()
-        .filter(|&pid| memory::runtime_of(pid).is_some())
-        .collect()
-}
-
-/// The processes that map a CUDA library now.
-fn cuda_processes() -> Vec<u32> {
-    all_pids()
-        .into_iter()
-        .filter(|&pid| {
-            crate::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
-                maps.entries()
-                    .iter()
-                    .any(|m| crate::cuda::library(std::path::Path::new(&m.path)).is_some())
-            })
-        })
-        .collect()
 }
 
 fn all_pids() -> Vec<u32> {

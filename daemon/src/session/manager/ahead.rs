@@ -1,0 +1,202 @@
+//! What a start prepares off the manager's task before it runs there: probe programs the
+//! verifier takes seconds over, `--uprobe` patterns matched against symbol tables, and the
+//! processes a session on every process finds mapping CUDA or Python (which the manager
+//! also has rescanned this way while such sessions run).
+
+use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
+
+use super::{all_pids, Command, Manager, Reply};
+use crate::{access::Caller, bpf::Bpf, error::Error, native::NativeTarget, python::memory};
+
+/// What a start needs that can take long, done on a blocking thread before the start runs on
+/// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
+/// CUDA session), `--uprobe` patterns matched against symbol tables (tens of ms for a large
+/// binary, more for libraries the size of libtorch's), and for sessions on every process,
+/// which processes map CUDA or Python.
+#[derive(Default)]
+pub(super) struct Ahead {
+    /// The `--uprobe` functions, resolved for the start's caller and target.
+    pub(super) natives: Option<Result<Vec<NativeTarget>, Error>>,
+    /// For a CUDA session on every process: the processes that map a CUDA library now
+    /// (reading every process's mappings takes ~100 ms with 1,500 processes).
+    pub(super) cuda_pids: Option<Vec<u32>>,
+    /// For a Python session on every process: the processes that map an interpreter now.
+    pub(super) python_pids: Option<Vec<u32>>,
+}
+
+impl Manager {
+    /// Starts `req` at once, or first makes ready on a blocking thread what would hold up
+    /// the manager; the start then comes back as `Ready`.
+    pub(super) fn prepare(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+    ) {
+        let loading = programs_to_load(&self.bpf, &req);
+        let resolving = natives_to_resolve(&req, &caller);
+        let scanning = cuda_on_every_process(&req);
+        let python_all = python_on_every_process(&req);
+        if loading.is_none() && resolving.is_none() && !scanning && !python_all {
+            self.begin(req, caller, reply, Ahead::default());
+            return;
+        }
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            // A program that would not load is tried again in place by the start,
+            // which says why or goes on without it as it would have.
+            if let Some(Err(e)) = loading.map(crate::bpf::Loading::run) {
+                tracing::warn!(%e, "loading probe programs ahead of a start");
+            }
+            let natives =
+                resolving.map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
+            let cuda_pids = scanning.then(cuda_processes);
+            let python_pids = python_all.then(python_processes);
+            let ahead = Ahead {
+                natives,
+                cuda_pids,
+                python_pids,
+            };
+            let _ = tx.blocking_send(Command::Ready {
+                req,
+                caller,
+                reply,
+                ahead,
+            });
+        });
+    }
+
+    /// A scan's Python processes, looked at for the sessions on every process.
+    pub(super) fn python_scanned(&mut self, pids: &[u32]) {
+        self.python_scanning = false;
+        let ids: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(_, s)| s.python.is_some() && !s.follows_pid())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            for &pid in pids {
+                self.check_session_process(&id, pid, false);
+            }
+        }
+    }
+}
+
+/// Whether a session of `mode` with `options` follows Python calls: tracing with no source
+/// named traces them.
+pub(super) fn counts_python(mode: Mode, options: &CountingOptions) -> bool {
+    options.python
+        || mode == Mode::Tracing
+            && options.uprobes.is_empty()
+            && options.events.is_empty()
+            && !options.cuda
+}
+
+/// The functions `--uprobe` `specs` name, in the binaries `maps_of` maps (else the paths
+/// given), as `uid` may read them (0: any).
+pub(super) fn resolve_natives(
+    specs: &[String],
+    maps_of: Option<u32>,
+    uid: u32,
+) -> Result<Vec<NativeTarget>, Error> {
+    use crate::native::{self, MAX_SPECS};
+    let specs = native::distinct_specs(specs);
+    if specs.len() > MAX_SPECS {
+        return Err(Error::InvalidArgument(format!(
+            "{} different --uprobe specs; at most {MAX_SPECS} a session (a pattern such as libc:'str*' names many functions in one)",
+            specs.len()
+        )));
+    }
+    let mut targets = Vec::new();
+    for spec in specs {
+        targets.extend(
+            native::resolve(spec, maps_of, (uid != 0).then_some(uid))
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?,
+        );
+    }
+    Ok(native::merge(targets))
+}
+
+/// What resolving `req`'s `--uprobe` specs ahead takes (specs, the process whose mappings
+/// they are looked up in, the caller's uid), when the caller may trace the target: the start
+/// computes the same, and says why when it may not.
+fn natives_to_resolve(
+    req: &StartSessionRequest,
+    caller: &Caller,
+) -> Option<(Vec<String>, Option<u32>, u32)> {
+    let options = req.counting.as_ref()?;
+    if options.uprobes.is_empty() {
+        return None;
+    }
+    let target = req.target.as_ref()?;
+    let maps_of = match target.kind {
+        Some(target::Kind::Pid(pid)) if pid != 0 => {
+            caller.may_trace_pid(pid).ok()?;
+            // A launched target has not exec'd yet: its mappings are tracerctl's.
+            (!target.launched).then_some(pid)
+        }
+        Some(target::Kind::All(true)) => {
+            caller.may_trace_all().ok()?;
+            None
+        }
+        _ => return None,
+    };
+    let uid = caller.acting_uid("starting a session").ok()?;
+    Some((options.uprobes.clone(), maps_of, uid))
+}
+
+/// The probe programs `req` needs that are not loaded yet (see [`Bpf::to_load`]).
+fn programs_to_load(bpf: &Bpf, req: &StartSessionRequest) -> Option<crate::bpf::Loading> {
+    let mode = Mode::try_from(req.mode).ok()?;
+    let options = req.counting.clone().unwrap_or_default();
+    bpf.to_load(
+        counts_python(mode, &options),
+        options.cuda,
+        !options.uprobes.is_empty(),
+        mode == Mode::Sampling,
+    )
+}
+
+/// Whether `req` asks for CUDA launches of every process.
+fn cuda_on_every_process(req: &StartSessionRequest) -> bool {
+    let all = req
+        .target
+        .as_ref()
+        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
+    all && req.counting.as_ref().is_some_and(|o| o.cuda)
+}
+
+/// Whether `req` counts or traces Python calls of every process.
+fn python_on_every_process(req: &StartSessionRequest) -> bool {
+    let all = req
+        .target
+        .as_ref()
+        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
+    let Ok(mode) = Mode::try_from(req.mode) else {
+        return false;
+    };
+    all && counts_python(mode, &req.counting.clone().unwrap_or_default())
+}
+
+/// The processes that map a Python interpreter now.
+pub(super) fn python_processes() -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|&pid| memory::runtime_of(pid).is_some())
+        .collect()
+}
+
+/// The processes that map a CUDA library now.
+pub(super) fn cuda_processes() -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|&pid| {
+            crate::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
+                maps.entries()
+                    .iter()
+                    .any(|m| crate::cuda::library(std::path::Path::new(&m.path)).is_some())
+            })
+        })
+        .collect()
+}

@@ -1,8 +1,9 @@
 """Forked workers busy in Python, for sampling: usage: fork_spin.py CHILDREN SECONDS
 
-Forks CHILDREN workers; each prints its pid and spins in `child_busy` for SECONDS while the
-parent waits in os.waitpid. The workers never enter the eval loop anew: their Python frames
-are the parent's, continued."""
+Forks CHILDREN workers; each prints its pid and spins in `child_busy` until it has had
+SECONDS of CPU time (so that a loaded machine makes it run longer, not get fewer samples;
+at most ten times SECONDS of wall time), while the parent waits in os.waitpid. The workers
+never enter the eval loop anew: their Python frames are the parent's, continued."""
 import os
 import sys
 import time
@@ -13,9 +14,10 @@ def step(x):
 
 
 def child_busy(seconds):
-    end = time.monotonic() + seconds
+    end = time.process_time() + seconds
+    give_up = time.monotonic() + 10 * seconds
     n = 0
-    while time.monotonic() < end:
+    while time.process_time() < end and time.monotonic() < give_up:
         n = step(n)
     return n
 

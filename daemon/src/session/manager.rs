@@ -21,10 +21,10 @@ use super::{
     Session,
 };
 mod ahead;
-use ahead::{counts_python, cuda_processes, python_processes, resolve_natives, Ahead};
 mod closing;
 mod metrics;
 mod persist;
+use ahead::{counts_python, cuda_processes, python_processes, resolve_natives, Ahead};
 
 use crate::{
     access::Caller,
@@ -487,12 +487,10 @@ impl Manager {
         }
     }
 
-    /// CUDA sessions' processes looked at for CUDA libraries: all of them when a session
-    /// starts (`force`), then as a fallback to the kernel's announcements of new mappings,
-    /// every second for the processes a session follows and every 10 s for `--all`.
-    /// Probes the CUDA libraries the sessions' processes map: for sessions following
-    /// processes, each of theirs (once a `LOOK_EVERY`, or now with `force`); for sessions on
-    /// every process, those in `scanned`, else a scan of every process off this task is
+    /// Probes the CUDA libraries the sessions' processes map: all of them when a session
+    /// starts (`force`), then as a fallback to the kernel's announcements of new mappings.
+    /// For sessions following processes, each of theirs (once a `LOOK_EVERY`); for sessions
+    /// on every process, those in `scanned`, else a scan of every process off this task is
     /// asked for once a `LOOK_ALL_EVERY` (it comes back as `CudaScanned`).
     fn look_for_cuda(&mut self, force: bool, scanned: Option<&[u32]>) {
         let now = Instant::now();
@@ -535,6 +533,7 @@ impl Manager {
         }
     }
 
+    /// Which slots' processes have their executable mappings announced (CUDA sessions).
     fn update_cuda_masks(&mut self) {
         let (mut cuda, mut all) = (0u64, 0u64);
         for s in self.running.values().filter(|s| s.cuda.is_some()) {
@@ -1287,9 +1286,8 @@ impl Manager {
             .collect()
     }
 
-    /// The functions `--uprobe` specs name, one probe per function, within the caps: a
-    /// session's, and what `uid`'s running sessions hold already.
-    /// Refuses `targets` beyond what one session or one user may probe.
+    /// Refuses `--uprobe` `targets` (one probe per function) beyond the caps: a session's,
+    /// and what `uid`'s running sessions hold already.
     fn check_native_limits(&self, targets: &[NativeTarget], uid: u32) -> Result<(), Error> {
         let limits = self.probe_limits;
         if targets.len() > limits.per_session {

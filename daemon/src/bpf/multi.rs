@@ -264,9 +264,9 @@ pub enum MultiError {
     },
 }
 
-/// The uprobe programs, loaded for multi-uprobe links, and the sampling program, by name. Cloned handles share them:
-/// verifying a program takes up to seconds, so it may be loaded on another thread than the
-/// one that attaches it.
+/// The uprobe programs, loaded for multi-uprobe links, and the sampling program, by name.
+/// Cloned handles share them: verifying a program takes up to seconds, so it may be loaded
+/// on another thread than the one that attaches it.
 #[derive(Clone)]
 pub struct MultiPrograms(Arc<Shared>);
 

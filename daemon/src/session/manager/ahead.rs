@@ -6,7 +6,7 @@
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
 use super::{all_pids, Command, Manager, Reply};
-use crate::{access::Caller, bpf::Bpf, error::Error, native::NativeTarget, python::memory};
+use crate::{access::Caller, error::Error, native::NativeTarget, python::memory};
 
 /// What a start needs that can take long, done on a blocking thread before the start runs on
 /// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
@@ -33,10 +33,14 @@ impl Manager {
         caller: Caller,
         reply: Reply<SessionInfo>,
     ) {
-        let loading = programs_to_load(&self.bpf, &req);
+        let asks = asks(&req);
+        // The probe programs it needs that are not loaded yet (see [`Bpf::to_load`]).
+        let loading = asks
+            .as_ref()
+            .and_then(|a| self.bpf.to_load(a.python, a.cuda, a.native, a.sampling));
         let resolving = natives_to_resolve(&req, &caller);
-        let scanning = cuda_on_every_process(&req);
-        let python_all = python_on_every_process(&req);
+        let scanning = asks.as_ref().is_some_and(|a| a.all && a.cuda);
+        let python_all = asks.is_some_and(|a| a.all && a.python);
         if loading.is_none() && resolving.is_none() && !scanning && !python_all {
             self.begin(req, caller, reply, Ahead::default());
             return;
@@ -146,37 +150,30 @@ fn natives_to_resolve(
     Some((options.uprobes.clone(), maps_of, uid))
 }
 
-/// The probe programs `req` needs that are not loaded yet (see [`Bpf::to_load`]).
-fn programs_to_load(bpf: &Bpf, req: &StartSessionRequest) -> Option<crate::bpf::Loading> {
+/// What a start asks for, as far as preparing it goes; `None` for a mode the start refuses.
+struct Asks {
+    python: bool,
+    cuda: bool,
+    native: bool,
+    sampling: bool,
+    /// Of every process.
+    all: bool,
+}
+
+fn asks(req: &StartSessionRequest) -> Option<Asks> {
     let mode = Mode::try_from(req.mode).ok()?;
-    let options = req.counting.clone().unwrap_or_default();
-    bpf.to_load(
-        counts_python(mode, &options),
-        options.cuda,
-        !options.uprobes.is_empty(),
-        mode == Mode::Sampling,
-    )
-}
-
-/// Whether `req` asks for CUDA launches of every process.
-fn cuda_on_every_process(req: &StartSessionRequest) -> bool {
-    let all = req
-        .target
-        .as_ref()
-        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
-    all && req.counting.as_ref().is_some_and(|o| o.cuda)
-}
-
-/// Whether `req` counts or traces Python calls of every process.
-fn python_on_every_process(req: &StartSessionRequest) -> bool {
-    let all = req
-        .target
-        .as_ref()
-        .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true))));
-    let Ok(mode) = Mode::try_from(req.mode) else {
-        return false;
-    };
-    all && counts_python(mode, &req.counting.clone().unwrap_or_default())
+    let default = CountingOptions::default();
+    let options = req.counting.as_ref().unwrap_or(&default);
+    Some(Asks {
+        python: counts_python(mode, options),
+        cuda: options.cuda,
+        native: !options.uprobes.is_empty(),
+        sampling: mode == Mode::Sampling,
+        all: req
+            .target
+            .as_ref()
+            .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true)))),
+    })
 }
 
 /// The processes that map a Python interpreter now.

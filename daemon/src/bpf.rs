@@ -4,16 +4,15 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
-mod multi;
+mod programs;
+
+pub use programs::perf_link;
 
 use std::{fs, os::fd::OwnedFd, path::Path};
 
 use aya::{
     maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap},
-    programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
-        PerfEvent, TracePoint, UProbe,
-    },
+    programs::TracePoint,
     Ebpf, EbpfError, EbpfLoader,
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
@@ -102,7 +101,7 @@ pub enum BpfError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    #[error("attaching {name} to {probes} offsets in one link: {source}")]
+    #[error("attaching {name} at {probes} offsets: {source}")]
     Attach {
         name: &'static str,
         probes: usize,
@@ -115,6 +114,8 @@ pub enum BpfError {
         #[source]
         source: Box<MapError>,
     },
+    #[error("tracer's probe programs: {0}")]
+    Programs(#[source] programs::ProgramsError),
     #[error("tracefs is not available at {TRACEFS} and could not be mounted: {0}")]
     Tracefs(String),
 }
@@ -124,16 +125,9 @@ pub enum BpfError {
 /// sets off the task that answers RPCs, with [`crate::bpf::release`].
 #[derive(Default)]
 pub struct ProbeSet {
-    links: Vec<ProbeLink>,
+    /// Held only to be dropped: multi-uprobe links, or one link per probe's perf event.
+    links: Vec<OwnedFd>,
     probes: usize,
-}
-
-/// Held only to be dropped: that detaches.
-enum ProbeLink {
-    /// A multi-uprobe link: one program on many offsets of one binary.
-    Multi(#[allow(dead_code)] OwnedFd),
-    /// One probe, one perf event (kernels without multi-uprobe links).
-    Single(#[allow(dead_code)] UProbeLink),
 }
 
 impl ProbeSet {
@@ -156,7 +150,7 @@ impl ProbeSet {
 /// Uprobe programs still to be verified and loaded, from [`Bpf::to_load`]; `run` them on a
 /// thread that may wait seconds. What they load, the daemon's later attaches use.
 pub struct Loading {
-    programs: multi::MultiPrograms,
+    programs: programs::Programs,
     names: Vec<&'static str>,
 }
 
@@ -235,9 +229,7 @@ pub struct Bpf {
     pub py_stacks: HashMap<MapData, u32, PyStack>,
     trace_sessions: Array<MapData, SessionMask>,
     // Kept open: programs loaded later refer to every map by fd.
-    py_loaded: bool,
     native_calls: HashMap<MapData, NativeCallKey, u64>,
-    native_loaded: bool,
     cuda_launches: HashMap<MapData, CudaLaunchKey, u64>,
     cuda_memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
     gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
@@ -246,10 +238,8 @@ pub struct Bpf {
     exec_hold: Array<MapData, SessionMask>,
     /// Processes stopped at exec, until continued (see `guardian`).
     held: HashMap<MapData, u32, u64>,
-    cuda_loaded: bool,
-    /// The uprobe programs loaded for multi-uprobe links; `None` where the kernel has none
-    /// (each probe is then a perf event of its own).
-    multi: Option<multi::MultiPrograms>,
+    /// The uprobe and sampling programs, loaded and attached by tracer itself.
+    programs: programs::Programs,
     /// Why uprobes are attached one by one, when they are.
     multi_missing: Option<String>,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
@@ -299,25 +289,15 @@ impl Bpf {
             .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
-        let (multi, multi_missing) = if per_probe {
-            (
-                None,
-                Some("tracerd was started with --per-probe-uprobes".to_owned()),
-            )
-        } else if !multi::supported() {
-            (
-                None,
-                Some("this kernel has no multi-uprobe links (Linux 6.6+)".to_owned()),
-            )
+        let multi_missing = if per_probe {
+            Some("tracerd was started with --per-probe-uprobes")
+        } else if !programs::supported() {
+            Some("this kernel has no multi-uprobe links (Linux 6.6+)")
         } else {
-            match multi::MultiPrograms::new(&ebpf, OBJECT) {
-                Ok(m) => (Some(m), None),
-                Err(e) => {
-                    tracing::warn!(%e, "multi-uprobe links unavailable");
-                    (None, Some(e.to_string()))
-                }
-            }
+            None
         };
+        let programs = programs::Programs::new(&ebpf, OBJECT, multi_missing.is_none())
+            .map_err(BpfError::Programs)?;
         attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
         attach(
             &mut ebpf,
@@ -368,9 +348,7 @@ impl Bpf {
             py_inproc: take(&mut ebpf, "PY_INPROC")?,
             py_stacks: take(&mut ebpf, "PY_STACKS")?,
             trace_sessions: take(&mut ebpf, "TRACE_SESSIONS")?,
-            py_loaded: false,
             native_calls: take(&mut ebpf, "NATIVE_CALLS")?,
-            native_loaded: false,
             cuda_launches: take(&mut ebpf, "CUDA_LAUNCHES")?,
             cuda_memory: take(&mut ebpf, "CUDA_MEMORY")?,
             gpu_kernels: take(&mut ebpf, "GPU_KERNELS")?,
@@ -378,9 +356,8 @@ impl Bpf {
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             held: take(&mut ebpf, "HELD")?,
-            cuda_loaded: false,
-            multi,
-            multi_missing,
+            programs,
+            multi_missing: multi_missing.map(str::to_owned),
             fsbase_error,
             ebpf,
         })
@@ -505,28 +482,11 @@ impl Bpf {
     /// The sampling program's fd, the program loaded on first use, for `sampler::Sampler`
     /// to attach.
     pub fn sample_program(&mut self) -> Result<OwnedFd, BpfError> {
-        let err = |e: Box<dyn std::error::Error + Send + Sync>| BpfError::Program {
+        self.load_programs(&SAMPLE_PROGRAMS)?;
+        self.programs.fd(SAMPLE).map_err(|e| BpfError::Program {
             name: SAMPLE,
-            source: e,
-        };
-        if let Some(m) = &self.multi {
-            m.load(SAMPLE).map_err(|e| err(Box::new(e)))?;
-            return m.fd(SAMPLE).map_err(|e| err(Box::new(e)));
-        }
-        let prog: &mut PerfEvent = self
-            .ebpf
-            .program_mut(SAMPLE)
-            .expect("tracer_sample in object")
-            .try_into()
-            .map_err(|e: aya::programs::ProgramError| err(Box::new(e)))?;
-        match prog.load() {
-            Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
-            Err(e) => return Err(err(Box::new(e))),
-        }
-        let fd = prog.fd().map_err(|e| err(Box::new(e)))?;
-        std::os::fd::AsFd::as_fd(fd)
-            .try_clone_to_owned()
-            .map_err(|e| err(Box::new(e)))
+            source: Box::new(e),
+        })
     }
 
     /// The ring buffer of first-seen code objects; taken once by its reader.
@@ -538,10 +498,7 @@ impl Bpf {
     /// `path`: where the binary is reachable now (the runtime may have been inspected through
     /// a process that has exited since, and its `/proc/PID/root` path with it).
     pub fn attach_python(&mut self, rt: &Runtime, path: &Path) -> Result<ProbeSet, BpfError> {
-        if !self.py_loaded {
-            self.load_uprobes(&PY_PROGRAMS)?;
-            self.py_loaded = true;
-        }
+        self.load_programs(&PY_PROGRAMS)?;
         publish_layout(rt.version)?;
         let index = u64::from(rt.version.index);
         let entry = index | (py_role::ENTRY << py_role::SHIFT);
@@ -557,7 +514,7 @@ impl Bpf {
             .into_iter()
             .map(|(name, p, cookie)| (name, p.file_offset, cookie))
             .collect();
-        self.attach_all(path, &points)
+        attach_all(&self.programs, path, &points)
     }
 
     /// How uprobes are attached here, in one line (for `capabilities`).
@@ -571,9 +528,7 @@ impl Bpf {
     /// The programs that sessions counting `python`, `cuda` launches or `native` calls, or
     /// `sampling`, need and that are not loaded yet, as work for another thread: the verifier
     /// takes seconds over the Python and CUDA ones, a quarter of one over the sampling one,
-    /// and the thread that asks serves every client. `None` when all are loaded, or without
-    /// multi-uprobe links (aya's own programs load only in place, on the kernels older than
-    /// 6.6 that lack them).
+    /// and the thread that asks serves every client. `None` when all are loaded.
     pub fn to_load(
         &self,
         python: bool,
@@ -581,7 +536,6 @@ impl Bpf {
         native: bool,
         sampling: bool,
     ) -> Option<Loading> {
-        let m = self.multi.as_ref()?;
         let groups: [(bool, &[&'static str]); 4] = [
             (python, &PY_PROGRAMS),
             (cuda, &CUDA_PROGRAMS),
@@ -592,122 +546,30 @@ impl Bpf {
             .into_iter()
             .filter(|(wanted, _)| *wanted)
             .flat_map(|(_, names)| names.iter().copied())
-            .filter(|name| !m.is_loaded(name))
+            .filter(|name| !self.programs.is_loaded(name))
             .collect();
         (!names.is_empty()).then(|| Loading {
-            programs: m.clone(),
+            programs: self.programs.clone(),
             names,
         })
     }
 
-    /// Loads uprobe programs once; after a failed attempt some are loaded already, so the
-    /// error names the one that fails.
-    fn load_uprobes(&mut self, names: &[&'static str]) -> Result<(), BpfError> {
-        for &name in names {
-            if let Some(m) = &self.multi {
-                m.load(name).map_err(|e| BpfError::Program {
-                    name,
-                    source: Box::new(e),
-                })?;
-                continue;
-            }
-            match self.uprobe(name)?.load() {
-                Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
-                Err(e) => {
-                    return Err(BpfError::Program {
-                        name,
-                        source: Box::new(e),
-                    })
-                }
-            }
+    /// Loads programs once (at once where they are loaded already); after a failed attempt
+    /// some are loaded already, so the error names the one that fails.
+    fn load_programs(&self, names: &[&'static str]) -> Result<(), BpfError> {
+        Loading {
+            programs: self.programs.clone(),
+            names: names.to_vec(),
         }
-        Ok(())
+        .run()
     }
 
-    /// Attaches (program, file offset, cookie) points in `binary`, for every process that
-    /// maps it; all or nothing. With multi-uprobe links, one link per program.
-    fn attach_all(
-        &mut self,
-        binary: &Path,
-        points: &[(&'static str, u64, u64)],
-    ) -> Result<ProbeSet, BpfError> {
-        let mut set = ProbeSet::default();
-        if let Some(m) = &self.multi {
-            let mut names: Vec<&'static str> = points.iter().map(|p| p.0).collect();
-            names.sort_unstable();
-            names.dedup();
-            for name in names {
-                let (offsets, cookies): (Vec<u64>, Vec<u64>) = points
-                    .iter()
-                    .filter(|p| p.0 == name)
-                    .map(|p| (p.1, p.2))
-                    .unzip();
-                let fd = m
-                    .attach(name, binary, &offsets, &cookies, AT_RETURN.contains(&name))
-                    .map_err(|e| BpfError::Attach {
-                        name,
-                        probes: offsets.len(),
-                        source: e,
-                    })?;
-                set.links.push(ProbeLink::Multi(fd));
-                set.probes += offsets.len();
-            }
-            return Ok(set);
+    /// What attaches native-call counters, on any thread: attaching thousands of probes,
+    /// to a binary many processes map, takes long.
+    pub fn native_attacher(&self) -> NativeAttacher {
+        NativeAttacher {
+            programs: self.programs.clone(),
         }
-        for &(name, offset, cookie) in points {
-            let at = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(cookie),
-            };
-            let program = self.uprobe(name)?;
-            let link = program
-                .attach(at, binary, UProbeScope::AllProcesses)
-                .and_then(|id| program.take_link(id))
-                .map_err(|e| BpfError::Program {
-                    name,
-                    source: Box::new(e),
-                })?;
-            set.links.push(ProbeLink::Single(link));
-            set.probes += 1;
-        }
-        Ok(set)
-    }
-
-    /// Attaches native-call counters for one session on functions of one binary: each
-    /// `(file offset, probe)` numbers the function in the session's report; `all`: count
-    /// every process, not only those the session follows. A function the kernel will not
-    /// probe is left out and comes back with why, by its index in `points`.
-    pub fn attach_native(
-        &mut self,
-        binary: &Path,
-        points: &[(u64, u32)],
-        slot: u8,
-        all: bool,
-    ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
-        if !self.native_loaded {
-            self.load_uprobes(&NATIVE_PROGRAMS)?;
-            self.native_loaded = true;
-        }
-        let points: Vec<_> = points
-            .iter()
-            .map(|&(offset, probe)| (NATIVE_CALL, offset, native_cookie::make(slot, all, probe)))
-            .collect();
-        if self.multi.is_some() {
-            // One link for all, unless the kernel refuses one of them: then one link each,
-            // to name those it refuses.
-            if let Ok(set) = self.attach_all(binary, &points) {
-                return Ok((set, Vec::new()));
-            }
-        }
-        let mut set = ProbeSet::default();
-        let mut refused = Vec::new();
-        for (i, p) in points.iter().enumerate() {
-            match self.attach_all(binary, std::slice::from_ref(p)) {
-                Ok(one) => set.extend(one),
-                Err(e) => refused.push((i, e)),
-            }
-        }
-        Ok((set, refused))
     }
 
     /// The ring buffer of CUDA kernel names; taken once by its reader.
@@ -720,11 +582,7 @@ impl Bpf {
     /// starts (ahead, through [`Bpf::to_load`]), so that a library mapped later is probed at
     /// once.
     pub fn load_cuda(&mut self) -> Result<(), BpfError> {
-        if !self.cuda_loaded {
-            self.load_uprobes(&CUDA_PROGRAMS)?;
-            self.cuda_loaded = true;
-        }
-        Ok(())
+        self.load_programs(&CUDA_PROGRAMS)
     }
 
     /// Probes CUDA entry points of one library for one session: (file offset, cookie, and
@@ -743,7 +601,7 @@ impl Bpf {
                 .filter(|p| p.2)
                 .map(|&(o, c, _)| (CUDA_RETURN, o, c)),
         );
-        self.attach_all(binary, &points)
+        attach_all(&self.programs, binary, &points)
     }
 
     /// A session's CUDA launch counts and memory totals, taken out of the kernel maps with
@@ -772,17 +630,6 @@ impl Bpf {
             .into_iter()
             .map(|(k, n)| (k.pid, k.probe, n))
             .collect()
-    }
-
-    fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe, BpfError> {
-        self.ebpf
-            .program_mut(name)
-            .unwrap_or_else(|| panic!("{name} in object"))
-            .try_into()
-            .map_err(|e| BpfError::Program {
-                name,
-                source: Box::new(e),
-            })
     }
 
     /// The sessions following `pid`, as the kernel has them (children join at fork, before
@@ -897,6 +744,83 @@ impl Bpf {
                 guard.clear_ready();
             }
         }))
+    }
+}
+
+/// Attaches (program, file offset, cookie) points in `binary`, for every process that maps
+/// it; all or nothing. With multi-uprobe links, one link per program.
+fn attach_all(
+    programs: &programs::Programs,
+    binary: &Path,
+    points: &[(&'static str, u64, u64)],
+) -> Result<ProbeSet, BpfError> {
+    let mut set = ProbeSet::default();
+    let mut names: Vec<&'static str> = points.iter().map(|p| p.0).collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        let (offsets, cookies): (Vec<u64>, Vec<u64>) = points
+            .iter()
+            .filter(|p| p.0 == name)
+            .map(|p| (p.1, p.2))
+            .unzip();
+        let links = programs
+            .attach(name, binary, &offsets, &cookies, AT_RETURN.contains(&name))
+            .map_err(|e| BpfError::Attach {
+                name,
+                probes: offsets.len(),
+                source: e,
+            })?;
+        set.links.extend(links);
+        set.probes += offsets.len();
+    }
+    Ok(set)
+}
+
+/// Attaches native-call counters ([`Bpf::native_attacher`]); `Send`, for a blocking thread.
+#[derive(Clone)]
+pub struct NativeAttacher {
+    programs: programs::Programs,
+}
+
+impl NativeAttacher {
+    /// Attaches native-call counters for one session on functions of one binary: each
+    /// `(file offset, probe)` numbers the function in the session's report; `all`: count
+    /// every process, not only those the session follows. A function the kernel will not
+    /// probe is left out and comes back with why, by its index in `points`.
+    pub fn attach(
+        &self,
+        binary: &Path,
+        points: &[(u64, u32)],
+        slot: u8,
+        all: bool,
+    ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
+        Loading {
+            programs: self.programs.clone(),
+            names: NATIVE_PROGRAMS.to_vec(),
+        }
+        .run()?;
+        let points: Vec<_> = points
+            .iter()
+            .map(|&(offset, probe)| (NATIVE_CALL, offset, native_cookie::make(slot, all, probe)))
+            .collect();
+        // In one link, unless the kernel refuses one of them: then one at a time, to name
+        // those it refuses. (One perf event each goes one at a time from the start: those
+        // attached before a refusal would each take a grace period to come off.)
+        if self.programs.multi() {
+            if let Ok(set) = attach_all(&self.programs, binary, &points) {
+                return Ok((set, Vec::new()));
+            }
+        }
+        let mut set = ProbeSet::default();
+        let mut refused = Vec::new();
+        for (i, p) in points.iter().enumerate() {
+            match attach_all(&self.programs, binary, std::slice::from_ref(p)) {
+                Ok(one) => set.extend(one),
+                Err(e) => refused.push((i, e)),
+            }
+        }
+        Ok((set, refused))
     }
 }
 

@@ -1,10 +1,10 @@
 //! The perf events that drive sampling: one per online CPU for each sampling session, at the
 //! session's frequency, each running `tracer_sample` with the session's slot in the attach
-//! cookie (aya's perf-event attach takes no cookie, so the link is created here).
+//! cookie (aya's perf-event attach takes no cookie, so the link is created by `bpf`).
 
 use std::{
     io,
-    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
 };
 
 use perf_event_open_sys as sys;
@@ -49,7 +49,6 @@ impl Sampler {
         all: bool,
         frequency: u64,
     ) -> Result<Self, SamplerError> {
-        let prog_fd = program.as_raw_fd();
         let cpus = crate::perf::online_cpus().map_err(SamplerError::Cpus)?;
         let Some(&first_cpu) = cpus.first() else {
             return Err(SamplerError::Cpus(io::Error::new(
@@ -78,7 +77,7 @@ impl Sampler {
                 None => open(type_, config, cpu, frequency)
                     .map_err(|source| SamplerError::Open { event, cpu, source })?,
             };
-            let link = link(prog_fd, fd.as_raw_fd(), cookie)
+            let link = crate::bpf::perf_link(program, fd.as_fd(), cookie)
                 .map_err(|source| SamplerError::Attach { cpu, source })?;
             // SAFETY: ioctl on a perf event fd we own.
             if unsafe { sys::ioctls::ENABLE(fd.as_raw_fd(), 0) } != 0 {
@@ -122,42 +121,4 @@ fn open(type_: u32, config: u64, cpu: usize, frequency: u64) -> io::Result<Owned
     }
     // SAFETY: a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `BPF_LINK_CREATE` for a perf event, with a BPF cookie.
-fn link(prog_fd: i32, perf_fd: i32, cookie: u64) -> io::Result<OwnedFd> {
-    /// The head of `union bpf_attr` as `BPF_LINK_CREATE` reads it for perf events.
-    #[repr(C)]
-    #[derive(Default)]
-    struct LinkCreate {
-        prog_fd: u32,
-        target_fd: u32,
-        attach_type: u32,
-        flags: u32,
-        bpf_cookie: u64,
-        _rest: [u64; 12],
-    }
-    const BPF_LINK_CREATE: libc::c_long = 28;
-    const BPF_PERF_EVENT: u32 = 41;
-    let attr = LinkCreate {
-        prog_fd: prog_fd as u32,
-        target_fd: perf_fd as u32,
-        attach_type: BPF_PERF_EVENT,
-        bpf_cookie: cookie,
-        ..Default::default()
-    };
-    // SAFETY: the bpf syscall reads `size` bytes of a zero-padded attr.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &attr as *const LinkCreate,
-            std::mem::size_of::<LinkCreate>() as u32,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -248,6 +248,84 @@ fn requests_are_answered_while_probes_come_off() {
     assert!(ok);
 }
 
+/// Runs `tracerctl ARGS` (a start) while sending `list` over and over: how many lists were
+/// answered before the start was, and the start's output.
+fn lists_answered_during(d: &Daemon, args: &[&str]) -> (usize, String) {
+    let mut start = d.ctl().args(args).stdout(Stdio::piped()).spawn().unwrap();
+    // Only an ordering margin: the start is in the daemon's queue before the lists.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut answered = 0;
+    let status = loop {
+        if let Some(status) = start.try_wait().unwrap() {
+            break status;
+        }
+        d.ok(&["list"]);
+        // A list sent before the start came back, and answered first.
+        if start.try_wait().unwrap().is_none() {
+            answered += 1;
+        }
+    };
+    assert!(status.success(), "{args:?}: the start failed");
+    let mut id = String::new();
+    start
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut id)
+        .unwrap();
+    (answered, id)
+}
+
+/// Attaching 1,000 probes to a binary that ten busy processes map takes seconds here: each
+/// process gets every breakpoint, and starts hitting them at once. Other requests do not
+/// wait for it.
+#[test]
+fn requests_are_answered_while_probes_go_on() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some((_dir, exe)) = build_target() else {
+        return;
+    };
+    let d = Daemon::start();
+    // The probe program loaded first, so that only attaching is timed.
+    let targets: Vec<Target> = (0..10).map(|_| start_target(&exe)).collect();
+    let pid = targets[0].pid().to_string();
+    let one = format!("{}:one_*", exe.display());
+    let id = d.ok(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &one]);
+    d.ok(&["stop", id.trim()]);
+    let many = format!("{}:many_*", exe.display());
+    let started = Instant::now();
+    let (answered, id) = lists_answered_during(
+        &d,
+        &["start", "--mode=counting", "--pid", &pid, "--uprobe", &many],
+    );
+    println!(
+        "{answered} lists answered while 1,000 probes went on in {:?}",
+        started.elapsed()
+    );
+    assert!(
+        answered > 2,
+        "{answered} requests answered while the probes were attached"
+    );
+    d.ok(&["stop", id.trim()]);
+    let report: serde_json::Value =
+        serde_json::from_str(&d.ok(&["report", id.trim(), "--format", "json"])).unwrap();
+    assert_eq!(
+        report["native"]["probes"].as_array().map(Vec::len),
+        Some(1000),
+        "{report}"
+    );
+    // All told to stop at once: each looks for the file only every 2 ms.
+    std::fs::write(exe.parent().unwrap().join("stop"), "").unwrap();
+    for mut target in targets {
+        let mut out = String::new();
+        target.out.read_to_string(&mut out).unwrap();
+        let status = target.child.0.wait().unwrap();
+        assert!(status.success() && out.starts_with("checksum"), "{out}");
+    }
+}
+
 /// The first CUDA and the first Python session of a daemon wait for their probe programs,
 /// which the kernel's verifier takes seconds over; other requests do not wait with them.
 #[test]
@@ -264,28 +342,7 @@ fn requests_are_answered_while_probe_programs_load() {
     for kind in [&["--cuda"][..], &["--python", "--python-uprobes-only"]] {
         let mut args = vec!["start", "--mode=counting", "--pid", &pid];
         args.extend_from_slice(kind);
-        let mut start = d.ctl().args(&args).stdout(Stdio::piped()).spawn().unwrap();
-        // Only an ordering margin: the start is in the daemon's queue before the lists.
-        std::thread::sleep(Duration::from_millis(300));
-        let mut answered = 0;
-        let status = loop {
-            if let Some(status) = start.try_wait().unwrap() {
-                break status;
-            }
-            d.ok(&["list"]);
-            // A list sent before the start came back, and answered first.
-            if start.try_wait().unwrap().is_none() {
-                answered += 1;
-            }
-        };
-        assert!(status.success(), "{kind:?}: the start failed");
-        let mut id = String::new();
-        start
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut id)
-            .unwrap();
+        let (answered, id) = lists_answered_during(&d, &args);
         println!("{kind:?}: {answered} lists answered while the first start loaded its programs");
         // One list may come back between the start's answer and tracerctl's exit.
         assert!(

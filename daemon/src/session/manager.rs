@@ -108,6 +108,18 @@ enum Command {
         reply: Reply<SessionInfo>,
         ahead: Ahead,
     },
+    /// A start whose `--uprobe` probes were attached off the manager's task, in `slot`
+    /// (taken for it, with `probes` counted against `uid`'s limit meanwhile).
+    Attached {
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+        ahead: Ahead,
+        slot: u8,
+        uid: u32,
+        probes: usize,
+        native: Result<NativeSession, Error>,
+    },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,
@@ -271,6 +283,9 @@ pub struct Manager {
     cuda_scanning: bool,
     /// A scan for processes that map Python is under way (`PythonScanned`).
     python_scanning: bool,
+    /// Native probes being attached off this task for starts not answered yet, by uid
+    /// (counted against the user's limit as if held).
+    attaching: HashMap<u32, usize>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -319,6 +334,7 @@ impl Manager {
             detached,
             cuda_scanning: false,
             python_scanning: false,
+            attaching: HashMap::new(),
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -557,7 +573,32 @@ impl Manager {
                 caller,
                 reply,
                 ahead,
-            } => self.begin(req, caller, reply, ahead),
+            } => self.ready(req, caller, reply, ahead),
+            Command::Attached {
+                req,
+                caller,
+                reply,
+                mut ahead,
+                slot,
+                uid,
+                probes,
+                native,
+            } => {
+                if let Some(n) = self.attaching.get_mut(&uid) {
+                    *n = n.saturating_sub(probes);
+                }
+                self.attaching.retain(|_, n| *n > 0);
+                match native {
+                    Ok(native) => {
+                        ahead.attached = Some(ahead::Attached { slot, native });
+                        self.begin(req, caller, reply, ahead);
+                    }
+                    Err(e) => {
+                        self.release(Some(slot));
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));
@@ -674,7 +715,26 @@ impl Manager {
         &mut self,
         req: StartSessionRequest,
         caller: Caller,
+        mut ahead: Ahead,
+        prepared: &mut Option<Prepared>,
+    ) -> Result<SessionInfo, Error> {
+        let mut attached = ahead.attached.take();
+        let started = self.start_with(req, caller, ahead, &mut attached, prepared);
+        if let Some(ahead::Attached { slot, mut native }) = attached {
+            // Refused before the slot was used: its probes come off, the slot after them.
+            self.release_after(Some(slot), vec![native.take_probes()]);
+        }
+        started
+    }
+
+    /// `attached`: `--uprobe` probes attached ahead, in their slot; taken once the session
+    /// uses the slot (every refusal after that releases both).
+    fn start_with(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
         ahead: Ahead,
+        attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
     ) -> Result<SessionInfo, Error> {
         let mode = Mode::try_from(req.mode)
@@ -805,14 +865,19 @@ impl Manager {
             natives,
             cuda_pids,
             python_pids,
+            ..
         } = ahead;
-        let natives = match natives {
-            Some(resolved) => resolved?,
-            None => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
+        let natives = match (attached.is_some(), natives) {
+            (true, _) => Vec::new(),
+            (false, Some(resolved)) => resolved?,
+            (false, None) => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
         };
         self.check_native_limits(&natives, owner_uid)?;
 
-        let slot = if sampling
+        let slot = if let Some(a) = attached.as_ref() {
+            // From here on, a refusal releases the probes with the slot (`abandon`).
+            Some(a.slot)
+        } else if sampling
             || trace_mode
             || pid.is_some()
             || python
@@ -825,7 +890,7 @@ impl Manager {
         };
         if let (Some(pid), Some(slot)) = (pid, slot) {
             if let Err(e) = self.bpf.follow(pid, slot) {
-                self.slots.free(slot);
+                self.abandon(Some(slot), attached);
                 return Err(e.into());
             }
         }
@@ -837,20 +902,20 @@ impl Manager {
         {
             Ok(c) => c,
             Err(e) => {
-                self.release(slot);
+                self.abandon(slot, attached);
                 return Err(e);
             }
         };
         // Followed first, checked after: an exit from here on arrives as an event.
         if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
-            self.release(slot);
+            self.abandon(slot, attached);
             return Err(Error::NoSuchProcess { pid });
         }
         let sampler = match (frequency, slot) {
             (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz, owner_uid) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    self.release(Some(slot));
+                    self.abandon(Some(slot), attached);
                     return Err(e);
                 }
             },
@@ -882,24 +947,26 @@ impl Manager {
             match self.start_python(pid, target.launched, inproc, python_pids) {
                 Ok(py) => Some(py),
                 Err(e) => {
-                    self.release(slot);
+                    self.abandon(slot, attached);
                     return Err(e);
                 }
             }
         } else {
             None
         };
-        let native = match slot.filter(|_| !natives.is_empty()) {
-            Some(slot) => {
-                match NativeSession::attach(&mut self.bpf, natives, slot, pid.is_none()) {
+        let native = match (attached.take(), slot.filter(|_| !natives.is_empty())) {
+            (Some(a), _) => Some(a.native),
+            (None, None) => None,
+            (None, Some(slot)) => {
+                let attacher = self.bpf.native_attacher();
+                match NativeSession::attach(&attacher, natives, slot, pid.is_none()) {
                     Ok(n) => Some(n),
                     Err(e) => {
-                        self.release(Some(slot));
+                        self.abandon(Some(slot), attached);
                         return Err(e);
                     }
                 }
             }
-            None => None,
         };
 
         // Before the start is answered: loading them when the first library is mapped would
@@ -926,10 +993,8 @@ impl Manager {
                     ))
                 }
                 Err(e) => {
-                    if let Some(n) = native {
-                        n.finish(&mut self.bpf, slot);
-                    }
-                    self.release(Some(slot));
+                    let probes = native.map(|mut n| n.take_probes());
+                    self.release_after(Some(slot), probes.into_iter().collect());
                     return Err(Error::io("creating the trace file", e));
                 }
             },
@@ -1303,7 +1368,8 @@ impl Manager {
             .filter(|s| s.owner_uid == uid)
             .filter_map(|s| s.native.as_ref())
             .map(NativeSession::probes)
-            .sum();
+            .sum::<usize>()
+            + self.attaching.get(&uid).copied().unwrap_or(0);
         if !targets.is_empty() && held + targets.len() > limits.per_user {
             return Err(Error::ResourceExhausted(format!(
                 "uid {uid} holds {held} native probes in running sessions; {} more would pass the {} a user may hold (stop a session first)",
@@ -1316,6 +1382,12 @@ impl Manager {
 
     fn release(&mut self, slot: Option<u8>) {
         self.release_after(slot, Vec::new());
+    }
+
+    /// A refused start's slot, with the probes attached ahead into it (if not yet taken).
+    fn abandon(&mut self, slot: Option<u8>, attached: &mut Option<ahead::Attached>) {
+        let probes = attached.take().map(|mut a| a.native.take_probes());
+        self.release_after(slot, probes.into_iter().collect());
     }
 
     /// Frees an ended session's slot once `probes` (the session's own) are detached. That

@@ -1,7 +1,7 @@
 //! Counting mode's native source: one session's uprobes on native functions, and its report.
 
 use crate::{
-    bpf::{Bpf, ProbeSet},
+    bpf::{Bpf, NativeAttacher, ProbeSet},
     error::Error,
     native::NativeTarget,
     report::{NativeCalls, NativeProbe, NativeReport},
@@ -18,9 +18,10 @@ pub struct NativeSession {
 impl NativeSession {
     /// Attaches a counter to every target for session `slot`. A function the kernel will not
     /// probe (one of a pattern's many, say) is skipped and named in the report; the session
-    /// fails only when none could be probed.
+    /// fails only when none could be probed. Attaching thousands of probes, to a binary many
+    /// processes map, takes long: the manager has it done on a blocking thread.
     pub fn attach(
-        bpf: &mut Bpf,
+        attacher: &NativeAttacher,
         targets: Vec<NativeTarget>,
         slot: u8,
         all: bool,
@@ -40,7 +41,7 @@ impl NativeSession {
                 .iter()
                 .map(|&i| (targets[i].file_offset, u32::try_from(i).unwrap_or(u32::MAX)))
                 .collect();
-            match bpf.attach_native(binary, &points, slot, all) {
+            match attacher.attach(binary, &points, slot, all) {
                 Ok((set, refused)) => {
                     links.extend(set);
                     skipped.extend(

@@ -1,12 +1,15 @@
 //! What a start prepares off the manager's task before it runs there: probe programs the
-//! verifier takes seconds over, `--uprobe` patterns matched against symbol tables, and the
-//! processes a session on every process finds mapping CUDA or Python (which the manager
-//! also has rescanned this way while such sessions run).
+//! verifier takes seconds over, `--uprobe` patterns matched against symbol tables and then
+//! attached, and the processes a session on every process finds mapping CUDA or Python
+//! (which the manager also has rescanned this way while such sessions run).
 
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
 use super::{all_pids, Command, Manager, Reply};
-use crate::{access::Caller, error::Error, native::NativeTarget, python::memory};
+use crate::{
+    access::Caller, error::Error, native::NativeTarget, python::memory,
+    session::native::NativeSession,
+};
 
 /// What a start needs that can take long, done on a blocking thread before the start runs on
 /// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
@@ -22,6 +25,14 @@ pub(super) struct Ahead {
     pub(super) cuda_pids: Option<Vec<u32>>,
     /// For a Python session on every process: the processes that map an interpreter now.
     pub(super) python_pids: Option<Vec<u32>>,
+    /// The `--uprobe` functions' probes, attached (see [`Manager::ready`]).
+    pub(super) attached: Option<Attached>,
+}
+
+/// A start's `--uprobe` probes, attached off the manager's task in the slot taken for them.
+pub(super) struct Attached {
+    pub(super) slot: u8,
+    pub(super) native: NativeSession,
 }
 
 impl Manager {
@@ -60,12 +71,66 @@ impl Manager {
                 natives,
                 cuda_pids,
                 python_pids,
+                attached: None,
             };
             let _ = tx.blocking_send(Command::Ready {
                 req,
                 caller,
                 reply,
                 ahead,
+            });
+        });
+    }
+
+    /// A start made ready ahead. Its `--uprobe` functions are attached first, on a blocking
+    /// thread in a slot taken for them: thousands of probes in a binary that many processes
+    /// map took seconds (each process gets every breakpoint); the start comes back as
+    /// `Attached`.
+    pub(super) fn ready(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+        mut ahead: Ahead,
+    ) {
+        let natives = match ahead.natives.take() {
+            Some(Ok(n)) if !n.is_empty() => n,
+            other => {
+                ahead.natives = other;
+                self.begin(req, caller, reply, ahead);
+                return;
+            }
+        };
+        // The start's other checks come after: these are the ones attaching needs first.
+        let taken = caller.acting_uid("starting a session").and_then(|uid| {
+            self.check_native_limits(&natives, uid)?;
+            let python = asks(&req).is_some_and(|a| a.python);
+            Ok((uid, self.slots.take(uid, python)?))
+        });
+        let (uid, slot) = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let probes = natives.len();
+        *self.attaching.entry(uid).or_default() += probes;
+        let all = asks(&req).is_some_and(|a| a.all);
+        let attacher = self.bpf.native_attacher();
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let native = NativeSession::attach(&attacher, natives, slot, all);
+            // A manager gone (shutdown) drops the probes here, off its task.
+            let _ = tx.blocking_send(Command::Attached {
+                req,
+                caller,
+                reply,
+                ahead,
+                slot,
+                uid,
+                probes,
+                native,
             });
         });
     }

@@ -1,13 +1,19 @@
-//! Multi-uprobe links (Linux 6.6+): one BPF link puts one program on many offsets of one
-//! binary in a single syscall, and releasing it waits for the kernel's grace periods once
-//! for the whole set instead of once per probe (~150 ms each). That is what lets a session
-//! with hundreds of probes stop at once, and a SIGKILLed daemon leave no breakpoint behind
-//! for long.
+//! The uprobe programs and the sampling program, loaded and attached by tracer itself (aya
+//! loads the object's maps and tracepoint programs). Two reasons:
 //!
-//! The kernel takes such a link only for a program loaded with the `BPF_TRACE_UPROBE_MULTI`
-//! attach type, which aya does not set for uprobes. So this module loads its own copies of
-//! the uprobe programs from the same object, relocated against the maps aya created: both
-//! copies read and write the very same maps.
+//! - Multi-uprobe links (Linux 6.6+): one BPF link puts one program on many offsets of one
+//!   binary in a single syscall, and releasing it waits for the kernel's grace periods once
+//!   for the whole set instead of once per probe (~150 ms each). That is what lets a session
+//!   with hundreds of probes stop at once, and a SIGKILLed daemon leave no breakpoint behind
+//!   for long. The kernel takes such a link only for a program loaded with the
+//!   `BPF_TRACE_UPROBE_MULTI` attach type, which aya does not set.
+//! - Loading and attaching from any thread: [`Programs`] is shared by cloned handles, so the
+//!   verifier's seconds and the attaching of thousands of probes happen off the task that
+//!   answers requests. Kernels without multi-uprobe links get one perf event per probe, the
+//!   same way.
+//!
+//! The programs are relocated against the maps aya created: both read and write the very
+//! same maps.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -23,12 +29,14 @@ use std::{
 
 use aya::{maps::Map, Ebpf};
 use aya_obj::{generated::bpf_insn, Function, Object};
+use perf_event_open_sys as sys;
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const BPF_PROG_TYPE_PERF_EVENT: u32 = 7;
+const BPF_PERF_EVENT: u32 = 41;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
 const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
 
@@ -89,6 +97,17 @@ struct LinkCreateAttr {
     _pad: u32,
 }
 
+/// `union bpf_attr` as BPF_LINK_CREATE reads it for a perf event.
+#[repr(C)]
+#[derive(Default)]
+struct PerfLinkAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    bpf_cookie: u64,
+}
+
 fn sys_bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<OwnedFd> {
     // SAFETY: `attr` is a live, initialized bpf_attr prefix of the size passed; every pointer
     // in it points at memory that outlives the call.
@@ -111,8 +130,10 @@ fn sys_bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<OwnedFd> {
 /// hands it functions (`bpf_loop` callbacks).
 struct Code<'a> {
     name: &'a str,
-    /// A perf-event program (sampling) rather than a uprobe for multi-uprobe links.
+    /// A perf-event program (sampling) rather than a uprobe.
     perf_event: bool,
+    /// A uprobe for multi-uprobe links, rather than for one perf event each.
+    multi: bool,
     insns: &'a [bpf_insn],
     license: &'a CString,
     btf: Option<(BorrowedFd<'a>, &'a Function)>,
@@ -140,10 +161,10 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
             log.as_mut_ptr() as u64
         },
         prog_name,
-        expected_attach_type: if code.perf_event {
-            0
-        } else {
+        expected_attach_type: if code.multi {
             BPF_TRACE_UPROBE_MULTI
+        } else {
+            0
         },
         ..ProgLoadAttr::default()
     };
@@ -168,13 +189,13 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
 }
 
 /// Loads the object's BTF (fixed up for this kernel as aya does it) into the kernel.
-fn load_btf(object: &mut Object) -> Result<Option<OwnedFd>, MultiError> {
+fn load_btf(object: &mut Object) -> Result<Option<OwnedFd>, ProgramsError> {
     let Some(features) = aya::features().btf() else {
         return Ok(None);
     };
     let btf = object
         .fixup_and_sanitize_btf(features)
-        .map_err(|e| MultiError::Relocate(format!("BTF: {e}")))?;
+        .map_err(|e| ProgramsError::Relocate(format!("BTF: {e}")))?;
     let Some(btf) = btf else {
         return Ok(None);
     };
@@ -186,10 +207,10 @@ fn load_btf(object: &mut Object) -> Result<Option<OwnedFd>, MultiError> {
     };
     sys_bpf(BPF_BTF_LOAD, &attr)
         .map(Some)
-        .map_err(|e| MultiError::Relocate(format!("loading BTF: {e}")))
+        .map_err(|e| ProgramsError::Relocate(format!("loading BTF: {e}")))
 }
 
-/// Creates one link of `prog` on `offsets` of `binary`, for every process (`pid` 0) or one;
+/// Creates one multi-uprobe link of `prog` on `offsets` of `binary`, for every process;
 /// `cookies[i]` is what `bpf_get_attach_cookie` gives the program at `offsets[i]`.
 fn link(
     prog: BorrowedFd<'_>,
@@ -218,6 +239,79 @@ fn link(
     sys_bpf(BPF_LINK_CREATE, &attr)
 }
 
+/// `BPF_LINK_CREATE` of `prog` on the perf event `event`; `cookie` is what
+/// `bpf_get_attach_cookie` gives the program there. The link holds the event: closing it
+/// detaches the program and, for a uprobe, removes the probe.
+pub fn perf_link(prog: BorrowedFd<'_>, event: BorrowedFd<'_>, cookie: u64) -> io::Result<OwnedFd> {
+    let attr = PerfLinkAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: event.as_raw_fd() as u32,
+        attach_type: BPF_PERF_EVENT,
+        bpf_cookie: cookie,
+        ..PerfLinkAttr::default()
+    };
+    sys_bpf(BPF_LINK_CREATE, &attr)
+}
+
+/// The kernel's uprobe PMU: its perf type, and the config bit that makes a probe one at the
+/// function's return.
+#[derive(Clone, Copy)]
+struct UprobePmu {
+    type_: u32,
+    retprobe_bit: u32,
+}
+
+impl UprobePmu {
+    fn read() -> io::Result<Self> {
+        let dir = Path::new("/sys/bus/event_source/devices/uprobe");
+        let bad =
+            |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("uprobe PMU {what}"));
+        let type_ = std::fs::read_to_string(dir.join("type"))?
+            .trim()
+            .parse()
+            .map_err(|_| bad("type"))?;
+        // "config:0"
+        let retprobe_bit = std::fs::read_to_string(dir.join("format/retprobe"))?
+            .trim()
+            .strip_prefix("config:")
+            .and_then(|b| b.parse().ok())
+            .filter(|&b: &u32| b < 64)
+            .ok_or_else(|| bad("retprobe format"))?;
+        Ok(Self {
+            type_,
+            retprobe_bit,
+        })
+    }
+
+    /// One uprobe perf event at `offset` of `binary`, for every process.
+    fn open(&self, binary: &CString, offset: u64, at_return: bool) -> io::Result<OwnedFd> {
+        let mut attr = sys::bindings::perf_event_attr::default();
+        attr.type_ = self.type_;
+        attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
+        if at_return {
+            attr.config = 1 << self.retprobe_bit;
+        }
+        attr.__bindgen_anon_3.config1 = binary.as_ptr() as u64;
+        attr.__bindgen_anon_4.config2 = offset;
+        // SAFETY: a valid attr whose path outlives the call; pid -1 on CPU 0 is a uprobe in
+        // every process.
+        let fd = unsafe {
+            sys::perf_event_open(
+                &mut attr,
+                -1,
+                0,
+                -1,
+                sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
 /// Whether this kernel creates multi-uprobe links: a do-nothing program loads with the
 /// attach type, and a link on a path that is no regular file is refused for that reason
 /// (EBADF) rather than for an unknown attach type (EINVAL).
@@ -234,6 +328,7 @@ pub fn supported() -> bool {
     let code = Code {
         name: "tracer_probe",
         perf_event: false,
+        multi: true,
         insns: &insns,
         license: &license,
         btf: None,
@@ -248,14 +343,16 @@ pub fn supported() -> bool {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum MultiError {
+pub enum ProgramsError {
     #[error("parsing the BPF object again: {0}")]
     Parse(String),
     #[error("relocating {0}")]
     Relocate(String),
     #[error("no program {0} in the object")]
     NoProgram(String),
-    #[error("loading {name} for multi-uprobe links: {source}{log}")]
+    #[error("the kernel's uprobe PMU: {0}")]
+    Pmu(#[source] io::Error),
+    #[error("loading {name}: {source}{log}")]
     Load {
         name: String,
         source: io::Error,
@@ -264,13 +361,23 @@ pub enum MultiError {
     },
 }
 
-/// The uprobe programs, loaded for multi-uprobe links, and the sampling program, by name.
-/// Cloned handles share them: verifying a program takes up to seconds, so it may be loaded
-/// on another thread than the one that attaches it.
+/// The uprobe programs and the sampling program, by name. Cloned handles share them:
+/// verifying a program takes up to seconds and attaching thousands of probes can too, so
+/// both may happen on other threads than the one that asks.
 #[derive(Clone)]
-pub struct MultiPrograms(Arc<Shared>);
+pub struct Programs(Arc<Shared>);
+
+/// How uprobes are attached.
+#[derive(Clone, Copy)]
+enum Links {
+    /// One multi-uprobe link per program and binary.
+    Multi,
+    /// One perf event per probe (kernels before 6.6, or when asked).
+    PerProbe(UprobePmu),
+}
 
 struct Shared {
+    links: Links,
     object: Object,
     btf: Option<OwnedFd>,
     /// Duplicates of the fds of aya's maps, kept open for programs loaded later: relocated
@@ -281,17 +388,23 @@ struct Shared {
     loaded: HashMap<String, Mutex<Option<OwnedFd>>>,
 }
 
-impl MultiPrograms {
-    /// Takes copies of `ebpf`'s map fds; call before any map is taken out of it.
-    pub fn new(ebpf: &Ebpf, object_bytes: &[u8]) -> Result<Self, MultiError> {
+impl Programs {
+    /// Takes copies of `ebpf`'s map fds; call before any map is taken out of it. `multi`:
+    /// uprobes go on in multi-uprobe links, else one perf event each.
+    pub fn new(ebpf: &Ebpf, object_bytes: &[u8], multi: bool) -> Result<Self, ProgramsError> {
+        let links = if multi {
+            Links::Multi
+        } else {
+            Links::PerProbe(UprobePmu::read().map_err(ProgramsError::Pmu)?)
+        };
         let mut object =
-            Object::parse(object_bytes).map_err(|e| MultiError::Parse(e.to_string()))?;
+            Object::parse(object_bytes).map_err(|e| ProgramsError::Parse(e.to_string()))?;
         let btf = load_btf(&mut object)?;
         let mut maps = HashMap::new();
         for (name, map) in ebpf.maps() {
             let fd = map_fd(map)
                 .try_clone_to_owned()
-                .map_err(|e| MultiError::Relocate(format!("map {name}: {e}")))?;
+                .map_err(|e| ProgramsError::Relocate(format!("map {name}: {e}")))?;
             maps.insert(name.to_owned(), fd);
         }
         let defs = std::mem::take(&mut object.maps);
@@ -303,16 +416,17 @@ impl MultiPrograms {
                 }),
                 &text,
             )
-            .map_err(|e| MultiError::Relocate(e.to_string()))?;
+            .map_err(|e| ProgramsError::Relocate(e.to_string()))?;
         object
             .relocate_calls(&text)
-            .map_err(|e| MultiError::Relocate(e.to_string()))?;
+            .map_err(|e| ProgramsError::Relocate(e.to_string()))?;
         let loaded = object
             .programs
             .keys()
             .map(|name| (name.clone(), Mutex::new(None)))
             .collect();
         Ok(Self(Arc::new(Shared {
+            links,
             object,
             btf,
             _maps: maps,
@@ -320,11 +434,11 @@ impl MultiPrograms {
         })))
     }
 
-    fn slot(&self, name: &str) -> Result<&Mutex<Option<OwnedFd>>, MultiError> {
+    fn slot(&self, name: &str) -> Result<&Mutex<Option<OwnedFd>>, ProgramsError> {
         self.0
             .loaded
             .get(name)
-            .ok_or_else(|| MultiError::NoProgram(name.into()))
+            .ok_or_else(|| ProgramsError::NoProgram(name.into()))
     }
 
     /// Whether `name` is loaded; one being verified on another thread is not yet.
@@ -336,7 +450,7 @@ impl MultiPrograms {
     }
 
     /// Loads `name` (once); the verifier's refusal comes back with its last lines.
-    pub fn load(&self, name: &str) -> Result<(), MultiError> {
+    pub fn load(&self, name: &str) -> Result<(), ProgramsError> {
         let mut slot = self
             .slot(name)?
             .lock()
@@ -348,14 +462,16 @@ impl MultiPrograms {
         let program = object
             .programs
             .get(name)
-            .ok_or_else(|| MultiError::NoProgram(name.into()))?;
+            .ok_or_else(|| ProgramsError::NoProgram(name.into()))?;
         let function = object
             .functions
             .get(&program.function_key())
-            .ok_or_else(|| MultiError::NoProgram(name.into()))?;
+            .ok_or_else(|| ProgramsError::NoProgram(name.into()))?;
+        let perf_event = matches!(program.section, aya_obj::ProgramSection::PerfEvent);
         let code = Code {
             name,
-            perf_event: matches!(program.section, aya_obj::ProgramSection::PerfEvent),
+            perf_event,
+            multi: !perf_event && self.multi(),
             insns: &function.instructions,
             license: &program.license,
             btf: self.0.btf.as_ref().map(|fd| (fd.as_fd(), function)),
@@ -374,7 +490,7 @@ impl MultiPrograms {
                     let tail: Vec<&str> = tail.into_iter().rev().collect();
                     format!(" (verifier: {})", tail.join(" / "))
                 };
-                return Err(MultiError::Load {
+                return Err(ProgramsError::Load {
                     name: name.into(),
                     source,
                     log,
@@ -395,7 +511,13 @@ impl MultiPrograms {
             .try_clone()
     }
 
-    /// One link of the loaded program `name` on `offsets` (with their `cookies`) of `binary`.
+    /// Whether uprobes go on in multi-uprobe links.
+    pub fn multi(&self) -> bool {
+        matches!(self.0.links, Links::Multi)
+    }
+
+    /// The loaded uprobe program `name` on `offsets` (with their `cookies`) of `binary`, for
+    /// every process: one multi-uprobe link, or one link per offset; all or nothing.
     pub fn attach(
         &self,
         name: &'static str,
@@ -403,13 +525,27 @@ impl MultiPrograms {
         offsets: &[u64],
         cookies: &[u64],
         at_return: bool,
-    ) -> io::Result<OwnedFd> {
-        let slot = self.slot(name).map_err(io::Error::other)?;
-        let prog = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        let prog = prog
-            .as_ref()
-            .ok_or_else(|| io::Error::other(format!("{name} is not loaded")))?;
-        link(prog.as_fd(), binary, offsets, cookies, at_return)
+    ) -> io::Result<Vec<OwnedFd>> {
+        // A copy: attaching one perf event at a time takes long, and the program's lock
+        // would keep others from seeing it loaded meanwhile.
+        let prog = self.fd(name)?;
+        match self.0.links {
+            Links::Multi => {
+                link(prog.as_fd(), binary, offsets, cookies, at_return).map(|l| vec![l])
+            }
+            Links::PerProbe(pmu) => {
+                let path = CString::new(binary.as_os_str().as_bytes())
+                    .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+                offsets
+                    .iter()
+                    .zip(cookies)
+                    .map(|(&offset, &cookie)| {
+                        let event = pmu.open(&path, offset, at_return)?;
+                        perf_link(prog.as_fd(), event.as_fd(), cookie)
+                    })
+                    .collect()
+            }
+        }
     }
 }
 

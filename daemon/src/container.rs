@@ -10,32 +10,7 @@ use std::{
     sync::{Mutex, OnceLock},
 };
 
-use serde::{Deserialize, Serialize};
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Origin {
-    /// The cgroup path that names the container (or the unified hierarchy's).
-    pub cgroup: String,
-    /// containerd, cri-o, docker or podman; "cri" for a kubelet cgroupfs path.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runtime: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
-    /// The pod's QoS class: guaranteed, burstable or besteffort.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub qos: Option<String>,
-    /// The container's /etc/hostname (a pod's name by default).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hostname: Option<String>,
-}
-
-impl Origin {
-    pub fn in_container(&self) -> bool {
-        self.container_id.is_some() || self.pod_uid.is_some()
-    }
-}
+pub use crate::report::Origin;
 
 fn is_id(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())

@@ -162,46 +162,7 @@ fn c_string(pid: u32, addr: u64, max: usize) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
-/// The entry point's name as reports show it.
-pub fn api_name(which: u32) -> &'static str {
-    match which {
-        api::CU_LAUNCH => "cuLaunchKernel",
-        api::CU_LAUNCH_EX => "cuLaunchKernelEx",
-        api::CUDA_LAUNCH => "cudaLaunchKernel",
-        api::CUDA_LAUNCH_EX => "cudaLaunchKernelExC",
-        api::CU_GRAPH => "cuGraphLaunch",
-        api::CUDA_GRAPH => "cudaGraphLaunch",
-        api::CUDA_MEMCPY => "cudaMemcpy",
-        api::CUDA_MEMCPY_ASYNC => "cudaMemcpyAsync",
-        api::CU_MEMCPY_HTOD => "cuMemcpyHtoD",
-        api::CU_MEMCPY_DTOH => "cuMemcpyDtoH",
-        api::CUDA_MALLOC => "cudaMalloc",
-        api::CUDA_FREE => "cudaFree",
-        api::CU_MEM_ALLOC => "cuMemAlloc",
-        api::CU_MEM_FREE => "cuMemFree",
-        api::CUDA_DEVICE_SYNCHRONIZE => "cudaDeviceSynchronize",
-        api::CUDA_STREAM_SYNCHRONIZE => "cudaStreamSynchronize",
-        _ => "?",
-    }
-}
-
-/// `cudaMemcpyKind`, as the probe folds it into a memory key's kind (× 100).
-pub fn memcpy_kind(kind: u32) -> (u32, &'static str) {
-    let direction = match kind / 100 {
-        0 => "host to host",
-        1 => "host to device",
-        2 => "device to host",
-        3 => "device to device",
-        4 => "default (by pointer)",
-        _ => "unknown",
-    };
-    (kind % 100, direction)
-}
-
-/// Whether a memory kind is a `cudaMemcpy*` (whose kind carries a direction).
-pub fn is_memcpy(kind: u32) -> bool {
-    matches!(kind % 100, api::CUDA_MEMCPY | api::CUDA_MEMCPY_ASYNC)
-}
+pub use tracer_common::cuda_api::{is_memcpy, memcpy_kind, name as api_name};
 
 /// A name record's string (up to its NUL).
 pub fn event_name(ev: &CudaNameEvent) -> String {

@@ -11,7 +11,6 @@ pub mod continuous;
 pub mod cuda;
 pub mod daemon;
 pub mod error;
-pub mod export;
 pub mod gpu;
 pub mod guardian;
 pub mod live;
@@ -20,10 +19,8 @@ pub mod native;
 pub mod perf;
 pub mod plt;
 pub mod process;
-pub mod profile;
 pub mod python;
 pub mod remote;
-pub mod report;
 pub mod requests;
 pub mod sampler;
 pub mod server;
@@ -32,3 +29,6 @@ pub mod stacks;
 pub mod store;
 pub mod symbolize;
 pub mod unwind;
+
+// The report model and its renderers are a crate of their own, below this one.
+pub use tracer_report::{self as report, export, profile};

@@ -1,7 +1,10 @@
-//! The import check `cargo xtask test` runs: no circle of modules in a crate, read from the
-//! `crate::…` and `super::…` paths each file names. A module may use its ancestors (a child
-//! is part of its parent); any other circle means two modules can no longer be read, tested
-//! or moved one without the other.
+//! The import checks `cargo xtask test` runs:
+//!
+//! - crates by layer: a workspace crate depends (for its build, not its tests) only on
+//!   crates of lower layers, read from `cargo metadata`;
+//! - no circle of modules in a crate, read from the `crate::…` and `super::…` paths each file
+//!   names. A module may use its ancestors (a child is part of its parent); any other circle
+//!   means two modules can no longer be read, tested or moved one without the other.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -12,9 +15,29 @@ use std::{
 use anyhow::{bail, Result};
 
 /// The crates' source roots checked, relative to the repository.
-pub const ROOTS: [&str; 3] = ["daemon/src", "ebpf/probes/src", "cli/src"];
+pub const ROOTS: [&str; 4] = ["daemon/src", "report/src", "ebpf/probes/src", "cli/src"];
+
+/// Workspace crates by layer, lowest first. A crate missing here fails the check: a new
+/// crate is given its place.
+const CRATE_LAYERS: [(&str, u32); 9] = [
+    // Shared with the BPF programs, and the wire format.
+    ("tracer-common", 0),
+    ("tracer-proto", 0),
+    // What a session's results are and how they are rendered; no daemon.
+    ("tracer-report", 1),
+    // Loaded into traced processes.
+    ("tracer-cupti", 1),
+    ("tracer-pycount", 1),
+    // The daemon, and the CLI that speaks only proto.
+    ("tracer-daemon", 2),
+    ("tracerctl", 2),
+    ("tracer-tests", 3),
+    // Its benchmarks reuse the tests' helpers.
+    ("xtask", 4),
+];
 
 pub fn check(repo: &Path) -> Result<()> {
+    check_crates(repo)?;
     let mut found = Vec::new();
     for root in ROOTS {
         for circle in circles(&repo.join(root))? {
@@ -29,6 +52,62 @@ pub fn check(repo: &Path) -> Result<()> {
     }
     println!("xtask: no import circles in {}", ROOTS.join(", "));
     Ok(())
+}
+
+/// Every workspace crate's build dependencies on other workspace crates go to a lower layer.
+fn check_crates(repo: &Path) -> Result<()> {
+    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "metadata",
+            "--no-deps",
+            "--format-version",
+            "1",
+            "--offline",
+        ])
+        .current_dir(repo)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "cargo metadata: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let wrong = out_of_layer(&meta);
+    if !wrong.is_empty() {
+        bail!("crates out of their layers:\n  {}", wrong.join("\n  "));
+    }
+    println!("xtask: the workspace crates depend only on lower layers");
+    Ok(())
+}
+
+/// What `cargo metadata` shows out of [`CRATE_LAYERS`]' order, one line each.
+fn out_of_layer(meta: &serde_json::Value) -> Vec<String> {
+    let layer = |name: &str| CRATE_LAYERS.iter().find(|(n, _)| *n == name).map(|l| l.1);
+    let packages = meta["packages"].as_array().cloned().unwrap_or_default();
+    let ours: BTreeSet<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    let mut wrong = Vec::new();
+    for p in &packages {
+        let name = p["name"].as_str().unwrap_or_default();
+        let Some(own) = layer(name) else {
+            wrong.push(format!("{name} has no layer in xtask/src/layers.rs"));
+            continue;
+        };
+        for d in p["dependencies"].as_array().into_iter().flatten() {
+            let dep = d["name"].as_str().unwrap_or_default();
+            // Tests may use anything; only what a crate is built from is layered.
+            if !ours.contains(dep) || d["kind"].as_str() == Some("dev") {
+                continue;
+            }
+            match layer(dep) {
+                Some(l) if l < own => {}
+                _ => wrong.push(format!(
+                    "{name} (layer {own}) depends on {dep}, not below it"
+                )),
+            }
+        }
+    }
+    wrong
 }
 
 /// Module path (`session::manager`) → its source, for every file under `root`.
@@ -231,12 +310,30 @@ mod tests {
         w("p/c.rs", "use super::W; use crate::p::V;");
         assert_eq!(circles(dir.path()).unwrap(), [["a", "b"]]);
     }
+
+    #[test]
+    fn a_crate_using_a_higher_one_is_out_of_layer() {
+        let dep = |name: &str, kind: Option<&str>| serde_json::json!({"name": name, "kind": kind});
+        let meta = serde_json::json!({"packages": [
+            {"name": "tracer-report", "dependencies": [dep("tracer-daemon", None), dep("serde", None)]},
+            {"name": "tracer-daemon", "dependencies": [dep("tracer-report", None), dep("tracer-tests", Some("dev"))]},
+            {"name": "tracer-tests", "dependencies": []},
+            {"name": "newcomer", "dependencies": []},
+        ]});
+        assert_eq!(
+            out_of_layer(&meta),
+            [
+                "tracer-report (layer 1) depends on tracer-daemon, not below it",
+                "newcomer has no layer in xtask/src/layers.rs",
+            ]
+        );
+    }
 }
 
 #[cfg(test)]
 mod repository {
     #[test]
-    fn has_no_import_circles() {
+    fn keeps_its_layers_and_has_no_import_circles() {
         super::check(&crate::root()).unwrap();
     }
 }

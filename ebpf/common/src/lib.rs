@@ -540,6 +540,47 @@ pub mod cuda_api {
     /// (or failed to); sent as a `CudaNameEvent` with the status line as its name.
     pub const CUPTI_STATUS: u32 = 42;
     pub const MASK: u64 = 0xff;
+
+    /// The entry point's name as reports show it.
+    pub fn name(which: u32) -> &'static str {
+        match which {
+            CU_LAUNCH => "cuLaunchKernel",
+            CU_LAUNCH_EX => "cuLaunchKernelEx",
+            CUDA_LAUNCH => "cudaLaunchKernel",
+            CUDA_LAUNCH_EX => "cudaLaunchKernelExC",
+            CU_GRAPH => "cuGraphLaunch",
+            CUDA_GRAPH => "cudaGraphLaunch",
+            CUDA_MEMCPY => "cudaMemcpy",
+            CUDA_MEMCPY_ASYNC => "cudaMemcpyAsync",
+            CU_MEMCPY_HTOD => "cuMemcpyHtoD",
+            CU_MEMCPY_DTOH => "cuMemcpyDtoH",
+            CUDA_MALLOC => "cudaMalloc",
+            CUDA_FREE => "cudaFree",
+            CU_MEM_ALLOC => "cuMemAlloc",
+            CU_MEM_FREE => "cuMemFree",
+            CUDA_DEVICE_SYNCHRONIZE => "cudaDeviceSynchronize",
+            CUDA_STREAM_SYNCHRONIZE => "cudaStreamSynchronize",
+            _ => "?",
+        }
+    }
+
+    /// `cudaMemcpyKind`, as the probe folds it into a memory key's kind (× 100).
+    pub fn memcpy_kind(kind: u32) -> (u32, &'static str) {
+        let direction = match kind / 100 {
+            0 => "host to host",
+            1 => "host to device",
+            2 => "device to host",
+            3 => "device to device",
+            4 => "default (by pointer)",
+            _ => "unknown",
+        };
+        (kind % 100, direction)
+    }
+
+    /// Whether a memory kind is a `cudaMemcpy*` (whose kind carries a direction).
+    pub fn is_memcpy(kind: u32) -> bool {
+        matches!(kind % 100, CUDA_MEMCPY | CUDA_MEMCPY_ASYNC)
+    }
 }
 
 /// The attach cookie of a CUDA probe: session slot, whether the session follows every

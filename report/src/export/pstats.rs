@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::report::PyFunction;
+use crate::PyFunction;
 
 /// pstats' key: (filename, first line, function name).
 type Key = (String, i64, String);
@@ -143,7 +143,7 @@ mod tests {
             primitive_calls: 1,
             tottime_ns: 1_500_000,
             cumtime_ns: 3_000_000_000_000,
-            callers: vec![crate::report::PyCaller {
+            callers: vec![crate::PyCaller {
                 qualname: "main".into(),
                 filename: "/x/app.py".into(),
                 firstlineno: 1,

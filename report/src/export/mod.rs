@@ -8,4 +8,4 @@ pub mod pstats;
 pub mod speedscope;
 pub mod svg;
 
-pub(crate) use crate::report::us;
+pub(crate) use crate::us;

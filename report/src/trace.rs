@@ -67,7 +67,7 @@ pub struct Trace {
 pub struct TraceLaunch {
     pub row: u64,
     #[serde(flatten)]
-    pub launch: crate::report::CudaLaunch,
+    pub launch: crate::CudaLaunch,
 }
 
 /// A GPU kernel's name, for the events that carry CUPTI's pointer to it.
@@ -118,7 +118,7 @@ pub enum Named<'a> {
     Native(Option<&'a str>),
     Counter(Option<&'a TraceCounter>),
     /// A CUDA launch: its row (kernel, configuration, call sites), if known; the entry point.
-    CudaLaunch(Option<&'a crate::report::CudaLaunch>, u32),
+    CudaLaunch(Option<&'a crate::CudaLaunch>, u32),
     /// A CUDA copy, allocation, free or synchronization: its `CudaMemKey::kind`.
     CudaMemory(u32),
     /// A kernel's execution on the GPU: its name, if known; device and stream.
@@ -188,12 +188,15 @@ impl Named<'_> {
             Named::Counter(None) => "[unknown counter]".into(),
             Named::CudaLaunch(Some(l), _) => l.kernel.clone(),
             Named::CudaLaunch(None, api) => {
-                format!("[{} of an unnamed kernel]", crate::cuda::api_name(*api))
+                format!(
+                    "[{} of an unnamed kernel]",
+                    tracer_common::cuda_api::name(*api)
+                )
             }
             Named::CudaMemory(kind) => {
-                let (api, direction) = crate::cuda::memcpy_kind(*kind);
-                let api = crate::cuda::api_name(api);
-                match crate::cuda::is_memcpy(*kind) {
+                let (api, direction) = tracer_common::cuda_api::memcpy_kind(*kind);
+                let api = tracer_common::cuda_api::name(api);
+                match tracer_common::cuda_api::is_memcpy(*kind) {
                     true => format!("{api} ({direction})"),
                     false => api.to_owned(),
                 }

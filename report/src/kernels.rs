@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use super::us;
-use crate::report::{group, rows_shown, CudaReport};
+use crate::{group, rows_shown, CudaReport};
 
 fn dims(d: [u32; 3]) -> String {
     format!("{}x{}x{}", d[0], d[1], d[2])
@@ -36,7 +36,7 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     );
     // GPU time per execution, where CUPTI measured the kernel with this configuration.
     let timed = c.launches.iter().any(|l| l.gpu_avg_ns.is_some());
-    let gpu_col = |l: Option<&crate::report::CudaLaunch>| match (timed, l) {
+    let gpu_col = |l: Option<&crate::CudaLaunch>| match (timed, l) {
         (false, _) => String::new(),
         (true, None) => format!(" {:>11}", "gpu µs avg"),
         (true, Some(l)) => format!(" {:>11}", l.gpu_avg_ns.map(us).unwrap_or_default()),

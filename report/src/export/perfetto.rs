@@ -17,7 +17,7 @@ use prost::encoding::{encode_key, WireType};
 use prost::Message;
 use tracer_common::{trace_kind, TraceEvent};
 
-use crate::report::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace, TraceFunction};
+use crate::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace, TraceFunction};
 
 mod pb {
     #[derive(Clone, PartialEq, prost::Message)]

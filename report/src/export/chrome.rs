@@ -15,7 +15,7 @@ use std::{
 use tracer_common::TraceEvent;
 
 use super::us;
-use crate::report::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace};
+use crate::trace::{exit_inferred, unfinished, GpuTrack, Named, Trace};
 
 fn string(s: &str) -> String {
     serde_json::to_string(s).expect("strings serialize")
@@ -128,7 +128,7 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     ev.pid,
                     ev.tid,
                     us(ev.start_ns),
-                    string(crate::cuda::api_name(api)),
+                    string(tracer_common::cuda_api::name(api)),
                     ev.a,
                 )?;
                 if let Some(l) = row {
@@ -183,7 +183,7 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
 }
 
 /// A launch's configuration and call sites, from its row.
-fn launch_args(w: &mut impl Write, l: &crate::report::CudaLaunch) -> io::Result<()> {
+fn launch_args(w: &mut impl Write, l: &crate::CudaLaunch) -> io::Result<()> {
     let dim = |d: [u32; 3]| format!("[{},{},{}]", d[0], d[1], d[2]);
     write!(
         w,
@@ -225,7 +225,7 @@ fn flags(w: &mut impl Write, ev: &TraceEvent, trace: &Trace) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::trace::{as_bytes, TraceFunction, TraceThread};
+    use crate::trace::{as_bytes, TraceFunction, TraceThread};
     use tracer_common::{trace_kind, TRACE_EXIT_INFERRED};
 
     fn call(tid: u32, start: u64, end: u64, code: u64) -> TraceEvent {
@@ -291,7 +291,7 @@ mod tests {
             end_ns: 3_000,
             functions: vec![f(0x10, "main"), f(0x20, "leaf")],
             probes: vec!["/lib/libc.so.6:malloc".into()],
-            counters: vec![crate::report::trace::TraceCounter {
+            counters: vec![crate::trace::TraceCounter {
                 gauge: false,
                 event: "page-faults".into(),
                 unit: "count".into(),

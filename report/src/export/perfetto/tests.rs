@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::*;
-use crate::report::trace::{as_bytes, TraceCounter, TraceThread};
+use crate::trace::{as_bytes, TraceCounter, TraceThread};
 
 /// One field's value: varints and fixed-width numbers as integers.
 #[derive(Clone, Copy, Debug)]
@@ -580,7 +580,7 @@ fn gpu_kernels_are_slices_on_a_track_per_stream() {
         ..TraceEvent::default()
     };
     let mut trace = Trace {
-        gpu_kernel_names: vec![crate::report::trace::TraceGpuKernel {
+        gpu_kernel_names: vec![crate::trace::TraceGpuKernel {
             pid: 7,
             name: 0xa0,
             kernel: "relu(float*, int)".into(),

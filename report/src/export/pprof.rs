@@ -10,7 +10,7 @@ use prost::Message;
 
 use crate::{
     profile::{Frame, FrameKind, Profile},
-    report::ProcessOrigin,
+    ProcessOrigin,
 };
 
 use tracer_proto::pprof as pb;
@@ -19,7 +19,7 @@ use tracer_proto::pprof as pb;
 /// sample labelled with its pid, tid and comm, and for processes in containers their
 /// container id, pod uid and hostname (a pod's name by default).
 pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
-    let origins: std::collections::HashMap<u32, &crate::container::Origin> =
+    let origins: std::collections::HashMap<u32, &crate::Origin> =
         containers.iter().map(|c| (c.pid, &c.origin)).collect();
     let mut b = Builder::new(p.mappings.len());
     // Launch stacks (`--cuda-stacks`) count launches and stand for no time.
@@ -261,7 +261,7 @@ mod tests {
         let pid = p.stacks[0].pid;
         let o = ProcessOrigin {
             pid,
-            origin: crate::container::Origin {
+            origin: crate::Origin {
                 container_id: Some("abc".into()),
                 pod_uid: Some("u-1".into()),
                 hostname: Some("web-0".into()),

@@ -1,7 +1,10 @@
 //! A session's report: what it measured, and what it could not. Stored as JSON; rendered as
 //! a table or JSON on request.
 
+pub mod export;
+pub mod gpu;
 pub mod kernels;
+pub mod profile;
 pub mod trace;
 
 /// `ns` as a number of microseconds with nanosecond decimals, exactly (no float rounding):
@@ -55,7 +58,7 @@ pub struct CudaReport {
     pub warnings: Vec<String>,
     /// GPU metrics sampled during the session (NVML).
     #[serde(default)]
-    pub gpu: crate::gpu::GpuReport,
+    pub gpu: gpu::GpuReport,
     /// GPU time per kernel and configuration (grid, block), most first: CUPTI's records of the
     /// kernels that ran while the session did, in processes that run tracer's injection
     /// library.
@@ -306,7 +309,33 @@ pub struct Processes {
 pub struct ProcessOrigin {
     pub pid: u32,
     #[serde(flatten)]
-    pub origin: crate::container::Origin,
+    pub origin: Origin,
+}
+
+/// Which container and Kubernetes pod a process ran in, from its cgroup path and hostname.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Origin {
+    /// The cgroup path that names the container (or the unified hierarchy's).
+    pub cgroup: String,
+    /// containerd, cri-o, docker or podman; "cri" for a kubelet cgroupfs path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// The pod's QoS class: guaranteed, burstable or besteffort.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<String>,
+    /// The container's /etc/hostname (a pod's name by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+}
+
+impl Origin {
+    pub fn in_container(&self) -> bool {
+        self.container_id.is_some() || self.pod_uid.is_some()
+    }
 }
 
 impl From<&Counter> for CounterResult {

@@ -253,7 +253,7 @@ fn requests_are_answered_while_probes_come_off() {
 fn lists_answered_during(d: &Daemon, args: &[&str]) -> (usize, String) {
     let mut start = d.ctl().args(args).stdout(Stdio::piped()).spawn().unwrap();
     // Only an ordering margin: the start is in the daemon's queue before the lists.
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(100));
     let mut answered = 0;
     let status = loop {
         if let Some(status) = start.try_wait().unwrap() {
@@ -276,9 +276,9 @@ fn lists_answered_during(d: &Daemon, args: &[&str]) -> (usize, String) {
     (answered, id)
 }
 
-/// Attaching 1,000 probes to a binary that ten busy processes map takes seconds here: each
-/// process gets every breakpoint, and starts hitting them at once. Other requests do not
-/// wait for it.
+/// Attaching 1,000 probes to a binary that twenty busy processes map takes a second or two
+/// here: each process gets every breakpoint, and starts hitting them at once. Other requests
+/// do not wait for it.
 #[test]
 fn requests_are_answered_while_probes_go_on() {
     if !root_or_skip() {
@@ -289,7 +289,7 @@ fn requests_are_answered_while_probes_go_on() {
     };
     let d = Daemon::start();
     // The probe program loaded first, so that only attaching is timed.
-    let targets: Vec<Target> = (0..10).map(|_| start_target(&exe)).collect();
+    let targets: Vec<Target> = (0..20).map(|_| start_target(&exe)).collect();
     let pid = targets[0].pid().to_string();
     let one = format!("{}:one_*", exe.display());
     let id = d.ok(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &one]);

@@ -108,18 +108,8 @@ enum Command {
         reply: Reply<SessionInfo>,
         ahead: Ahead,
     },
-    /// A start whose `--uprobe` probes were attached off the manager's task, in `slot`
-    /// (taken for it, with `probes` counted against `uid`'s limit meanwhile).
-    Attached {
-        req: StartSessionRequest,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-        ahead: Ahead,
-        slot: u8,
-        uid: u32,
-        probes: usize,
-        native: Result<NativeSession, Error>,
-    },
+    /// A start whose `--uprobe` probes were attached off the manager's task.
+    Attached(ahead::AttachedStart),
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,
@@ -574,31 +564,7 @@ impl Manager {
                 reply,
                 ahead,
             } => self.ready(req, caller, reply, ahead),
-            Command::Attached {
-                req,
-                caller,
-                reply,
-                mut ahead,
-                slot,
-                uid,
-                probes,
-                native,
-            } => {
-                if let Some(n) = self.attaching.get_mut(&uid) {
-                    *n = n.saturating_sub(probes);
-                }
-                self.attaching.retain(|_, n| *n > 0);
-                match native {
-                    Ok(native) => {
-                        ahead.attached = Some(ahead::Attached { slot, native });
-                        self.begin(req, caller, reply, ahead);
-                    }
-                    Err(e) => {
-                        self.release(Some(slot));
-                        let _ = reply.send(Err(e));
-                    }
-                }
-            }
+            Command::Attached(start) => self.attached(start),
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));

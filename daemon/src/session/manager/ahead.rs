@@ -35,6 +35,19 @@ pub(super) struct Attached {
     pub(super) native: NativeSession,
 }
 
+/// A start back from attaching its `--uprobe` probes in `slot` (taken for it, with `probes`
+/// counted against `uid`'s limit meanwhile).
+pub(super) struct AttachedStart {
+    req: StartSessionRequest,
+    caller: Caller,
+    reply: Reply<SessionInfo>,
+    ahead: Ahead,
+    slot: u8,
+    uid: u32,
+    probes: usize,
+    native: Result<NativeSession, Error>,
+}
+
 impl Manager {
     /// Starts `req` at once, or first makes ready on a blocking thread what would hold up
     /// the manager; the start then comes back as `Ready`.
@@ -122,7 +135,7 @@ impl Manager {
         tokio::task::spawn_blocking(move || {
             let native = NativeSession::attach(&attacher, natives, slot, all);
             // A manager gone (shutdown) drops the probes here, off its task.
-            let _ = tx.blocking_send(Command::Attached {
+            let _ = tx.blocking_send(Command::Attached(AttachedStart {
                 req,
                 caller,
                 reply,
@@ -131,8 +144,36 @@ impl Manager {
                 uid,
                 probes,
                 native,
-            });
+            }));
         });
+    }
+
+    /// The start goes on with its probes attached, or fails with why they were not.
+    pub(super) fn attached(&mut self, start: AttachedStart) {
+        let AttachedStart {
+            req,
+            caller,
+            reply,
+            mut ahead,
+            slot,
+            uid,
+            probes,
+            native,
+        } = start;
+        if let Some(n) = self.attaching.get_mut(&uid) {
+            *n = n.saturating_sub(probes);
+        }
+        self.attaching.retain(|_, n| *n > 0);
+        match native {
+            Ok(native) => {
+                ahead.attached = Some(Attached { slot, native });
+                self.begin(req, caller, reply, ahead);
+            }
+            Err(e) => {
+                self.release(Some(slot));
+                let _ = reply.send(Err(e));
+            }
+        }
     }
 
     /// A scan's Python processes, looked at for the sessions on every process.

@@ -326,6 +326,42 @@ fn requests_are_answered_while_probes_go_on() {
     }
 }
 
+/// With one perf event per probe, the Python probes of the last Python session take a grace
+/// period each to come off; a Python session started meanwhile waits for them (new probes
+/// beside the old would count calls twice), and other requests do not wait with it.
+#[test]
+fn requests_are_answered_while_python_probes_wait_for_their_release() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start_with(DaemonOptions {
+        args: vec!["--per-probe-uprobes".into()],
+        ..DaemonOptions::default()
+    });
+    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(120)",
+    ]));
+    let pid = python.pid().to_string();
+    let args = [
+        "start",
+        "--mode=counting",
+        "--pid",
+        &pid,
+        "--python",
+        "--python-uprobes-only",
+    ];
+    let first = d.ok(&args);
+    d.ok(&["stop", first.trim()]);
+    let (answered, id) = lists_answered_during(&d, &args);
+    println!("{answered} lists answered while the old Python probes came off");
+    assert!(
+        answered > 2,
+        "{answered} requests answered while the start waited for the old probes"
+    );
+    d.ok(&["stop", id.trim()]);
+}
+
 /// The first CUDA and the first Python session of a daemon wait for their probe programs,
 /// which the kernel's verifier takes seconds over; other requests do not wait with them.
 #[test]

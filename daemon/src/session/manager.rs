@@ -110,6 +110,8 @@ enum Command {
     },
     /// A start whose `--uprobe` probes were attached off the manager's task.
     Attached(ahead::AttachedStart),
+    /// A start whose interpreters' Python probes were attached off the manager's task.
+    PythonAttached(ahead::PythonAttachedStart),
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,
@@ -565,6 +567,7 @@ impl Manager {
                 ahead,
             } => self.ready(req, caller, reply, ahead),
             Command::Attached(start) => self.attached(start),
+            Command::PythonAttached(start) => self.python_attached(start),
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));
@@ -685,10 +688,15 @@ impl Manager {
         prepared: &mut Option<Prepared>,
     ) -> Result<SessionInfo, Error> {
         let mut attached = ahead.attached.take();
+        let python_ahead = ahead.python_ahead;
         let started = self.start_with(req, caller, ahead, &mut attached, prepared);
         if let Some(ahead::Attached { slot, mut native }) = attached {
             // Refused before the slot was used: its probes come off, the slot after them.
             self.release_after(Some(slot), vec![native.take_probes()]);
+        }
+        if started.is_err() && python_ahead {
+            // Python probes attached ahead for it come off if no session counts Python.
+            self.update_python_masks();
         }
         started
     }

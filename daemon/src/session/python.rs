@@ -35,7 +35,52 @@ pub struct Probes {
     known: Vec<PathBuf>,
     /// Answers once the probes `detach_all` removed are gone. New ones are not attached
     /// beside them: a call would count twice.
-    releasing: Option<std::sync::mpsc::Receiver<()>>,
+    releasing: Option<std::sync::Arc<Released>>,
+    /// Binaries whose probes are being attached off the manager's task ([`Self::to_attach`]).
+    attaching: std::collections::HashSet<FileId>,
+}
+
+/// The release `detach_all` started, waited for by whoever attaches next, on any thread.
+pub struct Released(std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>);
+
+impl Released {
+    /// Waits (a few grace periods); at once when done before.
+    pub fn wait(&self) {
+        let mut rx = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(r) = rx.take() {
+            let _ = r.recv();
+        }
+    }
+}
+
+/// Python probes to attach off the manager's task ([`Probes::to_attach`]), and what came of
+/// it ([`Probes::adopt`]).
+pub struct Attaching {
+    jobs: Vec<(FileId, PathBuf, Runtime)>,
+    releasing: Option<std::sync::Arc<Released>>,
+}
+
+/// The probes [`Attaching::run`] attached, by binary, or why not.
+pub struct AttachedPython(Vec<(FileId, PathBuf, Result<crate::bpf::ProbeSet, String>)>);
+
+impl Attaching {
+    pub fn run(self, attacher: &crate::bpf::PythonAttacher) -> AttachedPython {
+        if let Some(r) = &self.releasing {
+            r.wait();
+        }
+        AttachedPython(
+            self.jobs
+                .into_iter()
+                .map(|(id, path, rt)| {
+                    let links = attacher.attach(&rt, &path).map_err(|e| e.to_string());
+                    (id, path, links)
+                })
+                .collect(),
+        )
+    }
 }
 
 /// Why a binary has no probes.
@@ -106,6 +151,10 @@ impl Probes {
             .or_insert_with(|| inspect(path))
             .as_ref()
             .map_err(Clone::clone)?;
+        // Being attached off the manager's task for a start: its probes are in within moments.
+        if self.attaching.contains(&id) {
+            return Ok(rt);
+        }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(id) {
             if let Some(released) = self.releasing.take() {
                 wait_released(&released);
@@ -117,6 +166,55 @@ impl Probes {
             slot.insert(links);
         }
         Ok(rt)
+    }
+
+    /// Which of `paths` (interpreters a start will probe) are to be attached off the
+    /// manager's task, now marked as being attached; `None` when none is. One being attached
+    /// for another start already is left to it.
+    pub fn to_attach(&mut self, paths: &[PathBuf]) -> Option<Attaching> {
+        let mut jobs: Vec<(FileId, PathBuf, Runtime)> = Vec::new();
+        for path in paths {
+            let Ok(id) = file_id(path) else { continue };
+            if self.links.contains_key(&id)
+                || self.attaching.contains(&id)
+                || jobs.iter().any(|j| j.0 == id)
+            {
+                continue;
+            }
+            // Inspected here (at daemon start for the machine's own): one that cannot be
+            // probed is left to the start, which says why.
+            if let Ok(rt) = self.inspected.entry(id).or_insert_with(|| inspect(path)) {
+                jobs.push((id, path.clone(), rt.clone()));
+            }
+        }
+        if jobs.is_empty() {
+            return None;
+        }
+        self.attaching.extend(jobs.iter().map(|j| j.0));
+        let releasing = self.releasing.clone();
+        Some(Attaching { jobs, releasing })
+    }
+
+    /// Takes in the probes attached off the manager's task; one that failed is tried again
+    /// by the start, in place, which says why.
+    pub fn adopt(&mut self, attached: AttachedPython) {
+        for (id, path, links) in attached.0 {
+            self.attaching.remove(&id);
+            match links {
+                Ok(links) => {
+                    tracing::info!(path = %path.display(), "Python probes attached");
+                    if self.links.insert(id, links).is_some() {
+                        tracing::warn!(path = %path.display(), "Python probes attached twice");
+                    }
+                }
+                Err(e) => tracing::warn!(%e, path = %path.display(), "attaching Python probes"),
+            }
+        }
+    }
+
+    /// Interpreters found on this machine at start.
+    pub fn known(&self) -> &[PathBuf] {
+        &self.known
     }
 
     pub fn is_attached(&self, path: &Path) -> bool {
@@ -149,7 +247,9 @@ impl Probes {
         crate::bpf::release(sets, move || {
             let _ = done.send(());
         });
-        self.releasing = Some(released);
+        self.releasing = Some(std::sync::Arc::new(Released(std::sync::Mutex::new(Some(
+            released,
+        )))));
         // Copies, containers' and chroots' interpreters seen once must not pile up.
         let known: Vec<FileId> = self.known.iter().filter_map(|p| file_id(p).ok()).collect();
         self.inspected.retain(|id, _| known.contains(id));
@@ -173,15 +273,14 @@ impl Probes {
 /// Waits for the release `detach_all` started (a few grace periods); an error means it is
 /// done. Other tasks of this worker move to another thread meanwhile: a connection's task
 /// left waiting here would miss its client's keepalive pings.
-fn wait_released(released: &std::sync::mpsc::Receiver<()>) {
+fn wait_released(released: &Released) {
     let multi_thread = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
     if multi_thread {
-        tokio::task::block_in_place(|| released.recv())
+        tokio::task::block_in_place(|| released.wait());
     } else {
-        released.recv()
+        released.wait();
     }
-    .ok();
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

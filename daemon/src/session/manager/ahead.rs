@@ -25,6 +25,11 @@ pub(super) struct Ahead {
     pub(super) cuda_pids: Option<Vec<u32>>,
     /// For a Python session on every process: the processes that map an interpreter now.
     pub(super) python_pids: Option<Vec<u32>>,
+    /// The interpreters a Python session's target maps (every process's, for one on every
+    /// process), attached off the manager's task before the start runs.
+    pub(super) python_paths: Vec<std::path::PathBuf>,
+    /// The start's interpreters were looked at for attaching ahead (once).
+    pub(super) python_ahead: bool,
     /// The `--uprobe` functions' probes, attached (see [`Manager::ready`]).
     pub(super) attached: Option<Attached>,
 }
@@ -33,6 +38,15 @@ pub(super) struct Ahead {
 pub(super) struct Attached {
     pub(super) slot: u8,
     pub(super) native: NativeSession,
+}
+
+/// A start back from attaching its interpreters' Python probes.
+pub(super) struct PythonAttachedStart {
+    req: StartSessionRequest,
+    caller: Caller,
+    reply: Reply<SessionInfo>,
+    ahead: Ahead,
+    attached: crate::session::python::AttachedPython,
 }
 
 /// A start back from attaching its `--uprobe` probes in `slot` (taken for it, with `probes`
@@ -64,8 +78,27 @@ impl Manager {
             .and_then(|a| self.bpf.to_load(a.python, a.cuda, a.native, a.sampling));
         let resolving = natives_to_resolve(&req, &caller);
         let scanning = asks.as_ref().is_some_and(|a| a.all && a.cuda);
-        let python_all = asks.is_some_and(|a| a.all && a.python);
-        if loading.is_none() && resolving.is_none() && !scanning && !python_all {
+        let python_all = asks.as_ref().is_some_and(|a| a.all && a.python);
+        // A running process counted with uprobes: its interpreter, to attach ahead.
+        let python_pid = match req
+            .target
+            .as_ref()
+            .and_then(|t| t.kind.filter(|_| !t.launched))
+        {
+            Some(target::Kind::Pid(pid))
+                if asks.as_ref().is_some_and(|a| a.python)
+                    && super::inproc_candidate(&req, &caller).is_none() =>
+            {
+                Some(pid)
+            }
+            _ => None,
+        };
+        if loading.is_none()
+            && resolving.is_none()
+            && !scanning
+            && !python_all
+            && python_pid.is_none()
+        {
             self.begin(req, caller, reply, Ahead::default());
             return;
         }
@@ -79,11 +112,24 @@ impl Manager {
             let natives =
                 resolving.map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
             let cuda_pids = scanning.then(cuda_processes);
-            let python_pids = python_all.then(python_processes);
+            let python = python_all.then(python_runtimes);
+            let python_pids = python
+                .as_ref()
+                .map(|found| found.iter().map(|(pid, _)| *pid).collect());
+            let mut python_paths: Vec<std::path::PathBuf> = python
+                .into_iter()
+                .flatten()
+                .map(|(_, path)| path)
+                .chain(python_pid.and_then(memory::runtime_of).map(|m| m.path))
+                .collect();
+            python_paths.sort_unstable();
+            python_paths.dedup();
             let ahead = Ahead {
                 natives,
                 cuda_pids,
                 python_pids,
+                python_paths,
+                python_ahead: false,
                 attached: None,
             };
             let _ = tx.blocking_send(Command::Ready {
@@ -106,6 +152,35 @@ impl Manager {
         reply: Reply<SessionInfo>,
         mut ahead: Ahead,
     ) {
+        // The Python probes first, likewise: every process that maps an interpreter gets
+        // them (a hundred busy ones took a quarter of a second). They come back as
+        // `PythonAttached`, and this runs again.
+        let asked = asks(&req);
+        if !ahead.python_ahead && asked.as_ref().is_some_and(|a| a.python) {
+            ahead.python_ahead = true;
+            let mut paths = std::mem::take(&mut ahead.python_paths);
+            let launched = req.target.as_ref().is_some_and(|t| t.launched);
+            if launched || asked.as_ref().is_some_and(|a| a.all) {
+                // As the start does: a launched program may run any of them.
+                paths.extend(self.py.known().iter().cloned());
+            }
+            if let Some(job) = self.py.to_attach(&paths) {
+                let attacher = self.bpf.python_attacher();
+                let tx = self.tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let attached = job.run(&attacher);
+                    // A manager gone (shutdown) drops the probes here, off its task.
+                    let _ = tx.blocking_send(Command::PythonAttached(PythonAttachedStart {
+                        req,
+                        caller,
+                        reply,
+                        ahead,
+                        attached,
+                    }));
+                });
+                return;
+            }
+        }
         let natives = match ahead.natives.take() {
             Some(Ok(n)) if !n.is_empty() => n,
             other => {
@@ -146,6 +221,20 @@ impl Manager {
                 native,
             }));
         });
+    }
+
+    /// The start goes on with its interpreters' probes in (those that failed are tried
+    /// again by the start, which says why).
+    pub(super) fn python_attached(&mut self, start: PythonAttachedStart) {
+        let PythonAttachedStart {
+            req,
+            caller,
+            reply,
+            ahead,
+            attached,
+        } = start;
+        self.py.adopt(attached);
+        self.ready(req, caller, reply, ahead);
     }
 
     /// The start goes on with its probes attached, or fails with why they were not.
@@ -284,9 +373,14 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
 
 /// The processes that map a Python interpreter now.
 pub(super) fn python_processes() -> Vec<u32> {
+    python_runtimes().into_iter().map(|(pid, _)| pid).collect()
+}
+
+/// The processes that map a Python interpreter now, with the interpreter's path.
+fn python_runtimes() -> Vec<(u32, std::path::PathBuf)> {
     all_pids()
         .into_iter()
-        .filter(|&pid| memory::runtime_of(pid).is_some())
+        .filter_map(|pid| Some((pid, memory::runtime_of(pid)?.path)))
         .collect()
 }
 

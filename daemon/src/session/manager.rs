@@ -278,6 +278,8 @@ pub struct Manager {
     /// Native probes being attached off this task for starts not answered yet, by uid
     /// (counted against the user's limit as if held).
     attaching: HashMap<u32, usize>,
+    /// Starts waiting for the Python probes another start attaches (`PythonAttached`).
+    python_waiting: Vec<ahead::WaitingStart>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -327,6 +329,7 @@ impl Manager {
             cuda_scanning: false,
             python_scanning: false,
             attaching: HashMap::new(),
+            python_waiting: Vec::new(),
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {

@@ -169,16 +169,18 @@ impl Probes {
     }
 
     /// Which of `paths` (interpreters a start will probe) are to be attached off the
-    /// manager's task, now marked as being attached; `None` when none is. One being attached
-    /// for another start already is left to it.
-    pub fn to_attach(&mut self, paths: &[PathBuf]) -> Option<Attaching> {
+    /// manager's task, now marked as being attached; `None` when none is. `busy`: some are
+    /// being attached for another start already.
+    pub fn to_attach(&mut self, paths: &[PathBuf]) -> (Option<Attaching>, bool) {
         let mut jobs: Vec<(FileId, PathBuf, Runtime)> = Vec::new();
+        let mut busy = false;
         for path in paths {
             let Ok(id) = file_id(path) else { continue };
-            if self.links.contains_key(&id)
-                || self.attaching.contains(&id)
-                || jobs.iter().any(|j| j.0 == id)
-            {
+            if self.attaching.contains(&id) {
+                busy = true;
+                continue;
+            }
+            if self.links.contains_key(&id) || jobs.iter().any(|j| j.0 == id) {
                 continue;
             }
             // Inspected here (at daemon start for the machine's own): one that cannot be
@@ -188,11 +190,11 @@ impl Probes {
             }
         }
         if jobs.is_empty() {
-            return None;
+            return (None, busy);
         }
         self.attaching.extend(jobs.iter().map(|j| j.0));
         let releasing = self.releasing.clone();
-        Some(Attaching { jobs, releasing })
+        (Some(Attaching { jobs, releasing }), busy)
     }
 
     /// Takes in the probes attached off the manager's task; one that failed is tried again

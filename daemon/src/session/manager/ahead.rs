@@ -40,6 +40,14 @@ pub(super) struct Attached {
     pub(super) native: NativeSession,
 }
 
+/// A start waiting for the Python probes another start attaches.
+pub(super) struct WaitingStart {
+    req: StartSessionRequest,
+    caller: Caller,
+    reply: Reply<SessionInfo>,
+    ahead: Ahead,
+}
+
 /// A start back from attaching its interpreters' Python probes.
 pub(super) struct PythonAttachedStart {
     req: StartSessionRequest,
@@ -99,7 +107,8 @@ impl Manager {
             && !python_all
             && python_pid.is_none()
         {
-            self.begin(req, caller, reply, Ahead::default());
+            // Still by way of `ready`: a launched program's interpreters are attached there.
+            self.ready(req, caller, reply, Ahead::default());
             return;
         }
         let tx = self.tx.clone();
@@ -157,14 +166,25 @@ impl Manager {
         // `PythonAttached`, and this runs again.
         let asked = asks(&req);
         if !ahead.python_ahead && asked.as_ref().is_some_and(|a| a.python) {
-            ahead.python_ahead = true;
-            let mut paths = std::mem::take(&mut ahead.python_paths);
+            let mut paths = ahead.python_paths.clone();
             let launched = req.target.as_ref().is_some_and(|t| t.launched);
             if launched || asked.as_ref().is_some_and(|a| a.all) {
                 // As the start does: a launched program may run any of them.
                 paths.extend(self.py.known().iter().cloned());
             }
-            if let Some(job) = self.py.to_attach(&paths) {
+            let (job, busy) = self.py.to_attach(&paths);
+            if job.is_none() && busy {
+                // Being attached for another start: this one goes on once they are in.
+                self.python_waiting.push(WaitingStart {
+                    req,
+                    caller,
+                    reply,
+                    ahead,
+                });
+                return;
+            }
+            ahead.python_ahead = true;
+            if let Some(job) = job {
                 let attacher = self.bpf.python_attacher();
                 let tx = self.tx.clone();
                 tokio::task::spawn_blocking(move || {
@@ -235,6 +255,9 @@ impl Manager {
         } = start;
         self.py.adopt(attached);
         self.ready(req, caller, reply, ahead);
+        for w in std::mem::take(&mut self.python_waiting) {
+            self.ready(w.req, w.caller, w.reply, w.ahead);
+        }
     }
 
     /// The start goes on with its probes attached, or fails with why they were not.

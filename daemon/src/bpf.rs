@@ -156,14 +156,20 @@ pub struct Loading {
 
 impl Loading {
     pub fn run(self) -> Result<(), BpfError> {
-        for name in self.names {
-            self.programs.load(name).map_err(|e| BpfError::Program {
-                name,
-                source: Box::new(e),
-            })?;
-        }
-        Ok(())
+        load_all(&self.programs, &self.names)
     }
+}
+
+/// Loads `names` (at once where loaded already); after a failed attempt some are loaded
+/// already, so the error names the one that fails.
+fn load_all(programs: &programs::Programs, names: &[&'static str]) -> Result<(), BpfError> {
+    for &name in names {
+        programs.load(name).map_err(|e| BpfError::Program {
+            name,
+            source: Box::new(e),
+        })?;
+    }
+    Ok(())
 }
 
 /// Detaches `sets` on a thread of their own, then calls `done` there: the kernel's grace
@@ -501,8 +507,9 @@ impl Bpf {
         self.python_attacher().attach(rt, path)
     }
 
-    /// What attaches the Python probes, on any thread: an interpreter that a hundred busy
-    /// processes map took a quarter of a second.
+    /// What attaches the Python probes, on any thread: a start that follows the last
+    /// Python session first waits for that session's probes to come off (with one perf
+    /// event per probe, ~100 ms each).
     pub fn python_attacher(&self) -> PythonAttacher {
         PythonAttacher {
             programs: self.programs.clone(),
@@ -549,11 +556,7 @@ impl Bpf {
     /// Loads programs once (at once where they are loaded already); after a failed attempt
     /// some are loaded already, so the error names the one that fails.
     fn load_programs(&self, names: &[&'static str]) -> Result<(), BpfError> {
-        Loading {
-            programs: self.programs.clone(),
-            names: names.to_vec(),
-        }
-        .run()
+        load_all(&self.programs, names)
     }
 
     /// What attaches native-call counters, on any thread: attaching thousands of probes,
@@ -778,11 +781,7 @@ pub struct PythonAttacher {
 impl PythonAttacher {
     /// The Python probes on one interpreter binary, for every process that maps it.
     pub fn attach(&self, rt: &Runtime, path: &Path) -> Result<ProbeSet, BpfError> {
-        Loading {
-            programs: self.programs.clone(),
-            names: PY_PROGRAMS.to_vec(),
-        }
-        .run()?;
+        load_all(&self.programs, &PY_PROGRAMS)?;
         publish_layout(rt.version)?;
         let index = u64::from(rt.version.index);
         let entry = index | (py_role::ENTRY << py_role::SHIFT);
@@ -820,11 +819,7 @@ impl NativeAttacher {
         slot: u8,
         all: bool,
     ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
-        Loading {
-            programs: self.programs.clone(),
-            names: NATIVE_PROGRAMS.to_vec(),
-        }
-        .run()?;
+        load_all(&self.programs, &NATIVE_PROGRAMS)?;
         let points: Vec<_> = points
             .iter()
             .map(|&(offset, probe)| (NATIVE_CALL, offset, native_cookie::make(slot, all, probe)))

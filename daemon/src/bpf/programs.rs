@@ -210,6 +210,12 @@ fn load_btf(object: &mut Object) -> Result<Option<OwnedFd>, ProgramsError> {
         .map_err(|e| ProgramsError::Relocate(format!("loading BTF: {e}")))
 }
 
+/// `binary` as the kernel takes a path.
+fn c_path(binary: &Path) -> io::Result<CString> {
+    CString::new(binary.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
 /// Creates one multi-uprobe link of `prog` on `offsets` of `binary`, for every process;
 /// `cookies[i]` is what `bpf_get_attach_cookie` gives the program at `offsets[i]`.
 fn link(
@@ -219,8 +225,7 @@ fn link(
     cookies: &[u64],
     at_return: bool,
 ) -> io::Result<OwnedFd> {
-    let path = CString::new(binary.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let path = c_path(binary)?;
     let attr = LinkCreateAttr {
         prog_fd: prog.as_raw_fd() as u32,
         attach_type: BPF_TRACE_UPROBE_MULTI,
@@ -534,8 +539,7 @@ impl Programs {
                 link(prog.as_fd(), binary, offsets, cookies, at_return).map(|l| vec![l])
             }
             Links::PerProbe(pmu) => {
-                let path = CString::new(binary.as_os_str().as_bytes())
-                    .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+                let path = c_path(binary)?;
                 offsets
                     .iter()
                     .zip(cookies)

@@ -150,9 +150,10 @@ impl Manager {
         });
     }
 
-    /// A start made ready ahead. Its `--uprobe` functions are attached first, on a blocking
-    /// thread in a slot taken for them: thousands of probes in a binary that many processes
-    /// map took seconds (each process gets every breakpoint); the start comes back as
+    /// A start made ready ahead. Its interpreters' Python probes are attached first, then
+    /// its `--uprobe` functions in a slot taken for them, each on a blocking thread: every
+    /// process that maps a binary gets every breakpoint, and thousands of probes in a binary
+    /// many busy processes map took seconds. The start comes back as `PythonAttached`, then
     /// `Attached`.
     pub(super) fn ready(
         &mut self,
@@ -161,9 +162,7 @@ impl Manager {
         reply: Reply<SessionInfo>,
         mut ahead: Ahead,
     ) {
-        // The Python probes first, likewise: every process that maps an interpreter gets
-        // them (a hundred busy ones took a quarter of a second). They come back as
-        // `PythonAttached`, and this runs again.
+        // Back from `PythonAttached` (or from waiting for another start's), this runs again.
         let asked = asks(&req);
         if !ahead.python_ahead && asked.as_ref().is_some_and(|a| a.python) {
             let mut paths = ahead.python_paths.clone();
@@ -212,7 +211,7 @@ impl Manager {
         // The start's other checks come after: these are the ones attaching needs first.
         let taken = caller.acting_uid("starting a session").and_then(|uid| {
             self.check_native_limits(&natives, uid)?;
-            let python = asks(&req).is_some_and(|a| a.python);
+            let python = asked.as_ref().is_some_and(|a| a.python);
             Ok((uid, self.slots.take(uid, python)?))
         });
         let (uid, slot) = match taken {
@@ -224,7 +223,7 @@ impl Manager {
         };
         let probes = natives.len();
         *self.attaching.entry(uid).or_default() += probes;
-        let all = asks(&req).is_some_and(|a| a.all);
+        let all = asked.as_ref().is_some_and(|a| a.all);
         let attacher = self.bpf.native_attacher();
         let tx = self.tx.clone();
         tokio::task::spawn_blocking(move || {

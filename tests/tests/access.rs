@@ -249,6 +249,89 @@ fn credentials_gained_at_exec_are_not_traced() {
     }
 }
 
+/// perf counters follow a launched command's children by inheritance, and the kernel ends a
+/// task's counters, inherited ones too, when it gains credentials at exec (it calls
+/// `perf_event_exit_task` when the new image is not dumpable by its user). So a member's
+/// session does not count a setuid child's work while the parent it inherited from lives on,
+/// and root's, for which the exec changes nothing, does.
+#[test]
+fn counters_stop_at_a_childs_gain_of_credentials() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some((d, ctl, m_uid, gid)) = member_daemon(&[]) else {
+        return;
+    };
+    let dir = d.dir.path();
+    // yes(1) writing to /dev/null keeps a CPU busy for the second timeout(1) gives it, while
+    // the shell and timeout, its followed parents, wait. tracerctl exits as the command does,
+    // and timeout(1) with 124.
+    let busy = |program: &PathBuf| format!("timeout 1 {} >/dev/null; exit 0", program.display());
+    let task_clock = |out: std::process::Output| -> (u64, serde_json::Value) {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(&stdout[stdout.find('{').unwrap()..]).unwrap();
+        (
+            tracer_tests::counter(&report, "task-clock").unwrap(),
+            report,
+        )
+    };
+    let plain = copy_with_mode("/usr/bin/yes", dir, "yes-plain", 0o755);
+    let setuid = copy_with_mode("/usr/bin/yes", dir, "yes-setuid", 0o4755);
+    let start = |cmd: &str| {
+        [
+            "start",
+            "--mode=counting",
+            "--events",
+            "task-clock",
+            "--format",
+            "json",
+            "--",
+            "/bin/sh",
+            "-c",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .chain([cmd.to_string()])
+        .collect::<Vec<_>>()
+    };
+    let as_member = |cmd: &str| {
+        let args = start(cmd);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        task_clock(d.run_as(m_uid, gid, &args, &ctl))
+    };
+    let (counted, _) = as_member(&busy(&plain));
+    let (uncounted, report) = as_member(&busy(&setuid));
+    let root = {
+        let args = start(&busy(&setuid));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        task_clock(d.run(&args)).0
+    };
+    println!(
+        "task-clock ns: member plain {counted}, member setuid {uncounted}, root setuid {root}"
+    );
+    let unfollowed = &report["processes"]["unfollowed"];
+    assert!(
+        unfollowed[0]
+            .as_str()
+            .is_some_and(|n| n.contains("exec'd yes-setuid")),
+        "{unfollowed}"
+    );
+    // A busy second is at least 400 ms of CPU even on a loaded machine; the shell and
+    // timeout(1) alone take a few ms.
+    assert!(counted >= 400_000_000, "member, plain yes: {counted} ns");
+    assert!(root >= 400_000_000, "root, setuid yes: {root} ns");
+    assert!(
+        uncounted < 150_000_000,
+        "member, setuid yes: {uncounted} ns"
+    );
+}
+
 /// One StartSession naming one function thousands of times (which once took ~93 s to attach
 /// and stalled the machine) gets one probe; a session and a user have caps on probes.
 #[test]

@@ -22,7 +22,14 @@ enum Slot {
 
 pub struct Counting {
     slots: Vec<Slot>,
+    /// The counters start at the target's exec (a launched command).
+    on_exec: bool,
 }
+
+/// Why a launched target's counters read nothing: they were never enabled. A gRPC client
+/// can set `launched` on a child that never execs, and its zeros must not pass for counts.
+const NOT_EXECD: &str =
+    "not enabled: counting starts at the launched target's exec, and it has not exec'd";
 
 /// Resolves event names, rejecting unknown ones; empty means the default set.
 pub fn resolve(events: &[String]) -> Result<Vec<&'static EventSpec>, Error> {
@@ -79,7 +86,10 @@ impl Counting {
                 }),
             }
         }
-        Ok(Self { slots })
+        Ok(Self {
+            slots,
+            on_exec: matches!(scope, Scope::Threads { on_exec: true, .. }),
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -98,6 +108,14 @@ impl Counting {
                 } => {
                     if let Ok(r) = perf::read(counters) {
                         *last = r;
+                    }
+                    if self.on_exec && last.time_enabled_ns == 0 {
+                        return Counter {
+                            event: spec.name.into(),
+                            result: Some(counter::Result::Unavailable(NOT_EXECD.into())),
+                            unit: spec.unit.into(),
+                            ..Default::default()
+                        };
                     }
                     Counter {
                         event: spec.name.into(),

@@ -15,25 +15,36 @@ use std::{
 use anyhow::{bail, Result};
 
 /// The crates' source roots checked, relative to the repository.
-pub const ROOTS: [&str; 4] = ["daemon/src", "report/src", "ebpf/probes/src", "cli/src"];
+pub const ROOTS: [&str; 6] = [
+    "daemon/src",
+    "bpf/src",
+    "inspect/src",
+    "report/src",
+    "ebpf/probes/src",
+    "cli/src",
+];
 
 /// Workspace crates by layer, lowest first. A crate missing here fails the check: a new
 /// crate is given its place.
-const CRATE_LAYERS: [(&str, u32); 9] = [
+const CRATE_LAYERS: [(&str, u32); 11] = [
     // Shared with the BPF programs, and the wire format.
     ("tracer-common", 0),
     ("tracer-proto", 0),
-    // What a session's results are and how they are rendered; no daemon.
+    // What tracer knows of processes and binaries; what a session's results are and how
+    // they are rendered. Neither knows a probe or a session.
+    ("tracer-inspect", 1),
     ("tracer-report", 1),
     // Loaded into traced processes.
     ("tracer-cupti", 1),
     ("tracer-pycount", 1),
+    // The kernel side's loading: knows the binaries it probes, no session.
+    ("tracer-bpf", 2),
     // The daemon, and the CLI that speaks only proto.
-    ("tracer-daemon", 2),
-    ("tracerctl", 2),
-    ("tracer-tests", 3),
+    ("tracer-daemon", 3),
+    ("tracerctl", 3),
+    ("tracer-tests", 4),
     // Its benchmarks reuse the tests' helpers.
-    ("xtask", 4),
+    ("xtask", 5),
 ];
 
 pub fn check(repo: &Path) -> Result<()> {

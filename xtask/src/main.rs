@@ -35,7 +35,7 @@ enum Task {
         check: bool,
     },
     /// Print CPython struct offsets from each installed 3.10-3.13's own headers (gcc needed),
-    /// to check or extend daemon/src/python/layout.rs.
+    /// to check or extend inspect/src/python/layout.rs.
     PyLayouts,
     /// The main job: build, start tracerd, profile examples/app.py in counting mode, print the report.
     Demo,

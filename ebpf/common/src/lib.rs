@@ -117,7 +117,7 @@ pub mod py_kind {
     pub const CURRENT_FRAME: u32 = 2;
 }
 
-/// Entries of the `PY_LAYOUTS` array: one per CPython version (see daemon/src/python/layout.rs).
+/// Entries of the `PY_LAYOUTS` array: one per CPython version (see inspect/src/python/layout.rs).
 pub const PY_LAYOUTS_MAX: u32 = 16;
 
 /// Byte offsets into one CPython version's structs, as the probes need them.

@@ -95,7 +95,7 @@ impl Manager {
         {
             Some(target::Kind::Pid(pid))
                 if asks.as_ref().is_some_and(|a| a.python)
-                    && super::inproc_candidate(&req, &caller).is_none() =>
+                    && super::checks::inproc_candidate(&req, &caller).is_none() =>
             {
                 Some(pid)
             }

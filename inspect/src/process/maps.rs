@@ -25,7 +25,7 @@ impl MapEntry {
         self.path.ends_with(" (deleted)")
     }
 
-    pub(crate) fn is_file(&self) -> bool {
+    pub fn is_file(&self) -> bool {
         self.path.starts_with('/') && self.inode != 0
     }
 }

@@ -48,7 +48,7 @@ pub fn runtime_of(pid: u32) -> Option<Mapped> {
     exe
 }
 
-pub(crate) fn read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+pub fn read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
     let len = buf.len();
     let remote = [RemoteIoVec {
         base: usize::try_from(addr).map_err(|_| io::ErrorKind::InvalidInput)?,
@@ -66,7 +66,7 @@ pub(crate) fn read(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
     }
 }
 
-pub(crate) fn read_u64(pid: u32, addr: u64) -> io::Result<u64> {
+pub fn read_u64(pid: u32, addr: u64) -> io::Result<u64> {
     let mut b = [0u8; 8];
     read(pid, addr, &mut b)?;
     Ok(u64::from_le_bytes(b))

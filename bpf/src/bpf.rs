@@ -22,7 +22,7 @@ use tracer_common::{
     PySampleProc, PyStack, SessionMask,
 };
 
-use crate::python::{
+use tracer_inspect::python::{
     layout::{Version, VERSIONS},
     runtime::Runtime,
 };

@@ -1,0 +1,117 @@
+//! The manager's CUDA: kernel names from the probes' ring, and the CUDA libraries of the
+//! sessions' processes found and probed as they are mapped.
+
+use std::time::Instant;
+
+use aya::maps::{MapData, RingBuf};
+
+use super::{cuda_processes, Command, Manager};
+
+impl Manager {
+    pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
+        let mut mapped: Vec<(u32, u64, u64)> = Vec::new();
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<tracer_common::CudaNameEvent>() {
+                continue;
+            }
+            // SAFETY: written as a CudaNameEvent by the BPF side; read unaligned.
+            let ev = unsafe {
+                std::ptr::read_unaligned(item.as_ptr().cast::<tracer_common::CudaNameEvent>())
+            };
+            if ev.api == tracer_common::cuda_api::LIBRARY_MAPPED {
+                mapped.push((ev.pid, ev.handle, ev.other));
+                continue;
+            }
+            // Names are per process: every CUDA session may keep them.
+            for s in self.running.values_mut() {
+                if let Some(c) = s.cuda.as_mut() {
+                    c.on_name(&ev, &self.sampling);
+                }
+            }
+        }
+        // Probed now, before the process gets far: the ring's reader is woken per mapping.
+        for (pid, addr, len) in mapped {
+            if crate::cuda::mapped_library(pid, addr, len) {
+                self.look_at(pid, "mmap");
+            }
+        }
+    }
+
+    /// Looks at one process's mappings for the CUDA sessions that watch it.
+    pub(super) fn look_at(&mut self, pid: u32, found_by: &str) {
+        let followers = self.bpf.followers(pid);
+        for s in self.running.values_mut() {
+            let follows = s.follows_pid();
+            let followed = s.slot.is_some_and(|slot| followers & (1 << slot) != 0);
+            if follows && !followed && !s.live.contains(&pid) {
+                continue;
+            }
+            let Some(c) = s.cuda.as_mut() else { continue };
+            if c.look(&mut self.bpf, pid, found_by) || follows {
+                self.sampling.watch(pid);
+            }
+        }
+    }
+
+    /// Probes the CUDA libraries the sessions' processes map: all of them when a session
+    /// starts (`force`), then as a fallback to the kernel's announcements of new mappings.
+    /// For sessions following processes, each of theirs (once a `LOOK_EVERY`); for sessions
+    /// on every process, those in `scanned`, else a scan of every process off this task is
+    /// asked for once a `LOOK_ALL_EVERY` (it comes back as `CudaScanned`).
+    pub(super) fn look_for_cuda(&mut self, force: bool, scanned: Option<&[u32]>) {
+        let now = Instant::now();
+        let mut scan = false;
+        for s in self.running.values_mut() {
+            let follows = s.follows_pid();
+            let Some(c) = s.cuda.as_mut() else { continue };
+            let found_by = if force { "start" } else { "look" };
+            let pids: Vec<u32> = match (follows, scanned) {
+                (true, _) => {
+                    if !force && now < c.next_look {
+                        continue;
+                    }
+                    c.next_look = now + crate::session::cuda::LOOK_EVERY;
+                    s.live.iter().copied().collect()
+                }
+                (false, Some(pids)) => pids.to_vec(),
+                (false, None) => {
+                    if force || now >= c.next_look {
+                        c.next_look = now + crate::session::cuda::LOOK_ALL_EVERY;
+                        scan = true;
+                    }
+                    continue;
+                }
+            };
+            for pid in pids {
+                // Launches read their Python call site through the sampling's process
+                // table: the followed processes, or (--all) those that map CUDA.
+                if c.look(&mut self.bpf, pid, found_by) || follows {
+                    self.sampling.watch(pid);
+                }
+            }
+        }
+        if scan && !self.cuda_scanning {
+            self.cuda_scanning = true;
+            let tx = self.tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.blocking_send(Command::CudaScanned(cuda_processes()));
+            });
+        }
+    }
+
+    /// Which slots' processes have their executable mappings announced (CUDA sessions).
+    pub(super) fn update_cuda_masks(&mut self) {
+        let (mut cuda, mut all) = (0u64, 0u64);
+        for s in self.running.values().filter(|s| s.cuda.is_some()) {
+            if let Some(slot) = s.slot {
+                cuda |= 1 << slot;
+                if !s.follows_pid() {
+                    all |= 1 << slot;
+                }
+            }
+        }
+        if let Err(e) = self.bpf.set_cuda_sessions(cuda, all) {
+            tracing::error!(%e, "updating CUDA session masks");
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The manager's Python counting: probing the interpreters a session's processes run, which
+//! slots count Python (and hold processes at exec), and the kernel maps' counts per slot.
+
+use tracer_proto::target;
+
+use super::{exe_id, python_processes, Manager};
+use crate::{
+    error::Error,
+    python::memory,
+    session::python::{PySession, Unprobed},
+};
+
+impl Manager {
+    /// Probes what a Python-counting session needs before it starts counting.
+    /// `inproc`: the session's slot and its target's in-process counter, else why there is
+    /// none.
+    pub(super) fn start_python(
+        &mut self,
+        pid: Option<u32>,
+        launched: bool,
+        inproc: Result<(u8, crate::python::inproc::Counter), String>,
+        // Every process's: those that map an interpreter, found ahead.
+        scanned: Option<Vec<u32>>,
+    ) -> Result<PySession, Error> {
+        let mut py = PySession::default();
+        let way = |pid, way: &str, why: String| crate::report::CountedWay {
+            pid,
+            way: way.into(),
+            why,
+        };
+        match pid {
+            // Already running: probe its interpreter and find the threads inside the eval loop.
+            Some(pid) if !launched => {
+                let mapped = memory::runtime_of(pid).ok_or_else(|| {
+                    Error::FailedPrecondition(format!(
+                        "pid {pid} does not run CPython (no libpython3.X or python3.X mapped)"
+                    ))
+                })?;
+                match inproc {
+                    Ok((slot, counter)) => {
+                        if let Err(e) = self.bpf.set_inproc(pid, slot) {
+                            tracing::warn!(%e, pid, "marking a process counted in-process");
+                        }
+                        py.counted.push(way(
+                            pid,
+                            "in-process",
+                            format!(
+                                "sys.monitoring callbacks (tool id {}), loaded through remote execution",
+                                counter.tool_id()
+                            ),
+                        ));
+                        py.inproc.push(counter);
+                        py.checked.insert(pid, exe_id(pid));
+                        return Ok(py);
+                    }
+                    Err(why) => py.counted.push(way(pid, "uprobes", why)),
+                }
+                self.py
+                    .ensure(&mut self.bpf, &mapped.path)
+                    .map_err(|why| Error::FailedPrecondition(format!("pid {pid}: {why}")))?;
+                if let Err(why) = self.py.seed_threads(&mut self.bpf, pid, &mapped) {
+                    py.warnings.push(why);
+                }
+                py.note_jit(pid, &self.py, &mapped.path);
+                py.checked.insert(pid, exe_id(pid));
+            }
+            // Not exec'd yet: probe every interpreter on the machine, so the first call is counted
+            // whichever it runs. One found later is probed then, with a warning (see sweep).
+            Some(pid) => {
+                py.counted.push(way(
+                    pid,
+                    "uprobes",
+                    "launched: counted from its first instruction, before any code could be loaded into it".into(),
+                ));
+                for why in self.py.ensure_known(&mut self.bpf) {
+                    tracing::debug!(%why, "known interpreter not probed (see capabilities)");
+                }
+            }
+            None => {
+                let _ = self.py.ensure_known(&mut self.bpf);
+                for pid in scanned.unwrap_or_else(python_processes) {
+                    self.check_python_process(&mut py, pid, false, false);
+                }
+            }
+        }
+        Ok(py)
+    }
+
+    /// Probes the interpreter of `pid` if not yet (once per exec of the process). `late`: the
+    /// process ran unprobed for a while; say so in the report. `at_exec`: the process is
+    /// held at its exec (nothing of the new program has run).
+    pub(super) fn check_python_process(
+        &mut self,
+        py: &mut PySession,
+        pid: u32,
+        late: bool,
+        at_exec: bool,
+    ) {
+        let exe = exe_id(pid);
+        if py.checked.get(&pid) == Some(&exe) {
+            return;
+        }
+        // Not marked as checked when no interpreter is mapped yet: right after exec the dynamic
+        // loader may not have mapped libpython.
+        let Some(mapped) = memory::runtime_of(pid) else {
+            return;
+        };
+        if at_exec {
+            // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
+            // has not mapped it yet; probing the file it will map counts its first call too.
+            if let Some(lib) = crate::python::discover::libpython_needed(pid, &mapped.path) {
+                match self.py.ensure(&mut self.bpf, &lib) {
+                    Ok(_) => py.note_jit(pid, &self.py, &lib),
+                    Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
+                }
+            } else if let Err(why) = self.py.ensure(&mut self.bpf, &mapped.path) {
+                if why != Unprobed::NotRuntime {
+                    py.warnings.push(format!("pid {pid}: {why}"));
+                    py.checked.insert(pid, exe);
+                }
+            } else {
+                py.note_jit(pid, &self.py, &mapped.path);
+            }
+            return;
+        }
+        let attached = self.py.is_attached(&mapped.path);
+        let result = self.py.ensure(&mut self.bpf, &mapped.path).map(|_| ());
+        if result != Err(Unprobed::NotRuntime) {
+            py.checked.insert(pid, exe);
+        }
+        match result {
+            Err(Unprobed::NotRuntime) => {}
+            Ok(_) if attached && !late => {}
+            Ok(_) => {
+                if let Err(why) = self.py.seed_threads(&mut self.bpf, pid, &mapped) {
+                    py.warnings.push(why);
+                }
+                if late && !attached {
+                    py.warnings.push(format!(
+                        "pid {pid}: {} was probed only when the process was found; its earlier calls were not counted",
+                        mapped.path.display()
+                    ));
+                }
+            }
+            Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
+        }
+        py.note_jit(pid, &self.py, &mapped.path);
+    }
+
+    /// Tells the probes which slots count Python, and which of those count every process.
+    pub(super) fn update_python_masks(&mut self) {
+        let (mut python, mut all) = (0u64, 0u64);
+        for s in self.running.values().filter(|s| s.python.is_some()) {
+            if let Some(slot) = s.slot {
+                python |= 1 << slot;
+                if matches!(s.target.kind, Some(target::Kind::All(_))) {
+                    all |= 1 << slot;
+                }
+            }
+        }
+        if let Err(e) = self.bpf.set_python_sessions(python, all) {
+            tracing::error!(%e, "updating Python session masks");
+        }
+        self.update_exec_hold(python & !all, all);
+        if python == 0 {
+            self.py.detach_all();
+        }
+    }
+
+    /// Followed processes wait at exec for their interpreter to be probed (`python`: slots
+    /// counting Python in followed processes; `all`: everywhere), so that no call of a program
+    /// in a chroot or container (an interpreter not known beforehand) is lost; and in every
+    /// session of an unprivileged user, for the daemon to check the new program's credentials
+    /// before it runs an instruction.
+    pub(super) fn update_exec_hold(&mut self, python: u64, all: u64) {
+        let unprivileged = self
+            .running
+            .values()
+            .filter(|s| s.owner_uid != 0 && s.follows_pid())
+            .filter_map(|s| s.slot)
+            .fold(0u64, |m, slot| m | 1 << slot);
+        if let Err(e) = self.bpf.set_exec_hold(python | unprivileged, all) {
+            tracing::error!(%e, "updating the exec hold mask");
+        }
+    }
+
+    /// Takes a session's calls per (caller, callee) out of the kernel map.
+    pub(super) fn python_edges(
+        &mut self,
+        slot: u8,
+    ) -> Vec<(tracer_common::PyEdgeKey, tracer_common::PyCallStats)> {
+        let slot = u32::from(slot);
+        crate::bpf::slot_entries(&mut self.bpf.py_edges, |k| k.slot == slot, true)
+    }
+
+    /// A session's Python counts in the kernel map, taken out of it with `take`.
+    pub(super) fn python_counts(
+        &mut self,
+        slot: u8,
+        take: bool,
+    ) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
+        let slot = u32::from(slot);
+        crate::bpf::slot_entries(&mut self.bpf.py_calls, |k| k.slot == slot, take)
+            .into_iter()
+            .map(|(k, n)| (k.pid, k.code, k.names, n))
+            .collect()
+    }
+}

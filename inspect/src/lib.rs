@@ -1,0 +1,11 @@
+//! What tracer knows about processes and the binaries they run, read from outside them:
+//! `/proc` (maps, credentials, children), native symbols and PLT stubs, `.eh_frame` unwinding,
+//! CPython (discovery, struct layouts, probe points, line tables, memory reads, the in-process
+//! counter) and CUDA's libraries and kernel names. It loads no probe and knows no session.
+
+pub mod cuda;
+pub mod native;
+pub mod plt;
+pub mod process;
+pub mod python;
+pub mod unwind;

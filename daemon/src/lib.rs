@@ -23,5 +23,5 @@ pub mod symbolize;
 // The crates below this one: the kernel side's loading, what tracer knows of processes and
 // binaries, and the report model with its renderers.
 pub use tracer_bpf::{bpf, btf, perf, sampler};
-pub use tracer_inspect::{cuda, native, plt, process, python, unwind};
+pub use tracer_inspect::{binary, cuda, native, plt, process, python, unwind};
 pub use tracer_report::{self as report, export, profile};

@@ -96,6 +96,7 @@ fn main() {
             return;
         }
     }
+    fixed_malloc_thresholds();
     let args = Args::parse();
     if let Some(path) = &args.show_python_probes {
         match tracer_daemon::python::runtime::Runtime::inspect(path) {
@@ -164,5 +165,20 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+/// glibc raises its mmap threshold to the largest block freed (up to 32 MiB), and its trim
+/// threshold to twice that; from then on, large blocks come from the arena of the thread that
+/// asks, and the space they leave at its top is kept (`malloc_trim` does not return the top of
+/// a thread's arena). With many threads handling multi-MB buffers, tracerd grew by tens of MB
+/// a thread that way. Fixed thresholds turn the adjustment off: blocks over 256 KiB are
+/// mapped and unmapped on their own.
+fn fixed_malloc_thresholds() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1024 * 1024);
     }
 }

@@ -396,7 +396,7 @@ impl Resolver {
             let path = &self.binaries[b as usize].mapping.path;
             let name = path.rsplit('/').next().unwrap_or(path);
             let ranges = if name.starts_with("python") || name.starts_with("libpython") {
-                std::fs::read(self.read_path(b))
+                crate::binary::map(self.read_path(b))
                     .map(|d| crate::python::runtime::eval_ranges(&d))
                     .unwrap_or_default()
             } else {
@@ -619,7 +619,7 @@ impl Naming {
     pub fn run(self, symbolizer: &mut Symbolizer) -> Named {
         let mut binaries = Vec::with_capacity(self.binaries.len());
         for b in self.binaries {
-            let plt = std::fs::read(&b.path)
+            let plt = crate::binary::map(&b.path)
                 .map(|d| crate::plt::Plt::read(&d))
                 .unwrap_or_default();
             let syms = symbolizer.user(&b.path, &b.offsets);

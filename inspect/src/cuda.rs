@@ -109,7 +109,7 @@ pub fn injection_status(
 ) -> Result<String, String> {
     use object::{Object, ObjectSegment, ObjectSymbol};
     const STATUS_LEN: usize = 256;
-    let data = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let data = crate::binary::map(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let elf = object::File::parse(&*data).map_err(|e| e.to_string())?;
     let sym = elf
         .dynamic_symbols()

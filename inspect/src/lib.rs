@@ -3,6 +3,7 @@
 //! CPython (discovery, struct layouts, probe points, line tables, memory reads, the in-process
 //! counter) and CUDA's libraries and kernel names. It loads no probe and knows no session.
 
+pub mod binary;
 pub mod cuda;
 pub mod native;
 pub mod plt;

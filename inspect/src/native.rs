@@ -157,7 +157,7 @@ pub fn resolve_exact(
     binary: &std::path::Path,
     symbols: &[&str],
 ) -> Result<std::collections::HashMap<String, u64>, String> {
-    let data = fs::read(binary).map_err(|e| e.to_string())?;
+    let data = crate::binary::map(binary).map_err(|e| e.to_string())?;
     let file = object::File::parse(&*data).map_err(|e| e.to_string())?;
     let mut out = std::collections::HashMap::new();
     for (addr, name) in defined_functions(&file) {
@@ -227,7 +227,7 @@ pub fn resolve(
         path: binary.clone(),
         reason,
     };
-    let data = fs::read(&binary).map_err(|e| read_err(e.to_string()))?;
+    let data = crate::binary::map(&binary).map_err(|e| read_err(e.to_string()))?;
     let file = object::File::parse(&*data).map_err(|e| read_err(e.to_string()))?;
     let functions = matching_functions(&file, pattern);
     if functions.is_empty() {

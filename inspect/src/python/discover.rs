@@ -81,7 +81,7 @@ fn version_of(name: &str) -> Option<String> {
 }
 
 fn inspect(exe: &Path, version: String) -> Option<Interpreter> {
-    let data = fs::read(exe).ok()?;
+    let data = crate::binary::map(exe).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let runtime = if defines(&file, EVAL_FRAME) {
         exe.to_path_buf()
@@ -91,7 +91,7 @@ fn inspect(exe: &Path, version: String) -> Option<Interpreter> {
     let full_symbols = if runtime == exe {
         has_symtab(&file)
     } else {
-        let lib = fs::read(&runtime).ok()?;
+        let lib = crate::binary::map(&runtime).ok()?;
         has_symtab(&object::File::parse(&*lib).ok()?)
     };
     Some(Interpreter {
@@ -132,7 +132,7 @@ fn find_libpython(exe: &Path, version: &str) -> Option<PathBuf> {
 /// where the dynamic loader would look inside the process's root: for a process stopped at
 /// exec, before the loader has run. `exe`: the executable's path as the daemon reads it.
 pub fn libpython_needed(pid: u32, exe: &Path) -> Option<PathBuf> {
-    let data = fs::read(exe).ok()?;
+    let data = crate::binary::map(exe).ok()?;
     let file = object::File::parse(&*data).ok()?;
     if defines(&file, EVAL_FRAME) {
         return None;

@@ -8,7 +8,6 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    fs,
     path::{Path, PathBuf},
 };
 
@@ -99,7 +98,7 @@ impl Runtime {
             path: path.to_owned(),
             reason,
         };
-        let data = fs::read(path).map_err(|e| read_err(e.to_string()))?;
+        let data = crate::binary::map(path).map_err(|e| read_err(e.to_string()))?;
         let file = object::File::parse(&*data).map_err(|e| read_err(e.to_string()))?;
         let (eval_addr, eval_size) =
             symbol(&file, |n| n == EVAL_FRAME).ok_or_else(|| RuntimeError::NoEvalLoop {
@@ -462,6 +461,8 @@ fn scan_table(
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     #[test]

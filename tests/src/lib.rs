@@ -154,8 +154,9 @@ impl Daemon {
             .arg("--state-dir")
             .arg(&self.state_dir)
             .args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .env("RUST_LOG", "warn");
+            // A test's own environment may ask for more.
+            .env("RUST_LOG", "warn")
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         if let Some(g) = group {
             cmd.args(["--group", g]);
         }

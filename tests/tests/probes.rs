@@ -362,6 +362,74 @@ fn requests_are_answered_while_python_probes_wait_for_their_release() {
     d.ok(&["stop", id.trim()]);
 }
 
+/// A start refused after its Python probes went on (here: more `--uprobe` functions than a
+/// session may have) takes them off again, unless another start waits for them: that one
+/// goes on with them, rather than waiting for their release and attaching them again.
+#[test]
+fn a_refused_python_start_takes_its_probes_off_unless_another_waits_for_them() {
+    if !root_or_skip() {
+        return;
+    }
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("tracerd.log");
+    // One perf event per probe: releasing a session's probes takes long enough for the
+    // second start below to arrive while the first waits for it.
+    let d = Daemon::start_with(DaemonOptions {
+        args: ["--per-probe-uprobes", "--max-probes-per-session", "1"]
+            .map(String::from)
+            .to_vec(),
+        log: Some(log.clone()),
+        // Where the probes go on is said at info.
+        env: vec![("RUST_LOG".into(), "info".into())],
+        ..DaemonOptions::default()
+    });
+    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(120)",
+    ]));
+    let pid = python.pid().to_string();
+    let args = [
+        "start",
+        "--mode=counting",
+        "--pid",
+        &pid,
+        "--python",
+        "--python-uprobes-only",
+    ];
+    let refusable: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--uprobe", "libc:getpid", "--uprobe", "libc:getppid"])
+        .collect();
+    let refused = |out: std::process::Output| {
+        assert!(!out.status.success());
+        let why = String::from_utf8_lossy(&out.stderr);
+        assert!(why.contains("at most 1 a session"), "{why}");
+    };
+    // Alone: its probes come off.
+    refused(d.run(&refusable));
+    wait_clean(&[python.pid()], "a refused start's Python probes");
+    // With a start waiting for them.
+    let first = d.ok(&args);
+    d.ok(&["stop", first.trim()]);
+    let refusing = d
+        .ctl()
+        .args(&refusable)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let waited = d.ok(&args);
+    refused(refusing.wait_with_output().unwrap());
+    let said = std::fs::read_to_string(&log).unwrap();
+    // The lone refused start's, the first session's and the second refused start's; the
+    // start that waited attached none.
+    let attached = said.matches("Python probes attached").count();
+    assert_eq!(attached, 3, "{said}");
+    d.ok(&["stop", waited.trim()]);
+}
+
 /// The first CUDA and the first Python session of a daemon wait for their probe programs,
 /// which the kernel's verifier takes seconds over; other requests do not wait with them.
 #[test]

@@ -279,6 +279,9 @@ pub struct Manager {
     attaching: HashMap<u32, usize>,
     /// Starts waiting for the Python probes another start attaches (`PythonAttached`).
     python_waiting: Vec<ahead::WaitingStart>,
+    /// Starts whose Python probes were attached ahead and that have not started or failed
+    /// yet: no other start's failure may take those probes off meanwhile.
+    python_starts: usize,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -329,6 +332,7 @@ impl Manager {
             python_scanning: false,
             attaching: HashMap::new(),
             python_waiting: Vec::new(),
+            python_starts: 0,
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -589,10 +593,7 @@ impl Manager {
             // Refused before the slot was used: its probes come off, the slot after them.
             self.release_after(Some(slot), vec![native.take_probes()]);
         }
-        if started.is_err() && python_ahead {
-            // Python probes attached ahead for it come off if no session counts Python.
-            self.update_python_masks();
-        }
+        self.python_start_done(python_ahead, started.is_err());
         started
     }
 

@@ -183,6 +183,7 @@ impl Manager {
                 return;
             }
             ahead.python_ahead = true;
+            self.python_starts += 1;
             if let Some(job) = job {
                 let attacher = self.bpf.python_attacher();
                 let tx = self.tx.clone();
@@ -217,6 +218,7 @@ impl Manager {
         let (uid, slot) = match taken {
             Ok(t) => t,
             Err(e) => {
+                self.python_start_done(ahead.python_ahead, true);
                 let _ = reply.send(Err(e));
                 return;
             }
@@ -282,6 +284,7 @@ impl Manager {
             }
             Err(e) => {
                 self.release(Some(slot));
+                self.python_start_done(ahead.python_ahead, true);
                 let _ = reply.send(Err(e));
             }
         }

@@ -162,8 +162,20 @@ impl Manager {
             tracing::error!(%e, "updating Python session masks");
         }
         self.update_exec_hold(python & !all, all);
-        if python == 0 {
+        if python == 0 && self.python_starts == 0 && self.python_waiting.is_empty() {
             self.py.detach_all();
+        }
+    }
+
+    /// A start with Python probes attached ahead (`ahead`) has started, or `failed`: then
+    /// they come off if no session counts Python and no other start is about to.
+    pub(super) fn python_start_done(&mut self, ahead: bool, failed: bool) {
+        if !ahead {
+            return;
+        }
+        self.python_starts = self.python_starts.saturating_sub(1);
+        if failed {
+            self.update_python_masks();
         }
     }
 

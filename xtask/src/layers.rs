@@ -15,18 +15,19 @@ use std::{
 use anyhow::{bail, Result};
 
 /// The crates' source roots checked, relative to the repository.
-pub const ROOTS: [&str; 6] = [
+pub const ROOTS: [&str; 7] = [
     "daemon/src",
     "bpf/src",
     "inspect/src",
     "report/src",
+    "symbolize/src",
     "ebpf/probes/src",
     "cli/src",
 ];
 
 /// Workspace crates by layer, lowest first. A crate missing here fails the check: a new
 /// crate is given its place.
-const CRATE_LAYERS: [(&str, u32); 11] = [
+const CRATE_LAYERS: [(&str, u32); 12] = [
     // Shared with the BPF programs, and the wire format.
     ("tracer-common", 0),
     ("tracer-proto", 0),
@@ -37,8 +38,10 @@ const CRATE_LAYERS: [(&str, u32); 11] = [
     // Loaded into traced processes.
     ("tracer-cupti", 1),
     ("tracer-pycount", 1),
-    // The kernel side's loading: knows the binaries it probes, no session.
+    // The kernel side's loading (knows the binaries it probes), and the naming of what it
+    // sends (into the report's frames); neither knows a session.
     ("tracer-bpf", 2),
+    ("tracer-symbolize", 2),
     // The daemon, and the CLI that speaks only proto.
     ("tracer-daemon", 3),
     ("tracerctl", 3),

@@ -16,12 +16,13 @@ use tracer_common::{
     sample_flag, PySampleFrame, SampleEvent, PY_FRAME_ENTRY, PY_FRAME_SHIM, SAMPLE_PY_DEPTH,
 };
 
-use crate::{
-    profile::{Frame, FrameKind, Mapping},
+use tracer_inspect::{
     python::{layout::Version, linetable, memory},
-    symbolize::Symbolizer,
     unwind::{End, MapEntry, ProcMaps, Regs, Unwinder},
 };
+use tracer_report::profile::{Frame, FrameKind, Mapping};
+
+use crate::symbolize::Symbolizer;
 
 /// Native frames unwound per sample at most: a 64 KiB stack copy holds ~1,000 frames of
 /// 64 bytes (a libpython without symbols nests 6 or more frames per Python call from C).
@@ -150,7 +151,7 @@ impl Resolver {
             .chain(self.codes.keys().map(|k| k.0))
             .collect();
         for pid in pids {
-            if !crate::process::alive(pid) {
+            if !tracer_inspect::process::alive(pid) {
                 self.forget(pid);
             }
         }
@@ -396,8 +397,8 @@ impl Resolver {
             let path = &self.binaries[b as usize].mapping.path;
             let name = path.rsplit('/').next().unwrap_or(path);
             let ranges = if name.starts_with("python") || name.starts_with("libpython") {
-                crate::binary::map(self.read_path(b))
-                    .map(|d| crate::python::runtime::eval_ranges(&d))
+                tracer_inspect::binary::map(self.read_path(b))
+                    .map(|d| tracer_inspect::python::runtime::eval_ranges(&d))
                     .unwrap_or_default()
             } else {
                 Vec::new()
@@ -454,7 +455,12 @@ impl Resolver {
         (out, unwound.end)
     }
 
-    fn unwind(&mut self, pid: u32, regs: Regs, stack: &[u8]) -> Option<crate::unwind::Unwound> {
+    fn unwind(
+        &mut self,
+        pid: u32,
+        regs: Regs,
+        stack: &[u8],
+    ) -> Option<tracer_inspect::unwind::Unwound> {
         self.maps_of(pid, regs.ip)?;
         // Out and back in: the unwinder and the maps both live in self.
         let (maps, at) = self.maps.remove(&pid)?;
@@ -499,7 +505,7 @@ impl Resolver {
         }
         let i = self.binaries.len() as u32;
         self.binary_ids.insert(key.clone(), i);
-        let file = match crate::process::mapped_path(pid, m) {
+        let file = match tracer_inspect::process::mapped_path(pid, m) {
             Ok(p) => std::fs::File::open(p).ok(),
             Err(e) => {
                 tracing::debug!(%e, "mapped binary not reachable");
@@ -619,8 +625,8 @@ impl Naming {
     pub fn run(self, symbolizer: &mut Symbolizer) -> Named {
         let mut binaries = Vec::with_capacity(self.binaries.len());
         for b in self.binaries {
-            let plt = crate::binary::map(&b.path)
-                .map(|d| crate::plt::Plt::read(&d))
+            let plt = tracer_inspect::binary::map(&b.path)
+                .map(|d| tracer_inspect::plt::Plt::read(&d))
                 .unwrap_or_default();
             let syms = symbolizer.user(&b.path, &b.offsets);
             let names = b

@@ -23,7 +23,7 @@ mod metrics;
 mod persist;
 mod python;
 use ahead::{counts_python, cuda_processes, python_processes, resolve_natives, Ahead};
-use checks::{check_launched, continuous_options, inproc_candidate, sampling_frequency};
+use checks::{check_launched, inproc_candidate};
 
 use crate::{
     access::Caller,
@@ -607,77 +607,19 @@ impl Manager {
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
     ) -> Result<SessionInfo, Error> {
-        let mode = Mode::try_from(req.mode)
-            .map_err(|_| Error::InvalidArgument(format!("unknown mode {}", req.mode)))?;
-        match mode {
-            Mode::Unspecified => {
-                return Err(Error::InvalidArgument(
-                    "a mode is required: counting, sampling or tracing".into(),
-                ))
-            }
-            Mode::Counting | Mode::Sampling | Mode::Tracing => {}
-        }
+        let checks::Asked {
+            mode,
+            frequency,
+            push,
+            trace_limits,
+            duration_ms,
+            target,
+            options,
+            python,
+            specs,
+        } = checks::asked(req)?;
         let sampling = mode == Mode::Sampling;
         let trace_mode = mode == Mode::Tracing;
-        let frequency = sampling_frequency(sampling, &req)?;
-        let push = continuous_options(&req)?;
-        let trace_limits = match (&req.tracing, trace_mode) {
-            (Some(o), false) if *o != Default::default() => {
-                return Err(Error::InvalidArgument(
-                    "trace buffer, file and counter period options are for tracing sessions (--mode=tracing)".into(),
-                ))
-            }
-            (o, true) => Some(super::trace_session::limits(&o.unwrap_or_default())?),
-            _ => None,
-        };
-        let duration_ms = match req.duration_ms {
-            None => 0,
-            Some(0) => {
-                return Err(Error::InvalidArgument(
-                    "duration must be greater than 0".into(),
-                ))
-            }
-            Some(d) if d > MAX_DURATION_MS => {
-                return Err(Error::InvalidArgument(
-                    "duration must be at most 24h".into(),
-                ))
-            }
-            Some(d) => d,
-        };
-        let target = req
-            .target
-            .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
-        let options = req.counting.unwrap_or_default();
-        if options.export_prometheus && mode != Mode::Counting {
-            return Err(Error::InvalidArgument(
-                "--export prometheus is for counting sessions".into(),
-            ));
-        }
-        if (options.cuda_stacks || options.cuda_driver_only) && !options.cuda {
-            return Err(Error::InvalidArgument(
-                "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
-            ));
-        }
-        if options.python_uprobes_only && !options.python {
-            return Err(Error::InvalidArgument(
-                "--python-uprobes-only says how Python calls are counted: it needs --python".into(),
-            ));
-        }
-        if options.cuda_stacks && mode == Mode::Sampling {
-            return Err(Error::InvalidArgument(
-                "--cuda-stacks is for counting and tracing sessions: a sampling session's profile is CPU time, not launches".into(),
-            ));
-        }
-        let python = counts_python(mode, &options);
-        // With --python or --uprobe, perf counters are only what was asked for.
-        let specs = if sampling
-            || (python || trace_mode || options.cuda || !options.uprobes.is_empty())
-                && options.events.is_empty()
-        {
-            Vec::new()
-        } else {
-            counting::resolve(&options.events)?
-        };
         if self.running.len() >= MAX_RUNNING {
             return Err(Error::ResourceExhausted(format!(
                 "{MAX_RUNNING} sessions are running already"

@@ -3,16 +3,23 @@
 
 use std::time::Duration;
 
-use tracer_proto::{target, Mode, StartSessionRequest};
+use tracer_proto::{target, CountingOptions, Mode, StartSessionRequest, Target};
 
-use crate::{access::Caller, error::Error, process};
+use super::{counts_python, MAX_DURATION_MS};
+use crate::{
+    access::Caller,
+    error::Error,
+    perf::EventSpec,
+    process,
+    session::{counting, trace_session, tracing::Limits},
+};
 
 /// Samples per second on each CPU unless asked otherwise: perf's and py-spy's habit of an odd
 /// rate, so that sampling does not beat in step with periodic work.
 const DEFAULT_FREQUENCY: u64 = 99;
 
 /// Continuous profiling's endpoint and period, for sampling sessions that ask for it.
-pub(super) fn continuous_options(
+fn continuous_options(
     req: &StartSessionRequest,
 ) -> Result<Option<(crate::continuous::Endpoint, Duration)>, Error> {
     let Some(o) = req.sampling.as_ref().filter(|o| !o.push_url.is_empty()) else {
@@ -44,10 +51,7 @@ pub(super) fn continuous_options(
 
 /// The sampling frequency of a sampling session (None for other modes), checking that each
 /// mode gets only its own options.
-pub(super) fn sampling_frequency(
-    sampling: bool,
-    req: &StartSessionRequest,
-) -> Result<Option<u64>, Error> {
+fn sampling_frequency(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
     let asked = req.sampling.as_ref().map_or(0, |s| s.frequency_hz);
     if !sampling {
         if asked != 0 {
@@ -112,4 +116,110 @@ pub(super) fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Op
         && caller.may_trace_pid(pid).is_ok()
         && process::alive(pid))
     .then_some(pid)
+}
+
+/// What a start asks, each option checked against its mode and the others.
+pub(super) struct Asked {
+    pub(super) mode: Mode,
+    /// Sampling: samples per second on each CPU.
+    pub(super) frequency: Option<u64>,
+    /// Continuous profiling's endpoint and period.
+    pub(super) push: Option<(crate::continuous::Endpoint, Duration)>,
+    /// Tracing: the trace's limits and its counters' period.
+    pub(super) trace_limits: Option<(Limits, Duration)>,
+    /// 0: until stopped or the target exits.
+    pub(super) duration_ms: u64,
+    pub(super) target: Target,
+    pub(super) options: CountingOptions,
+    /// Whether Python calls are counted.
+    pub(super) python: bool,
+    /// perf counters to open: none for sampling, nor when other sources were asked for and
+    /// no event was named.
+    pub(super) specs: Vec<&'static EventSpec>,
+}
+
+/// Checks what `req` asks before anything is opened.
+pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
+    let mode = Mode::try_from(req.mode)
+        .map_err(|_| Error::InvalidArgument(format!("unknown mode {}", req.mode)))?;
+    match mode {
+        Mode::Unspecified => {
+            return Err(Error::InvalidArgument(
+                "a mode is required: counting, sampling or tracing".into(),
+            ))
+        }
+        Mode::Counting | Mode::Sampling | Mode::Tracing => {}
+    }
+    let sampling = mode == Mode::Sampling;
+    let trace_mode = mode == Mode::Tracing;
+    let frequency = sampling_frequency(sampling, &req)?;
+    let push = continuous_options(&req)?;
+    let trace_limits = match (&req.tracing, trace_mode) {
+            (Some(o), false) if *o != Default::default() => {
+                return Err(Error::InvalidArgument(
+                    "trace buffer, file and counter period options are for tracing sessions (--mode=tracing)".into(),
+                ))
+            }
+            (o, true) => Some(trace_session::limits(&o.unwrap_or_default())?),
+            _ => None,
+        };
+    let duration_ms = match req.duration_ms {
+        None => 0,
+        Some(0) => {
+            return Err(Error::InvalidArgument(
+                "duration must be greater than 0".into(),
+            ))
+        }
+        Some(d) if d > MAX_DURATION_MS => {
+            return Err(Error::InvalidArgument(
+                "duration must be at most 24h".into(),
+            ))
+        }
+        Some(d) => d,
+    };
+    let target = req
+        .target
+        .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
+    let options = req.counting.unwrap_or_default();
+    if options.export_prometheus && mode != Mode::Counting {
+        return Err(Error::InvalidArgument(
+            "--export prometheus is for counting sessions".into(),
+        ));
+    }
+    if (options.cuda_stacks || options.cuda_driver_only) && !options.cuda {
+        return Err(Error::InvalidArgument(
+                "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
+            ));
+    }
+    if options.python_uprobes_only && !options.python {
+        return Err(Error::InvalidArgument(
+            "--python-uprobes-only says how Python calls are counted: it needs --python".into(),
+        ));
+    }
+    if options.cuda_stacks && mode == Mode::Sampling {
+        return Err(Error::InvalidArgument(
+                "--cuda-stacks is for counting and tracing sessions: a sampling session's profile is CPU time, not launches".into(),
+            ));
+    }
+    let python = counts_python(mode, &options);
+    // With --python or --uprobe, perf counters are only what was asked for.
+    let specs = if sampling
+        || (python || trace_mode || options.cuda || !options.uprobes.is_empty())
+            && options.events.is_empty()
+    {
+        Vec::new()
+    } else {
+        counting::resolve(&options.events)?
+    };
+    Ok(Asked {
+        mode,
+        frequency,
+        push,
+        trace_limits,
+        duration_ms,
+        target,
+        options,
+        python,
+        specs,
+    })
 }

@@ -249,6 +249,22 @@ fn credentials_gained_at_exec_are_not_traced() {
     }
 }
 
+/// A counting session of task-clock on `sh -c CMD`, its report as JSON on stdout.
+fn counting_task_clock(cmd: &str) -> [&str; 10] {
+    [
+        "start",
+        "--mode=counting",
+        "--events",
+        "task-clock",
+        "--format",
+        "json",
+        "--",
+        "/bin/sh",
+        "-c",
+        cmd,
+    ]
+}
+
 /// perf counters follow a launched command's children by inheritance, and the kernel ends a
 /// task's counters, inherited ones too, when it gains credentials at exec (it calls
 /// `perf_event_exit_task` when the new image is not dumpable by its user). So a member's
@@ -283,35 +299,10 @@ fn counters_stop_at_a_childs_gain_of_credentials() {
     };
     let plain = copy_with_mode("/usr/bin/yes", dir, "yes-plain", 0o755);
     let setuid = copy_with_mode("/usr/bin/yes", dir, "yes-setuid", 0o4755);
-    let start = |cmd: &str| {
-        [
-            "start",
-            "--mode=counting",
-            "--events",
-            "task-clock",
-            "--format",
-            "json",
-            "--",
-            "/bin/sh",
-            "-c",
-        ]
-        .iter()
-        .map(|a| a.to_string())
-        .chain([cmd.to_string()])
-        .collect::<Vec<_>>()
-    };
-    let as_member = |cmd: &str| {
-        let args = start(cmd);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        task_clock(d.run_as(m_uid, gid, &args, &ctl))
-    };
-    let (counted, _) = as_member(&busy(&plain));
-    let (uncounted, report) = as_member(&busy(&setuid));
-    let root = {
-        let args = start(&busy(&setuid));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        task_clock(d.run(&args)).0
-    };
+    let (plain, setuid) = (busy(&plain), busy(&setuid));
+    let (counted, _) = task_clock(d.run_as(m_uid, gid, &counting_task_clock(&plain), &ctl));
+    let (uncounted, report) = task_clock(d.run_as(m_uid, gid, &counting_task_clock(&setuid), &ctl));
+    let (root, _) = task_clock(d.run(&counting_task_clock(&setuid)));
     println!(
         "task-clock ns: member plain {counted}, member setuid {uncounted}, root setuid {root}"
     );

@@ -147,18 +147,12 @@ fn launched_is_only_for_a_command_held_before_its_exec() {
     let mut target = vec![0x08];
     target.extend(b"CHILD");
     target.extend([0x18, 0x01]);
-    let Some((code, info)) = raw(&d, "StartSession", &start_counting(&target)) else {
+    let Some((code, details)) = raw(&d, "StartSession", &start_counting(&target)) else {
         return;
     };
-    assert_eq!(code, "OK", "{info}");
-    // SessionInfo's field 1, the id.
-    let info: Vec<u8> = (0..info.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&info[i..i + 2], 16).unwrap())
-        .collect();
-    assert_eq!(info[0], 0x0a);
-    let id = std::str::from_utf8(&info[2..2 + usize::from(info[1])]).unwrap();
-    let report = d.ok(&["report", id, "--format", "json"]);
+    assert_eq!(code, "OK", "{details}");
+    let id = d.newest_session("");
+    let report = d.ok(&["report", &id, "--format", "json"]);
     let report: Value = serde_json::from_str(&report).unwrap();
     assert_eq!(report["session"]["end_reason"], "target exited", "{report}");
     // The default events: hardware ones may be missing here for their own reason.

@@ -326,6 +326,26 @@ fn requests_are_answered_while_probes_go_on() {
     }
 }
 
+/// A Python process that waits two minutes, ready once it printed so.
+fn idle_python() -> ChildGuard {
+    ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(120)",
+    ]))
+}
+
+/// A counting start on `pid`'s Python calls, with uprobes (never in-process).
+fn python_uprobes_start(pid: &str) -> [&str; 6] {
+    [
+        "start",
+        "--mode=counting",
+        "--pid",
+        pid,
+        "--python",
+        "--python-uprobes-only",
+    ]
+}
+
 /// With one perf event per probe, the Python probes of the last Python session take a grace
 /// period each to come off; a Python session started meanwhile waits for them (new probes
 /// beside the old would count calls twice), and other requests do not wait with it.
@@ -338,19 +358,9 @@ fn requests_are_answered_while_python_probes_wait_for_their_release() {
         args: vec!["--per-probe-uprobes".into()],
         ..DaemonOptions::default()
     });
-    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
-        "-c",
-        "import time; print('ready', flush=True); time.sleep(120)",
-    ]));
+    let python = idle_python();
     let pid = python.pid().to_string();
-    let args = [
-        "start",
-        "--mode=counting",
-        "--pid",
-        &pid,
-        "--python",
-        "--python-uprobes-only",
-    ];
+    let args = python_uprobes_start(&pid);
     let first = d.ok(&args);
     d.ok(&["stop", first.trim()]);
     let (answered, id) = lists_answered_during(&d, &args);
@@ -383,19 +393,9 @@ fn a_refused_python_start_takes_its_probes_off_unless_another_waits_for_them() {
         env: vec![("RUST_LOG".into(), "info".into())],
         ..DaemonOptions::default()
     });
-    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
-        "-c",
-        "import time; print('ready', flush=True); time.sleep(120)",
-    ]));
+    let python = idle_python();
     let pid = python.pid().to_string();
-    let args = [
-        "start",
-        "--mode=counting",
-        "--pid",
-        &pid,
-        "--python",
-        "--python-uprobes-only",
-    ];
+    let args = python_uprobes_start(&pid);
     let refusable: Vec<&str> = args
         .iter()
         .copied()
@@ -438,10 +438,7 @@ fn requests_are_answered_while_probe_programs_load() {
         return;
     }
     let d = Daemon::start();
-    let python = ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args([
-        "-c",
-        "import time; print('ready', flush=True); time.sleep(120)",
-    ]));
+    let python = idle_python();
     let pid = python.pid().to_string();
     for kind in [&["--cuda"][..], &["--python", "--python-uprobes-only"]] {
         let mut args = vec!["start", "--mode=counting", "--pid", &pid];

@@ -110,12 +110,7 @@ impl Counting {
                         *last = r;
                     }
                     if self.on_exec && last.time_enabled_ns == 0 {
-                        return Counter {
-                            event: spec.name.into(),
-                            result: Some(counter::Result::Unavailable(NOT_EXECD.into())),
-                            unit: spec.unit.into(),
-                            ..Default::default()
-                        };
+                        return unavailable(spec, NOT_EXECD.into());
                     }
                     Counter {
                         event: spec.name.into(),
@@ -125,14 +120,19 @@ impl Counting {
                         time_running_ns: last.time_running_ns,
                     }
                 }
-                Slot::Unavailable { spec, reason } => Counter {
-                    event: spec.name.into(),
-                    result: Some(counter::Result::Unavailable(reason.clone())),
-                    unit: spec.unit.into(),
-                    ..Default::default()
-                },
+                Slot::Unavailable { spec, reason } => unavailable(spec, reason.clone()),
             })
             .collect()
+    }
+}
+
+/// A counter that reads nothing, and why.
+fn unavailable(spec: &EventSpec, why: String) -> Counter {
+    Counter {
+        event: spec.name.into(),
+        result: Some(counter::Result::Unavailable(why)),
+        unit: spec.unit.into(),
+        ..Default::default()
     }
 }
 

@@ -16,7 +16,10 @@ use anyhow::{ensure, Context, Result};
 
 use super::{python_executable, tracerctl, Daemon};
 
+/// Rounds unless [`ROUNDS_VAR`] asks for another number.
 const ROUNDS: usize = 7;
+/// Set to a number of rounds, a longer (or shorter) run: whether memory levels off.
+const ROUNDS_VAR: &str = "TRACER_BENCH_ROUNDS";
 /// Sessions a round, the three modes in turn.
 const SESSIONS: usize = 30;
 const MODES: [&[&str]; 3] = [
@@ -26,15 +29,23 @@ const MODES: [&[&str]; 3] = [
 ];
 
 pub fn run() -> Result<()> {
+    let rounds = match std::env::var(ROUNDS_VAR) {
+        Ok(n) => n
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .with_context(|| format!("{ROUNDS_VAR}={n}: a number of rounds, 1 or more"))?,
+        Err(_) => ROUNDS,
+    };
     let dir = tempfile::tempdir()?;
     let daemon = Daemon::start(dir.path())?;
     let python = python_executable()?;
     let app = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/app.py");
     let db = dir.path().join("state/sessions.redb");
-    println!("{ROUNDS} rounds of {SESSIONS} sessions, each round deleted; interpreter {} (a copy a session)", python.display());
+    println!("{rounds} rounds of {SESSIONS} sessions, each round deleted; interpreter {} (a copy a session)", python.display());
     println!("round  RssAnon MiB  fds  deleted fds  database KiB");
     report(0, &daemon, &db)?;
-    for round in 1..=ROUNDS {
+    for round in 1..=rounds {
         for i in 0..SESSIONS {
             let copy = dir.path().join(format!("python-{round}-{i}"));
             fs::copy(&python, &copy).context("copying the interpreter")?;

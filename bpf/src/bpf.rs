@@ -69,7 +69,33 @@ pub const TRACEFS: &str = "/sys/kernel/tracing";
 
 /// The entries of a map shared by sessions whose key `belongs` to one session, read, and
 /// taken out of the map with `take` (at the session's end) or left there (live readings).
+/// In batches where the kernel has them, else one entry at a time.
 pub fn slot_entries<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    belongs: impl Fn(&K) -> bool,
+    take: bool,
+) -> Vec<(K, V)> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+    let read = crate::batch::entries::<K, V>(map.map().fd().as_fd());
+    let Ok(all) = read else {
+        tracing::debug!(e = %read.err().map(|e| e.to_string()).unwrap_or_default(), "batch map reads: reading one entry at a time");
+        return slot_entries_one_by_one(map, belongs, take);
+    };
+    let mine: Vec<(K, V)> = all.into_iter().filter(|(k, _)| belongs(k)).collect();
+    if take {
+        let keys: Vec<K> = mine.iter().map(|(k, _)| *k).collect();
+        if crate::batch::delete(map.map().fd().as_fd(), &keys).is_err() {
+            for k in &keys {
+                let _ = map.remove(k);
+            }
+        }
+    }
+    mine
+}
+
+fn slot_entries_one_by_one<K: aya::Pod, V: aya::Pod>(
     map: &mut HashMap<MapData, K, V>,
     belongs: impl Fn(&K) -> bool,
     take: bool,

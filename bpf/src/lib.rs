@@ -4,6 +4,7 @@
 //! tracefs formats for the kernel's layouts; perf counters; the CPU sampler. It knows which
 //! binaries and interpreters it probes (`tracer-inspect`), and no session.
 
+mod batch;
 pub mod bpf;
 pub mod btf;
 pub mod perf;

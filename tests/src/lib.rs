@@ -242,6 +242,34 @@ impl Daemon {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// Runs `tracerctl ARGS` while sending `list` over and over: how many lists were answered
+    /// before ARGS was, and its output.
+    pub fn lists_answered_during(&self, args: &[&str]) -> (usize, String) {
+        let mut cmd = self
+            .ctl()
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Only an ordering margin: ARGS is in the daemon's queue before the lists.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut answered = 0;
+        let status = loop {
+            if let Some(status) = cmd.try_wait().unwrap() {
+                break status;
+            }
+            self.ok(&["list"]);
+            // A list sent before ARGS came back, and answered first.
+            if cmd.try_wait().unwrap().is_none() {
+                answered += 1;
+            }
+        };
+        assert!(status.success(), "{args:?} failed");
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut cmd.stdout.take().unwrap(), &mut out).unwrap();
+        (answered, out)
+    }
+
     /// The id of the session `tracerctl list` shows first (the newest), or of the newest
     /// one whose row contains `filter`.
     pub fn newest_session(&self, filter: &str) -> String {

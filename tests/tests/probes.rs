@@ -248,34 +248,6 @@ fn requests_are_answered_while_probes_come_off() {
     assert!(ok);
 }
 
-/// Runs `tracerctl ARGS` (a start) while sending `list` over and over: how many lists were
-/// answered before the start was, and the start's output.
-fn lists_answered_during(d: &Daemon, args: &[&str]) -> (usize, String) {
-    let mut start = d.ctl().args(args).stdout(Stdio::piped()).spawn().unwrap();
-    // Only an ordering margin: the start is in the daemon's queue before the lists.
-    std::thread::sleep(Duration::from_millis(100));
-    let mut answered = 0;
-    let status = loop {
-        if let Some(status) = start.try_wait().unwrap() {
-            break status;
-        }
-        d.ok(&["list"]);
-        // A list sent before the start came back, and answered first.
-        if start.try_wait().unwrap().is_none() {
-            answered += 1;
-        }
-    };
-    assert!(status.success(), "{args:?}: the start failed");
-    let mut id = String::new();
-    start
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut id)
-        .unwrap();
-    (answered, id)
-}
-
 /// Attaching 1,000 probes to a binary that twenty busy processes map takes a second or two
 /// here: each process gets every breakpoint, and starts hitting them at once. Other requests
 /// do not wait for it.
@@ -296,10 +268,8 @@ fn requests_are_answered_while_probes_go_on() {
     d.ok(&["stop", id.trim()]);
     let many = format!("{}:many_*", exe.display());
     let started = Instant::now();
-    let (answered, id) = lists_answered_during(
-        &d,
-        &["start", "--mode=counting", "--pid", &pid, "--uprobe", &many],
-    );
+    let (answered, id) =
+        d.lists_answered_during(&["start", "--mode=counting", "--pid", &pid, "--uprobe", &many]);
     println!(
         "{answered} lists answered while 1,000 probes went on in {:?}",
         started.elapsed()
@@ -363,7 +333,7 @@ fn requests_are_answered_while_python_probes_wait_for_their_release() {
     let args = python_uprobes_start(&pid);
     let first = d.ok(&args);
     d.ok(&["stop", first.trim()]);
-    let (answered, id) = lists_answered_during(&d, &args);
+    let (answered, id) = d.lists_answered_during(&args);
     println!("{answered} lists answered while the old Python probes came off");
     assert!(
         answered > 2,
@@ -443,7 +413,7 @@ fn requests_are_answered_while_probe_programs_load() {
     for kind in [&["--cuda"][..], &["--python", "--python-uprobes-only"]] {
         let mut args = vec!["start", "--mode=counting", "--pid", &pid];
         args.extend_from_slice(kind);
-        let (answered, id) = lists_answered_during(&d, &args);
+        let (answered, id) = d.lists_answered_during(&args);
         println!("{kind:?}: {answered} lists answered while the first start loaded its programs");
         // One list may come back between the start's answer and tracerctl's exit.
         assert!(

@@ -917,3 +917,58 @@ fn dataloader_workers_are_counted_exactly() {
         );
     }
 }
+
+/// At a session's end its functions are named and its report is stored: for 60,000
+/// functions that takes most of a second here, and other requests do not wait for it.
+#[test]
+fn requests_are_answered_while_an_ended_session_is_named_and_stored() {
+    if !root_or_skip() {
+        return;
+    }
+    const FUNCTIONS: usize = 150_000;
+    let d = Daemon::start();
+    let program = format!(
+        r#"
+src = "".join(f"def f{{i}}(x):\n    return x\n" for i in range({FUNCTIONS}))
+ns = {{}}
+exec(compile(src, "generated.py", "exec"), ns)
+fs = [ns[f"f{{i}}"] for i in range({FUNCTIONS})]
+print("ready", flush=True)
+while True:
+    for f in fs:
+        f(0)
+"#
+    );
+    let python =
+        ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args(["-c", &program]));
+    let pid = python.pid().to_string();
+    let id = d.ok(&[
+        "start",
+        "--mode=counting",
+        "--pid",
+        &pid,
+        "--python",
+        "--python-uprobes-only",
+    ]);
+    let id = id.trim();
+    // Several passes over every function.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let stopped = std::time::Instant::now();
+    let (answered, _) = d.lists_answered_during(&["stop", id]);
+    println!(
+        "{answered} lists answered in the {:?} the session took to end",
+        stopped.elapsed()
+    );
+    assert!(
+        answered > 2,
+        "{answered} requests answered while the ended session was named and stored"
+    );
+    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let counted = report["python"]["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["filename"] == "generated.py" && f["ncalls"].as_u64() > Some(0))
+        .count();
+    assert_eq!(counted, FUNCTIONS, "generated functions counted and named");
+}

@@ -39,7 +39,7 @@ pub fn series(
     node: &str,
     id: &str,
 ) -> Vec<Series> {
-    let origins: std::collections::HashMap<u32, &crate::container::Origin> =
+    let origins: std::collections::HashMap<u32, &crate::report::Origin> =
         containers.iter().map(|c| (c.pid, &c.origin)).collect();
     let mut groups: BTreeMap<Vec<(String, String)>, Vec<usize>> = BTreeMap::new();
     for (i, s) in profile.stacks.iter().enumerate() {
@@ -227,11 +227,7 @@ pub fn window(endpoint: &Endpoint, profile: &Profile, session: &str) -> Option<V
     if profile.stacks.is_empty() {
         return None;
     }
-    let containers: Vec<ProcessOrigin> =
-        crate::container::attribute(profile.stacks.iter().map(|s| s.pid))
-            .into_iter()
-            .map(|(pid, origin)| ProcessOrigin { pid, origin })
-            .collect();
+    let containers = crate::container::attribute(profile.stacks.iter().map(|s| s.pid));
     let node = nix::sys::utsname::uname()
         .map(|u| u.nodename().to_string_lossy().into_owned())
         .unwrap_or_default();

@@ -355,6 +355,16 @@ impl CudaEnd {
     }
 }
 
+impl super::ReportPart for CudaEnd {
+    fn pids(&self) -> Vec<u32> {
+        CudaEnd::pids(self)
+    }
+
+    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+        report.cuda = Some(self.finish());
+    }
+}
+
 impl CudaSession {
     fn report(
         mut self,

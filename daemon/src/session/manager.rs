@@ -32,7 +32,7 @@ use crate::{
     native::{NativeTarget, ProbeLimits},
     perf, process,
     python::memory,
-    report::{PythonReport, Report},
+    report::Report,
     store::Store,
 };
 
@@ -44,7 +44,7 @@ pub const MAX_RUNNING: usize = 256;
 type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
 enum Command {
-    /// A closing session's profile, named off the manager's task.
+    /// A closing session's report, named and stored off the manager's task.
     Named {
         id: String,
         done: Box<closing::Done>,
@@ -385,7 +385,7 @@ impl Manager {
                         for id in ids {
                             self.finish(&id, EndReason::DaemonShutdown, None);
                         }
-                        // Profiles being named when the shutdown came are waited for.
+                        // Reports being named and stored when the shutdown came are waited for.
                         while !self.closing.is_empty() {
                             match rx.recv().await {
                                 Some(Command::Named { id, done }) => self.named(&id, *done),
@@ -884,7 +884,8 @@ impl Manager {
         // session that could not be recorded does not start.
         let stored = self.store().put(&info, &record);
         if let Err(e) = stored {
-            self.end(&id, EndReason::Error, Some(e.to_string()));
+            // Nothing of it is kept: its report is neither named nor stored.
+            drop(self.end(&id, EndReason::Error, Some(e.to_string())));
             self.discard(&id);
             return Err(e.into());
         }
@@ -1114,13 +1115,14 @@ impl Manager {
 
     /// Gives the allocator's free memory back to the system when no session runs: glibc
     /// otherwise keeps what ended sessions freed, and the daemon's memory never comes down.
+    /// Trimming a heap that just freed a large report takes tens of ms: not on this task.
     fn release_free_memory(&self) {
         if self.running.is_empty() {
             #[cfg(target_env = "gnu")]
-            // SAFETY: malloc_trim has no preconditions.
-            unsafe {
-                libc::malloc_trim(0);
-            }
+            tokio::task::spawn_blocking(|| {
+                // SAFETY: malloc_trim has no preconditions.
+                unsafe { libc::malloc_trim(0) };
+            });
         }
     }
 

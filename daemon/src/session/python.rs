@@ -17,7 +17,7 @@ use crate::{
         memory::{self, Mapped},
         runtime::{Runtime, RuntimeError},
     },
-    report::{PyCaller, PyFunction},
+    report::{PyCaller, PyFunction, PythonReport},
 };
 
 type FileId = (u64, u64);
@@ -425,6 +425,75 @@ impl PySession {
             .collect();
         crate::report::sort_functions(&mut out, "tottime");
         (out, unknown)
+    }
+}
+
+/// A Python session's counts, read out at its end: named into the report off the manager.
+pub struct PythonEnd {
+    pub py: PySession,
+    pub counts: Vec<(u32, u64, u64, PyCallStats)>,
+    pub edges: Vec<(PyEdgeKey, PyCallStats)>,
+    /// What the in-process counters counted.
+    pub inproc: Vec<crate::python::inproc::Counts>,
+    /// Calls whose return the probes inferred rather than saw.
+    pub inferred_exits: u64,
+}
+
+impl PythonEnd {
+    /// The report's Python part: every function named, most time first.
+    pub fn report(self) -> PythonReport {
+        let Self {
+            py,
+            counts,
+            edges,
+            inproc,
+            inferred_exits,
+        } = self;
+        let seen_interpreter = !py.checked.is_empty();
+        let (mut functions, unknown_names) = py.functions(counts, edges);
+        let mut warnings = py.warnings;
+        for c in &inproc {
+            if c.namespace_pid {
+                warnings.push(format!(
+                    "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",
+                    c.pid
+                ));
+            }
+            if c.lost_calls + c.lost_edges + c.lost_names > 0 {
+                warnings.push(format!(
+                    "pid {}: the in-process counter's tables were full: {} calls and {} caller pairs not counted, {} functions not named",
+                    c.pid, c.lost_calls, c.lost_edges, c.lost_names
+                ));
+            }
+        }
+        functions.extend(inproc_functions(inproc));
+        crate::report::sort_functions(&mut functions, "tottime");
+        if functions.is_empty() && !seen_interpreter {
+            warnings.push(
+                "no probed CPython 3.10-3.15 interpreter was seen running in the followed processes".into(),
+            );
+        }
+        PythonReport {
+            inferred_exits,
+            functions,
+            unknown_names,
+            warnings,
+            counted: py.counted,
+        }
+    }
+}
+
+impl super::ReportPart for PythonEnd {
+    fn pids(&self) -> Vec<u32> {
+        let probed = self.counts.iter().map(|c| c.0);
+        let mut pids: Vec<u32> = probed.chain(self.inproc.iter().map(|c| c.pid)).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
+    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+        report.python = Some(self.report());
     }
 }
 

@@ -109,6 +109,16 @@ impl Ending {
     }
 }
 
+impl super::ReportPart for Ending {
+    fn pids(&self) -> Vec<u32> {
+        Ending::pids(self)
+    }
+
+    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+        report.profile = Some(self.name());
+    }
+}
+
 impl Drop for Ending {
     fn drop(&mut self) {
         if self.work.take().is_some() {

@@ -12,11 +12,14 @@
 //!   next to an untraced run;
 //! - `probes` (probes.rs): attaching and removing 1 to 1,000 uprobes, multi-uprobe links next
 //!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
+//! - `ending` (ending.rs): the slowest request while a session with 1,000 to 150,000 Python
+//!   functions ends (named, stored), next to the slowest while it runs;
 //! - `longevity` (longevity.rs): tracerd's memory, open files and database size over rounds of
 //!   sessions, each round deleted.
 
 mod counting;
 mod cuda;
+mod ending;
 mod fleet;
 mod longevity;
 mod probes;
@@ -42,6 +45,7 @@ pub enum Which {
     Cuda,
     Longevity,
     Probes,
+    Ending,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -53,6 +57,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Cuda => cuda::run(),
         Which::Longevity => longevity::run(),
         Which::Probes => probes::run(),
+        Which::Ending => ending::run(),
     }
 }
 

@@ -113,13 +113,13 @@ fn measure(dir: &Path, exe: &Path, daemon_args: &[&str], pattern: &str) -> Resul
     })
 }
 
-struct Daemon {
+pub(super) struct Daemon {
     child: Child,
     socket: PathBuf,
 }
 
 impl Daemon {
-    fn start(dir: &Path, args: &[&str]) -> Result<Self> {
+    pub(super) fn start(dir: &Path, args: &[&str]) -> Result<Self> {
         let socket = dir.join("tracerd.sock");
         let mut child = Command::new(bin_dir().join("tracerd"))
             .arg("--socket")
@@ -134,12 +134,15 @@ impl Daemon {
         Ok(Self { child, socket })
     }
 
-    fn ctl(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new(bin_dir().join("tracerctl"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(args)
-            .output()?;
+    /// tracerctl with these arguments, not run yet.
+    pub(super) fn ctl_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(bin_dir().join("tracerctl"));
+        cmd.arg("--socket").arg(&self.socket).args(args);
+        cmd
+    }
+
+    pub(super) fn ctl(&self, args: &[&str]) -> Result<String> {
+        let out = self.ctl_command(args).output()?;
         ensure!(
             out.status.success(),
             "tracerctl {args:?}: {}",

@@ -1,15 +1,16 @@
-//! How a session ends: its final readings and report, taken on the manager's task, then
-//! what waits for naming. Reading the symbol tables and DWARF of large binaries (tracerd's
-//! own, libtorch, libcuda) takes seconds: a blocking thread names the sampled stacks and
-//! CUDA callers while the manager answers everything else, and the session ends when they
-//! are in. Until then `list` and `get` show it running, `report` says it still is, and a
-//! `stop` is answered at its end.
+//! How a session ends: its final readings, taken on the manager's task, then what takes
+//! time, on a blocking thread: naming what was counted and sampled (reading the symbol
+//! tables and DWARF of large binaries, tracerd's own, libtorch, libcuda, takes seconds;
+//! 20,000 Python functions, tens of ms), and writing the report to the store. The manager
+//! answers everything else meanwhile, and the session ends when its report is stored.
+//! Until then `list` and `get` show it running, `report` says it still is, and a `stop` is
+//! answered at its end.
 
 use super::*;
 use crate::{
-    profile::Profile,
     report::{trace, CudaReport, Report},
-    session::{cuda::CudaEnd, sampling::Ending},
+    session::{python::PythonEnd, ReportPart},
+    store::StoreError,
 };
 
 pub(super) struct Closing {
@@ -17,48 +18,75 @@ pub(super) struct Closing {
     pub shown: SessionInfo,
     /// The final state.
     pub info: SessionInfo,
-    pub report: Report,
-    pub continuous: Option<crate::continuous::Running>,
-    pub export_prometheus: bool,
     pub ended: watch::Sender<bool>,
     /// `stop` requests, answered at the end.
     pub stops: Vec<Reply<SessionInfo>>,
 }
 
-/// What is left to name.
+/// The report, what is left to name in it, and where else it goes.
 pub(super) struct Pending {
-    pub profile: Option<Ending>,
-    pub cuda: Option<CudaEnd>,
+    pub report: Report,
+    /// What each source left to name.
+    pub parts: Vec<Box<dyn ReportPart>>,
+    /// Pushes the last window of the profile.
+    pub continuous: Option<crate::continuous::Running>,
+    /// Shown on the Prometheus endpoint.
+    pub export_prometheus: bool,
 }
 
-/// What was named.
+/// What the manager keeps of an ended session's report.
 pub(super) struct Done {
-    profile: Option<Profile>,
-    cuda: Option<CudaReport>,
+    /// The report, if the store did not take it.
+    unsaved: Option<(Report, StoreError)>,
+    exported: Option<super::metrics::Ended>,
 }
 
 impl Pending {
-    fn name(self) -> Done {
+    /// Names what is left, and stores the report with the session's final state (a large
+    /// report is freed here too).
+    fn settle(self, id: &str, info: &SessionInfo, store: &SharedStore) -> Done {
+        let mut report = self.report;
+        for part in self.parts {
+            part.fill(&mut report);
+        }
+        if let Some(t) = report.trace.as_mut() {
+            trace_cuda(t, report.cuda.as_ref());
+        }
+        if let Some(cont) = self.continuous {
+            cont.finish(report.profile.as_ref(), id);
+        }
+        let exported = self
+            .export_prometheus
+            .then(|| super::metrics::Ended::new(info, &report));
+        let json = report.to_json();
+        let stored = store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .put(info, &json);
         Done {
-            profile: self.profile.map(Ending::name),
-            cuda: self.cuda.map(CudaEnd::finish),
+            unsaved: stored.err().map(|e| (report, e)),
+            exported,
         }
     }
 }
 
 impl Manager {
-    /// Ends a running session: final readings, report, stored.
+    /// Ends a running session: final readings here, the report named and stored off this
+    /// task (`close`).
     pub(super) fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
-        self.end(id, reason, error);
-        self.store_report(id);
-        self.release_free_memory();
+        if let Some((closing, pending)) = self.end(id, reason, error) {
+            self.close(id, closing, pending);
+        }
     }
 
-    /// Ends a running session: final readings, and its report, kept in memory until stored.
-    pub(super) fn end(&mut self, id: &str, reason: EndReason, error: Option<String>) {
-        let Some(mut s) = self.running.remove(id) else {
-            return;
-        };
+    /// Ends a running session: final readings, and what is left to make its report.
+    pub(super) fn end(
+        &mut self,
+        id: &str,
+        reason: EndReason,
+        error: Option<String>,
+    ) -> Option<(Closing, Pending)> {
+        let mut s = self.running.remove(id)?;
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
@@ -128,76 +156,60 @@ impl Manager {
             }
             report.trace = Some(trace);
         }
-        if let (Some(py), Some(slot)) = (s.python.take(), s.slot) {
-            // Stop counting for this slot before reading it out.
-            self.update_python_masks();
-            let counts = self.python_counts(slot, true);
-            let edges = self.python_edges(slot);
-            let mut py = py;
-            let inproc: Vec<_> = std::mem::take(&mut py.inproc)
-                .into_iter()
-                .flat_map(crate::python::inproc::Counter::finish)
-                .collect();
-            self.bpf.clear_inproc(slot);
-            let seen_interpreter = !py.checked.is_empty();
-            let (mut functions, unknown_names) = py.functions(counts, edges);
-            for c in &inproc {
-                if c.namespace_pid {
-                    py.warnings.push(format!(
-                        "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",
-                        c.pid
-                    ));
-                }
-                if c.lost_calls + c.lost_edges + c.lost_names > 0 {
-                    py.warnings.push(format!(
-                        "pid {}: the in-process counter's tables were full: {} calls and {} caller pairs not counted, {} functions not named",
-                        c.pid, c.lost_calls, c.lost_edges, c.lost_names
-                    ));
-                }
+        let python = match (s.python.take(), s.slot) {
+            (Some(mut py), Some(slot)) => {
+                // Stop counting for this slot before reading it out.
+                self.update_python_masks();
+                let counts = self.python_counts(slot, true);
+                let edges = self.python_edges(slot);
+                let inproc = std::mem::take(&mut py.inproc)
+                    .into_iter()
+                    .flat_map(crate::python::inproc::Counter::finish)
+                    .collect();
+                self.bpf.clear_inproc(slot);
+                let exits = tracer_common::loss::PY_EXIT_INFERRED as usize;
+                Some(PythonEnd {
+                    py,
+                    counts,
+                    edges,
+                    inproc,
+                    inferred_exits: losses[exits].saturating_sub(s.loss_base[exits]),
+                })
             }
-            functions.extend(crate::session::python::inproc_functions(inproc));
-            crate::report::sort_functions(&mut functions, "tottime");
-            let inferred_exits = losses[tracer_common::loss::PY_EXIT_INFERRED as usize]
-                .saturating_sub(s.loss_base[tracer_common::loss::PY_EXIT_INFERRED as usize]);
-            let mut warnings = py.warnings;
-            if functions.is_empty() && !seen_interpreter {
-                warnings.push(
-                    "no probed CPython 3.10-3.15 interpreter was seen running in the followed processes".into(),
-                );
-            }
-            report.python = Some(PythonReport {
-                inferred_exits,
-                functions,
-                unknown_names,
-                warnings,
-                counted: py.counted,
-            });
-        }
+            _ => None,
+        };
         // Which container and pod each process ran in (targets of pid sessions included).
         let mut pids = report.pids();
-        pids.extend(profile.iter().flat_map(Ending::pids));
-        pids.extend(cuda.iter().flat_map(CudaEnd::pids));
+        let parts: Vec<Box<dyn ReportPart>> = [
+            profile.map(|p| Box::new(p) as Box<dyn ReportPart>),
+            cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
+            python.map(|p| Box::new(p) as Box<dyn ReportPart>),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        pids.extend(parts.iter().flat_map(|p| p.pids()));
         pids.extend(s.live.iter().copied());
         if let Some(target::Kind::Pid(pid)) = s.target.kind {
             pids.push(pid);
         }
-        report.processes.containers = crate::container::attribute(pids)
-            .into_iter()
-            .map(|(pid, origin)| crate::report::ProcessOrigin { pid, origin })
-            .collect();
+        report.processes.containers = crate::container::attribute(pids);
         if self.running.is_empty() {
             crate::container::forget_exited();
         }
-        let closing = closing::Closing {
+        let closing = Closing {
             shown,
             info,
-            report,
-            continuous: s.continuous.take(),
-            export_prometheus: s.export_prometheus,
             ended: s.ended,
             stops: Vec::new(),
         };
-        self.close(id, closing, closing::Pending { profile, cuda });
+        let pending = Pending {
+            report,
+            parts,
+            continuous: s.continuous.take(),
+            export_prometheus: s.export_prometheus,
+        };
+        Some((closing, pending))
     }
 
     /// Stops a tracing session's events: probes off, last counter readings, calls still
@@ -244,46 +256,43 @@ impl Manager {
         Some(end_ns)
     }
 
-    /// Ends `id` now if nothing is left to name, else once a blocking thread named it
+    /// Names and stores `id`'s report on a blocking thread, and ends it when that is done
     /// (during shutdown, here: nobody waits for other answers then).
     pub(super) fn close(&mut self, id: &str, closing: Closing, pending: Pending) {
-        if self.shutting_down || (pending.profile.is_none() && pending.cuda.is_none()) {
-            self.complete(id, closing, pending.name());
+        if self.shutting_down {
+            let done = pending.settle(id, &closing.info, &self.store);
+            self.complete(id, closing, done);
             return;
         }
-        let (tx, id) = (self.tx.clone(), id.to_owned());
+        let (tx, id, info, store) = (
+            self.tx.clone(),
+            id.to_owned(),
+            closing.info.clone(),
+            self.store.clone(),
+        );
         self.closing.insert(id.clone(), closing);
         tokio::task::spawn_blocking(move || {
-            let done = Box::new(pending.name());
+            let done = Box::new(pending.settle(&id, &info, &store));
             let _ = tx.blocking_send(Command::Named { id, done });
         });
     }
 
-    /// A closing session is named: it ends, and its report is stored.
+    /// A closing session's report is named and stored: it ends.
     pub(super) fn named(&mut self, id: &str, done: Done) {
         if let Some(c) = self.closing.remove(id) {
             self.complete(id, c, done);
-            self.store_report(id);
             self.release_free_memory();
         }
     }
 
-    fn complete(&mut self, id: &str, mut c: Closing, done: Done) {
-        c.report.profile = done.profile;
-        c.report.cuda = done.cuda;
-        if let Some(t) = c.report.trace.as_mut() {
-            trace_cuda(t, c.report.cuda.as_ref());
+    fn complete(&mut self, id: &str, c: Closing, done: Done) {
+        if let Some(exported) = done.exported {
+            self.exported.insert(id.to_owned(), exported);
         }
-        if let Some(cont) = c.continuous.take() {
-            cont.finish(c.report.profile.as_ref(), id);
+        if let Some((report, e)) = done.unsaved {
+            tracing::error!(%e, id, "could not store the report; it is kept in memory and stored once the state database takes writes again");
+            self.unsaved.insert(id.to_owned(), report);
         }
-        if c.export_prometheus {
-            self.exported.insert(
-                id.to_owned(),
-                super::metrics::Ended::new(&c.info, &c.report),
-            );
-        }
-        self.unsaved.insert(id.to_owned(), c.report);
         tracing::info!(
             id,
             reason = crate::session::end_reason_name(c.info.end_reason),

@@ -100,22 +100,6 @@ fn died(info: &mut SessionInfo, stored: Option<&str>, traces: &Path) -> Report {
 }
 
 impl Manager {
-    /// Stores an ended session's report; one the store does not take stays in memory.
-    pub(super) fn store_report(&mut self, id: &str) {
-        let (Some(info), Some(report)) = (self.finished.get(id), self.unsaved.get(id)) else {
-            return;
-        };
-        let stored = self.store().put(info, &report.to_json());
-        match stored {
-            Ok(()) => {
-                self.unsaved.remove(id);
-            }
-            Err(e) => {
-                tracing::error!(%e, id, "could not store the report; it is kept in memory and stored once the state database takes writes again")
-            }
-        }
-    }
-
     /// Stores the reports a failed write left in memory, if the store takes writes again.
     pub(super) fn save_unsaved(&mut self) {
         let ids: Vec<String> = self.unsaved.keys().cloned().collect();

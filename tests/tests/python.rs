@@ -918,8 +918,8 @@ fn dataloader_workers_are_counted_exactly() {
     }
 }
 
-/// At a session's end its functions are named and its report is stored: for 60,000
-/// functions that takes most of a second here, and other requests do not wait for it.
+/// At a session's end its functions are named and its report is stored: for 150,000
+/// functions that takes about a second here, and other requests do not wait for it.
 #[test]
 fn requests_are_answered_while_an_ended_session_is_named_and_stored() {
     if !root_or_skip() {
@@ -927,20 +927,11 @@ fn requests_are_answered_while_an_ended_session_is_named_and_stored() {
     }
     const FUNCTIONS: usize = 150_000;
     let d = Daemon::start();
-    let program = format!(
-        r#"
-src = "".join(f"def f{{i}}(x):\n    return x\n" for i in range({FUNCTIONS}))
-ns = {{}}
-exec(compile(src, "generated.py", "exec"), ns)
-fs = [ns[f"f{{i}}"] for i in range({FUNCTIONS})]
-print("ready", flush=True)
-while True:
-    for f in fs:
-        f(0)
-"#
+    let python = ChildGuard::spawn_ready(
+        Command::new(tracer_tests::python())
+            .arg(script("many_functions.py"))
+            .arg(FUNCTIONS.to_string()),
     );
-    let python =
-        ChildGuard::spawn_ready(Command::new(tracer_tests::python()).args(["-c", &program]));
     let pid = python.pid().to_string();
     let id = d.ok(&[
         "start",

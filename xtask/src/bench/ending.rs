@@ -1,16 +1,17 @@
 //! `cargo xtask bench ending`: what a session's end costs other clients. A Python program
-//! with N generated functions (1,000 to 150,000) is counted with uprobes for 3 s; then, while
-//! `tracerctl stop` waits for the session to end (its functions named, its report stored),
-//! `tracerctl list` is sent over and over. Printed side by side: the slowest list then, and
-//! the slowest of as many lists sent while the session simply ran.
+//! with N generated functions (1,000 to 150,000, `tests/scripts/many_functions.py`) is
+//! counted with uprobes for 3 s; then, while `tracerctl stop` waits for the session to end
+//! (its functions named, its report stored), `tracerctl list` is sent over and over. Printed
+//! side by side: the slowest list then, and the slowest of as many lists sent while the
+//! session simply ran.
 
 use std::{
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
+use tracer_tests::ChildGuard;
 
 use super::probes::Daemon;
 
@@ -47,16 +48,21 @@ struct Row {
 fn measure(functions: usize) -> Result<Row> {
     let dir = tempfile::tempdir()?;
     let daemon = Daemon::start(dir.path(), &[])?;
-    let program = Program::start(functions)?;
-    let pid = program.0.id().to_string();
-    let id = daemon.ctl(&[
+    let program = ChildGuard::spawn_ready(
+        Command::new("python3")
+            .arg(tracer_tests::script("many_functions.py"))
+            .arg(functions.to_string()),
+    );
+    let pid = program.pid().to_string();
+    let start = [
         "start",
         "--mode=counting",
         "--pid",
         &pid,
         "--python",
         "--python-uprobes-only",
-    ])?;
+    ];
+    let id = daemon.ctl(&start)?;
     std::thread::sleep(Duration::from_secs(3));
 
     let t = Instant::now();
@@ -75,14 +81,7 @@ fn measure(functions: usize) -> Result<Row> {
     ensure!(stop.wait()?.success(), "tracerctl stop failed");
 
     // As many lists with a session that only runs.
-    daemon.ctl(&[
-        "start",
-        "--mode=counting",
-        "--pid",
-        &pid,
-        "--python",
-        "--python-uprobes-only",
-    ])?;
+    daemon.ctl(&start)?;
     std::thread::sleep(Duration::from_secs(3));
     let mut running = Duration::ZERO;
     for _ in 0..lists.max(1) {
@@ -95,40 +94,4 @@ fn measure(functions: usize) -> Result<Row> {
         ending,
         running,
     })
-}
-
-/// `python3` calling each of N generated functions over and over; killed on drop.
-struct Program(Child);
-
-impl Program {
-    fn start(functions: usize) -> Result<Self> {
-        let code = format!(
-            r#"
-src = "".join(f"def f{{i}}(x):\n    return x\n" for i in range({functions}))
-ns = {{}}
-exec(compile(src, "generated.py", "exec"), ns)
-fs = [ns[f"f{{i}}"] for i in range({functions})]
-print("ready", flush=True)
-while True:
-    for f in fs:
-        f(0)
-"#
-        );
-        let mut child = Command::new("python3")
-            .args(["-c", &code])
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("running python3")?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().context("stdout")?).read_line(&mut line)?;
-        ensure!(line == "ready\n", "python3 said {line:?}");
-        Ok(Self(child))
-    }
-}
-
-impl Drop for Program {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

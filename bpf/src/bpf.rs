@@ -78,10 +78,12 @@ pub fn slot_entries<K: aya::Pod, V: aya::Pod>(
     use std::os::fd::AsFd;
 
     use aya::maps::IterableMap;
-    let read = crate::batch::entries::<K, V>(map.map().fd().as_fd());
-    let Ok(all) = read else {
-        tracing::debug!(e = %read.err().map(|e| e.to_string()).unwrap_or_default(), "batch map reads: reading one entry at a time");
-        return slot_entries_one_by_one(map, belongs, take);
+    let all = match crate::batch::entries::<K, V>(map.map().fd().as_fd()) {
+        Ok(all) => all,
+        Err(e) => {
+            tracing::debug!(%e, "batch map reads: reading one entry at a time");
+            return slot_entries_one_by_one(map, belongs, take);
+        }
     };
     let mine: Vec<(K, V)> = all.into_iter().filter(|(k, _)| belongs(k)).collect();
     if take {

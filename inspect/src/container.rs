@@ -147,15 +147,13 @@ pub fn note(pid: u32, refresh: bool) {
 /// noted; noted for those gone), those in containers only.
 pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<(u32, Origin)> {
     let n = notes().lock().unwrap_or_else(|e| e.into_inner());
-    let mut out: Vec<(u32, Origin)> = pids
-        .into_iter()
+    // In pid order, each once.
+    pids.into_iter()
         .collect::<std::collections::BTreeSet<u32>>()
         .into_iter()
         .filter_map(|pid| Some((pid, of(pid).or_else(|| n.get(&pid).cloned())?)))
         .filter(|(_, o)| o.in_container())
-        .collect();
-    out.sort_by_key(|(pid, _)| *pid);
-    out
+        .collect()
 }
 
 /// Drops the notes of processes that are gone (when no session needs them any more).

@@ -1,36 +1,34 @@
 //! The task that owns every session. The gRPC service sends it [`Command`]s through a
 //! [`Handle`]; it also consumes process events from BPF and ends sessions on their timers.
 
-use std::{
-    collections::HashMap,
-    time::{Duration, Instant},
-};
+use std::{collections::HashMap, time::Duration};
 
 use aya::maps::{MapData, RingBuf};
 use tokio::{
     io::unix::AsyncFd,
     sync::{mpsc, oneshot, watch},
 };
-use tracer_common::{ProcEvent, PyCodeEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
-use tracer_proto::{target, EndReason, Mode, SessionInfo, SessionState, StartSessionRequest};
+use tracer_common::ProcEvent;
+use tracer_proto::{target, EndReason, SessionInfo, SessionState, StartSessionRequest};
 
-use super::{build_report, counting, native::NativeSession, python::Probes, Session};
+use super::{build_report, python::Probes, Session};
 mod ahead;
 mod checks;
 mod closing;
 mod cuda;
+mod follow;
 mod metrics;
 mod persist;
 mod python;
-use ahead::{counts_python, cuda_processes, python_processes, resolve_natives, Ahead};
-use checks::{check_launched, inproc_candidate};
+mod start;
+use ahead::{counts_python, cuda_processes, python_processes, Ahead};
 
 use crate::{
     access::Caller,
     bpf::{Bpf, ProbeSet},
     error::Error,
-    native::{NativeTarget, ProbeLimits},
-    perf, process,
+    native::ProbeLimits,
+    process,
     python::memory,
     report::Report,
     store::Store,
@@ -419,43 +417,6 @@ impl Manager {
         }
     }
 
-    fn drain_codes(&mut self, ring: &mut RingBuf<MapData>) {
-        while let Some(item) = ring.next() {
-            if item.len() < std::mem::size_of::<PyCodeEvent>() {
-                continue;
-            }
-            // SAFETY: written as a PyCodeEvent by the BPF side; read unaligned.
-            let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<PyCodeEvent>()) };
-            let slot = ev.slot;
-            let Some(s) = self
-                .running
-                .values_mut()
-                .find(|s| s.slot.is_some_and(|x| u32::from(x) == slot))
-            else {
-                continue;
-            };
-            if let Some(py) = s.python.as_mut() {
-                py.on_code(&ev, &self.py);
-                if let (Some(t), Some((q, f, line))) =
-                    (&s.trace, py.name(ev.pid, ev.code, ev.names))
-                {
-                    let function = crate::report::trace::TraceFunction {
-                        pid: ev.pid,
-                        code: ev.code,
-                        names: ev.names,
-                        qualname: q.to_owned(),
-                        filename: f.to_owned(),
-                        firstlineno: line,
-                    };
-                    t.names
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert((ev.pid, ev.code, ev.names), function);
-                }
-            }
-        }
-    }
-
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Start { req, caller, reply } => self.prepare(req, caller, reply),
@@ -502,22 +463,7 @@ impl Manager {
                 let _ = reply.send(self.get(&id, caller));
             }
             Command::List { caller, reply } => {
-                let losses = self.bpf.losses();
-                let bpf = &self.bpf;
-                let mut all: Vec<SessionInfo> = self
-                    .running
-                    .values_mut()
-                    .map(|s| s.info(&super::scoped_losses(bpf, s.owner_uid, s.slot, &losses)))
-                    .collect();
-                all.extend(self.closing.values().map(|c| c.shown.clone()));
-                all.extend(self.finished.values().cloned());
-                all.retain(|s| caller.sees(s.owner_uid));
-                all.sort_by(|a, b| {
-                    b.started_unix_ms
-                        .cmp(&a.started_unix_ms)
-                        .then(a.id.cmp(&b.id))
-                });
-                let _ = reply.send(Ok(all));
+                let _ = reply.send(Ok(self.list(&caller)));
             }
             Command::Report { id, caller, reply } => {
                 let _ = reply.send(self.report(&id, caller));
@@ -534,376 +480,6 @@ impl Manager {
             }
             Command::Shutdown { .. } => unreachable!("handled in run"),
         }
-    }
-
-    /// A start made ready ahead: counting in-process is tried first where it may replace the
-    /// probes.
-    fn begin(
-        &mut self,
-        req: StartSessionRequest,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-        ahead: Ahead,
-    ) {
-        match inproc_candidate(&req, &caller) {
-            // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
-            // hold up other requests: the attempt runs on a blocking thread and the start
-            // comes back as StartPrepared.
-            Some(pid) => {
-                let tx = self.tx.clone();
-                let id = new_id();
-                tokio::task::spawn_blocking(move || {
-                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
-                    let prepared = Prepared { id, counter };
-                    let cmd = Command::StartPrepared {
-                        req,
-                        caller,
-                        reply,
-                        ahead,
-                        prepared,
-                    };
-                    if let Err(mpsc::error::SendError(Command::StartPrepared {
-                        prepared: Prepared { counter: Ok(c), .. },
-                        ..
-                    })) = tx.blocking_send(cmd)
-                    {
-                        c.finish();
-                    }
-                });
-            }
-            None => {
-                let _ = reply.send(self.start(req, caller, ahead, &mut None));
-            }
-        }
-    }
-
-    /// `ahead`: what was made ready off this task; `prepared`: the target's in-process counter,
-    /// made before (taken when the session uses it).
-    fn start(
-        &mut self,
-        req: StartSessionRequest,
-        caller: Caller,
-        mut ahead: Ahead,
-        prepared: &mut Option<Prepared>,
-    ) -> Result<SessionInfo, Error> {
-        let mut attached = ahead.attached.take();
-        let python_ahead = ahead.python_ahead;
-        let started = self.start_with(req, caller, ahead, &mut attached, prepared);
-        if let Some(ahead::Attached { slot, mut native }) = attached {
-            // Refused before the slot was used: its probes come off, the slot after them.
-            self.release_after(Some(slot), vec![native.take_probes()]);
-        }
-        self.python_start_done(python_ahead, started.is_err());
-        started
-    }
-
-    /// `attached`: `--uprobe` probes attached ahead, in their slot; taken once the session
-    /// uses the slot (every refusal after that releases both).
-    fn start_with(
-        &mut self,
-        req: StartSessionRequest,
-        caller: Caller,
-        ahead: Ahead,
-        attached: &mut Option<ahead::Attached>,
-        prepared: &mut Option<Prepared>,
-    ) -> Result<SessionInfo, Error> {
-        let checks::Asked {
-            mode,
-            frequency,
-            push,
-            trace_limits,
-            duration_ms,
-            target,
-            options,
-            python,
-            specs,
-        } = checks::asked(req)?;
-        let sampling = mode == Mode::Sampling;
-        let trace_mode = mode == Mode::Tracing;
-        if self.running.len() >= MAX_RUNNING {
-            return Err(Error::ResourceExhausted(format!(
-                "{MAX_RUNNING} sessions are running already"
-            )));
-        }
-        let (scope, pid) = match target.kind {
-            Some(target::Kind::Pid(0)) | None => {
-                return Err(Error::InvalidArgument(
-                    "a target is required: a pid, or all".into(),
-                ))
-            }
-            Some(target::Kind::All(false)) => {
-                return Err(Error::InvalidArgument(
-                    "a target is required: a pid, or all = true (all = false names nothing)".into(),
-                ))
-            }
-            Some(target::Kind::Pid(pid)) => {
-                caller.may_trace_pid(pid)?;
-                if !process::alive(pid) {
-                    return Err(Error::NoSuchProcess { pid });
-                }
-                if target.launched {
-                    check_launched(pid, &caller)?;
-                }
-                let tids = process::threads(pid).map_err(|_| Error::NoSuchProcess { pid })?;
-                crate::container::note(pid, true);
-                (
-                    perf::Scope::Threads {
-                        tids,
-                        on_exec: target.launched,
-                    },
-                    Some(pid),
-                )
-            }
-            Some(target::Kind::All(true)) => {
-                if target.launched {
-                    return Err(Error::InvalidArgument(
-                        "launched is for a pid tracerctl started, not a system-wide session".into(),
-                    ));
-                }
-                caller.may_trace_all()?;
-                (
-                    perf::Scope::Cpus(
-                        perf::online_cpus().map_err(|e| Error::io("listing online CPUs", e))?,
-                    ),
-                    None,
-                )
-            }
-        };
-        let owner_uid = caller.acting_uid("starting a session")?;
-
-        // A launched target has not exec'd yet: its mappings are tracerctl's.
-        let maps_of = pid.filter(|_| !target.launched);
-        let Ahead {
-            natives,
-            cuda_pids,
-            python_pids,
-            ..
-        } = ahead;
-        let natives = match (attached.is_some(), natives) {
-            (true, _) => Vec::new(),
-            (false, Some(resolved)) => resolved?,
-            (false, None) => resolve_natives(&options.uprobes, maps_of, owner_uid)?,
-        };
-        self.check_native_limits(&natives, owner_uid)?;
-
-        let slot = if let Some(a) = attached.as_ref() {
-            // From here on, a refusal releases the probes with the slot (`abandon`).
-            Some(a.slot)
-        } else if sampling
-            || trace_mode
-            || pid.is_some()
-            || python
-            || options.cuda
-            || !natives.is_empty()
-        {
-            Some(self.slots.take(owner_uid, python)?)
-        } else {
-            None
-        };
-        if let (Some(pid), Some(slot)) = (pid, slot) {
-            if let Err(e) = self.bpf.follow(pid, slot) {
-                self.abandon(Some(slot), attached);
-                return Err(e.into());
-            }
-        }
-        let loss_base = super::scoped_losses(&self.bpf, owner_uid, slot, &self.bpf.losses());
-        // Sampling sessions count nothing.
-        let counting = match (!sampling)
-            .then(|| counting::Counting::open(&specs, &scope, pid))
-            .transpose()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                self.abandon(slot, attached);
-                return Err(e);
-            }
-        };
-        // Followed first, checked after: an exit from here on arrives as an event.
-        if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
-            self.abandon(slot, attached);
-            return Err(Error::NoSuchProcess { pid });
-        }
-        let sampler = match (frequency, slot) {
-            (Some(hz), Some(slot)) => match self.start_sampler(slot, pid, hz, owner_uid) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    self.abandon(Some(slot), attached);
-                    return Err(e);
-                }
-            },
-            _ => None,
-        };
-        if let (true, Some(slot)) = (options.cuda_stacks, slot) {
-            // Launch stacks go through the sampling ring and worker, one sample a launch.
-            self.sampling.add(
-                slot,
-                0,
-                super::cuda::LAUNCH_STACKS,
-                pid.into_iter().collect(),
-                process::kernel_addresses_for(owner_uid),
-            );
-        }
-        let id = prepared.as_ref().map_or_else(new_id, |p| p.id.clone());
-        // In-process counting replaces the probes only where they would count calls alone.
-        let inproc = match (mode, slot) {
-            _ if options.python_uprobes_only => {
-                Err("--python-uprobes-only asked for uprobes".into())
-            }
-            (Mode::Counting, Some(slot)) => match prepared.take() {
-                Some(p) => p.counter.map(|c| (slot, c)),
-                None => Err("not a running process the caller may trace".into()),
-            },
-            _ => Err("tracing sessions time every call with the probes".into()),
-        };
-        let python = if python {
-            match self.start_python(pid, target.launched, inproc, python_pids) {
-                Ok(py) => Some(py),
-                Err(e) => {
-                    self.abandon(slot, attached);
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        let native = match (attached.take(), slot.filter(|_| !natives.is_empty())) {
-            (Some(a), _) => Some(a.native),
-            (None, None) => None,
-            (None, Some(slot)) => {
-                let attacher = self.bpf.native_attacher();
-                match NativeSession::attach(&attacher, natives, slot, pid.is_none()) {
-                    Ok(n) => Some(n),
-                    Err(e) => {
-                        self.abandon(Some(slot), attached);
-                        return Err(e);
-                    }
-                }
-            }
-        };
-
-        // Before the start is answered: loading them when the first library is mapped would
-        // let the program run seconds ahead of its probes.
-        if options.cuda {
-            if let Err(e) = self.bpf.load_cuda() {
-                tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
-            }
-        }
-        let trace = match (trace_limits, slot) {
-            (Some((limits, interval)), Some(slot)) => match self.tracing.add(slot, &id, limits) {
-                Ok(spool) => {
-                    let probes = native
-                        .as_ref()
-                        .map(NativeSession::labels)
-                        .unwrap_or_default();
-                    let counter_pid = pid.unwrap_or(0);
-                    Some(super::trace_session::TraceSession::new(
-                        spool,
-                        &id,
-                        probes,
-                        interval,
-                        counter_pid,
-                    ))
-                }
-                Err(e) => {
-                    let probes = native.map(|mut n| n.take_probes());
-                    self.release_after(Some(slot), probes.into_iter().collect());
-                    return Err(Error::io("creating the trace file", e));
-                }
-            },
-            _ => None,
-        };
-        let (ended, _) = watch::channel(false);
-        let expiry = (duration_ms > 0).then(|| {
-            let tx = self.tx.clone();
-            let id = id.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(duration_ms)).await;
-                let _ = tx.send(Command::Expire { id }).await;
-            })
-        });
-        let gpu_tracks = trace
-            .as_ref()
-            .map(super::trace_session::TraceSession::gpu_tracks);
-        let mut session = Session {
-            id: id.clone(),
-            mode,
-            target,
-            duration_ms,
-            owner_uid,
-            started_by: caller.describe(),
-            started: Instant::now(),
-            started_unix_ms: crate::clock::unix_ms(),
-            slot,
-            live: pid.into_iter().collect(),
-            followed: u32::from(pid.is_some()),
-            unfollowed: Vec::new(),
-            exited: 0,
-            proc_events: 0,
-            forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
-            counting,
-            python,
-            native,
-            sampler,
-            trace,
-            cuda: slot.filter(|_| options.cuda).map(|slot| {
-                let period = match options.gpu_period_ms {
-                    0 => super::cuda::GPU_PERIOD,
-                    ms => Duration::from_millis(u64::from(ms)),
-                };
-                super::cuda::CudaSession::new(
-                    slot,
-                    pid.is_none(),
-                    super::cuda::Probing {
-                        stacks: options.cuda_stacks,
-                        driver_only: options.cuda_driver_only,
-                    },
-                    period,
-                    gpu_tracks,
-                )
-            }),
-            loss_base,
-            command: pid.filter(|_| !target.launched).and_then(process::comm),
-            export_prometheus: options.export_prometheus,
-            continuous: match (push, slot) {
-                (Some((endpoint, period)), Some(slot)) => Some(crate::continuous::Running::start(
-                    endpoint,
-                    period,
-                    self.sampling.windows(),
-                    slot,
-                    id.clone(),
-                )),
-                _ => None,
-            },
-            ended,
-            expiry,
-        };
-        let info = session.info(&loss_base);
-        let record = persist::running_report(&info, session.trace.as_ref());
-        self.running.insert(id.clone(), session);
-        // Recorded as running, so that a daemon killed now leaves it behind as failed: a
-        // session that could not be recorded does not start.
-        let stored = self.store().put(&info, &record);
-        if let Err(e) = stored {
-            // Nothing of it is kept: its report is neither named nor stored.
-            drop(self.end(&id, EndReason::Error, Some(e.to_string())));
-            self.discard(&id);
-            return Err(e.into());
-        }
-        tracing::info!(id, target = %super::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
-        self.update_python_masks();
-        if options.cuda {
-            self.update_cuda_masks();
-            self.look_for_cuda(true, cuda_pids.as_deref());
-        }
-        if trace_mode {
-            self.update_trace_masks();
-            if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
-                // Calls that started before this are not the session's own.
-                t.start_ns = crate::clock::monotonic_ns();
-            }
-            self.read_trace_counters(true);
-        }
-        Ok(info)
     }
 
     /// Tells the probes which slots are tracing.
@@ -947,61 +523,6 @@ impl Manager {
             probes: t.probes.clone(),
             counters: t.counters.snapshot(),
         })
-    }
-
-    /// Starts a sampling session's perf events and its histogram.
-    fn start_sampler(
-        &mut self,
-        slot: u8,
-        pid: Option<u32>,
-        hz: u64,
-        owner_uid: u32,
-    ) -> Result<crate::sampler::Sampler, Error> {
-        let program = self.bpf.sample_program()?;
-        let sampler = crate::sampler::Sampler::start(
-            std::os::fd::AsFd::as_fd(&program),
-            slot,
-            pid.is_none(),
-            hz,
-        )?;
-        let pids = pid.map_or_else(all_pids, |p| vec![p]);
-        self.sampling.add(
-            slot,
-            hz,
-            sampler.event,
-            pids,
-            process::kernel_addresses_for(owner_uid),
-        );
-        Ok(sampler)
-    }
-
-    /// Refuses `--uprobe` `targets` (one probe per function) beyond the caps: a session's,
-    /// and what `uid`'s running sessions hold already.
-    fn check_native_limits(&self, targets: &[NativeTarget], uid: u32) -> Result<(), Error> {
-        let limits = self.probe_limits;
-        if targets.len() > limits.per_session {
-            return Err(Error::InvalidArgument(format!(
-                "--uprobe names {} functions (duplicates merged); at most {} a session",
-                targets.len(),
-                limits.per_session
-            )));
-        }
-        let held: usize = self
-            .running
-            .values()
-            .filter(|s| s.owner_uid == uid)
-            .filter_map(|s| s.native.as_ref())
-            .map(NativeSession::probes)
-            .sum::<usize>()
-            + self.attaching.get(&uid).copied().unwrap_or(0);
-        if !targets.is_empty() && held + targets.len() > limits.per_user {
-            return Err(Error::ResourceExhausted(format!(
-                "uid {uid} holds {held} native probes in running sessions; {} more would pass the {} a user may hold (stop a session first)",
-                targets.len(),
-                limits.per_user
-            )));
-        }
-        Ok(())
     }
 
     fn release(&mut self, slot: Option<u8>) {
@@ -1055,6 +576,26 @@ impl Manager {
             return Ok(None);
         }
         Ok(Some(self.finished[id].clone()))
+    }
+
+    /// Every session `caller` may see, newest first: running, ending and finished.
+    fn list(&mut self, caller: &Caller) -> Vec<SessionInfo> {
+        let losses = self.bpf.losses();
+        let bpf = &self.bpf;
+        let mut all: Vec<SessionInfo> = self
+            .running
+            .values_mut()
+            .map(|s| s.info(&super::scoped_losses(bpf, s.owner_uid, s.slot, &losses)))
+            .collect();
+        all.extend(self.closing.values().map(|c| c.shown.clone()));
+        all.extend(self.finished.values().cloned());
+        all.retain(|s| caller.sees(s.owner_uid));
+        all.sort_by(|a, b| {
+            b.started_unix_ms
+                .cmp(&a.started_unix_ms)
+                .then(a.id.cmp(&b.id))
+        });
+        all
     }
 
     fn owner(&self, id: &str) -> Result<u32, Error> {
@@ -1146,180 +687,6 @@ impl Manager {
             None => Fetched::Stored(self.store.clone()),
         };
         Ok((fetched, self.tracing.dir().to_owned()))
-    }
-
-    fn on_proc_event(&mut self, ev: ProcEvent) {
-        let mut ended = Vec::new();
-        let mut execs = Vec::new();
-        let mut crossed = Vec::new();
-        let mut exited_sampled = false;
-        for s in self.running.values_mut().filter(|s| s.follows_pid()) {
-            let Some(slot) = s.slot else { continue };
-            if ev.sessions & (1 << slot) == 0 {
-                continue;
-            }
-            s.proc_events += 1;
-            let is_target = s.target.kind == Some(target::Kind::Pid(ev.pid));
-            let comm = || {
-                let len = ev
-                    .comm
-                    .iter()
-                    .position(|&b| b == 0)
-                    .unwrap_or(ev.comm.len());
-                String::from_utf8_lossy(&ev.comm[..len]).into_owned()
-            };
-            // The target's name: what it exec'd (a launched target is tracerctl before), else
-            // what it was at exit. Exits come from the last thread, which may have another name.
-            if is_target
-                && (ev.kind == PROC_EVENT_EXEC
-                    || (ev.kind == PROC_EVENT_EXIT && s.command.is_none()))
-            {
-                s.command = Some(comm());
-            }
-            match ev.kind {
-                PROC_EVENT_FORK if s.live.insert(ev.pid) => {
-                    s.followed += 1;
-                    crate::container::note(ev.pid, true);
-                }
-                PROC_EVENT_EXIT => {
-                    if s.sampler.is_some() || s.cuda.is_some() {
-                        exited_sampled = true;
-                    }
-                    if s.live.remove(&ev.pid) {
-                        s.exited += 1;
-                    }
-                    if s.live.is_empty() {
-                        ended.push(s.id.clone());
-                    }
-                }
-                // Held at exec (EXEC_HOLD): the new program has not run yet.
-                PROC_EVENT_EXEC if s.owner_uid != 0 => {
-                    match crate::process::ptrace_boundary(ev.pid, s.owner_uid) {
-                        Ok(Some(why)) => {
-                            crossed.push((slot, why.clone()));
-                            s.live.remove(&ev.pid);
-                            s.unfollowed.push(format!(
-                                "pid {} exec'd {}: {why}, so it is not traced, as the kernel would refuse ptrace",
-                                ev.pid,
-                                comm()
-                            ));
-                            if s.live.is_empty() {
-                                ended.push(s.id.clone());
-                            }
-                        }
-                        _ if s.python.is_some() => execs.push(s.id.clone()),
-                        _ => {}
-                    }
-                }
-                PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
-                _ => {}
-            }
-        }
-        for (slot, why) in crossed {
-            if let Err(e) = self.bpf.unfollow(ev.pid, slot) {
-                // Still followed: the process must not run on. It stays stopped; killing it
-                // would change what the user ran.
-                tracing::error!(%e, pid = ev.pid, %why, "cannot stop following a process that gained credentials; it stays stopped");
-                return;
-            }
-        }
-        if ev.kind == PROC_EVENT_EXEC {
-            // Sessions counting Python everywhere hear of execs of `python…` programs.
-            execs.extend(
-                self.running
-                    .values()
-                    .filter(|s| !s.follows_pid() && s.python.is_some())
-                    .filter(|s| s.slot.is_some_and(|slot| ev.sessions & (1 << slot) != 0))
-                    .map(|s| s.id.clone()),
-            );
-        }
-        for id in execs {
-            self.check_session_process(&id, ev.pid, true);
-        }
-        if ev.kind == PROC_EVENT_EXEC {
-            // The probe stopped it if a Python session follows it (EXEC_HOLD); continuing a
-            // process that was not stopped does nothing, and a SIGCONT that comes before the
-            // stop cancels it.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(ev.pid as i32),
-                nix::sys::signal::Signal::SIGCONT,
-            );
-            self.bpf.continued(ev.pid);
-        }
-        if exited_sampled {
-            self.sampling.exited(ev.pid);
-        }
-        for id in ended {
-            self.finish(&id, EndReason::TargetExited, None);
-        }
-    }
-
-    fn check_session_process(&mut self, id: &str, pid: u32, at_exec: bool) {
-        let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
-            return;
-        };
-        self.check_python_process(&mut py, pid, !at_exec, at_exec);
-        if let Some(s) = self.running.get_mut(id) {
-            s.python = Some(py);
-        }
-    }
-
-    /// Backstop for exit events the kernel could not deliver (counted as losses): processes
-    /// that are gone are treated as exited.
-    fn sweep(&mut self) {
-        let mut ended = Vec::new();
-        for s in self
-            .running
-            .values_mut()
-            .filter(|s| s.slot.is_some() && s.follows_pid())
-        {
-            let gone: Vec<u32> = s
-                .live
-                .iter()
-                .copied()
-                .filter(|&p| !process::alive(p))
-                .collect();
-            for pid in gone {
-                s.live.remove(&pid);
-                s.exited += 1;
-            }
-            if s.live.is_empty() {
-                ended.push(s.id.clone());
-            }
-        }
-        for id in ended {
-            self.finish(&id, EndReason::TargetExited, None);
-        }
-        self.save_unsaved();
-        // Python processes that appeared, or exec'd an interpreter, since the last look: a
-        // session's own now, and for sessions on every process, those a scan of every
-        // process's mappings off this task finds (`PythonScanned`).
-        let ids: Vec<String> = self
-            .running
-            .iter()
-            .filter(|(_, s)| s.python.is_some() && s.follows_pid())
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in ids {
-            let Some(s) = self.running.get(&id) else {
-                continue;
-            };
-            let pids: Vec<u32> = s.live.iter().copied().collect();
-            for pid in pids {
-                self.check_session_process(&id, pid, false);
-            }
-        }
-        let everyone = self
-            .running
-            .values()
-            .any(|s| s.python.is_some() && !s.follows_pid());
-        if everyone && !self.python_scanning {
-            self.python_scanning = true;
-            let tx = self.tx.clone();
-            tokio::task::spawn_blocking(move || {
-                let _ = tx.blocking_send(Command::PythonScanned(python_processes()));
-            });
-        }
     }
 }
 

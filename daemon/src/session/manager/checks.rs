@@ -9,7 +9,7 @@ use super::{counts_python, MAX_DURATION_MS};
 use crate::{
     access::Caller,
     error::Error,
-    perf::EventSpec,
+    perf::{self, EventSpec},
     process,
     session::{counting, trace_session, tracing::Limits},
 };
@@ -222,4 +222,43 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
         python,
         specs,
     })
+}
+
+/// What a start's target covers: its threads (a pid the caller may trace, alive now) or every
+/// CPU (all, for a caller who may trace everything); and the pid, if one.
+pub(super) fn scope(target: &Target, caller: &Caller) -> Result<(perf::Scope, Option<u32>), Error> {
+    match target.kind {
+        Some(target::Kind::Pid(0)) | None => Err(Error::InvalidArgument(
+            "a target is required: a pid, or all".into(),
+        )),
+        Some(target::Kind::All(false)) => Err(Error::InvalidArgument(
+            "a target is required: a pid, or all = true (all = false names nothing)".into(),
+        )),
+        Some(target::Kind::Pid(pid)) => {
+            caller.may_trace_pid(pid)?;
+            if !process::alive(pid) {
+                return Err(Error::NoSuchProcess { pid });
+            }
+            if target.launched {
+                check_launched(pid, caller)?;
+            }
+            let tids = process::threads(pid).map_err(|_| Error::NoSuchProcess { pid })?;
+            crate::container::note(pid, true);
+            let scope = perf::Scope::Threads {
+                tids,
+                on_exec: target.launched,
+            };
+            Ok((scope, Some(pid)))
+        }
+        Some(target::Kind::All(true)) => {
+            if target.launched {
+                return Err(Error::InvalidArgument(
+                    "launched is for a pid tracerctl started, not a system-wide session".into(),
+                ));
+            }
+            caller.may_trace_all()?;
+            let cpus = perf::online_cpus().map_err(|e| Error::io("listing online CPUs", e))?;
+            Ok((perf::Scope::Cpus(cpus), None))
+        }
+    }
 }

@@ -1,6 +1,9 @@
 //! The manager's Python counting: probing the interpreters a session's processes run, which
-//! slots count Python (and hold processes at exec), and the kernel maps' counts per slot.
+//! slots count Python (and hold processes at exec), the kernel maps' counts per slot, and
+//! the names of code objects the probes send.
 
+use aya::maps::{MapData, RingBuf};
+use tracer_common::PyCodeEvent;
 use tracer_proto::target;
 
 use super::{exe_id, python_processes, Manager};
@@ -216,5 +219,44 @@ impl Manager {
             .into_iter()
             .map(|(k, n)| (k.pid, k.code, k.names, n))
             .collect()
+    }
+
+    /// Names of code objects the probes met first, into the session of the slot that met them
+    /// (and its trace).
+    pub(super) fn drain_codes(&mut self, ring: &mut RingBuf<MapData>) {
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<PyCodeEvent>() {
+                continue;
+            }
+            // SAFETY: written as a PyCodeEvent by the BPF side; read unaligned.
+            let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<PyCodeEvent>()) };
+            let slot = ev.slot;
+            let Some(s) = self
+                .running
+                .values_mut()
+                .find(|s| s.slot.is_some_and(|x| u32::from(x) == slot))
+            else {
+                continue;
+            };
+            if let Some(py) = s.python.as_mut() {
+                py.on_code(&ev, &self.py);
+                if let (Some(t), Some((q, f, line))) =
+                    (&s.trace, py.name(ev.pid, ev.code, ev.names))
+                {
+                    let function = crate::report::trace::TraceFunction {
+                        pid: ev.pid,
+                        code: ev.code,
+                        names: ev.names,
+                        qualname: q.to_owned(),
+                        filename: f.to_owned(),
+                        firstlineno: line,
+                    };
+                    t.names
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert((ev.pid, ev.code, ev.names), function);
+                }
+            }
+        }
     }
 }

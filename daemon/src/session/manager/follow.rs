@@ -1,0 +1,185 @@
+//! Following processes: the kernel's fork, exec and exit events for the sessions that follow
+//! them, and a sweep once a second that backstops exits the kernel could not report and
+//! looks for Python processes that appeared.
+
+use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
+use tracer_proto::{target, EndReason};
+
+use super::{python_processes, Command, Manager};
+use crate::process;
+
+impl Manager {
+    pub(super) fn on_proc_event(&mut self, ev: ProcEvent) {
+        let mut ended = Vec::new();
+        let mut execs = Vec::new();
+        let mut crossed = Vec::new();
+        let mut exited_sampled = false;
+        for s in self.running.values_mut().filter(|s| s.follows_pid()) {
+            let Some(slot) = s.slot else { continue };
+            if ev.sessions & (1 << slot) == 0 {
+                continue;
+            }
+            s.proc_events += 1;
+            let is_target = s.target.kind == Some(target::Kind::Pid(ev.pid));
+            let comm = || {
+                let len = ev
+                    .comm
+                    .iter()
+                    .position(|&b| b == 0)
+                    .unwrap_or(ev.comm.len());
+                String::from_utf8_lossy(&ev.comm[..len]).into_owned()
+            };
+            // The target's name: what it exec'd (a launched target is tracerctl before), else
+            // what it was at exit. Exits come from the last thread, which may have another name.
+            if is_target
+                && (ev.kind == PROC_EVENT_EXEC
+                    || (ev.kind == PROC_EVENT_EXIT && s.command.is_none()))
+            {
+                s.command = Some(comm());
+            }
+            match ev.kind {
+                PROC_EVENT_FORK if s.live.insert(ev.pid) => {
+                    s.followed += 1;
+                    crate::container::note(ev.pid, true);
+                }
+                PROC_EVENT_EXIT => {
+                    if s.sampler.is_some() || s.cuda.is_some() {
+                        exited_sampled = true;
+                    }
+                    if s.live.remove(&ev.pid) {
+                        s.exited += 1;
+                    }
+                    if s.live.is_empty() {
+                        ended.push(s.id.clone());
+                    }
+                }
+                // Held at exec (EXEC_HOLD): the new program has not run yet.
+                PROC_EVENT_EXEC if s.owner_uid != 0 => {
+                    match crate::process::ptrace_boundary(ev.pid, s.owner_uid) {
+                        Ok(Some(why)) => {
+                            crossed.push((slot, why.clone()));
+                            s.live.remove(&ev.pid);
+                            s.unfollowed.push(format!(
+                                "pid {} exec'd {}: {why}, so it is not traced, as the kernel would refuse ptrace",
+                                ev.pid,
+                                comm()
+                            ));
+                            if s.live.is_empty() {
+                                ended.push(s.id.clone());
+                            }
+                        }
+                        _ if s.python.is_some() => execs.push(s.id.clone()),
+                        _ => {}
+                    }
+                }
+                PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
+                _ => {}
+            }
+        }
+        for (slot, why) in crossed {
+            if let Err(e) = self.bpf.unfollow(ev.pid, slot) {
+                // Still followed: the process must not run on. It stays stopped; killing it
+                // would change what the user ran.
+                tracing::error!(%e, pid = ev.pid, %why, "cannot stop following a process that gained credentials; it stays stopped");
+                return;
+            }
+        }
+        if ev.kind == PROC_EVENT_EXEC {
+            // Sessions counting Python everywhere hear of execs of `python…` programs.
+            execs.extend(
+                self.running
+                    .values()
+                    .filter(|s| !s.follows_pid() && s.python.is_some())
+                    .filter(|s| s.slot.is_some_and(|slot| ev.sessions & (1 << slot) != 0))
+                    .map(|s| s.id.clone()),
+            );
+        }
+        for id in execs {
+            self.check_session_process(&id, ev.pid, true);
+        }
+        if ev.kind == PROC_EVENT_EXEC {
+            // The probe stopped it if a Python session follows it (EXEC_HOLD); continuing a
+            // process that was not stopped does nothing, and a SIGCONT that comes before the
+            // stop cancels it.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(ev.pid as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+            self.bpf.continued(ev.pid);
+        }
+        if exited_sampled {
+            self.sampling.exited(ev.pid);
+        }
+        for id in ended {
+            self.finish(&id, EndReason::TargetExited, None);
+        }
+    }
+
+    pub(super) fn check_session_process(&mut self, id: &str, pid: u32, at_exec: bool) {
+        let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
+            return;
+        };
+        self.check_python_process(&mut py, pid, !at_exec, at_exec);
+        if let Some(s) = self.running.get_mut(id) {
+            s.python = Some(py);
+        }
+    }
+
+    /// Backstop for exit events the kernel could not deliver (counted as losses): processes
+    /// that are gone are treated as exited.
+    pub(super) fn sweep(&mut self) {
+        let mut ended = Vec::new();
+        for s in self
+            .running
+            .values_mut()
+            .filter(|s| s.slot.is_some() && s.follows_pid())
+        {
+            let gone: Vec<u32> = s
+                .live
+                .iter()
+                .copied()
+                .filter(|&p| !process::alive(p))
+                .collect();
+            for pid in gone {
+                s.live.remove(&pid);
+                s.exited += 1;
+            }
+            if s.live.is_empty() {
+                ended.push(s.id.clone());
+            }
+        }
+        for id in ended {
+            self.finish(&id, EndReason::TargetExited, None);
+        }
+        self.save_unsaved();
+        // Python processes that appeared, or exec'd an interpreter, since the last look: a
+        // session's own now, and for sessions on every process, those a scan of every
+        // process's mappings off this task finds (`PythonScanned`).
+        let ids: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(_, s)| s.python.is_some() && s.follows_pid())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            let Some(s) = self.running.get(&id) else {
+                continue;
+            };
+            let pids: Vec<u32> = s.live.iter().copied().collect();
+            for pid in pids {
+                self.check_session_process(&id, pid, false);
+            }
+        }
+        let everyone = self
+            .running
+            .values()
+            .any(|s| s.python.is_some() && !s.follows_pid());
+        if everyone && !self.python_scanning {
+            self.python_scanning = true;
+            let tx = self.tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.blocking_send(Command::PythonScanned(python_processes()));
+            });
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! Starting a session: what it asks is checked, the target's scope found and a slot taken;
+//! then its sources are opened in turn. A refusal after the slot was taken gives the slot
+//! back with every probe attached into it (`abandon`); a start that is answered is in the
+//! session table and in the store.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tracer_common::loss;
+use tracer_proto::{EndReason, Mode, SessionInfo, StartSessionRequest};
+
+use super::{
+    ahead::{self, resolve_natives, Ahead},
+    checks::{self, inproc_candidate, Asked},
+    new_id, persist, Command, Manager, Prepared, Reply, INPROC_WAIT, MAX_RUNNING,
+};
+use crate::{
+    access::Caller,
+    error::Error,
+    native::NativeTarget,
+    perf, process,
+    session::{
+        counting, cuda, native::NativeSession, python::PySession, trace_session::TraceSession,
+        Session,
+    },
+};
+
+/// Where a start's session runs, known once its slot is taken.
+#[derive(Clone, Copy)]
+struct Place {
+    slot: Option<u8>,
+    /// The target; None for every process.
+    pid: Option<u32>,
+    owner_uid: u32,
+}
+
+/// What a start's sources are opened for.
+struct Plan<'a> {
+    id: &'a str,
+    asked: &'a Asked,
+    place: Place,
+    scope: &'a perf::Scope,
+}
+
+/// What a session measures with, opened at its start.
+struct Sources {
+    counting: Option<counting::Counting>,
+    sampler: Option<crate::sampler::Sampler>,
+    python: Option<PySession>,
+    native: Option<NativeSession>,
+    trace: Option<TraceSession>,
+}
+
+impl Manager {
+    /// A start made ready ahead: counting in-process is tried first where it may replace the
+    /// probes.
+    pub(super) fn begin(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        reply: Reply<SessionInfo>,
+        ahead: Ahead,
+    ) {
+        match inproc_candidate(&req, &caller) {
+            // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
+            // hold up other requests: the attempt runs on a blocking thread and the start
+            // comes back as StartPrepared.
+            Some(pid) => {
+                let tx = self.tx.clone();
+                let id = new_id();
+                tokio::task::spawn_blocking(move || {
+                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
+                    let prepared = Prepared { id, counter };
+                    let cmd = Command::StartPrepared {
+                        req,
+                        caller,
+                        reply,
+                        ahead,
+                        prepared,
+                    };
+                    if let Err(mpsc::error::SendError(Command::StartPrepared {
+                        prepared: Prepared { counter: Ok(c), .. },
+                        ..
+                    })) = tx.blocking_send(cmd)
+                    {
+                        c.finish();
+                    }
+                });
+            }
+            None => {
+                let _ = reply.send(self.start(req, caller, ahead, &mut None));
+            }
+        }
+    }
+
+    /// `ahead`: what was made ready off this task; `prepared`: the target's in-process counter,
+    /// made before (taken when the session uses it).
+    pub(super) fn start(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        mut ahead: Ahead,
+        prepared: &mut Option<Prepared>,
+    ) -> Result<SessionInfo, Error> {
+        let mut attached = ahead.attached.take();
+        let python_ahead = ahead.python_ahead;
+        let started = self.start_with(req, caller, ahead, &mut attached, prepared);
+        if let Some(ahead::Attached { slot, mut native }) = attached {
+            // Refused before the slot was used: its probes come off, the slot after them.
+            self.release_after(Some(slot), vec![native.take_probes()]);
+        }
+        self.python_start_done(python_ahead, started.is_err());
+        started
+    }
+
+    /// `attached`: `--uprobe` probes attached into a slot and not yet the session's (ahead,
+    /// or here); every refusal after the slot is taken releases them with it.
+    fn start_with(
+        &mut self,
+        req: StartSessionRequest,
+        caller: Caller,
+        ahead: Ahead,
+        attached: &mut Option<ahead::Attached>,
+        prepared: &mut Option<Prepared>,
+    ) -> Result<SessionInfo, Error> {
+        let asked = checks::asked(req)?;
+        if self.running.len() >= MAX_RUNNING {
+            return Err(Error::ResourceExhausted(format!(
+                "{MAX_RUNNING} sessions are running already"
+            )));
+        }
+        let (scope, pid) = checks::scope(&asked.target, &caller)?;
+        let owner_uid = caller.acting_uid("starting a session")?;
+
+        // A launched target has not exec'd yet: its mappings are tracerctl's.
+        let maps_of = pid.filter(|_| !asked.target.launched);
+        let Ahead {
+            natives,
+            cuda_pids,
+            python_pids,
+            ..
+        } = ahead;
+        let natives = match (attached.is_some(), natives) {
+            (true, _) => Vec::new(),
+            (false, Some(resolved)) => resolved?,
+            (false, None) => resolve_natives(&asked.options.uprobes, maps_of, owner_uid)?,
+        };
+        self.check_native_limits(&natives, owner_uid)?;
+
+        let slot = if let Some(a) = attached.as_ref() {
+            Some(a.slot)
+        } else if asked.mode != Mode::Counting
+            || pid.is_some()
+            || asked.python
+            || asked.options.cuda
+            || !natives.is_empty()
+        {
+            Some(self.slots.take(owner_uid, asked.python)?)
+        } else {
+            None
+        };
+        if let (Some(pid), Some(slot)) = (pid, slot) {
+            if let Err(e) = self.bpf.follow(pid, slot) {
+                self.abandon(Some(slot), attached);
+                return Err(e.into());
+            }
+        }
+        let loss_base =
+            crate::session::scoped_losses(&self.bpf, owner_uid, slot, &self.bpf.losses());
+        let id = prepared.as_ref().map_or_else(new_id, |p| p.id.clone());
+        let place = Place {
+            slot,
+            pid,
+            owner_uid,
+        };
+        let plan = Plan {
+            id: &id,
+            asked: &asked,
+            place,
+            scope: &scope,
+        };
+        let sources = match self.open_sources(&plan, natives, attached, prepared, python_pids) {
+            Ok(s) => s,
+            Err(e) => {
+                self.abandon(slot, attached);
+                return Err(e);
+            }
+        };
+        let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
+        let (cuda, trace_mode) = (session.cuda.is_some(), session.trace.is_some());
+        let info = session.info(&loss_base);
+        let record = persist::running_report(&info, session.trace.as_ref());
+        let target = session.target;
+        self.running.insert(id.clone(), session);
+        // Recorded as running, so that a daemon killed now leaves it behind as failed: a
+        // session that could not be recorded does not start.
+        let stored = self.store().put(&info, &record);
+        if let Err(e) = stored {
+            // Nothing of it is kept: its report is neither named nor stored.
+            drop(self.end(&id, EndReason::Error, Some(e.to_string())));
+            self.discard(&id);
+            return Err(e.into());
+        }
+        tracing::info!(id, target = %crate::session::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
+        self.update_python_masks();
+        if cuda {
+            self.update_cuda_masks();
+            self.look_for_cuda(true, cuda_pids.as_deref());
+        }
+        if trace_mode {
+            self.update_trace_masks();
+            if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
+                // Calls that started before this are not the session's own.
+                t.start_ns = crate::clock::monotonic_ns();
+            }
+            self.read_trace_counters(true);
+        }
+        Ok(info)
+    }
+
+    /// Opens what the session measures with, in the order each needs the one before: perf
+    /// counters, the target checked alive (it is followed by now), the sampler, Python, the
+    /// native probes (into `attached`, released with the slot on a later refusal), the trace.
+    fn open_sources(
+        &mut self,
+        plan: &Plan<'_>,
+        natives: Vec<NativeTarget>,
+        attached: &mut Option<ahead::Attached>,
+        prepared: &mut Option<Prepared>,
+        python_pids: Option<Vec<u32>>,
+    ) -> Result<Sources, Error> {
+        let Plan {
+            id,
+            asked,
+            place:
+                Place {
+                    slot,
+                    pid,
+                    owner_uid,
+                },
+            scope,
+        } = *plan;
+        let options = &asked.options;
+        // Sampling sessions count nothing.
+        let counting = (asked.mode != Mode::Sampling)
+            .then(|| counting::Counting::open(&asked.specs, scope, pid))
+            .transpose()?;
+        // Followed first, checked after: an exit from here on arrives as an event.
+        if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
+            return Err(Error::NoSuchProcess { pid });
+        }
+        let sampler = match (asked.frequency, slot) {
+            (Some(hz), Some(slot)) => Some(self.start_sampler(slot, pid, hz, owner_uid)?),
+            _ => None,
+        };
+        if let (true, Some(slot)) = (options.cuda_stacks, slot) {
+            // Launch stacks go through the sampling ring and worker, one sample a launch.
+            self.sampling.add(
+                slot,
+                0,
+                cuda::LAUNCH_STACKS,
+                pid.into_iter().collect(),
+                process::kernel_addresses_for(owner_uid),
+            );
+        }
+        // In-process counting replaces the probes only where they would count calls alone.
+        let inproc = match (asked.mode, slot) {
+            _ if options.python_uprobes_only => {
+                Err("--python-uprobes-only asked for uprobes".into())
+            }
+            (Mode::Counting, Some(slot)) => match prepared.take() {
+                Some(p) => p.counter.map(|c| (slot, c)),
+                None => Err("not a running process the caller may trace".into()),
+            },
+            _ => Err("tracing sessions time every call with the probes".into()),
+        };
+        let python = asked
+            .python
+            .then(|| self.start_python(pid, asked.target.launched, inproc, python_pids))
+            .transpose()?;
+        if let (None, Some(slot)) = (attached.as_ref(), slot.filter(|_| !natives.is_empty())) {
+            let attacher = self.bpf.native_attacher();
+            let native = NativeSession::attach(&attacher, natives, slot, pid.is_none())?;
+            *attached = Some(ahead::Attached { slot, native });
+        }
+        // Before the start is answered: loading them when the first library is mapped would
+        // let the program run seconds ahead of its probes.
+        if options.cuda {
+            if let Err(e) = self.bpf.load_cuda() {
+                tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
+            }
+        }
+        let trace = match (asked.trace_limits, slot) {
+            (Some((limits, interval)), Some(slot)) => {
+                let spool = self
+                    .tracing
+                    .add(slot, id, limits)
+                    .map_err(|e| Error::io("creating the trace file", e))?;
+                let probes = attached
+                    .as_ref()
+                    .map(|a| a.native.labels())
+                    .unwrap_or_default();
+                Some(TraceSession::new(
+                    spool,
+                    id,
+                    probes,
+                    interval,
+                    pid.unwrap_or(0),
+                ))
+            }
+            _ => None,
+        };
+        Ok(Sources {
+            counting,
+            sampler,
+            python,
+            native: attached.take().map(|a| a.native),
+            trace,
+        })
+    }
+
+    /// The session table's entry for a start whose sources are open.
+    fn session(
+        &self,
+        id: String,
+        asked: Asked,
+        Place {
+            slot,
+            pid,
+            owner_uid,
+        }: Place,
+        sources: Sources,
+        loss_base: [u64; loss::COUNT as usize],
+        caller: &Caller,
+    ) -> Session {
+        let Sources {
+            counting,
+            sampler,
+            python,
+            native,
+            trace,
+        } = sources;
+        let options = &asked.options;
+        let (ended, _) = watch::channel(false);
+        let expiry = (asked.duration_ms > 0).then(|| {
+            let tx = self.tx.clone();
+            let id = id.clone();
+            let after = Duration::from_millis(asked.duration_ms);
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                let _ = tx.send(Command::Expire { id }).await;
+            })
+        });
+        let cuda = slot.filter(|_| options.cuda).map(|slot| {
+            let period = match options.gpu_period_ms {
+                0 => cuda::GPU_PERIOD,
+                ms => Duration::from_millis(u64::from(ms)),
+            };
+            cuda::CudaSession::new(
+                slot,
+                pid.is_none(),
+                cuda::Probing {
+                    stacks: options.cuda_stacks,
+                    driver_only: options.cuda_driver_only,
+                },
+                period,
+                trace.as_ref().map(TraceSession::gpu_tracks),
+            )
+        });
+        let continuous = match (asked.push, slot) {
+            (Some((endpoint, period)), Some(slot)) => Some(crate::continuous::Running::start(
+                endpoint,
+                period,
+                self.sampling.windows(),
+                slot,
+                id.clone(),
+            )),
+            _ => None,
+        };
+        Session {
+            command: pid
+                .filter(|_| !asked.target.launched)
+                .and_then(process::comm),
+            export_prometheus: options.export_prometheus,
+            id,
+            mode: asked.mode,
+            target: asked.target,
+            duration_ms: asked.duration_ms,
+            owner_uid,
+            started_by: caller.describe(),
+            started: Instant::now(),
+            started_unix_ms: crate::clock::unix_ms(),
+            slot,
+            live: pid.into_iter().collect(),
+            followed: u32::from(pid.is_some()),
+            unfollowed: Vec::new(),
+            exited: 0,
+            proc_events: 0,
+            forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
+            counting,
+            python,
+            native,
+            sampler,
+            trace,
+            cuda,
+            loss_base,
+            continuous,
+            ended,
+            expiry,
+        }
+    }
+
+    /// Starts a sampling session's perf events and its histogram.
+    fn start_sampler(
+        &mut self,
+        slot: u8,
+        pid: Option<u32>,
+        hz: u64,
+        owner_uid: u32,
+    ) -> Result<crate::sampler::Sampler, Error> {
+        let program = self.bpf.sample_program()?;
+        let sampler = crate::sampler::Sampler::start(
+            std::os::fd::AsFd::as_fd(&program),
+            slot,
+            pid.is_none(),
+            hz,
+        )?;
+        let pids = pid.map_or_else(super::all_pids, |p| vec![p]);
+        self.sampling.add(
+            slot,
+            hz,
+            sampler.event,
+            pids,
+            process::kernel_addresses_for(owner_uid),
+        );
+        Ok(sampler)
+    }
+
+    /// Refuses `--uprobe` `targets` (one probe per function) beyond the caps: a session's,
+    /// and what `uid`'s running sessions hold already.
+    pub(super) fn check_native_limits(
+        &self,
+        targets: &[NativeTarget],
+        uid: u32,
+    ) -> Result<(), Error> {
+        let limits = self.probe_limits;
+        if targets.len() > limits.per_session {
+            return Err(Error::InvalidArgument(format!(
+                "--uprobe names {} functions (duplicates merged); at most {} a session",
+                targets.len(),
+                limits.per_session
+            )));
+        }
+        let held: usize = self
+            .running
+            .values()
+            .filter(|s| s.owner_uid == uid)
+            .filter_map(|s| s.native.as_ref())
+            .map(NativeSession::probes)
+            .sum::<usize>()
+            + self.attaching.get(&uid).copied().unwrap_or(0);
+        if !targets.is_empty() && held + targets.len() > limits.per_user {
+            return Err(Error::ResourceExhausted(format!(
+                "uid {uid} holds {held} native probes in running sessions; {} more would pass the {} a user may hold (stop a session first)",
+                targets.len(),
+                limits.per_user
+            )));
+        }
+        Ok(())
+    }
+}

@@ -392,22 +392,88 @@ fn system_wide_sessions_pick_up_new_python_processes() {
 
 fn system_wide_session_counts(py: &Path) {
     let d = Daemon::start();
-    let id = d
-        .ok(&["start", "--mode=counting", "--python", "--all"])
-        .trim()
-        .to_owned();
+    let id = start_system_wide(&d);
     let wl = script("py_workload.py");
     let out = Command::new(py).arg(&wl).output().unwrap();
     assert!(out.status.success());
-    d.ok(&["stop", &id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
-    let truth = ground_truth(py, "cprofile", &wl, &[]);
+    stop_and_compare(&d, &id, py, &wl);
+}
+
+/// A session counting Python calls in every process; its id.
+fn start_system_wide(d: &Daemon) -> String {
+    d.ok(&["start", "--mode=counting", "--python", "--all"])
+        .trim()
+        .to_owned()
+}
+
+/// Stops session `id`, whose counts of `wl`'s functions must equal cProfile's under `py`.
+fn stop_and_compare(d: &Daemon, id: &str, py: &Path, wl: &Path) {
+    d.ok(&["stop", id]);
+    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let truth = ground_truth(py, "cprofile", wl, &[]);
     assert_eq!(
-        calls_and_primitive(&ours(&report, &wl)),
+        calls_and_primitive(&ours(&report, wl)),
         calls_and_primitive(&truth),
         "{}",
         py.display()
     );
+}
+
+/// An interpreter binary no session has met (a fresh copy of one that holds its eval loop
+/// itself), exec'd under a session on every process: it is inspected and probed off the
+/// daemon's task while the process is held at its exec. Lists sent meanwhile are answered
+/// while it is still held (the old daemon answered none: the hold lasted as long as the
+/// probing, and so did every request), and every call is counted as cProfile counts it.
+#[test]
+fn an_interpreter_met_at_exec_is_probed_while_requests_are_answered() {
+    if !root_or_skip() {
+        return;
+    }
+    let chrooted = tracer_tests::chroot_interpreters();
+    let Some(py) = interpreters()
+        .into_iter()
+        .filter(|p| !chrooted.contains(p))
+        .find(|p| {
+            let ldd = Command::new("ldd").arg(p).output().unwrap();
+            !String::from_utf8_lossy(&ldd.stdout).contains("libpython")
+        })
+    else {
+        println!("skipping: no CPython here holds its eval loop in its executable");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Its own name: a session on every process looks at execs of `python…` programs.
+    let copy = dir.path().join(py.file_name().unwrap());
+    std::fs::copy(&py, &copy).unwrap();
+    let d = Daemon::start();
+    let id = start_system_wide(&d);
+    let wl = script("py_workload.py");
+    let mut child = ChildGuard::spawn(
+        Command::new(&copy)
+            .arg(&wl)
+            .stdout(std::process::Stdio::null()),
+    );
+    let pid = child.pid();
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|f| f.starts_with('T')))
+    };
+    let mut answered_held = 0;
+    while child.0.try_wait().unwrap().is_none() {
+        let before = stopped();
+        d.ok(&["list"]);
+        if before && stopped() {
+            answered_held += 1;
+        }
+    }
+    assert!(child.0.wait().unwrap().success());
+    println!("{answered_held} lists answered while the new interpreter was held at its exec");
+    assert!(
+        answered_held >= 3,
+        "{answered_held} lists answered while {} was held at its exec",
+        copy.display()
+    );
+    stop_and_compare(&d, &id, &py, &wl);
 }
 
 #[test]

@@ -109,6 +109,9 @@ enum Command {
     Attached(ahead::AttachedStart),
     /// A start whose interpreters' Python probes were attached off the manager's task.
     PythonAttached(ahead::PythonAttachedStart),
+    /// The probes of an interpreter a session met after its start, attached off the
+    /// manager's task (`python::LateCheck`).
+    LateProbed(super::python::AttachedPython),
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,
@@ -280,6 +283,9 @@ pub struct Manager {
     /// Starts whose Python probes were attached ahead and that have not started or failed
     /// yet: no other start's failure may take those probes off meanwhile.
     python_starts: usize,
+    /// Processes whose interpreter's probes are being attached off this task, to check
+    /// again then (those held at exec go on after).
+    late: Vec<python::LateCheck>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -331,6 +337,7 @@ impl Manager {
             attaching: HashMap::new(),
             python_waiting: Vec::new(),
             python_starts: 0,
+            late: Vec::new(),
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -392,6 +399,10 @@ impl Manager {
                             }
                         }
                         self.save_unsaved();
+                        // Held at exec for probes that will not come now.
+                        for held in std::mem::take(&mut self.late) {
+                            self.continue_held(held.pid);
+                        }
                         let _ = reply.send(());
                         return;
                     }
@@ -428,6 +439,12 @@ impl Manager {
             } => self.ready(req, caller, reply, ahead),
             Command::Attached(start) => self.attached(start),
             Command::PythonAttached(start) => self.python_attached(start),
+            Command::LateProbed(attached) => {
+                self.py.adopt(attached);
+                self.python_probes_in();
+                // The sessions that needed them may have ended meanwhile.
+                self.update_python_masks();
+            }
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));

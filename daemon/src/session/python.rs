@@ -36,8 +36,11 @@ pub struct Probes {
     /// Answers once the probes `detach_all` removed are gone. New ones are not attached
     /// beside them: a call would count twice.
     releasing: Option<std::sync::Arc<Released>>,
-    /// Binaries whose probes are being attached off the manager's task ([`Self::to_attach`]).
+    /// Binaries whose probes are being attached off the manager's task ([`Self::to_attach`],
+    /// [`Self::to_probe`]).
     attaching: std::collections::HashSet<FileId>,
+    /// Binaries whose probes could not be attached off the manager's task: tried in place.
+    failed: std::collections::HashSet<FileId>,
 }
 
 /// The release `detach_all` started, waited for by whoever attaches next, on any thread.
@@ -56,31 +59,66 @@ impl Released {
     }
 }
 
-/// Python probes to attach off the manager's task ([`Probes::to_attach`]), and what came of
-/// it ([`Probes::adopt`]).
+/// Python probes to attach off the manager's task ([`Probes::to_attach`],
+/// [`Probes::to_probe`]), and what came of it ([`Probes::adopt`]).
 pub struct Attaching {
-    jobs: Vec<(FileId, PathBuf, Runtime)>,
+    /// Each binary, with what inspecting it found where that was done already.
+    jobs: Vec<(FileId, PathBuf, Option<Runtime>)>,
     releasing: Option<std::sync::Arc<Released>>,
 }
 
+/// What [`Attaching::run`] found of one binary.
+struct Probed {
+    id: FileId,
+    path: PathBuf,
+    /// What inspecting it found, where that was done there.
+    inspected: Option<Result<Runtime, Unprobed>>,
+    /// Its probes, or why not; None when it cannot be probed.
+    links: Option<Result<crate::bpf::ProbeSet, String>>,
+}
+
 /// The probes [`Attaching::run`] attached, by binary, or why not.
-pub struct AttachedPython(Vec<(FileId, PathBuf, Result<crate::bpf::ProbeSet, String>)>);
+pub struct AttachedPython(Vec<Probed>);
 
 impl Attaching {
     pub fn run(self, attacher: &crate::bpf::PythonAttacher) -> AttachedPython {
         if let Some(r) = &self.releasing {
             r.wait();
         }
+        let attach =
+            |rt: &Runtime, path: &Path| attacher.attach(rt, path).map_err(|e| e.to_string());
         AttachedPython(
             self.jobs
                 .into_iter()
                 .map(|(id, path, rt)| {
-                    let links = attacher.attach(&rt, &path).map_err(|e| e.to_string());
-                    (id, path, links)
+                    let (inspected, links) = match rt {
+                        Some(rt) => (None, Some(attach(&rt, &path))),
+                        None => {
+                            let found = inspect(&path);
+                            let links = found.as_ref().ok().map(|rt| attach(rt, &path));
+                            (Some(found), links)
+                        }
+                    };
+                    Probed {
+                        id,
+                        path,
+                        inspected,
+                        links,
+                    }
                 })
                 .collect(),
         )
     }
+}
+
+/// Whether a binary met after its session started can be probed in place.
+pub enum ToProbe {
+    /// At once: probed already, or why not is known.
+    Now,
+    /// Once the probes being attached off the manager's task are in.
+    Waiting,
+    /// Once these are inspected and attached off the manager's task.
+    Attach(Attaching),
 }
 
 /// Why a binary has no probes.
@@ -172,7 +210,7 @@ impl Probes {
     /// manager's task, now marked as being attached; `None` when none is. `busy`: some are
     /// being attached for another start already.
     pub fn to_attach(&mut self, paths: &[PathBuf]) -> (Option<Attaching>, bool) {
-        let mut jobs: Vec<(FileId, PathBuf, Runtime)> = Vec::new();
+        let mut jobs: Vec<(FileId, PathBuf, Option<Runtime>)> = Vec::new();
         let mut busy = false;
         for path in paths {
             let Ok(id) = file_id(path) else { continue };
@@ -186,7 +224,7 @@ impl Probes {
             // Inspected here (at daemon start for the machine's own): one that cannot be
             // probed is left to the start, which says why.
             if let Ok(rt) = self.inspected.entry(id).or_insert_with(|| inspect(path)) {
-                jobs.push((id, path.clone(), rt.clone()));
+                jobs.push((id, path.clone(), Some(rt.clone())));
             }
         }
         if jobs.is_empty() {
@@ -197,19 +235,51 @@ impl Probes {
         (Some(Attaching { jobs, releasing }), busy)
     }
 
+    /// A binary a session met after its start (a process found running, or held at its
+    /// exec): inspecting and probing one not seen yet takes tens to hundreds of ms, which
+    /// happens off the manager's task.
+    pub fn to_probe(&mut self, path: &Path) -> ToProbe {
+        let Ok(id) = file_id(path) else {
+            return ToProbe::Now;
+        };
+        if self.attaching.contains(&id) {
+            return ToProbe::Waiting;
+        }
+        if self.links.contains_key(&id) || self.failed.contains(&id) {
+            return ToProbe::Now;
+        }
+        let rt = match self.inspected.get(&id) {
+            Some(Err(_)) => return ToProbe::Now,
+            Some(Ok(rt)) => Some(rt.clone()),
+            None => None,
+        };
+        self.attaching.insert(id);
+        ToProbe::Attach(Attaching {
+            jobs: vec![(id, path.to_owned(), rt)],
+            releasing: self.releasing.clone(),
+        })
+    }
+
     /// Takes in the probes attached off the manager's task; one that failed is tried again
-    /// by the start, in place, which says why.
+    /// in place by whoever needs it, which says why.
     pub fn adopt(&mut self, attached: AttachedPython) {
-        for (id, path, links) in attached.0 {
-            self.attaching.remove(&id);
-            match links {
-                Ok(links) => {
-                    tracing::info!(path = %path.display(), "Python probes attached");
-                    if self.links.insert(id, links).is_some() {
-                        tracing::warn!(path = %path.display(), "Python probes attached twice");
+        for p in attached.0 {
+            self.attaching.remove(&p.id);
+            if let Some(found) = p.inspected {
+                self.inspected.insert(p.id, found);
+            }
+            match p.links {
+                None => {}
+                Some(Ok(links)) => {
+                    tracing::info!(path = %p.path.display(), "Python probes attached");
+                    if self.links.insert(p.id, links).is_some() {
+                        tracing::warn!(path = %p.path.display(), "Python probes attached twice");
                     }
                 }
-                Err(e) => tracing::warn!(%e, path = %path.display(), "attaching Python probes"),
+                Some(Err(e)) => {
+                    tracing::warn!(%e, path = %p.path.display(), "attaching Python probes");
+                    self.failed.insert(p.id);
+                }
             }
         }
     }
@@ -245,6 +315,7 @@ impl Probes {
     /// The kernel's grace periods are waited for on a thread of their own.
     pub fn detach_all(&mut self) {
         let sets: Vec<_> = self.links.drain().map(|(_, set)| set).collect();
+        self.failed.clear();
         let (done, released) = std::sync::mpsc::sync_channel(1);
         crate::bpf::release(sets, move || {
             let _ = done.send(());

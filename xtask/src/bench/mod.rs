@@ -14,6 +14,9 @@
 //!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
 //! - `ending` (ending.rs): the slowest request while a session with 1,000 to 150,000 Python
 //!   functions ends (named, stored), next to the slowest while it runs;
+//! - `interpreters` (interpreters.rs): the slowest request while a session on every process
+//!   meets interpreters not probed yet, next to the slowest with none, and what their hold
+//!   at exec costs those programs;
 //! - `longevity` (longevity.rs): tracerd's memory, open files and database size over rounds of
 //!   sessions, each round deleted.
 
@@ -21,6 +24,7 @@ mod counting;
 mod cuda;
 mod ending;
 mod fleet;
+mod interpreters;
 mod longevity;
 mod probes;
 mod sampling;
@@ -46,6 +50,7 @@ pub enum Which {
     Longevity,
     Probes,
     Ending,
+    Interpreters,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -58,6 +63,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Longevity => longevity::run(),
         Which::Probes => probes::run(),
         Which::Ending => ending::run(),
+        Which::Interpreters => interpreters::run(),
     }
 }
 

@@ -256,9 +256,16 @@ impl Manager {
         } = start;
         self.py.adopt(attached);
         self.ready(req, caller, reply, ahead);
+        self.python_probes_in();
+    }
+
+    /// Python probes attached off this task are in (`adopt`ed): starts and checks that
+    /// waited for them go on.
+    pub(super) fn python_probes_in(&mut self) {
         for w in std::mem::take(&mut self.python_waiting) {
             self.ready(w.req, w.caller, w.reply, w.ahead);
         }
+        self.recheck_late();
     }
 
     /// The start goes on with its probes attached, or fails with why they were not.
@@ -301,7 +308,7 @@ impl Manager {
             .collect();
         for id in ids {
             for &pid in pids {
-                self.check_session_process(&id, pid, false);
+                self.check_session_process(&id, pid, super::python::Met::Late);
             }
         }
     }

@@ -5,7 +5,10 @@
 use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
 use tracer_proto::{target, EndReason};
 
-use super::{python_processes, Command, Manager};
+use super::{
+    python::{LateCheck, Met},
+    python_processes, Command, Manager,
+};
 use crate::process;
 
 impl Manager {
@@ -94,18 +97,14 @@ impl Manager {
                     .map(|s| s.id.clone()),
             );
         }
+        let mut waits = false;
         for id in execs {
-            self.check_session_process(&id, ev.pid, true);
+            waits |= !self.check_session_process(&id, ev.pid, Met::AtExec);
         }
-        if ev.kind == PROC_EVENT_EXEC {
-            // The probe stopped it if a Python session follows it (EXEC_HOLD); continuing a
-            // process that was not stopped does nothing, and a SIGCONT that comes before the
-            // stop cancels it.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(ev.pid as i32),
-                nix::sys::signal::Signal::SIGCONT,
-            );
-            self.bpf.continued(ev.pid);
+        if ev.kind == PROC_EVENT_EXEC && !waits {
+            // The probe stopped it if a Python session follows it (EXEC_HOLD). One whose new
+            // interpreter is being probed off this task goes on once that is done.
+            self.continue_held(ev.pid);
         }
         if exited_sampled {
             self.sampling.exited(ev.pid);
@@ -115,14 +114,24 @@ impl Manager {
         }
     }
 
-    pub(super) fn check_session_process(&mut self, id: &str, pid: u32, at_exec: bool) {
+    /// Probes the interpreter `pid` runs for session `id`. False when that waits for its
+    /// probes to be attached off this task: the check is kept in `late` until then.
+    pub(super) fn check_session_process(&mut self, id: &str, pid: u32, met: Met) -> bool {
         let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
-            return;
+            return true;
         };
-        self.check_python_process(&mut py, pid, !at_exec, at_exec);
+        let done = self.check_python_process(&mut py, pid, met);
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }
+        if !done && !self.late.iter().any(|l| l.session == id && l.pid == pid) {
+            self.late.push(LateCheck {
+                session: id.to_owned(),
+                pid,
+                met,
+            });
+        }
+        done
     }
 
     /// Backstop for exit events the kernel could not deliver (counted as losses): processes
@@ -167,7 +176,7 @@ impl Manager {
             };
             let pids: Vec<u32> = s.live.iter().copied().collect();
             for pid in pids {
-                self.check_session_process(&id, pid, false);
+                self.check_session_process(&id, pid, Met::Late);
             }
         }
         let everyone = self

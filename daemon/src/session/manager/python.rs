@@ -6,12 +6,36 @@ use aya::maps::{MapData, RingBuf};
 use tracer_common::PyCodeEvent;
 use tracer_proto::target;
 
-use super::{exe_id, python_processes, Manager};
+use super::{exe_id, python_processes, Command, Manager};
 use crate::{
     error::Error,
     python::memory,
-    session::python::{PySession, Unprobed},
+    session::python::{PySession, ToProbe, Unprobed},
 };
+
+/// When a session met a process whose interpreter it probes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Met {
+    /// At the session's start: probed in place (the start's interpreters were attached
+    /// ahead).
+    AtStart,
+    /// Held at its exec: nothing of the new program has run.
+    AtExec,
+    /// Found running by the sweep or a scan: it ran unprobed for a while if its interpreter
+    /// was not probed then.
+    Late,
+    /// As `Late`, checked again once its interpreter's probes were attached off the
+    /// manager's task: it ran unprobed.
+    Unprobed,
+}
+
+/// A process whose check waits for its interpreter's probes (`Command::LateProbed`).
+#[derive(Clone, Debug)]
+pub(super) struct LateCheck {
+    pub(super) session: String,
+    pub(super) pid: u32,
+    pub(super) met: Met,
+}
 
 impl Manager {
     /// Probes what a Python-counting session needs before it starts counting.
@@ -82,36 +106,36 @@ impl Manager {
             None => {
                 let _ = self.py.ensure_known(&mut self.bpf);
                 for pid in scanned.unwrap_or_else(python_processes) {
-                    self.check_python_process(&mut py, pid, false, false);
+                    self.check_python_process(&mut py, pid, Met::AtStart);
                 }
             }
         }
         Ok(py)
     }
 
-    /// Probes the interpreter of `pid` if not yet (once per exec of the process). `late`: the
-    /// process ran unprobed for a while; say so in the report. `at_exec`: the process is
-    /// held at its exec (nothing of the new program has run).
-    pub(super) fn check_python_process(
-        &mut self,
-        py: &mut PySession,
-        pid: u32,
-        late: bool,
-        at_exec: bool,
-    ) {
+    /// Probes the interpreter of `pid` if not yet (once per exec of the process). Returns
+    /// false when that waits for its probes to be attached off this task (`LateProbed`): the
+    /// caller checks again then (`recheck_late`).
+    pub(super) fn check_python_process(&mut self, py: &mut PySession, pid: u32, met: Met) -> bool {
         let exe = exe_id(pid);
         if py.checked.get(&pid) == Some(&exe) {
-            return;
+            return true;
         }
         // Not marked as checked when no interpreter is mapped yet: right after exec the dynamic
         // loader may not have mapped libpython.
         let Some(mapped) = memory::runtime_of(pid) else {
-            return;
+            return true;
         };
-        if at_exec {
-            // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
-            // has not mapped it yet; probing the file it will map counts its first call too.
-            if let Some(lib) = crate::python::discover::libpython_needed(pid, &mapped.path) {
+        // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
+        // has not mapped it yet; probing the file it will map counts its first call too.
+        let needed = (met == Met::AtExec)
+            .then(|| crate::python::discover::libpython_needed(pid, &mapped.path))
+            .flatten();
+        if met != Met::AtStart && !self.probed_now(needed.as_deref().unwrap_or(&mapped.path)) {
+            return false;
+        }
+        if met == Met::AtExec {
+            if let Some(lib) = needed {
                 match self.py.ensure(&mut self.bpf, &lib) {
                     Ok(_) => py.note_jit(pid, &self.py, &lib),
                     Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
@@ -124,9 +148,10 @@ impl Manager {
             } else {
                 py.note_jit(pid, &self.py, &mapped.path);
             }
-            return;
+            return true;
         }
-        let attached = self.py.is_attached(&mapped.path);
+        let late = matches!(met, Met::Late | Met::Unprobed);
+        let attached = met != Met::Unprobed && self.py.is_attached(&mapped.path);
         let result = self.py.ensure(&mut self.bpf, &mapped.path).map(|_| ());
         if result != Err(Unprobed::NotRuntime) {
             py.checked.insert(pid, exe);
@@ -148,6 +173,55 @@ impl Manager {
             Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
         }
         py.note_jit(pid, &self.py, &mapped.path);
+        true
+    }
+
+    /// Whether `path` can be probed in place now; if not, its inspection and probes are
+    /// under way off this task.
+    fn probed_now(&mut self, path: &std::path::Path) -> bool {
+        match self.py.to_probe(path) {
+            ToProbe::Now => true,
+            ToProbe::Waiting => false,
+            ToProbe::Attach(job) => {
+                let attacher = self.bpf.python_attacher();
+                let tx = self.tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let attached = job.run(&attacher);
+                    // A manager gone (shutdown) drops the probes here, off its task.
+                    let _ = tx.blocking_send(Command::LateProbed(attached));
+                });
+                false
+            }
+        }
+    }
+
+    /// Checks again the processes whose interpreter was being probed off this task; a
+    /// process held at its exec goes on once no session waits for it.
+    pub(super) fn recheck_late(&mut self) {
+        let waited = std::mem::take(&mut self.late);
+        for w in &waited {
+            let met = match w.met {
+                Met::Late => Met::Unprobed,
+                met => met,
+            };
+            // Waits again (kept in `late`) where that binary's probes are still on their way.
+            self.check_session_process(&w.session, w.pid, met);
+        }
+        for w in waited.iter().filter(|w| w.met == Met::AtExec) {
+            if !self.late.iter().any(|l| l.pid == w.pid) {
+                self.continue_held(w.pid);
+            }
+        }
+    }
+
+    /// Lets a process held at its exec (EXEC_HOLD) run: continuing a process that was not
+    /// stopped does nothing, and a SIGCONT that comes before the stop cancels it.
+    pub(super) fn continue_held(&mut self, pid: u32) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGCONT,
+        );
+        self.bpf.continued(pid);
     }
 
     /// Tells the probes which slots count Python, and which of those count every process.

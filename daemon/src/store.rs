@@ -1,6 +1,7 @@
 //! Sessions and their reports, kept in an embedded database (redb) under the state
 //! directory so they survive daemon restarts. A session is stored when it starts (as running)
-//! and again when it ends.
+//! and again when it ends. The daemon writes through one thread, in the order it asks
+//! ([`writer`]); stored reports are read by the RPCs that ask for them.
 //!
 //! Faults: a write that fails fails its operation. redb refuses every operation on a handle
 //! that once saw an I/O error (a full disk), so the database is then reopened at its next use,
@@ -10,6 +11,7 @@
 //! own: deletes compact the file when most of it is free ([`Store::delete`]).
 
 mod damage;
+pub mod writer;
 
 use std::path::{Path, PathBuf};
 
@@ -54,6 +56,8 @@ pub enum StoreError {
         #[source]
         source: prost::DecodeError,
     },
+    #[error("a write to the state database failed unexpectedly (see tracerd's log)")]
+    Panicked,
 }
 
 pub struct Store {

@@ -31,7 +31,7 @@ use crate::{
     process,
     python::memory,
     report::Report,
-    store::Store,
+    store::{Store, StoreError},
 };
 
 /// Longest session a client may ask for.
@@ -81,6 +81,20 @@ enum Command {
     Delete {
         id: String,
         caller: Caller,
+        reply: Reply<SessionInfo>,
+    },
+    /// The unsaved reports the store took, written off the manager's task.
+    Saved(Vec<String>),
+    /// A started session's running record, written off the manager's task.
+    Recorded {
+        info: SessionInfo,
+        stored: Result<(), StoreError>,
+        reply: Reply<SessionInfo>,
+    },
+    /// A deleted session's trace file and stored report, removed off the manager's task.
+    Deleted {
+        id: String,
+        stored: Result<(), StoreError>,
         reply: Reply<SessionInfo>,
     },
     Expire {
@@ -247,22 +261,30 @@ pub enum Fetched {
 }
 
 /// The store, shared with the tasks that read reports out of it.
-pub type SharedStore = std::sync::Arc<std::sync::Mutex<Store>>;
+pub type SharedStore = crate::store::writer::Shared;
 
 pub struct Manager {
     probe_limits: ProbeLimits,
     running: HashMap<String, Session>,
     /// Ended sessions whose profile is being named (`closing`).
     closing: HashMap<String, closing::Closing>,
+    /// Finished sessions whose trace file and report are being removed (`delete`).
+    deleting: std::collections::HashSet<String>,
+    /// Starts whose running record is being written (`record`).
+    recording: usize,
     /// Sessions end in place during shutdown.
     shutting_down: bool,
     finished: HashMap<String, SessionInfo>,
     /// Reports of ended sessions not in the store (yet): served from memory, and stored once
     /// the store takes writes again.
-    unsaved: HashMap<String, Report>,
+    unsaved: HashMap<String, std::sync::Arc<Report>>,
+    /// The unsaved reports are being written (`save_unsaved`).
+    saving: bool,
     /// Final counts of exported sessions that ended lately, for the Prometheus endpoint.
     exported: HashMap<String, metrics::Ended>,
     store: SharedStore,
+    /// Every write to the store, in turn, off this task.
+    writer: crate::store::writer::Writer,
     bpf: Bpf,
     py: Probes,
     sampling: super::sampling::Sampling,
@@ -316,15 +338,22 @@ impl Manager {
             .map_err(|e| Error::io("reading BPF CUDA names", e.into()))?;
         let sampling = super::sampling::Sampling::spawn(bpf.take_sampling()?, interpreters.clone());
         let tracing = super::tracing::Tracing::spawn(bpf.take_tracing()?, traces);
+        let store = std::sync::Arc::new(std::sync::Mutex::new(store));
+        let writer = crate::store::writer::Writer::spawn(store.clone())
+            .map_err(|e| Error::io("starting the state database's writer", e))?;
         let manager = Manager {
             probe_limits,
             running: HashMap::new(),
             closing: HashMap::new(),
+            deleting: Default::default(),
+            recording: 0,
             shutting_down: false,
             finished,
             unsaved,
+            saving: false,
             exported: HashMap::new(),
-            store: std::sync::Arc::new(std::sync::Mutex::new(store)),
+            store: store.clone(),
+            writer,
             bpf,
             py: Probes::new(interpreters.clone()),
             sampling,
@@ -390,15 +419,22 @@ impl Manager {
                         for id in ids {
                             self.finish(&id, EndReason::DaemonShutdown, None);
                         }
-                        // Reports being named and stored when the shutdown came are waited for.
-                        while !self.closing.is_empty() {
+                        // Reports being named and stored, or deleted, and starts being
+                        // recorded when the shutdown came are waited for.
+                        while !self.closing.is_empty() || !self.deleting.is_empty() || self.recording > 0 {
                             match rx.recv().await {
                                 Some(Command::Named { id, done }) => self.named(&id, *done),
+                                Some(Command::Recorded { info, stored, reply }) => {
+                                    self.recorded(info, stored, reply);
+                                }
+                                Some(Command::Deleted { id, stored, reply }) => {
+                                    self.deleted(&id, stored, reply);
+                                }
                                 Some(_) => {}
                                 None => break,
                             }
                         }
-                        self.save_unsaved();
+                        self.save_unsaved_now();
                         // Held at exec for probes that will not come now.
                         for held in std::mem::take(&mut self.late) {
                             self.continue_held(held.pid);
@@ -458,7 +494,7 @@ impl Manager {
                 prepared,
             } => {
                 let mut prepared = Some(prepared);
-                let _ = reply.send(self.start(req, caller, ahead, &mut prepared));
+                self.start(req, caller, ahead, &mut prepared, reply);
                 // Refused after all (bad options, no slot): the counter goes again.
                 if let Some(Prepared { counter: Ok(c), .. }) = prepared {
                     std::thread::spawn(move || c.finish());
@@ -488,9 +524,14 @@ impl Manager {
             Command::Subscribe { id, caller, reply } => {
                 let _ = reply.send(self.subscribe(&id, caller));
             }
-            Command::Delete { id, caller, reply } => {
-                let _ = reply.send(self.delete(&id, caller));
-            }
+            Command::Delete { id, caller, reply } => self.delete(id, caller, reply),
+            Command::Deleted { id, stored, reply } => self.deleted(&id, stored, reply),
+            Command::Saved(ids) => self.saved(ids),
+            Command::Recorded {
+                info,
+                stored,
+                reply,
+            } => self.recorded(info, stored, reply),
             Command::Expire { id } => self.finish(&id, EndReason::Duration, None),
             Command::Metrics { reply } => {
                 let _ = reply.send(self.metrics());
@@ -642,8 +683,24 @@ impl Manager {
         Ok((self.finished[id].clone(), rx))
     }
 
-    /// Forgets a finished session: state, report, trace file.
-    fn delete(&mut self, id: &str, caller: Caller) -> Result<SessionInfo, Error> {
+    /// Forgets a finished session: state, report, trace file. Removing them (a delete may
+    /// compact the store) happens on the store's writer; it is answered then (`deleted`).
+    fn delete(&mut self, id: String, caller: Caller, reply: Reply<SessionInfo>) {
+        if let Err(e) = self.may_delete(&id, caller) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        self.deleting.insert(id.clone());
+        let (trace, tx) = (self.trace_path(&id), self.tx.clone());
+        self.writer.then(move |store| {
+            // The trace first: on a full disk, its space is what lets the store write again.
+            persist::remove_trace_file(&trace);
+            let stored = store.delete(&id);
+            let _ = tx.blocking_send(Command::Deleted { id, stored, reply });
+        });
+    }
+
+    fn may_delete(&self, id: &str, caller: Caller) -> Result<(), Error> {
         let owner = self.owner(id)?;
         caller.may_stop(owner, id)?;
         if self.running.contains_key(id) {
@@ -656,10 +713,22 @@ impl Manager {
                 "session {id} is ending: its profile is being named"
             )));
         }
-        // The trace first: on a full disk, its space is what lets the store write again. If the
-        // store cannot, the session stays listed, to be deleted again.
-        self.remove_trace(id);
-        self.store().delete(id)?;
+        if self.deleting.contains(id) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is being deleted"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A session's trace file and stored report are removed: it is forgotten. If the store
+    /// could not, it stays listed, to be deleted again.
+    fn deleted(&mut self, id: &str, stored: Result<(), StoreError>, reply: Reply<SessionInfo>) {
+        self.deleting.remove(id);
+        if let Err(e) = stored {
+            let _ = reply.send(Err(e.into()));
+            return;
+        }
         self.unsaved.remove(id);
         self.exported.remove(id);
         tracing::info!(id, "session deleted");
@@ -668,7 +737,7 @@ impl Manager {
             .remove(id)
             .ok_or_else(|| Error::NoSuchSession { id: id.into() });
         self.release_free_memory();
-        info
+        let _ = reply.send(info);
     }
 
     /// Gives the allocator's free memory back to the system when no session runs: glibc
@@ -684,14 +753,6 @@ impl Manager {
         }
     }
 
-    /// The store, for the manager's writes (a reader may hold it for the milliseconds a
-    /// report takes to read).
-    fn store(&self) -> std::sync::MutexGuard<'_, Store> {
-        self.store
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
     /// A finished session's report (or the store that holds it), and where its trace files
     /// are.
     fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
@@ -699,8 +760,13 @@ impl Manager {
         if self.running.contains_key(id) || self.closing.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }
+        if self.deleting.contains(id) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {id} is being deleted"
+            )));
+        }
         let fetched = match self.unsaved.get(id) {
-            Some(r) => Fetched::Parsed(Box::new(r.clone())),
+            Some(r) => Fetched::Parsed(Box::new((**r).clone())),
             None => Fetched::Stored(self.store.clone()),
         };
         Ok((fetched, self.tracing.dir().to_owned()))

@@ -10,7 +10,7 @@ use super::*;
 use crate::{
     report::{trace, CudaReport, Report},
     session::{python::PythonEnd, ReportPart},
-    store::StoreError,
+    store::{writer::Writer, StoreError},
 };
 
 pub(super) struct Closing {
@@ -44,7 +44,7 @@ pub(super) struct Done {
 impl Pending {
     /// Names what is left, and stores the report with the session's final state (a large
     /// report is freed here too).
-    fn settle(self, id: &str, info: &SessionInfo, store: &SharedStore) -> Done {
+    fn settle(self, id: &str, info: &SessionInfo, writer: &Writer) -> Done {
         let mut report = self.report;
         for part in self.parts {
             part.fill(&mut report);
@@ -58,11 +58,11 @@ impl Pending {
         let exported = self
             .export_prometheus
             .then(|| super::metrics::Ended::new(info, &report));
-        let json = report.to_json();
-        let stored = store
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .put(info, &json);
+        let (json, record) = (report.to_json(), info.clone());
+        // After the session's running record, which was asked for first.
+        let stored = writer
+            .wait(move |store| store.put(&record, &json))
+            .unwrap_or_else(|| Err(StoreError::Panicked));
         Done {
             unsaved: stored.err().map(|e| (report, e)),
             exported,
@@ -260,19 +260,19 @@ impl Manager {
     /// (during shutdown, here: nobody waits for other answers then).
     pub(super) fn close(&mut self, id: &str, closing: Closing, pending: Pending) {
         if self.shutting_down {
-            let done = pending.settle(id, &closing.info, &self.store);
+            let done = pending.settle(id, &closing.info, &self.writer);
             self.complete(id, closing, done);
             return;
         }
-        let (tx, id, info, store) = (
+        let (tx, id, info, writer) = (
             self.tx.clone(),
             id.to_owned(),
             closing.info.clone(),
-            self.store.clone(),
+            self.writer.clone(),
         );
         self.closing.insert(id.clone(), closing);
         tokio::task::spawn_blocking(move || {
-            let done = Box::new(pending.settle(&id, &info, &store));
+            let done = Box::new(pending.settle(&id, &info, &writer));
             let _ = tx.blocking_send(Command::Named { id, done });
         });
     }
@@ -291,7 +291,8 @@ impl Manager {
         }
         if let Some((report, e)) = done.unsaved {
             tracing::error!(%e, id, "could not store the report; it is kept in memory and stored once the state database takes writes again");
-            self.unsaved.insert(id.to_owned(), report);
+            self.unsaved
+                .insert(id.to_owned(), std::sync::Arc::new(report));
         }
         tracing::info!(
             id,

@@ -2,11 +2,11 @@
 //! failed at the next start if the daemon died meanwhile, and reports a failed write left in
 //! memory stored once the store takes writes again.
 
-use std::{collections::HashMap, path::Path};
+use std::{collections::HashMap, path::Path, sync::Arc};
 
 use tracer_proto::{EndReason, SessionInfo, SessionState};
 
-use super::{super::build_report, super::trace_session::TraceSession, Manager};
+use super::{super::build_report, super::trace_session::TraceSession, Command, Manager};
 use crate::{
     error::Error,
     report::{trace::RECORD, Report},
@@ -34,7 +34,7 @@ pub(super) fn running_report(info: &SessionInfo, trace: Option<&TraceSession>) -
 pub(super) struct Recovered {
     pub finished: HashMap<String, SessionInfo>,
     /// Reports of sessions found failed that could not be stored (kept in memory, stored later).
-    pub unsaved: HashMap<String, Report>,
+    pub unsaved: HashMap<String, Arc<Report>>,
 }
 
 /// The stored sessions, those a dead daemon left running now failed.
@@ -50,7 +50,7 @@ pub(super) fn recover(store: &mut Store, traces: &Path) -> Result<Recovered, Err
             );
             if let Err(e) = store.put(&info, &report.to_json()) {
                 tracing::error!(%e, id = info.id, "could not store the failed session; it is kept in memory");
-                unsaved.insert(info.id.clone(), report);
+                unsaved.insert(info.id.clone(), Arc::new(report));
             }
         }
         finished.insert(info.id.clone(), info);
@@ -100,17 +100,55 @@ fn died(info: &mut SessionInfo, stored: Option<&str>, traces: &Path) -> Report {
 }
 
 impl Manager {
-    /// Stores the reports a failed write left in memory, if the store takes writes again.
+    /// Stores the reports a failed write left in memory, if the store takes writes again:
+    /// on the store's writer, one attempt at a time; back as `Saved`.
     pub(super) fn save_unsaved(&mut self) {
-        let ids: Vec<String> = self.unsaved.keys().cloned().collect();
-        for id in ids {
-            let (Some(info), Some(report)) = (self.finished.get(&id), self.unsaved.get(&id)) else {
-                continue;
-            };
-            if self.store().put(info, &report.to_json()).is_err() {
-                // Still failing: the next sweep tries again.
-                return;
+        if self.saving || self.unsaved.is_empty() {
+            return;
+        }
+        self.saving = true;
+        let (save, tx) = (self.to_save(), self.tx.clone());
+        self.writer.then(move |store| {
+            let _ = tx.blocking_send(Command::Saved(save(store)));
+        });
+    }
+
+    /// As `save_unsaved`, waited for: at shutdown, on the manager's task.
+    pub(super) fn save_unsaved_now(&mut self) {
+        if self.unsaved.is_empty() {
+            return;
+        }
+        let save = self.to_save();
+        // The daemon is ending: nothing else waits for this task.
+        let saved = self.writer.wait(save);
+        self.saved(saved.unwrap_or_default());
+    }
+
+    /// Writes the unsaved reports, in turn, until the store refuses one; returns the ids of
+    /// those written.
+    fn to_save(&self) -> impl FnOnce(&mut Store) -> Vec<String> + Send + 'static {
+        let todo: Vec<(SessionInfo, Arc<Report>)> = self
+            .unsaved
+            .iter()
+            .filter_map(|(id, r)| Some((self.finished.get(id)?.clone(), r.clone())))
+            .collect();
+        move |store| {
+            let mut saved = Vec::new();
+            for (info, report) in todo {
+                if store.put(&info, &report.to_json()).is_err() {
+                    // Still failing: the next sweep tries again.
+                    break;
+                }
+                saved.push(info.id);
             }
+            saved
+        }
+    }
+
+    /// Reports the store took again.
+    pub(super) fn saved(&mut self, ids: Vec<String>) {
+        self.saving = false;
+        for id in ids {
             tracing::info!(
                 id,
                 "report stored, now that the state database takes writes"
@@ -124,20 +162,31 @@ impl Manager {
         self.finished.remove(id);
         self.unsaved.remove(id);
         self.exported.remove(id);
-        let _ = self.store().delete(id);
         self.remove_trace(id);
+        let id = id.to_owned();
+        self.writer.then(move |store| {
+            let _ = store.delete(&id);
+        });
     }
 
     /// Removes a session's trace file, if it has one.
     pub(super) fn remove_trace(&self, id: &str) {
-        let path = self
-            .tracing
+        remove_trace_file(&self.trace_path(id));
+    }
+
+    /// Where a session's trace file is, if it has one.
+    pub(super) fn trace_path(&self, id: &str) -> std::path::PathBuf {
+        self.tracing
             .dir()
-            .join(super::super::tracing::file_name(id));
-        if let Err(e) = std::fs::remove_file(&path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(%e, path = %path.display(), "removing a deleted session's trace");
-            }
+            .join(super::super::tracing::file_name(id))
+    }
+}
+
+/// Removes a trace file, if there is one.
+pub(super) fn remove_trace_file(path: &std::path::Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(%e, path = %path.display(), "removing a deleted session's trace");
         }
     }
 }

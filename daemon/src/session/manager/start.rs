@@ -23,6 +23,7 @@ use crate::{
         counting, cuda, native::NativeSession, python::PySession, trace_session::TraceSession,
         Session,
     },
+    store::StoreError,
 };
 
 /// Where a start's session runs, known once its slot is taken.
@@ -88,7 +89,7 @@ impl Manager {
                 });
             }
             None => {
-                let _ = reply.send(self.start(req, caller, ahead, &mut None));
+                self.start(req, caller, ahead, &mut None, reply);
             }
         }
     }
@@ -101,7 +102,8 @@ impl Manager {
         caller: Caller,
         mut ahead: Ahead,
         prepared: &mut Option<Prepared>,
-    ) -> Result<SessionInfo, Error> {
+        reply: Reply<SessionInfo>,
+    ) {
         let mut attached = ahead.attached.take();
         let python_ahead = ahead.python_ahead;
         let started = self.start_with(req, caller, ahead, &mut attached, prepared);
@@ -110,7 +112,53 @@ impl Manager {
             self.release_after(Some(slot), vec![native.take_probes()]);
         }
         self.python_start_done(python_ahead, started.is_err());
-        started
+        match started {
+            Ok((info, record)) => self.record(info, record, reply),
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    /// Records a started session as running, so that a daemon killed now leaves it behind as
+    /// failed; the start is answered once that is durable (`recorded`). Written in turn with
+    /// the store's other writes, off this task: a large report being stored takes hundreds
+    /// of ms.
+    fn record(&mut self, info: SessionInfo, record: String, reply: Reply<SessionInfo>) {
+        self.recording += 1;
+        let tx = self.tx.clone();
+        self.writer.then(move |store| {
+            let stored = store.put(&info, &record);
+            let _ = tx.blocking_send(Command::Recorded {
+                info,
+                stored,
+                reply,
+            });
+        });
+    }
+
+    /// A started session's running record is written, or could not be: a session that could
+    /// not be recorded does not start. One that has ended already (its target exited within
+    /// those milliseconds) ends as it did; its report is stored, or kept in memory, as any.
+    pub(super) fn recorded(
+        &mut self,
+        info: SessionInfo,
+        stored: Result<(), StoreError>,
+        reply: Reply<SessionInfo>,
+    ) {
+        self.recording -= 1;
+        let answer = match stored {
+            Ok(()) => Ok(info),
+            Err(e) => {
+                if self.running.contains_key(&info.id) {
+                    // Nothing of it is kept: its report is neither named nor stored.
+                    drop(self.end(&info.id, EndReason::Error, Some(e.to_string())));
+                    self.discard(&info.id);
+                }
+                Err(e.into())
+            }
+        };
+        let _ = reply.send(answer);
     }
 
     /// `attached`: `--uprobe` probes attached into a slot and not yet the session's (ahead,
@@ -122,7 +170,7 @@ impl Manager {
         ahead: Ahead,
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
-    ) -> Result<SessionInfo, Error> {
+    ) -> Result<(SessionInfo, String), Error> {
         let asked = checks::asked(req)?;
         if self.running.len() >= MAX_RUNNING {
             return Err(Error::ResourceExhausted(format!(
@@ -192,15 +240,6 @@ impl Manager {
         let record = persist::running_report(&info, session.trace.as_ref());
         let target = session.target;
         self.running.insert(id.clone(), session);
-        // Recorded as running, so that a daemon killed now leaves it behind as failed: a
-        // session that could not be recorded does not start.
-        let stored = self.store().put(&info, &record);
-        if let Err(e) = stored {
-            // Nothing of it is kept: its report is neither named nor stored.
-            drop(self.end(&id, EndReason::Error, Some(e.to_string())));
-            self.discard(&id);
-            return Err(e.into());
-        }
         tracing::info!(id, target = %crate::session::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
         self.update_python_masks();
         if cuda {
@@ -215,7 +254,7 @@ impl Manager {
             }
             self.read_trace_counters(true);
         }
-        Ok(info)
+        Ok((info, record))
     }
 
     /// Opens what the session measures with, in the order each needs the one before: perf

@@ -119,6 +119,54 @@ fn slot_entries_one_by_one<K: aya::Pod, V: aya::Pod>(
     out
 }
 
+/// A map shared by sessions, opened again (its fd duplicated) for another thread to read.
+fn reopen<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &'static str,
+) -> Result<HashMap<MapData, K, V>, BpfError> {
+    use std::os::fd::AsFd;
+
+    use aya::maps::IterableMap;
+    let err = |source: MapError| BpfError::Map {
+        name,
+        source: Box::new(source),
+    };
+    let fd = map
+        .map()
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|io_error| {
+            err(MapError::SyscallError(aya::sys::SyscallError {
+                call: "dup",
+                io_error,
+            }))
+        })?;
+    let data = MapData::from_fd(fd).map_err(err)?;
+    HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(err)
+}
+
+/// A session's Python counts and caller pairs, as the kernel keeps them.
+pub type PythonCounts = (Vec<(PyCallKey, PyCallStats)>, Vec<(PyEdgeKey, PyCallStats)>);
+
+/// The Python call and caller-pair maps, opened again for reading a session's last counts
+/// off the thread that owns [`Bpf`].
+pub struct PythonMaps {
+    calls: HashMap<MapData, PyCallKey, PyCallStats>,
+    edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
+}
+
+impl PythonMaps {
+    /// The counts and caller pairs of `slot`, taken out of the maps.
+    pub fn take(&mut self, slot: u8) -> PythonCounts {
+        let slot = u32::from(slot);
+        (
+            slot_entries(&mut self.calls, |k| k.slot == slot, true),
+            slot_entries(&mut self.edges, |k| k.slot == slot, true),
+        )
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
     #[error("loading tracer's BPF object: {0}")]
@@ -589,6 +637,14 @@ impl Bpf {
 
     /// What attaches native-call counters, on any thread: attaching thousands of probes,
     /// to a binary many processes map, takes long.
+    /// The Python counting maps, for another thread ([`PythonMaps`]).
+    pub fn python_maps(&self) -> Result<PythonMaps, BpfError> {
+        Ok(PythonMaps {
+            calls: reopen(&self.py_calls, "PY_CALLS")?,
+            edges: reopen(&self.py_edges, "PY_EDGES")?,
+        })
+    }
+
     pub fn native_attacher(&self) -> NativeAttacher {
         NativeAttacher {
             programs: self.programs.clone(),

@@ -340,15 +340,6 @@ pub struct CudaEnd {
 }
 
 impl CudaEnd {
-    /// The processes counted.
-    pub fn pids(&self) -> Vec<u32> {
-        let mut pids: Vec<u32> = self.counts.0.iter().map(|(k, _)| k.pid).collect();
-        pids.extend(self.counts.1.iter().map(|(k, _)| k.pid));
-        pids.sort_unstable();
-        pids.dedup();
-        pids
-    }
-
     /// The session's CUDA report, named.
     pub fn finish(self) -> CudaReport {
         self.cuda.report(self.counts, self.times)
@@ -356,10 +347,6 @@ impl CudaEnd {
 }
 
 impl super::ReportPart for CudaEnd {
-    fn pids(&self) -> Vec<u32> {
-        CudaEnd::pids(self)
-    }
-
     fn fill(self: Box<Self>, report: &mut crate::report::Report) {
         report.cuda = Some(self.finish());
     }

@@ -293,6 +293,8 @@ pub struct Manager {
     tx: mpsc::Sender<Command>,
     /// Slots whose ended session's probes are now gone (see `release`).
     detached: mpsc::UnboundedSender<u8>,
+    /// Slots whose ended session's Python counts are read (`FinalCounts`).
+    counts_read: mpsc::UnboundedSender<u8>,
     /// A scan for processes that map CUDA is under way (`CudaScanned`).
     cuda_scanning: bool,
     /// A scan for processes that map Python is under way (`PythonScanned`).
@@ -312,6 +314,16 @@ pub struct Manager {
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
 
+/// What the manager's task waits on besides its timers.
+struct Inputs {
+    rx: mpsc::Receiver<Command>,
+    proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
+    detached_rx: mpsc::UnboundedReceiver<u8>,
+    counts_read_rx: mpsc::UnboundedReceiver<u8>,
+    codes: CodeRing,
+    kernel_names: CodeRing,
+}
+
 impl Manager {
     /// Starts the manager task. Sessions left running by a daemon that died are marked failed.
     /// `interpreters`: the Python runtimes on this machine, probed when a session counts Python calls.
@@ -326,6 +338,7 @@ impl Manager {
         let persist::Recovered { finished, unsaved } = persist::recover(&mut store, &traces)?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
         let (detached, detached_rx) = mpsc::unbounded_channel();
+        let (counts_read, counts_read_rx) = mpsc::unbounded_channel();
         bpf.events(proc_tx)
             .map_err(|e| Error::io("reading BPF process events", e))?;
         let ring = bpf.take_py_codes().expect("PY_CODES taken once");
@@ -361,6 +374,7 @@ impl Manager {
             slots: super::slots::Slots::default(),
             tx: tx.clone(),
             detached,
+            counts_read,
             cuda_scanning: false,
             python_scanning: false,
             attaching: HashMap::new(),
@@ -373,18 +387,26 @@ impl Manager {
             let found = super::python::Inspected::read(&interpreters);
             let _ = ahead.blocking_send(Command::Inspected(found));
         });
-        let task = tokio::spawn(manager.run(rx, proc_rx, detached_rx, codes, kernel_names));
+        let task = tokio::spawn(manager.run(Inputs {
+            rx,
+            proc_rx,
+            detached_rx,
+            counts_read_rx,
+            codes,
+            kernel_names,
+        }));
         Ok((Handle { tx }, task))
     }
 
-    async fn run(
-        mut self,
-        mut rx: mpsc::Receiver<Command>,
-        mut proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
-        mut detached_rx: mpsc::UnboundedReceiver<u8>,
-        mut codes: CodeRing,
-        mut kernel_names: CodeRing,
-    ) {
+    async fn run(mut self, inputs: Inputs) {
+        let Inputs {
+            mut rx,
+            mut proc_rx,
+            mut detached_rx,
+            mut counts_read_rx,
+            mut codes,
+            mut kernel_names,
+        } = inputs;
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         // Tracing sessions' perf counter readings; each session keeps its own period.
         let mut readings = tokio::time::interval(Duration::from_millis(10));
@@ -446,6 +468,7 @@ impl Manager {
                     None => return,
                 }},
                 Some(slot) = detached_rx.recv() => self.free_slot(slot),
+                Some(slot) = counts_read_rx.recv() => self.slots.unhold(slot),
                 Some(ev) = proc_rx.recv() => {
                     self.drain_codes(codes.get_mut());
                     self.drain_kernel_names(kernel_names.get_mut());

@@ -25,8 +25,6 @@ use crate::{bpf, report};
 /// What one of a session's sources leaves once its last readings are taken at the session's
 /// end: named off the manager's task into its part of the report.
 pub trait ReportPart: Send {
-    /// The processes it measured.
-    fn pids(&self) -> Vec<u32>;
     /// Names what it measured, into its part of `report`.
     fn fill(self: Box<Self>, report: &mut report::Report);
 }

@@ -85,17 +85,6 @@ pub struct Ending {
 }
 
 impl Ending {
-    /// The processes sampled.
-    pub fn pids(&self) -> Vec<u32> {
-        let Some((h, _)) = &self.work else {
-            return Vec::new();
-        };
-        let mut pids: Vec<u32> = h.stacks.keys().map(|k| k.0).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        pids
-    }
-
     /// The session's profile, named.
     pub fn name(mut self) -> Profile {
         let (h, naming) = self.work.take().expect("named once");
@@ -110,10 +99,6 @@ impl Ending {
 }
 
 impl super::ReportPart for Ending {
-    fn pids(&self) -> Vec<u32> {
-        Ending::pids(self)
-    }
-
     fn fill(self: Box<Self>, report: &mut crate::report::Report) {
         report.profile = Some(self.name());
     }

@@ -21,6 +21,11 @@ pub struct Slots {
     /// Slots taken by sessions counting Python.
     python: u64,
     owner: [u32; MAX_TRACKED_SESSIONS],
+    /// Slots whose ended session's last counts are still being read out of the kernel maps:
+    /// they stay taken past `free` until `unhold`.
+    held: u64,
+    /// Held slots that `free` was asked to free.
+    freed: u64,
 }
 
 impl Default for Slots {
@@ -29,6 +34,8 @@ impl Default for Slots {
             used: 0,
             python: 0,
             owner: [0; MAX_TRACKED_SESSIONS],
+            held: 0,
+            freed: 0,
         }
     }
 }
@@ -66,8 +73,27 @@ impl Slots {
     }
 
     pub fn free(&mut self, slot: u8) {
+        if self.held & (1 << slot) != 0 {
+            self.freed |= 1 << slot;
+            return;
+        }
         self.used &= !(1 << slot);
         self.python &= !(1 << slot);
+    }
+
+    /// Keeps `slot` taken, past `free`, until `unhold`: another session in it would have
+    /// its counts mixed with the last ones of the slot's ended session, still being read.
+    pub fn hold(&mut self, slot: u8) {
+        self.held |= 1 << slot;
+    }
+
+    /// Lets `slot` go, if it was freed meanwhile.
+    pub fn unhold(&mut self, slot: u8) {
+        self.held &= !(1 << slot);
+        if self.freed & (1 << slot) != 0 {
+            self.freed &= !(1 << slot);
+            self.free(slot);
+        }
     }
 
     fn within_quota(&self, uid: u32, python: bool) -> Result<(), Error> {
@@ -112,6 +138,23 @@ impl Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A held slot is not taken again until it is both freed and let go, in either order.
+    #[test]
+    fn held_slots_stay_taken_until_let_go() {
+        let mut s = Slots::default();
+        let a = s.take(0, true).unwrap();
+        s.hold(a);
+        s.free(a);
+        assert_ne!(s.take(0, true).unwrap(), a, "taken again while held");
+        s.unhold(a);
+        assert_eq!(s.take(0, true).unwrap(), a, "freed once let go");
+        s.hold(a);
+        s.unhold(a);
+        s.free(a);
+        let b = s.take(0, true).unwrap();
+        assert_eq!(b, a, "let go first, then freed");
+    }
 
     #[test]
     fn users_have_quotas_and_root_keeps_room() {

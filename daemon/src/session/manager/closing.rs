@@ -9,7 +9,10 @@
 use super::*;
 use crate::{
     report::{trace, CudaReport, Report},
-    session::{python::PythonEnd, ReportPart},
+    session::{
+        python::{FinalCounts, PythonEnd},
+        ReportPart,
+    },
     store::{writer::Writer, StoreError},
 };
 
@@ -32,6 +35,9 @@ pub(super) struct Pending {
     pub continuous: Option<crate::continuous::Running>,
     /// Shown on the Prometheus endpoint.
     pub export_prometheus: bool,
+    /// Processes the session followed, besides those its report names: with those, the
+    /// processes whose container and pod the report says.
+    pub pids: Vec<u32>,
 }
 
 /// What the manager keeps of an ended session's report.
@@ -49,6 +55,8 @@ impl Pending {
         for part in self.parts {
             part.fill(&mut report);
         }
+        let pids = report.pids().into_iter().chain(self.pids);
+        report.processes.containers = crate::container::attribute(pids);
         if let Some(t) = report.trace.as_mut() {
             trace_cuda(t, report.cuda.as_ref());
         }
@@ -124,6 +132,20 @@ impl Manager {
             // The launch stacks recorded so far; later ones find no histogram for the slot.
             profile = self.sampling.end(slot);
         }
+        // Python counts are read off this task (`FinalCounts`): the slot stays taken until then.
+        let later = match (&s.python, s.slot) {
+            (Some(_), Some(slot)) => match self.bpf.python_maps() {
+                Ok(maps) => {
+                    self.slots.hold(slot);
+                    Some(FinalCounts::new(slot, maps, self.counts_read.clone()))
+                }
+                Err(e) => {
+                    tracing::warn!(%e, "reading a session's Python counts here instead");
+                    None
+                }
+            },
+            _ => None,
+        };
         self.release_after(s.slot, probes);
         if s.owner_uid != 0 {
             // Its processes no longer wait at exec.
@@ -160,8 +182,10 @@ impl Manager {
             (Some(mut py), Some(slot)) => {
                 // Stop counting for this slot before reading it out.
                 self.update_python_masks();
-                let counts = self.python_counts(slot, true);
-                let edges = self.python_edges(slot);
+                let (counts, edges) = match later {
+                    Some(_) => Default::default(),
+                    None => (self.python_counts(slot, true), self.python_edges(slot)),
+                };
                 let inproc = std::mem::take(&mut py.inproc)
                     .into_iter()
                     .flat_map(crate::python::inproc::Counter::finish)
@@ -172,14 +196,13 @@ impl Manager {
                     py,
                     counts,
                     edges,
+                    later,
                     inproc,
                     inferred_exits: losses[exits].saturating_sub(s.loss_base[exits]),
                 })
             }
             _ => None,
         };
-        // Which container and pod each process ran in (targets of pid sessions included).
-        let mut pids = report.pids();
         let parts: Vec<Box<dyn ReportPart>> = [
             profile.map(|p| Box::new(p) as Box<dyn ReportPart>),
             cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
@@ -188,14 +211,10 @@ impl Manager {
         .into_iter()
         .flatten()
         .collect();
-        pids.extend(parts.iter().flat_map(|p| p.pids()));
-        pids.extend(s.live.iter().copied());
+        // Targets of pid sessions too: which container and pod each ran in.
+        let mut pids: Vec<u32> = s.live.iter().copied().collect();
         if let Some(target::Kind::Pid(pid)) = s.target.kind {
             pids.push(pid);
-        }
-        report.processes.containers = crate::container::attribute(pids);
-        if self.running.is_empty() {
-            crate::container::forget_exited();
         }
         let closing = Closing {
             shown,
@@ -208,6 +227,7 @@ impl Manager {
             parts,
             continuous: s.continuous.take(),
             export_prometheus: s.export_prometheus,
+            pids,
         };
         Some((closing, pending))
     }
@@ -300,6 +320,10 @@ impl Manager {
             "session ended"
         );
         self.finished.insert(id.to_owned(), c.info.clone());
+        if self.running.is_empty() {
+            // Named in the report now: what is noted of processes gone can go.
+            crate::container::forget_exited();
+        }
         let _ = c.ended.send(true);
         for stop in c.stops {
             let _ = stop.send(Ok(c.info.clone()));

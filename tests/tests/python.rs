@@ -2,7 +2,11 @@
 //! of a workload must equal cProfile's (and, for threads, the profile hook's), on every
 //! interpreter here; its tottime and cumtime must tell the same story as cProfile's.
 
-use std::{collections::BTreeMap, path::Path, process::Command};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use serde_json::Value;
 use tracer_tests::{interpreters, root_or_skip, script, wait_until, ChildGuard, Daemon};
@@ -419,32 +423,68 @@ fn stop_and_compare(d: &Daemon, id: &str, py: &Path, wl: &Path) {
     );
 }
 
-/// An interpreter binary no session has met (a fresh copy of one that holds its eval loop
-/// itself), exec'd under a session on every process: it is inspected and probed off the
-/// daemon's task while the process is held at its exec. Lists sent meanwhile are answered
-/// while it is still held (the old daemon answered none: the hold lasted as long as the
-/// probing, and so did every request), and every call is counted as cProfile counts it.
-#[test]
-fn an_interpreter_met_at_exec_is_probed_while_requests_are_answered() {
-    if !root_or_skip() {
-        return;
-    }
+/// A host CPython whose executable holds its eval loop (no libpython): a copy of it is a
+/// new interpreter binary. None, saying so, where there is none.
+fn static_interpreter() -> Option<PathBuf> {
     let chrooted = tracer_tests::chroot_interpreters();
-    let Some(py) = interpreters()
+    let found = interpreters()
         .into_iter()
         .filter(|p| !chrooted.contains(p))
         .find(|p| {
             let ldd = Command::new("ldd").arg(p).output().unwrap();
             !String::from_utf8_lossy(&ldd.stdout).contains("libpython")
-        })
-    else {
+        });
+    if found.is_none() {
         println!("skipping: no CPython here holds its eval loop in its executable");
+    }
+    found
+}
+
+/// A copy of [`static_interpreter`] in a directory of its own, under its own name (a session
+/// on every process looks at execs of `python…` programs), with `appended` bytes added: with
+/// none, another file of a build tracerd inspected at start; with some, a build of its own.
+/// The directory, the original and the copy; None where there is none (or not as root).
+fn interpreter_copy(appended: usize) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+    if !root_or_skip() {
+        return None;
+    }
+    let py = static_interpreter()?;
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join(py.file_name().unwrap());
+    let mut bytes = std::fs::read(&py).unwrap();
+    bytes.resize(bytes.len() + appended, 0);
+    std::fs::write(&copy, bytes).unwrap();
+    std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    Some((dir, py, copy))
+}
+
+/// A plain copy of an interpreter tracerd inspected at start (another file of the same
+/// build, as in another container's layer) is probed from what that inspection found, under
+/// its own path, while it is held at its exec: every call counted as cProfile counts it.
+#[test]
+fn a_copy_of_a_known_interpreter_is_counted_from_its_first_call() {
+    let Some((_dir, py, copy)) = interpreter_copy(0) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    // Its own name: a session on every process looks at execs of `python…` programs.
-    let copy = dir.path().join(py.file_name().unwrap());
-    std::fs::copy(&py, &copy).unwrap();
+    let d = Daemon::start();
+    let id = start_system_wide(&d);
+    let wl = script("py_workload.py");
+    let out = Command::new(&copy).arg(&wl).output().unwrap();
+    assert!(out.status.success());
+    stop_and_compare(&d, &id, &py, &wl);
+}
+
+/// An interpreter binary no session has met (a copy, altered, of one that holds its eval
+/// loop itself), exec'd under a session on every process: it is inspected and probed off the
+/// daemon's task while the process is held at its exec. Lists sent meanwhile are answered
+/// while it is still held (the old daemon answered none: the hold lasted as long as the
+/// probing, and so did every request), and every call is counted as cProfile counts it.
+#[test]
+fn an_interpreter_met_at_exec_is_probed_while_requests_are_answered() {
+    // Bytes appended: a build tracerd has not inspected.
+    let Some((_dir, py, copy)) = interpreter_copy(16) else {
+        return;
+    };
     let d = Daemon::start();
     let id = start_system_wide(&d);
     let wl = script("py_workload.py");

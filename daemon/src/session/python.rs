@@ -21,6 +21,8 @@ use crate::{
 };
 
 type FileId = (u64, u64);
+/// A binary's build id and size ([`crate::binary::build`]).
+type Build = (Vec<u8>, u64);
 
 /// Interpreter binaries and their probes, keyed by (device, inode) so that one file seen
 /// through several paths is probed once.
@@ -41,6 +43,9 @@ pub struct Probes {
     attaching: std::collections::HashSet<FileId>,
     /// Binaries whose probes could not be attached off the manager's task: tried in place.
     failed: std::collections::HashSet<FileId>,
+    /// What inspecting a build found, for its copies: another container's, or a program's
+    /// own copy of an interpreter, is a new file of a build seen before.
+    builds: HashMap<Build, Runtime>,
 }
 
 /// The release `detach_all` started, waited for by whoever attaches next, on any thread.
@@ -73,6 +78,8 @@ struct Probed {
     path: PathBuf,
     /// What inspecting it found, where that was done there.
     inspected: Option<Result<Runtime, Unprobed>>,
+    /// Its build, where it was inspected there.
+    build: Option<Build>,
     /// Its probes, or why not; None when it cannot be probed.
     links: Option<Result<crate::bpf::ProbeSet, String>>,
 }
@@ -91,18 +98,19 @@ impl Attaching {
             self.jobs
                 .into_iter()
                 .map(|(id, path, rt)| {
-                    let (inspected, links) = match rt {
-                        Some(rt) => (None, Some(attach(&rt, &path))),
+                    let (inspected, build, links) = match rt {
+                        Some(rt) => (None, None, Some(attach(&rt, &path))),
                         None => {
                             let found = inspect(&path);
                             let links = found.as_ref().ok().map(|rt| attach(rt, &path));
-                            (Some(found), links)
+                            (Some(found), crate::binary::build(&path), links)
                         }
                     };
                     Probed {
                         id,
                         path,
                         inspected,
+                        build,
                         links,
                     }
                 })
@@ -140,14 +148,14 @@ impl std::fmt::Display for Unprobed {
 
 /// The machine's interpreters, inspected ahead (tens of milliseconds each: symbol tables,
 /// opcode tables) so that the first Python session's start does not wait for it.
-pub struct Inspected(Vec<(FileId, Result<Runtime, Unprobed>)>);
+pub struct Inspected(Vec<(FileId, Option<Build>, Result<Runtime, Unprobed>)>);
 
 impl Inspected {
     pub fn read(paths: &[PathBuf]) -> Self {
         Self(
             paths
                 .iter()
-                .filter_map(|p| Some((file_id(p).ok()?, inspect(p))))
+                .filter_map(|p| Some((file_id(p).ok()?, crate::binary::build(p), inspect(p))))
                 .collect(),
         )
     }
@@ -175,8 +183,16 @@ impl Probes {
 
     /// Takes in what [`Inspected::read`] found ahead, for binaries not looked at since.
     pub fn add_inspected(&mut self, found: Inspected) {
-        for (id, rt) in found.0 {
+        for (id, build, rt) in found.0 {
+            self.learn(build, &rt);
             self.inspected.entry(id).or_insert(rt);
+        }
+    }
+
+    /// Keeps what inspecting a build found, for its copies.
+    fn learn(&mut self, build: Option<Build>, rt: &Result<Runtime, Unprobed>) {
+        if let (Some(build), Ok(rt)) = (build, rt) {
+            self.builds.entry(build).or_insert_with(|| rt.clone());
         }
     }
 
@@ -251,7 +267,8 @@ impl Probes {
         let rt = match self.inspected.get(&id) {
             Some(Err(_)) => return ToProbe::Now,
             Some(Ok(rt)) => Some(rt.clone()),
-            None => None,
+            // A copy of a build inspected before: only its probes are left to attach.
+            None => self.copy_of_known_build(id, path),
         };
         self.attaching.insert(id);
         ToProbe::Attach(Attaching {
@@ -260,12 +277,22 @@ impl Probes {
         })
     }
 
+    /// What inspecting `path` would find, if it is a copy of a build inspected before
+    /// (reading its build id maps the file and parses its headers, not its symbols).
+    fn copy_of_known_build(&mut self, id: FileId, path: &Path) -> Option<Runtime> {
+        let mut rt = self.builds.get(&crate::binary::build(path)?)?.clone();
+        rt.path = path.to_owned();
+        self.inspected.insert(id, Ok(rt.clone()));
+        Some(rt)
+    }
+
     /// Takes in the probes attached off the manager's task; one that failed is tried again
     /// in place by whoever needs it, which says why.
     pub fn adopt(&mut self, attached: AttachedPython) {
         for p in attached.0 {
             self.attaching.remove(&p.id);
             if let Some(found) = p.inspected {
+                self.learn(p.build, &found);
                 self.inspected.insert(p.id, found);
             }
             match p.links {
@@ -326,6 +353,8 @@ impl Probes {
         // Copies, containers' and chroots' interpreters seen once must not pile up.
         let known: Vec<FileId> = self.known.iter().filter_map(|p| file_id(p).ok()).collect();
         self.inspected.retain(|id, _| known.contains(id));
+        let known = &self.known;
+        self.builds.retain(|_, rt| known.contains(&rt.path));
     }
 
     /// Makes the probes see a running process's threads: those already inside the eval loop

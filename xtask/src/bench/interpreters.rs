@@ -1,9 +1,10 @@
 //! `cargo xtask bench interpreters`: what meeting an interpreter nobody probed yet costs other
 //! clients. A session counts Python on every process; then copies of the machine's python3
-//! (each a binary never seen, inspected and probed when it execs, while it is held) run a
-//! short program one after another, while `tracerctl list` is sent over and over. Printed side
-//! by side: the slowest list then, the slowest of as many lists with no new interpreter, and
-//! how long each copy took to run, next to the same copy run again (probed by then).
+//! (each a file never seen, probed when it execs, while it is held) run a short program one
+//! after another, while `tracerctl list` is sent over and over: plain copies (a build tracerd
+//! inspected at start: only probed) and altered ones (bytes appended: a build to inspect).
+//! Printed side by side: the slowest list then, the slowest of as many lists with no new
+//! interpreter, and how long each copy took to run, next to the same copy run again.
 
 use std::{
     path::{Path, PathBuf},
@@ -29,13 +30,18 @@ pub fn run() -> Result<()> {
     daemon.ctl(&["start", "--mode=counting", "--python", "--all"])?;
     std::thread::sleep(Duration::from_secs(2));
 
-    let copies: Vec<PathBuf> = (0..COPIES)
+    let copies: Vec<PathBuf> = (0..2 * COPIES)
         .map(|i| {
             let d = dir.path().join(format!("copy{i}"));
             std::fs::create_dir(&d)?;
             // Its own name: a session on every process looks at execs of `python…` programs.
             let to = d.join(python.file_name().context("interpreter file name")?);
             std::fs::copy(&python, &to)?;
+            if i >= COPIES {
+                let mut f = std::fs::OpenOptions::new().append(true).open(&to)?;
+                // A size of its own: each is a build of its own.
+                std::io::Write::write_all(&mut f, &vec![0; i])?;
+            }
             Ok(to)
         })
         .collect::<Result<_>>()?;
@@ -68,14 +74,19 @@ pub fn run() -> Result<()> {
         idle = idle.max(t.elapsed());
     }
     println!(
-        "a session on every process meets {COPIES} copies of {}; times in ms",
+        "a session on every process meets {} copies of {}; times in ms",
+        2 * COPIES,
         python.display()
     );
     println!("slowest list while they exec: {:.0}", ms(meeting));
     println!("slowest of as many lists with none: {:.0}", ms(idle));
-    println!("{:>6} {:>14} {:>14}", "copy", "first run", "probed run");
+    println!(
+        "{:>6} {:>10} {:>14} {:>14}",
+        "copy", "build", "first run", "probed run"
+    );
     for (i, (a, b)) in first.iter().zip(&again).enumerate() {
-        println!("{i:>6} {:>14.0} {:>14.0}", ms(*a), ms(*b));
+        let build = if i < COPIES { "same" } else { "altered" };
+        println!("{i:>6} {build:>10} {:>14.0} {:>14.0}", ms(*a), ms(*b));
     }
     Ok(())
 }

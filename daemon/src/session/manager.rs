@@ -6,22 +6,25 @@ use std::{collections::HashMap, time::Duration};
 use aya::maps::{MapData, RingBuf};
 use tokio::{
     io::unix::AsyncFd,
-    sync::{mpsc, oneshot, watch},
+    sync::{mpsc, watch},
 };
 use tracer_common::ProcEvent;
-use tracer_proto::{target, EndReason, SessionInfo, SessionState, StartSessionRequest};
+use tracer_proto::{target, EndReason, SessionInfo, SessionState};
 
 use super::{build_report, python::Probes, Session};
 mod ahead;
 mod checks;
 mod closing;
+mod commands;
 mod cuda;
 mod follow;
 mod metrics;
 mod persist;
 mod python;
 mod start;
-use ahead::{counts_python, cuda_processes, python_processes, Ahead};
+use ahead::{counts_python, cuda_processes, python_processes};
+use commands::{Command, Prepared, Reply};
+pub use commands::{Fetched, Handle, SharedStore, Subscription};
 
 use crate::{
     access::Caller,
@@ -38,230 +41,6 @@ use crate::{
 pub const MAX_DURATION_MS: u64 = 24 * 60 * 60 * 1000;
 /// Running sessions at once, all modes together.
 pub const MAX_RUNNING: usize = 256;
-
-type Reply<T> = oneshot::Sender<Result<T, Error>>;
-
-enum Command {
-    /// A closing session's report, named and stored off the manager's task.
-    Named {
-        id: String,
-        done: Box<closing::Done>,
-    },
-    /// The machine's interpreters, inspected at start off this task.
-    Inspected(super::python::Inspected),
-    Start {
-        req: StartSessionRequest,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-    },
-    Stop {
-        id: String,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-    },
-    Get {
-        id: String,
-        caller: Caller,
-        reply: Reply<(SessionInfo, watch::Receiver<bool>)>,
-    },
-    List {
-        caller: Caller,
-        reply: Reply<Vec<SessionInfo>>,
-    },
-    Report {
-        id: String,
-        caller: Caller,
-        reply: Reply<(Fetched, std::path::PathBuf)>,
-    },
-    Subscribe {
-        id: String,
-        caller: Caller,
-        reply: Reply<Subscription>,
-    },
-    Delete {
-        id: String,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-    },
-    /// The unsaved reports the store took, written off the manager's task.
-    Saved(Vec<String>),
-    /// A started session's running record, written off the manager's task.
-    Recorded {
-        info: SessionInfo,
-        stored: Result<(), StoreError>,
-        reply: Reply<SessionInfo>,
-    },
-    /// A deleted session's trace file and stored report, removed off the manager's task.
-    Deleted {
-        id: String,
-        stored: Result<(), StoreError>,
-        reply: Reply<SessionInfo>,
-    },
-    Expire {
-        id: String,
-    },
-    Metrics {
-        reply: oneshot::Sender<String>,
-    },
-    Shutdown {
-        reply: oneshot::Sender<()>,
-    },
-    /// The processes that map a CUDA library, found off the manager's task for the CUDA
-    /// sessions on every process.
-    CudaScanned(Vec<u32>),
-    /// The processes that map a Python interpreter, found off the manager's task for the
-    /// Python sessions on every process (see `sweep`).
-    PythonScanned(Vec<u32>),
-    /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
-    Ready {
-        req: StartSessionRequest,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-        ahead: Ahead,
-    },
-    /// A start whose `--uprobe` probes were attached off the manager's task.
-    Attached(ahead::AttachedStart),
-    /// A start whose interpreters' Python probes were attached off the manager's task.
-    PythonAttached(ahead::PythonAttachedStart),
-    /// The probes of an interpreter a session met after its start, attached off the
-    /// manager's task (`python::LateCheck`).
-    LateProbed(super::python::AttachedPython),
-    /// A start whose target was asked to count in-process, off the manager's task.
-    StartPrepared {
-        req: StartSessionRequest,
-        caller: Caller,
-        reply: Reply<SessionInfo>,
-        ahead: Ahead,
-        prepared: Prepared,
-    },
-}
-
-/// The in-process counter of a start's target, made before the session is: the session's
-/// id, and the counter or why there is none.
-struct Prepared {
-    id: String,
-    counter: Result<crate::python::inproc::Counter, String>,
-}
-
-/// A cheap, cloneable way to talk to the manager.
-#[derive(Clone)]
-pub struct Handle {
-    tx: mpsc::Sender<Command>,
-}
-
-impl Handle {
-    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, Error> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
-            .await
-            .map_err(|_| Error::ShuttingDown)?;
-        rx.await.map_err(|_| Error::ShuttingDown)?
-    }
-
-    pub async fn start(
-        &self,
-        req: StartSessionRequest,
-        caller: Caller,
-    ) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Start { req, caller, reply })
-            .await
-    }
-    /// The Prometheus exposition text.
-    pub async fn metrics(&self) -> String {
-        let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Metrics { reply }).await.is_err() {
-            return String::new();
-        }
-        rx.await.unwrap_or_default()
-    }
-
-    pub async fn stop(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Stop { id, caller, reply }).await
-    }
-    /// The session's state, and a receiver that turns `true` when it ends.
-    pub async fn get(
-        &self,
-        id: String,
-        caller: Caller,
-    ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
-        self.call(|reply| Command::Get { id, caller, reply }).await
-    }
-    pub async fn list(&self, caller: Caller) -> Result<Vec<SessionInfo>, Error> {
-        self.call(|reply| Command::List { caller, reply }).await
-    }
-    pub async fn delete(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Delete { id, caller, reply })
-            .await
-    }
-
-    /// A finished session's report. A stored one is parsed here, in the caller's task (on a
-    /// blocking thread: a large profile's JSON takes a while), not in the manager's.
-    pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
-        let (fetched, traces) = self
-            .call(|reply| Command::Report {
-                id: id.clone(),
-                caller,
-                reply,
-            })
-            .await?;
-        let mut report = match fetched {
-            Fetched::Parsed(r) => *r,
-            // Read and parsed here: a large report takes the manager's task no time.
-            Fetched::Stored(store) => {
-                let key = id.clone();
-                let json = tokio::task::spawn_blocking(move || {
-                    store
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .report(&key)
-                        .map(|json| json.map(|j| Report::from_json(&j)))
-                })
-                .await
-                .map_err(|e| Error::io("reading a stored report", std::io::Error::other(e)))??;
-                json.ok_or_else(|| Error::NoSuchSession { id: id.clone() })?
-                    .map_err(|e| Error::io(format!("stored report of {id}"), e.into()))?
-            }
-        };
-        if let Some(t) = report.trace.as_mut() {
-            t.path = traces.join(&t.file);
-        }
-        Ok(report)
-    }
-    /// A running tracing session's events from now on.
-    pub async fn subscribe(&self, id: String, caller: Caller) -> Result<Subscription, Error> {
-        self.call(|reply| Command::Subscribe { id, caller, reply })
-            .await
-    }
-    /// Ends every running session (their reports are kept) and stops the manager.
-    pub async fn shutdown(&self) {
-        let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Shutdown { reply }).await.is_ok() {
-            let _ = rx.await;
-        }
-    }
-}
-
-/// What a live watcher of a tracing session needs: its events, and their names.
-pub struct Subscription {
-    pub events: tokio::sync::broadcast::Receiver<std::sync::Arc<super::tracing::Batch>>,
-    /// Number of the first event the receiver will see.
-    pub next_seq: u64,
-    pub names: super::trace_session::Names,
-    pub probes: std::sync::Arc<Vec<String>>,
-    pub counters: Vec<crate::report::trace::TraceCounter>,
-}
-
-/// A report as the manager hands it out: the one in memory, or the stored JSON, which the
-/// caller's task parses.
-pub enum Fetched {
-    Parsed(Box<Report>),
-    /// In the store: read by the caller, off the manager's task.
-    Stored(SharedStore),
-}
-
-/// The store, shared with the tasks that read reports out of it.
-pub type SharedStore = crate::store::writer::Shared;
 
 pub struct Manager {
     probe_limits: ProbeLimits,

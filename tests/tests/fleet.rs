@@ -854,6 +854,31 @@ fn fan_outs_tracerctl_cannot_do_are_refused_before_any_host_is_asked() {
     );
 }
 
+/// `n` TCP connections to `addr` that the daemon holds open. The connection of a request
+/// just answered may still count for a moment after its client closed it: one refused
+/// meanwhile (closed by the daemon) is opened again.
+fn held_connections(addr: &str, n: usize) -> Vec<std::net::TcpStream> {
+    let open = |s: &std::net::TcpStream| {
+        s.set_nonblocking(true).unwrap();
+        let r = std::io::Read::read(&mut &*s, &mut [0u8; 1]);
+        s.set_nonblocking(false).unwrap();
+        matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let mut held = Vec::new();
+    for _ in 0..50 {
+        while held.len() < n {
+            held.push(std::net::TcpStream::connect(addr).unwrap());
+        }
+        // Margin for a refusal to arrive, not a measure.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        held.retain(open);
+        if held.len() == n {
+            return held;
+        }
+    }
+    panic!("the daemon did not hold {n} connections from one address");
+}
+
 /// TCP connections are capped per client address (and overall): one that would pass a cap is
 /// closed before its TLS handshake, so a host that opens connections and never speaks cannot
 /// take every descriptor; once they close, the address is served again.
@@ -864,9 +889,7 @@ fn tcp_connections_are_capped_per_address() {
     }
     let fleet = Fleet::mtls_with(1, |_| vec!["--max-connections-per-user".into(), "3".into()]);
     ok(fleet.on("ops.example", 0, &["list"]));
-    let idle: Vec<std::net::TcpStream> = (0..3)
-        .map(|_| std::net::TcpStream::connect(&fleet.hosts[0].addr).unwrap())
-        .collect();
+    let idle = held_connections(&fleet.hosts[0].addr, 3);
     // Past the cap: closed at once, unanswered.
     let mut extra = std::net::TcpStream::connect(&fleet.hosts[0].addr).unwrap();
     extra

@@ -664,23 +664,12 @@ impl Bpf {
         self.load_programs(&CUDA_PROGRAMS)
     }
 
-    /// Probes CUDA entry points of one library for one session: (file offset, cookie, and
-    /// whether the call's result is read at its return). `cookie`:
-    /// `cuda_cookie::make(slot, all, api)`.
-    pub fn attach_cuda(
-        &mut self,
-        binary: &Path,
-        probes: &[(u64, u64, bool)],
-    ) -> Result<ProbeSet, BpfError> {
-        self.load_cuda()?;
-        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (CUDA_CALL, o, c)).collect();
-        points.extend(
-            probes
-                .iter()
-                .filter(|p| p.2)
-                .map(|&(o, c, _)| (CUDA_RETURN, o, c)),
-        );
-        attach_all(&self.programs, binary, &points)
+    /// What attaches CUDA entry points, on any thread: a library's symbols are resolved and
+    /// its probes attached as processes map it, while the manager answers requests.
+    pub fn cuda_attacher(&self) -> CudaAttacher {
+        CudaAttacher {
+            programs: self.programs.clone(),
+        }
     }
 
     /// A session's CUDA launch counts and memory totals, taken out of the kernel maps with
@@ -887,6 +876,27 @@ impl PythonAttacher {
 
 /// Attaches native-call counters ([`Bpf::native_attacher`]); `Send`, for a blocking thread.
 #[derive(Clone)]
+pub struct CudaAttacher {
+    programs: programs::Programs,
+}
+
+impl CudaAttacher {
+    /// Probes CUDA entry points of one library for one session: (file offset, cookie, and
+    /// whether the call's result is read at its return). `cookie`:
+    /// `cuda_cookie::make(slot, all, api)`.
+    pub fn attach(&self, binary: &Path, probes: &[(u64, u64, bool)]) -> Result<ProbeSet, BpfError> {
+        load_all(&self.programs, &CUDA_PROGRAMS)?;
+        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (CUDA_CALL, o, c)).collect();
+        points.extend(
+            probes
+                .iter()
+                .filter(|p| p.2)
+                .map(|&(o, c, _)| (CUDA_RETURN, o, c)),
+        );
+        attach_all(&self.programs, binary, &points)
+    }
+}
+
 pub struct NativeAttacher {
     programs: programs::Programs,
 }

@@ -12,7 +12,7 @@ use std::{
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
 use crate::{
-    bpf::{Bpf, ProbeSet},
+    bpf::{Bpf, CudaAttacher, ProbeSet},
     cuda::{self, Names},
     report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus},
     unwind::ProcMaps,
@@ -31,6 +31,84 @@ pub const GPU_PERIOD: Duration = Duration::from_millis(100);
 /// with something other than mmap). `--all` sessions: every process, less often.
 pub const LOOK_EVERY: Duration = Duration::from_secs(1);
 pub const LOOK_ALL_EVERY: Duration = Duration::from_secs(10);
+
+/// A mapped library by (device major, minor, inode).
+type LibraryId = (u32, u32, u64);
+
+/// Attaching one CUDA library's probes for one session, on a thread other than the
+/// manager's: its symbol table is read (libcuda's is large) and its probes attached.
+pub struct CudaJob {
+    /// The session's slot, which its probes count into.
+    pub slot: u8,
+    id: LibraryId,
+    /// Where the file is reachable from here.
+    path: std::path::PathBuf,
+    /// Its path in the process.
+    mapped: String,
+    pid: u32,
+    found_by: String,
+    /// (symbol, cookie, read at return) of each entry point to probe.
+    points: Vec<(&'static str, u64, bool)>,
+}
+
+/// What [`CudaJob::run`] attached.
+pub struct CudaProbed {
+    pub job: CudaJob,
+    pub links: ProbeSet,
+    warning: Option<String>,
+    /// How long resolving and attaching took.
+    took: Duration,
+}
+
+impl CudaJob {
+    /// Resolves the entry points and attaches them: all of a library's probes or none (a
+    /// library that does not load fails on every entry point, and says it once).
+    pub fn run(self, attacher: &CudaAttacher) -> CudaProbed {
+        let began = Instant::now();
+        let symbols: Vec<&str> = self.points.iter().map(|p| p.0).collect();
+        let mut warning = None;
+        let offsets = crate::native::resolve_exact(&self.path, &symbols).unwrap_or_else(|e| {
+            warning = Some(format!("{}: {e}", self.mapped));
+            HashMap::new()
+        });
+        // Not every version exports every variant.
+        let probes: Vec<(u64, u64, bool)> = self
+            .points
+            .iter()
+            .filter_map(|&(symbol, cookie, at_return)| {
+                Some((*offsets.get(symbol)?, cookie, at_return))
+            })
+            .collect();
+        let links = match attacher.attach(&self.path, &probes) {
+            Ok(set) => set,
+            Err(e) => {
+                warning.get_or_insert_with(|| format!("{}: {e}", self.mapped));
+                ProbeSet::default()
+            }
+        };
+        CudaProbed {
+            job: self,
+            links,
+            warning,
+            took: began.elapsed(),
+        }
+    }
+}
+
+/// The CUPTI injection library's status line in `pid`, mapping the library `id` at `path`.
+fn injection_status(pid: u32, path: &std::path::Path, id: LibraryId) -> String {
+    let read = ProcMaps::read(pid)
+        .map_err(|e| e.to_string())
+        .and_then(|maps| {
+            let mine: Vec<_> = maps
+                .entries()
+                .iter()
+                .filter(|e| (e.dev.0, e.dev.1, e.inode) == id)
+                .collect();
+            cuda::injection_status(pid, path, &mine)
+        });
+    read.unwrap_or_else(|e| format!("error: its status could not be read: {e}"))
+}
 
 /// How a session's launches are probed.
 #[derive(Clone, Copy, Debug, Default)]
@@ -78,7 +156,10 @@ pub struct CudaSession {
     started: Instant,
     pub next_look: Instant,
     /// Probed libraries by (device, inode), with their probes.
-    libs: HashMap<(u32, u32, u64), ProbeSet>,
+    libs: HashMap<LibraryId, ProbeSet>,
+    /// Libraries whose probes are being attached (a [`CudaJob`] out), with the processes
+    /// found mapping them whose CUPTI status is read once they are in.
+    probing_libs: HashMap<LibraryId, Vec<u32>>,
     found: Vec<CudaLibrary>,
     names: Names,
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
@@ -116,6 +197,7 @@ impl CudaSession {
             started: Instant::now(),
             next_look: Instant::now(),
             libs: HashMap::new(),
+            probing_libs: HashMap::new(),
             found: Vec::new(),
             names: Names::default(),
             call_sites: HashMap::new(),
@@ -181,14 +263,16 @@ impl CudaSession {
         self.call_sites.insert(key, site);
     }
 
-    /// Probes the CUDA libraries `pid` maps that are not probed yet; whether it maps any.
-    /// `found_by`: what made this look ("start", "mmap", "look").
-    pub fn look(&mut self, bpf: &mut Bpf, pid: u32, found_by: &str) -> bool {
+    /// Looks at the CUDA libraries `pid` maps: whether it maps any, and the jobs that probe
+    /// those not probed yet (for [`CudaJob::run`] on another thread, back through
+    /// [`Self::adopt`]). `found_by`: what made this look ("start", "mmap", "look").
+    pub fn look(&mut self, pid: u32, found_by: &str) -> (bool, Vec<CudaJob>) {
         crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {
-            return false;
+            return (false, Vec::new());
         };
         let mut maps_cuda = false;
+        let mut jobs = Vec::new();
         for m in maps.entries() {
             let Some(lib) = cuda::library(std::path::Path::new(&m.path)) else {
                 continue;
@@ -203,7 +287,7 @@ impl CudaSession {
             let path = match crate::process::mapped_path(pid, m) {
                 Ok(p) => p,
                 Err(e) => {
-                    if !self.libs.contains_key(&id) {
+                    if !self.libs.contains_key(&id) && !self.probing_libs.contains_key(&id) {
                         self.warnings.push(e.to_string());
                         // Once per library, not per mapping.
                         self.libs.insert(id, ProbeSet::default());
@@ -211,54 +295,52 @@ impl CudaSession {
                     continue;
                 }
             };
-            if !self.libs.contains_key(&id) {
-                self.probe(bpf, lib, &path, m, pid, found_by);
+            let cupti = lib == cuda::Library::Cupti && !self.injected.contains_key(&pid);
+            if let Some(waiting) = self.probing_libs.get_mut(&id) {
+                // Its status is read once the probes are in (`adopt`).
+                if cupti && !waiting.contains(&pid) {
+                    waiting.push(pid);
+                }
+                continue;
             }
-            if lib == cuda::Library::Cupti && !self.injected.contains_key(&pid) {
-                // Read once its probes are in: set up already (a warm process), or about to
-                // be, and then its probe announces it (a read before the attach could miss
-                // both, the announcement and the finished line).
-                let mine: Vec<_> = maps
-                    .entries()
-                    .iter()
-                    .filter(|e| e.inode == m.inode && e.dev == m.dev)
-                    .collect();
-                let status = cuda::injection_status(pid, &path, &mine)
-                    .unwrap_or_else(|e| format!("error: its status could not be read: {e}"));
+            if !self.libs.contains_key(&id) {
+                self.probing_libs
+                    .insert(id, cupti.then_some(pid).into_iter().collect());
+                jobs.push(self.job(lib, id, path, &m.path, pid, found_by));
+                continue;
+            }
+            if cupti {
+                let status = injection_status(pid, &path, id);
                 self.injected.insert(pid, status);
             }
         }
-        maps_cuda
+        (maps_cuda, jobs)
     }
 
-    /// Attaches `lib`'s entry points in the file `path` (mapped by `m` in `pid`).
-    fn probe(
-        &mut self,
-        bpf: &mut Bpf,
+    /// Whether libraries found are still being probed (a start is answered once they are in).
+    pub fn probing(&self) -> bool {
+        !self.probing_libs.is_empty()
+    }
+
+    /// The libraries being probed: their jobs come back to a session that may have ended.
+    pub fn libraries_probing(&self) -> usize {
+        self.probing_libs.len()
+    }
+
+    /// The job that attaches `lib`'s entry points in the file `path` (`mapped` in `pid`).
+    fn job(
+        &self,
         lib: cuda::Library,
-        path: &std::path::Path,
-        m: &crate::process::MapEntry,
+        id: LibraryId,
+        path: std::path::PathBuf,
+        mapped: &str,
         pid: u32,
         found_by: &str,
-    ) {
-        let id = (m.dev.0, m.dev.1, m.inode);
-        let points: Vec<&cuda::EntryPoint> = cuda::entry_points(lib)
+    ) -> CudaJob {
+        let points = cuda::entry_points(lib)
             .iter()
             .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
-            .collect();
-        let symbols: Vec<&str> = points.iter().map(|ep| ep.symbol).collect();
-        let offsets = match crate::native::resolve_exact(path, &symbols) {
-            Ok(o) => o,
-            Err(e) => {
-                self.warnings.push(format!("{}: {e}", m.path));
-                HashMap::new()
-            }
-        };
-        // Not every version exports every variant.
-        let probes: Vec<(u64, u64, bool)> = points
-            .iter()
-            .filter_map(|ep| {
-                let offset = *offsets.get(ep.symbol)?;
+            .map(|ep| {
                 // Stacks at the driver's launches only: every kernel launch reaches one
                 // (cuBLAS's skip the runtime), once, with the runtime's frames above it.
                 let driver_launch =
@@ -269,27 +351,47 @@ impl CudaSession {
                     0
                 };
                 let cookie = cuda_cookie::make(self.slot, self.all, ep.api) | stacks;
-                Some((offset, cookie, ep.at_return))
+                (ep.symbol, cookie, ep.at_return)
             })
             .collect();
-        // All of a library's probes or none: one failure says it for the library (a
-        // program that does not load fails on every entry point).
-        let links = match bpf.attach_cuda(path, &probes) {
-            Ok(set) => set,
-            Err(e) => {
-                self.warnings.push(format!("{}: {e}", m.path));
-                ProbeSet::default()
-            }
-        };
-        tracing::info!(path = %m.path, pid, probes = links.len(), "CUDA library probed");
-        self.found.push(CudaLibrary {
+        CudaJob {
+            slot: self.slot,
+            id,
+            path,
+            mapped: mapped.to_owned(),
             pid,
-            path: m.path.clone(),
+            found_by: found_by.to_owned(),
+            points,
+        }
+    }
+
+    /// A library's probes, attached by its [`CudaJob`]; the CUPTI status of the processes
+    /// that were found mapping it meanwhile is read now that they are in.
+    pub fn adopt(&mut self, probed: CudaProbed) {
+        let CudaProbed {
+            job,
+            links,
+            warning,
+            took,
+        } = probed;
+        self.warnings.extend(warning);
+        let ms = took.as_secs_f64() * 1e3;
+        tracing::info!(path = %job.mapped, pid = job.pid, probes = links.len(), ms, "CUDA library probed");
+        self.found.push(CudaLibrary {
+            pid: job.pid,
+            path: job.mapped.clone(),
             probes: u32::try_from(links.len()).unwrap_or(u32::MAX),
             found_after_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            found_by: found_by.to_owned(),
+            found_by: job.found_by,
         });
-        self.libs.insert(id, links);
+        self.libs.insert(job.id, links);
+        for pid in self.probing_libs.remove(&job.id).unwrap_or_default() {
+            // Read once its probes are in: set up already (a warm process), or about to
+            // be, and then its probe announces it (a read before the attach could miss
+            // both, the announcement and the finished line).
+            let status = injection_status(pid, &job.path, job.id);
+            self.injected.insert(pid, status);
+        }
     }
 
     /// The launches and copies so far, named, left in the kernel (for live metrics; native

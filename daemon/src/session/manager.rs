@@ -89,6 +89,9 @@ pub struct Manager {
     /// Processes whose interpreter's probes are being attached off this task, to check
     /// again then (those held at exec go on after).
     late: Vec<python::LateCheck>,
+    /// Started CUDA sessions answered once the libraries their processes map are probed
+    /// (`CudaProbed`), by session.
+    cuda_starts: HashMap<String, start::Answer>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -160,6 +163,7 @@ impl Manager {
             python_waiting: Vec::new(),
             python_starts: 0,
             late: Vec::new(),
+            cuda_starts: HashMap::new(),
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -282,6 +286,13 @@ impl Manager {
                 self.python_probes_in();
                 // The sessions that needed them may have ended meanwhile.
                 self.update_python_masks();
+            }
+            Command::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
+            Command::CudaReleased(slot) => {
+                // What they counted after their session ended goes with them.
+                self.bpf.cuda_counts(slot, true);
+                self.bpf.gpu_kernel_times(slot, true);
+                self.slots.unhold(slot);
             }
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;

@@ -21,9 +21,10 @@ pub struct Slots {
     /// Slots taken by sessions counting Python.
     python: u64,
     owner: [u32; MAX_TRACKED_SESSIONS],
-    /// Slots whose ended session's last counts are still being read out of the kernel maps:
-    /// they stay taken past `free` until `unhold`.
-    held: u64,
+    /// Per slot, how often it is held: its ended session's last counts are still being read
+    /// out of the kernel maps, or probes attached for it are still to come off. A held slot
+    /// stays taken past `free` until each `hold` is matched by an `unhold`.
+    held: [u16; MAX_TRACKED_SESSIONS],
     /// Held slots that `free` was asked to free.
     freed: u64,
 }
@@ -34,7 +35,7 @@ impl Default for Slots {
             used: 0,
             python: 0,
             owner: [0; MAX_TRACKED_SESSIONS],
-            held: 0,
+            held: [0; MAX_TRACKED_SESSIONS],
             freed: 0,
         }
     }
@@ -73,7 +74,7 @@ impl Slots {
     }
 
     pub fn free(&mut self, slot: u8) {
-        if self.held & (1 << slot) != 0 {
+        if self.held[usize::from(slot)] != 0 {
             self.freed |= 1 << slot;
             return;
         }
@@ -84,13 +85,14 @@ impl Slots {
     /// Keeps `slot` taken, past `free`, until `unhold`: another session in it would have
     /// its counts mixed with the last ones of the slot's ended session, still being read.
     pub fn hold(&mut self, slot: u8) {
-        self.held |= 1 << slot;
+        self.held[usize::from(slot)] += 1;
     }
 
-    /// Lets `slot` go, if it was freed meanwhile.
+    /// Lets `slot` go once every hold is, if it was freed meanwhile.
     pub fn unhold(&mut self, slot: u8) {
-        self.held &= !(1 << slot);
-        if self.freed & (1 << slot) != 0 {
+        let held = &mut self.held[usize::from(slot)];
+        *held = held.saturating_sub(1);
+        if *held == 0 && self.freed & (1 << slot) != 0 {
             self.freed &= !(1 << slot);
             self.free(slot);
         }
@@ -139,7 +141,8 @@ impl Slots {
 mod tests {
     use super::*;
 
-    /// A held slot is not taken again until it is both freed and let go, in either order.
+    /// A held slot is not taken again until it is both freed and let go, in either order,
+    /// as often as it was held.
     #[test]
     fn held_slots_stay_taken_until_let_go() {
         let mut s = Slots::default();
@@ -154,6 +157,19 @@ mod tests {
         s.free(a);
         let b = s.take(0, true).unwrap();
         assert_eq!(b, a, "let go first, then freed");
+        // Held twice (Python counts being read, CUDA probes still to come off): taken
+        // again only once both let go.
+        s.hold(a);
+        s.hold(a);
+        s.free(a);
+        s.unhold(a);
+        assert_ne!(
+            s.take(0, true).unwrap(),
+            a,
+            "taken again while held once more"
+        );
+        s.unhold(a);
+        assert_eq!(s.take(0, true).unwrap(), a, "freed once both let go");
     }
 
     #[test]

@@ -95,6 +95,17 @@ impl Manager {
         error: Option<String>,
     ) -> Option<(Closing, Pending)> {
         let mut s = self.running.remove(id)?;
+        if let Some(a) = self.cuda_starts.remove(id) {
+            // Recorded running before it is recorded ended: the store's writes keep order.
+            self.record(a.info, a.record, a.reply);
+        }
+        if let (Some(c), Some(slot)) = (s.cuda.as_ref(), s.slot) {
+            // Its libraries still being probed come off when they come back
+            // (`CudaReleased`); the slot stays taken until then.
+            for _ in 0..c.libraries_probing() {
+                self.slots.hold(slot);
+            }
+        }
         if let Some(task) = s.expiry.take() {
             task.abort();
         }

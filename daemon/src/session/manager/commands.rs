@@ -80,6 +80,14 @@ pub(super) enum Command {
     /// The processes that map a CUDA library, found off the manager's task for the CUDA
     /// sessions on every process.
     CudaScanned(Vec<u32>),
+    /// A CUDA library's probes for a session, attached off the manager's task.
+    CudaProbed {
+        session: String,
+        probed: crate::session::cuda::CudaProbed,
+    },
+    /// Probes of a CUDA library that came back after their session ended are gone: its
+    /// slot may be taken again.
+    CudaReleased(u8),
     /// The processes that map a Python interpreter, found off the manager's task for the
     /// Python sessions on every process (see `sweep`).
     PythonScanned(Vec<u32>),

@@ -1,11 +1,13 @@
 //! The manager's CUDA: kernel names from the probes' ring, and the CUDA libraries of the
-//! sessions' processes found and probed as they are mapped.
+//! sessions' processes found as they are mapped, and probed off this task (reading
+//! libcuda's symbol table and attaching its probes would hold every request meanwhile).
 
 use std::time::Instant;
 
 use aya::maps::{MapData, RingBuf};
 
 use super::{cuda_processes, Command, Manager};
+use crate::session::cuda::{CudaJob, CudaProbed};
 
 impl Manager {
     pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
@@ -29,7 +31,8 @@ impl Manager {
                 }
             }
         }
-        // Probed now, before the process gets far: the ring's reader is woken per mapping.
+        // Looked at now, before the process gets far (the ring's reader is woken per
+        // mapping); the probes go on as soon as a blocking thread has attached them.
         for (pid, addr, len) in mapped {
             if crate::cuda::mapped_library(pid, addr, len) {
                 self.look_at(pid, "mmap");
@@ -40,6 +43,7 @@ impl Manager {
     /// Looks at one process's mappings for the CUDA sessions that watch it.
     pub(super) fn look_at(&mut self, pid: u32, found_by: &str) {
         let followers = self.bpf.followers(pid);
+        let mut jobs = Vec::new();
         for s in self.running.values_mut() {
             let follows = s.follows_pid();
             let followed = s.slot.is_some_and(|slot| followers & (1 << slot) != 0);
@@ -47,10 +51,46 @@ impl Manager {
                 continue;
             }
             let Some(c) = s.cuda.as_mut() else { continue };
-            if c.look(&mut self.bpf, pid, found_by) || follows {
+            let (maps_cuda, found) = c.look(pid, found_by);
+            if maps_cuda || follows {
                 self.sampling.watch(pid);
             }
+            jobs.extend(found.into_iter().map(|j| (s.id.clone(), j)));
         }
+        self.probe_cuda(jobs);
+    }
+
+    /// Attaches libraries' probes on blocking threads; each comes back as `CudaProbed`.
+    fn probe_cuda(&self, jobs: Vec<(String, CudaJob)>) {
+        for (session, job) in jobs {
+            let attacher = self.bpf.cuda_attacher();
+            let tx = self.tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let probed = job.run(&attacher);
+                // A manager gone (shutdown) drops the probes here, off its task.
+                let _ = tx.blocking_send(Command::CudaProbed { session, probed });
+            });
+        }
+    }
+
+    /// A library's probes are in: the session's, if it still runs (and its start is answered
+    /// once its libraries are probed); else they come off, and the slot it held is let go
+    /// once they are (`CudaReleased`).
+    pub(super) fn cuda_probed(&mut self, session: &str, probed: CudaProbed) {
+        if let Some(c) = self.running.get_mut(session).and_then(|s| s.cuda.as_mut()) {
+            c.adopt(probed);
+            if !c.probing() {
+                if let Some(start) = self.cuda_starts.remove(session) {
+                    self.record(start.info, start.record, start.reply);
+                }
+            }
+            return;
+        }
+        let slot = probed.job.slot;
+        let tx = self.tx.clone();
+        crate::bpf::release(vec![probed.links], move || {
+            let _ = tx.blocking_send(Command::CudaReleased(slot));
+        });
     }
 
     /// Probes the CUDA libraries the sessions' processes map: all of them when a session
@@ -61,6 +101,7 @@ impl Manager {
     pub(super) fn look_for_cuda(&mut self, force: bool, scanned: Option<&[u32]>) {
         let now = Instant::now();
         let mut scan = false;
+        let mut jobs = Vec::new();
         for s in self.running.values_mut() {
             let follows = s.follows_pid();
             let Some(c) = s.cuda.as_mut() else { continue };
@@ -85,11 +126,14 @@ impl Manager {
             for pid in pids {
                 // Launches read their Python call site through the sampling's process
                 // table: the followed processes, or (--all) those that map CUDA.
-                if c.look(&mut self.bpf, pid, found_by) || follows {
+                let (maps_cuda, found) = c.look(pid, found_by);
+                if maps_cuda || follows {
                     self.sampling.watch(pid);
                 }
+                jobs.extend(found.into_iter().map(|j| (s.id.clone(), j)));
             }
         }
+        self.probe_cuda(jobs);
         if scan && !self.cuda_scanning {
             self.cuda_scanning = true;
             let tx = self.tx.clone();

@@ -43,6 +43,13 @@ struct Plan<'a> {
     scope: &'a perf::Scope,
 }
 
+/// A started session's answer, given once it is recorded (`record`).
+pub(super) struct Answer {
+    pub(super) info: SessionInfo,
+    pub(super) record: String,
+    pub(super) reply: Reply<SessionInfo>,
+}
+
 /// What a session measures with, opened at its start.
 struct Sources {
     counting: Option<counting::Counting>,
@@ -113,6 +120,23 @@ impl Manager {
         }
         self.python_start_done(python_ahead, started.is_err());
         match started {
+            // Launches before its libraries are probed would be lost to the caller, who
+            // goes on once answered (`cuda_probed` records it then).
+            Ok((info, record))
+                if self
+                    .running
+                    .get(&info.id)
+                    .and_then(|s| s.cuda.as_ref())
+                    .is_some_and(cuda::CudaSession::probing) =>
+            {
+                let id = info.id.clone();
+                let answer = Answer {
+                    info,
+                    record,
+                    reply,
+                };
+                self.cuda_starts.insert(id, answer);
+            }
             Ok((info, record)) => self.record(info, record, reply),
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -124,7 +148,7 @@ impl Manager {
     /// failed; the start is answered once that is durable (`recorded`). Written in turn with
     /// the store's other writes, off this task: a large report being stored takes hundreds
     /// of ms.
-    fn record(&mut self, info: SessionInfo, record: String, reply: Reply<SessionInfo>) {
+    pub(super) fn record(&mut self, info: SessionInfo, record: String, reply: Reply<SessionInfo>) {
         self.recording += 1;
         let tx = self.tx.clone();
         self.writer.then(move |store| {

@@ -21,6 +21,16 @@ use crate::{
 };
 
 type FileId = (u64, u64);
+
+/// The versions of the interpreters [`Probes`] probed, by file ([`Probes::versions`]).
+pub struct Versions(HashMap<FileId, &'static crate::python::layout::Version>);
+
+impl Versions {
+    /// The version of the interpreter at `path`, if it was probed.
+    pub fn of(&self, path: &Path) -> Option<&'static crate::python::layout::Version> {
+        self.0.get(&file_id(path).ok()?).copied()
+    }
+}
 /// A binary's build id and size ([`crate::binary::build`]).
 type Build = (Vec<u8>, u64);
 
@@ -321,6 +331,16 @@ impl Probes {
     }
 
     /// The runtime of an attached binary.
+    /// The probed interpreters' versions, to read code objects with on another thread.
+    pub fn versions(&self) -> Versions {
+        Versions(
+            self.links
+                .keys()
+                .filter_map(|id| Some((*id, self.inspected.get(id)?.as_ref().ok()?.version)))
+                .collect(),
+        )
+    }
+
     pub fn runtime(&self, path: &Path) -> Option<&Runtime> {
         let id = file_id(path).ok()?;
         self.links

@@ -253,6 +253,34 @@ impl TraceSession {
     }
 }
 
+/// What a code object's names are read with at the end: (pid, code, names id) →
+/// (qualname, filename, firstlineno).
+pub type NameReader = Box<dyn FnMut(u32, u64, u64) -> Option<(String, String, i32)> + Send>;
+
+/// An ended trace, made into the report's on the naming thread: with many functions,
+/// copying and sorting their names took a quarter of a second.
+pub struct TraceEnd {
+    pub session: TraceSession,
+    pub end_ns: u64,
+    /// Names of code objects the kernel never named.
+    pub name: NameReader,
+}
+
+impl super::ReportPart for TraceEnd {
+    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+        let TraceEnd {
+            session,
+            end_ns,
+            name,
+        } = *self;
+        let (trace, write_error) = session.finish(end_ns, name);
+        if let Some(e) = write_error {
+            report.session.error.get_or_insert(e);
+        }
+        report.trace = Some(trace);
+    }
+}
+
 /// Calls still on a thread's shadow stack at the end, as events ending at `end_ns`.
 pub fn unfinished(
     pid: u32,

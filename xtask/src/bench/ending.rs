@@ -1,6 +1,7 @@
 //! `cargo xtask bench ending`: what a session's end costs other clients. A Python program
 //! with N generated functions (1,000 to 150,000, `tests/scripts/many_functions.py`) is
-//! counted with uprobes for 3 s; then, while `tracerctl stop` waits for the session to end
+//! counted with uprobes for 3 s (or traced: the trace's functions are named at its end);
+//! then, while `tracerctl stop` waits for the session to end
 //! (its functions named, its report stored), `tracerctl list` is sent over and over. Printed
 //! side by side: the slowest list then, and the slowest of as many lists sent while the
 //! session simply ran.
@@ -15,18 +16,25 @@ use tracer_tests::ChildGuard;
 
 use super::probes::Daemon;
 
-const SIZES: [usize; 3] = [1_000, 20_000, 150_000];
+/// (mode, functions) of each row.
+const ROWS: [(&str, usize); 5] = [
+    ("counting", 1_000),
+    ("counting", 20_000),
+    ("counting", 150_000),
+    ("tracing", 20_000),
+    ("tracing", 150_000),
+];
 
 pub fn run() -> Result<()> {
-    println!("counting a Python program's calls with uprobes, then stopping; times in ms");
+    println!("a Python program's calls counted or traced with uprobes, then stopped; times in ms");
     println!(
-        "{:>10} {:>9} {:>22} {:>26}",
-        "functions", "end", "slowest list (ending)", "slowest list (running)"
+        "{:>9} {:>10} {:>9} {:>22} {:>26}",
+        "mode", "functions", "end", "slowest list (ending)", "slowest list (running)"
     );
-    for n in SIZES {
-        let row = measure(n)?;
+    for (mode, n) in ROWS {
+        let row = measure(mode, n)?;
         println!(
-            "{n:>10} {:>9.0} {:>22.0} {:>26.0}",
+            "{mode:>9} {n:>10} {:>9.0} {:>22.0} {:>26.0}",
             ms(row.end),
             ms(row.ending),
             ms(row.running)
@@ -45,7 +53,7 @@ struct Row {
     running: Duration,
 }
 
-fn measure(functions: usize) -> Result<Row> {
+fn measure(mode: &str, functions: usize) -> Result<Row> {
     let dir = tempfile::tempdir()?;
     let daemon = Daemon::start(dir.path(), &[])?;
     let program = ChildGuard::spawn_ready(
@@ -54,9 +62,10 @@ fn measure(functions: usize) -> Result<Row> {
             .arg(functions.to_string()),
     );
     let pid = program.pid().to_string();
+    let mode = format!("--mode={mode}");
     let start = [
         "start",
-        "--mode=counting",
+        &mode,
         "--pid",
         &pid,
         "--python",

@@ -12,8 +12,9 @@
 //!   next to an untraced run;
 //! - `probes` (probes.rs): attaching and removing 1 to 1,000 uprobes, multi-uprobe links next
 //!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
-//! - `ending` (ending.rs): the slowest request while a session with 1,000 to 150,000 Python
-//!   functions ends (named, stored), next to the slowest while it runs;
+//! - `ending` (ending.rs): the slowest request while a counting or tracing session with
+//!   1,000 to 150,000 Python functions ends (named, stored), next to the slowest while it
+//!   runs;
 //! - `interpreters` (interpreters.rs): the slowest request while a session on every process
 //!   meets interpreters not probed yet, next to the slowest with none, and what their hold
 //!   at exec costs those programs;

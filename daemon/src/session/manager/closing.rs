@@ -11,6 +11,7 @@ use crate::{
     report::{trace, CudaReport, Report},
     session::{
         python::{FinalCounts, PythonEnd},
+        trace_session::TraceEnd,
         ReportPart,
     },
     store::{writer::Writer, StoreError},
@@ -177,18 +178,17 @@ impl Manager {
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
         report.native = native;
-        if let (Some(t), Some(end_ns)) = (s.trace.take(), trace_end) {
-            let py = &self.py;
-            let (trace, write_error) = t.finish(end_ns, |pid, code, names| {
-                let mapped = memory::runtime_of(pid)?;
-                let rt = py.runtime(&mapped.path)?;
-                memory::checked_code_names(pid, code, names, rt.version)
-            });
-            if let Some(e) = write_error {
-                report.session.error.get_or_insert(e);
+        let trace = s.trace.take().zip(trace_end).map(|(session, end_ns)| {
+            let versions = self.py.versions();
+            TraceEnd {
+                session,
+                end_ns,
+                name: Box::new(move |pid, code, names| {
+                    let mapped = memory::runtime_of(pid)?;
+                    memory::checked_code_names(pid, code, names, versions.of(&mapped.path)?)
+                }),
             }
-            report.trace = Some(trace);
-        }
+        });
         let python = match (s.python.take(), s.slot) {
             (Some(mut py), Some(slot)) => {
                 // Stop counting for this slot before reading it out.
@@ -218,6 +218,7 @@ impl Manager {
             profile.map(|p| Box::new(p) as Box<dyn ReportPart>),
             cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
             python.map(|p| Box::new(p) as Box<dyn ReportPart>),
+            trace.map(|t| Box::new(t) as Box<dyn ReportPart>),
         ]
         .into_iter()
         .flatten()

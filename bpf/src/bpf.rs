@@ -146,6 +146,73 @@ fn reopen<K: aya::Pod, V: aya::Pod>(
     HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(err)
 }
 
+/// The native-call counts map, opened again for reading a session's last counts off the
+/// thread that owns [`Bpf`].
+pub struct NativeMaps {
+    calls: HashMap<MapData, NativeCallKey, u64>,
+}
+
+impl NativeMaps {
+    /// The counts (pid, probe, calls) of `slot`, taken out of the map.
+    pub fn take(&mut self, slot: u8) -> Vec<(u32, u32, u64)> {
+        native_counts(&mut self.calls, slot, true)
+    }
+}
+
+/// The CUDA count maps, opened again for reading a session's last counts off the thread
+/// that owns [`Bpf`].
+pub struct CudaMaps {
+    launches: HashMap<MapData, CudaLaunchKey, u64>,
+    memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
+    gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
+}
+
+impl CudaMaps {
+    /// The launch counts, memory totals and GPU kernel times of `slot`, taken out of the maps.
+    pub fn take(&mut self, slot: u8) -> (CudaCounts, GpuKernelTimes) {
+        (
+            cuda_counts(&mut self.launches, &mut self.memory, slot, true),
+            gpu_kernel_times(&mut self.gpu_kernels, slot, true),
+        )
+    }
+}
+
+/// A session's GPU kernel times (CUPTI), as the kernel keeps them.
+pub type GpuKernelTimes = Vec<(GpuKernelKey, GpuKernelStats)>;
+
+fn cuda_counts(
+    launches: &mut HashMap<MapData, CudaLaunchKey, u64>,
+    memory: &mut HashMap<MapData, CudaMemKey, CudaMemStats>,
+    slot: u8,
+    take: bool,
+) -> CudaCounts {
+    let slot = u32::from(slot);
+    (
+        slot_entries(launches, |k| k.slot == slot, take),
+        slot_entries(memory, |k| k.slot == slot, take),
+    )
+}
+
+fn gpu_kernel_times(
+    map: &mut HashMap<MapData, GpuKernelKey, GpuKernelStats>,
+    slot: u8,
+    take: bool,
+) -> GpuKernelTimes {
+    let slot = u32::from(slot);
+    slot_entries(map, |k| k.slot == slot, take)
+}
+
+fn native_counts(
+    map: &mut HashMap<MapData, NativeCallKey, u64>,
+    slot: u8,
+    take: bool,
+) -> Vec<(u32, u32, u64)> {
+    slot_entries(map, |k| k.slot == u32::from(slot), take)
+        .into_iter()
+        .map(|(k, n)| (k.pid, k.probe, n))
+        .collect()
+}
+
 /// A session's Python counts and caller pairs, as the kernel keeps them.
 pub type PythonCounts = (Vec<(PyCallKey, PyCallStats)>, Vec<(PyEdgeKey, PyCallStats)>);
 
@@ -635,8 +702,6 @@ impl Bpf {
         load_all(&self.programs, names)
     }
 
-    /// What attaches native-call counters, on any thread: attaching thousands of probes,
-    /// to a binary many processes map, takes long.
     /// The Python counting maps, for another thread ([`PythonMaps`]).
     pub fn python_maps(&self) -> Result<PythonMaps, BpfError> {
         Ok(PythonMaps {
@@ -645,6 +710,24 @@ impl Bpf {
         })
     }
 
+    /// The native-call counts map, for another thread ([`NativeMaps`]).
+    pub fn native_maps(&self) -> Result<NativeMaps, BpfError> {
+        Ok(NativeMaps {
+            calls: reopen(&self.native_calls, "NATIVE_CALLS")?,
+        })
+    }
+
+    /// The CUDA launch, memory and GPU-time maps, for another thread ([`CudaMaps`]).
+    pub fn cuda_maps(&self) -> Result<CudaMaps, BpfError> {
+        Ok(CudaMaps {
+            launches: reopen(&self.cuda_launches, "CUDA_LAUNCHES")?,
+            memory: reopen(&self.cuda_memory, "CUDA_MEMORY")?,
+            gpu_kernels: reopen(&self.gpu_kernels, "GPU_KERNELS")?,
+        })
+    }
+
+    /// What attaches native-call counters, on any thread: attaching thousands of probes,
+    /// to a binary many processes map, takes long.
     pub fn native_attacher(&self) -> NativeAttacher {
         NativeAttacher {
             programs: self.programs.clone(),
@@ -675,29 +758,17 @@ impl Bpf {
     /// A session's CUDA launch counts and memory totals, taken out of the kernel maps with
     /// `take`.
     pub fn cuda_counts(&mut self, slot: u8, take: bool) -> CudaCounts {
-        let slot = u32::from(slot);
-        (
-            slot_entries(&mut self.cuda_launches, |k| k.slot == slot, take),
-            slot_entries(&mut self.cuda_memory, |k| k.slot == slot, take),
-        )
+        cuda_counts(&mut self.cuda_launches, &mut self.cuda_memory, slot, take)
     }
 
     /// A session's GPU kernel times (CUPTI), taken out of the map with `take`.
-    pub fn gpu_kernel_times(
-        &mut self,
-        slot: u8,
-        take: bool,
-    ) -> Vec<(GpuKernelKey, GpuKernelStats)> {
-        let slot = u32::from(slot);
-        slot_entries(&mut self.gpu_kernels, |k| k.slot == slot, take)
+    pub fn gpu_kernel_times(&mut self, slot: u8, take: bool) -> GpuKernelTimes {
+        gpu_kernel_times(&mut self.gpu_kernels, slot, take)
     }
 
     /// A session's native call counts (pid, probe, calls), taken out of the map with `take`.
     pub fn native_counts(&mut self, slot: u8, take: bool) -> Vec<(u32, u32, u64)> {
-        slot_entries(&mut self.native_calls, |k| k.slot == u32::from(slot), take)
-            .into_iter()
-            .map(|(k, n)| (k.pid, k.probe, n))
-            .collect()
+        native_counts(&mut self.native_calls, slot, take)
     }
 
     /// The sessions following `pid`, as the kernel has them (children join at fork, before

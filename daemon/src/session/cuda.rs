@@ -12,13 +12,16 @@ use std::{
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
 use crate::{
-    bpf::{Bpf, CudaAttacher, ProbeSet},
+    bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet},
     cuda::{self, Names},
     report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus},
     unwind::ProcMaps,
 };
 
-use super::callers::{Callers, Named, ProcAddr};
+use super::{
+    callers::{Callers, Named, ProcAddr},
+    slots::LastCounts,
+};
 
 /// The event a launch-stacks profile (`--cuda-stacks`) counts: one sample a launch.
 pub const LAUNCH_STACKS: &str = "cuda-launch";
@@ -418,33 +421,28 @@ impl CudaSession {
         all
     }
 
-    /// Takes the session's counts out of the kernel; quick. Naming them is
-    /// [`CudaEnd::finish`]'s work. Probes not taken out with [`Self::take_probes`] are
-    /// detached here first.
-    pub fn end(mut self, bpf: &mut Bpf) -> CudaEnd {
+    /// The session ended: its `counts` (launches, memory, GPU times) are read and named by
+    /// [`CudaEnd::finish`]. Probes not taken out with [`Self::take_probes`] are detached
+    /// here first.
+    pub fn end(mut self, counts: LastCounts<CudaMaps, (CudaCounts, GpuKernelTimes)>) -> CudaEnd {
         drop(self.take_probes());
-        let counts = bpf.cuda_counts(self.slot, true);
-        let times = bpf.gpu_kernel_times(self.slot, true);
-        CudaEnd {
-            cuda: self,
-            counts,
-            times,
-        }
+        CudaEnd { cuda: self, counts }
     }
 }
 
-/// An ended CUDA session's counts, to be named where waiting is fine: native callers are
-/// named from the symbol tables of libraries such as libtorch_cuda (hundreds of MB).
+/// An ended CUDA session's counts, to be read and named where waiting is fine: native
+/// callers are named from the symbol tables of libraries such as libtorch_cuda (hundreds of
+/// MB).
 pub struct CudaEnd {
     cuda: CudaSession,
-    counts: crate::bpf::CudaCounts,
-    times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
+    counts: LastCounts<CudaMaps, (CudaCounts, GpuKernelTimes)>,
 }
 
 impl CudaEnd {
     /// The session's CUDA report, named.
     pub fn finish(self) -> CudaReport {
-        self.cuda.report(self.counts, self.times)
+        let (counts, times) = self.counts.get();
+        self.cuda.report(counts, times)
     }
 }
 

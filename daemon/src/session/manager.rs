@@ -92,6 +92,9 @@ pub struct Manager {
     /// Started CUDA sessions answered once the libraries their processes map are probed
     /// (`CudaProbed`), by session.
     cuda_starts: HashMap<String, start::Answer>,
+    /// Slots whose ended session's probes may have counted after its last reading: their
+    /// native and CUDA maps are emptied of them once the slot is free (`drain`).
+    to_drain: u64,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -164,6 +167,7 @@ impl Manager {
             python_starts: 0,
             late: Vec::new(),
             cuda_starts: HashMap::new(),
+            to_drain: 0,
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
@@ -251,7 +255,7 @@ impl Manager {
                     None => return,
                 }},
                 Some(slot) = detached_rx.recv() => self.free_slot(slot),
-                Some(slot) = counts_read_rx.recv() => self.slots.unhold(slot),
+                Some(slot) = counts_read_rx.recv() => self.let_go(slot),
                 Some(ev) = proc_rx.recv() => {
                     self.drain_codes(codes.get_mut());
                     self.drain_kernel_names(kernel_names.get_mut());
@@ -290,9 +294,8 @@ impl Manager {
             Command::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
             Command::CudaReleased(slot) => {
                 // What they counted after their session ended goes with them.
-                self.bpf.cuda_counts(slot, true);
-                self.bpf.gpu_kernel_times(slot, true);
-                self.slots.unhold(slot);
+                self.to_drain |= 1 << slot;
+                self.let_go(slot);
             }
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
@@ -418,7 +421,9 @@ impl Manager {
             tracing::warn!(%e, slot, "releasing a BPF session slot");
         }
         if probes.iter().all(ProbeSet::is_empty) {
-            self.slots.free(slot);
+            if self.slots.free(slot) {
+                self.drain(slot);
+            }
             return;
         }
         let detached = self.detached.clone();
@@ -427,13 +432,37 @@ impl Manager {
         });
     }
 
-    /// A slot whose session's probes are gone: what they counted since the session ended
-    /// is dropped, and the slot taken again.
+    /// A slot whose session's probes are gone: free once its last counts are read too.
     fn free_slot(&mut self, slot: u8) {
+        self.to_drain |= 1 << slot;
+        if self.slots.free(slot) {
+            self.drain(slot);
+        }
+    }
+
+    /// A held slot let go (`Hold`, `FinalCounts`, `CudaReleased`).
+    fn let_go(&mut self, slot: u8) {
+        if self.slots.unhold(slot) {
+            self.drain(slot);
+        }
+    }
+
+    /// A slot just freed: what its ended session's probes counted after its last counts
+    /// were read is dropped before another session takes it.
+    fn drain(&mut self, slot: u8) {
+        if self.to_drain & (1 << slot) == 0 {
+            return;
+        }
+        self.to_drain &= !(1 << slot);
         self.bpf.native_counts(slot, true);
         self.bpf.cuda_counts(slot, true);
         self.bpf.gpu_kernel_times(slot, true);
-        self.slots.free(slot);
+    }
+
+    /// Holds `slot` until the returned [`super::slots::Hold`] is dropped.
+    fn hold(&mut self, slot: u8) -> super::slots::Hold {
+        self.slots.hold(slot);
+        super::slots::Hold::new(slot, self.counts_read.clone())
     }
 
     /// The session's final state, or None while its profile is named (answered then).

@@ -1,7 +1,8 @@
 //! Counting mode's native source: one session's uprobes on native functions, and its report.
 
+use super::slots::LastCounts;
 use crate::{
-    bpf::{Bpf, NativeAttacher, ProbeSet},
+    bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet},
     error::Error,
     native::NativeTarget,
     report::{NativeCalls, NativeProbe, NativeReport},
@@ -114,11 +115,10 @@ impl NativeSession {
         std::mem::take(&mut self.links)
     }
 
-    /// Takes the session's counts out of the kernel. Probes not taken out with
-    /// [`Self::take_probes`] are detached here first.
-    pub fn finish(mut self, bpf: &mut Bpf, slot: u8) -> NativeReport {
+    /// The report of the session's last `counts` (pid, probe, calls). Probes not taken out
+    /// with [`Self::take_probes`] are detached here first.
+    pub fn finish(mut self, counts: Vec<(u32, u32, u64)>) -> NativeReport {
         drop(self.take_probes());
-        let counts = bpf.native_counts(slot, true);
         let mut calls = self.named(counts);
         calls.sort_by(|a, b| {
             b.calls
@@ -165,4 +165,26 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+/// An ended session's native calls, counted and reported where waiting is fine.
+pub struct NativeEnd {
+    session: NativeSession,
+    counts: LastCounts<NativeMaps, Vec<(u32, u32, u64)>>,
+}
+
+impl NativeEnd {
+    pub fn new(
+        session: NativeSession,
+        counts: LastCounts<NativeMaps, Vec<(u32, u32, u64)>>,
+    ) -> Self {
+        Self { session, counts }
+    }
+}
+
+impl super::ReportPart for NativeEnd {
+    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+        let counts = self.counts.get();
+        report.native = Some(self.session.finish(counts));
+    }
 }

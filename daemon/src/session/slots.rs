@@ -3,6 +3,7 @@
 //! at most a share of each kind, and the last few of each stay free for root, so that no
 //! user can lock root or the others out.
 
+use tokio::sync::mpsc::UnboundedSender;
 use tracer_common::{MAX_PY_SESSIONS, MAX_TRACKED_SESSIONS};
 
 use crate::error::Error;
@@ -15,6 +16,62 @@ pub const USER_FOLLOWING: u32 = 16;
 pub const ROOT_PYTHON: u32 = 2;
 /// Slots of any kind only root may take.
 pub const ROOT_ANY: u32 = 8;
+
+/// A slot kept taken ([`Slots::hold`]) until this is dropped, when it is sent to be let go.
+pub struct Hold {
+    slot: u8,
+    let_go: UnboundedSender<u8>,
+}
+
+impl Hold {
+    /// `slot` must be held already; `let_go` leads to [`Slots::unhold`].
+    pub fn new(slot: u8, let_go: UnboundedSender<u8>) -> Self {
+        Self { slot, let_go }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let _ = self.let_go.send(self.slot);
+    }
+}
+
+/// An ended session's last counts of one kind: read on the manager's task, or read where
+/// waiting is fine from the maps opened again, its slot held until then.
+pub enum LastCounts<M, T> {
+    Read(T),
+    Later(M, Hold),
+}
+
+/// Maps opened again that give a slot's counts.
+pub trait SlotMaps {
+    type Counts;
+    fn take(&mut self, slot: u8) -> Self::Counts;
+}
+
+impl SlotMaps for crate::bpf::NativeMaps {
+    type Counts = Vec<(u32, u32, u64)>;
+    fn take(&mut self, slot: u8) -> Self::Counts {
+        crate::bpf::NativeMaps::take(self, slot)
+    }
+}
+
+impl SlotMaps for crate::bpf::CudaMaps {
+    type Counts = (crate::bpf::CudaCounts, crate::bpf::GpuKernelTimes);
+    fn take(&mut self, slot: u8) -> Self::Counts {
+        crate::bpf::CudaMaps::take(self, slot)
+    }
+}
+
+impl<M: SlotMaps> LastCounts<M, M::Counts> {
+    /// The counts, taken out of the maps if not read yet; the slot is let go after.
+    pub fn get(self) -> M::Counts {
+        match self {
+            Self::Read(counts) => counts,
+            Self::Later(mut maps, hold) => maps.take(hold.slot),
+        }
+    }
+}
 
 pub struct Slots {
     used: u64,
@@ -73,13 +130,15 @@ impl Slots {
         Ok(slot)
     }
 
-    pub fn free(&mut self, slot: u8) {
+    /// Whether the slot is free now (else once it is let go).
+    pub fn free(&mut self, slot: u8) -> bool {
         if self.held[usize::from(slot)] != 0 {
             self.freed |= 1 << slot;
-            return;
+            return false;
         }
         self.used &= !(1 << slot);
         self.python &= !(1 << slot);
+        true
     }
 
     /// Keeps `slot` taken, past `free`, until `unhold`: another session in it would have
@@ -88,14 +147,15 @@ impl Slots {
         self.held[usize::from(slot)] += 1;
     }
 
-    /// Lets `slot` go once every hold is, if it was freed meanwhile.
-    pub fn unhold(&mut self, slot: u8) {
+    /// Lets `slot` go once every hold is, if it was freed meanwhile: whether it is free now.
+    pub fn unhold(&mut self, slot: u8) -> bool {
         let held = &mut self.held[usize::from(slot)];
         *held = held.saturating_sub(1);
         if *held == 0 && self.freed & (1 << slot) != 0 {
             self.freed &= !(1 << slot);
-            self.free(slot);
+            return self.free(slot);
         }
+        false
     }
 
     fn within_quota(&self, uid: u32, python: bool) -> Result<(), Error> {
@@ -148,27 +208,24 @@ mod tests {
         let mut s = Slots::default();
         let a = s.take(0, true).unwrap();
         s.hold(a);
-        s.free(a);
+        assert!(!s.free(a), "free while held");
         assert_ne!(s.take(0, true).unwrap(), a, "taken again while held");
-        s.unhold(a);
+        assert!(s.unhold(a), "not free once let go");
         assert_eq!(s.take(0, true).unwrap(), a, "freed once let go");
         s.hold(a);
-        s.unhold(a);
-        s.free(a);
+        assert!(!s.unhold(a), "free before it was freed");
+        assert!(s.free(a));
         let b = s.take(0, true).unwrap();
         assert_eq!(b, a, "let go first, then freed");
         // Held twice (Python counts being read, CUDA probes still to come off): taken
         // again only once both let go.
         s.hold(a);
         s.hold(a);
-        s.free(a);
-        s.unhold(a);
-        assert_ne!(
-            s.take(0, true).unwrap(),
-            a,
-            "taken again while held once more"
-        );
-        s.unhold(a);
+        assert!(!s.free(a));
+        assert!(!s.unhold(a), "free while held once more");
+        let other = s.take(0, true).unwrap();
+        assert_ne!(other, a, "taken again while held once more");
+        assert!(s.unhold(a));
         assert_eq!(s.take(0, true).unwrap(), a, "freed once both let go");
     }
 

@@ -10,7 +10,9 @@ use super::*;
 use crate::{
     report::{trace, CudaReport, Report},
     session::{
+        native::NativeEnd,
         python::{FinalCounts, PythonEnd},
+        slots::LastCounts,
         trace_session::TraceEnd,
         ReportPart,
     },
@@ -88,6 +90,23 @@ impl Manager {
         }
     }
 
+    /// An ended session's counts in `maps` (opened again), read later with `slot` held;
+    /// read here with `now` if they could not be opened.
+    fn last_counts<M, T>(
+        &mut self,
+        slot: u8,
+        maps: Result<M, crate::bpf::BpfError>,
+        now: impl FnOnce(&mut crate::bpf::Bpf) -> T,
+    ) -> LastCounts<M, T> {
+        match maps {
+            Ok(maps) => LastCounts::Later(maps, self.hold(slot)),
+            Err(e) => {
+                tracing::warn!(%e, "reading a session's last counts on the manager's task instead");
+                LastCounts::Read(now(&mut self.bpf))
+            }
+        }
+    }
+
     /// Ends a running session: final readings, and what is left to make its report.
     pub(super) fn end(
         &mut self,
@@ -125,20 +144,33 @@ impl Manager {
             }
             _ => None,
         };
-        // Counts are read now, probes detached later (`release_after`).
+        // Counts are read off this task, from the maps opened again, the slot held until
+        // then; probes detached later (`release_after`).
         let mut probes = Vec::new();
         let native = match (s.native.take(), s.slot) {
             (Some(mut n), Some(slot)) => {
                 probes.push(n.take_probes());
-                Some(n.finish(&mut self.bpf, slot))
+                let maps = self.bpf.native_maps();
+                let counts = self.last_counts(slot, maps, |bpf| bpf.native_counts(slot, true));
+                Some(NativeEnd::new(n, counts))
             }
             _ => None,
         };
         let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.probing.stacks);
-        let cuda = s.cuda.take().map(|mut c| {
-            probes.push(c.take_probes());
-            c.end(&mut self.bpf)
-        });
+        let cuda = match (s.cuda.take(), s.slot) {
+            (Some(mut c), Some(slot)) => {
+                probes.push(c.take_probes());
+                let maps = self.bpf.cuda_maps();
+                let counts = self.last_counts(slot, maps, |bpf| {
+                    (
+                        bpf.cuda_counts(slot, true),
+                        bpf.gpu_kernel_times(slot, true),
+                    )
+                });
+                Some(c.end(counts))
+            }
+            _ => None,
+        };
         self.update_cuda_masks();
         if let (true, Some(slot)) = (launch_stacks, s.slot) {
             // The launch stacks recorded so far; later ones find no histogram for the slot.
@@ -177,7 +209,6 @@ impl Manager {
             .forks_at_start
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
-        report.native = native;
         let trace = s.trace.take().zip(trace_end).map(|(session, end_ns)| {
             let versions = self.py.versions();
             TraceEnd {
@@ -216,6 +247,7 @@ impl Manager {
         };
         let parts: Vec<Box<dyn ReportPart>> = [
             profile.map(|p| Box::new(p) as Box<dyn ReportPart>),
+            native.map(|n| Box::new(n) as Box<dyn ReportPart>),
             cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
             python.map(|p| Box::new(p) as Box<dyn ReportPart>),
             trace.map(|t| Box::new(t) as Box<dyn ReportPart>),

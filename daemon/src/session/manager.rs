@@ -292,11 +292,7 @@ impl Manager {
                 self.update_python_masks();
             }
             Command::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
-            Command::CudaReleased(slot) => {
-                // What they counted after their session ended goes with them.
-                self.to_drain |= 1 << slot;
-                self.let_go(slot);
-            }
+            Command::CudaReleased(slot) => self.cuda_released(slot),
             Command::CudaScanned(pids) => {
                 self.cuda_scanning = false;
                 self.look_for_cuda(false, Some(&pids));

@@ -87,10 +87,22 @@ impl Manager {
             return;
         }
         let slot = probed.job.slot;
+        if probed.links.is_empty() {
+            // Nothing to wait for (`release` would call back on this task).
+            self.cuda_released(slot);
+            return;
+        }
         let tx = self.tx.clone();
         crate::bpf::release(vec![probed.links], move || {
             let _ = tx.blocking_send(Command::CudaReleased(slot));
         });
+    }
+
+    /// Probes that came back after their session ended are off: what they counted goes
+    /// once the slot is free, and the slot is let go.
+    pub(super) fn cuda_released(&mut self, slot: u8) {
+        self.to_drain |= 1 << slot;
+        self.let_go(slot);
     }
 
     /// Probes the CUDA libraries the sessions' processes map: all of them when a session

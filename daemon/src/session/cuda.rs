@@ -98,19 +98,31 @@ impl CudaJob {
     }
 }
 
-/// The CUPTI injection library's status line in `pid`, mapping the library `id` at `path`.
-fn injection_status(pid: u32, path: &std::path::Path, id: LibraryId) -> String {
-    let read = ProcMaps::read(pid)
-        .map_err(|e| e.to_string())
-        .and_then(|maps| {
-            let mine: Vec<_> = maps
-                .entries()
-                .iter()
-                .filter(|e| (e.dev.0, e.dev.1, e.inode) == id)
-                .collect();
-            cuda::injection_status(pid, path, &mine)
-        });
-    read.unwrap_or_else(|e| format!("error: its status could not be read: {e}"))
+/// The CUPTI injection library's status line in `pid`, mapping the library `id` at `path`
+/// (`maps`: the process's mappings, read here if not given).
+fn injection_status(
+    pid: u32,
+    path: &std::path::Path,
+    id: LibraryId,
+    maps: Option<&ProcMaps>,
+) -> String {
+    let read;
+    let maps = match maps {
+        Some(m) => Ok(m),
+        None => {
+            read = ProcMaps::read(pid);
+            read.as_ref().map_err(ToString::to_string)
+        }
+    };
+    let status = maps.and_then(|maps| {
+        let mine: Vec<_> = maps
+            .entries()
+            .iter()
+            .filter(|e| (e.dev.0, e.dev.1, e.inode) == id)
+            .collect();
+        cuda::injection_status(pid, path, &mine)
+    });
+    status.unwrap_or_else(|e| format!("error: its status could not be read: {e}"))
 }
 
 /// How a session's launches are probed.
@@ -313,7 +325,7 @@ impl CudaSession {
                 continue;
             }
             if cupti {
-                let status = injection_status(pid, &path, id);
+                let status = injection_status(pid, &path, id, Some(&maps));
                 self.injected.insert(pid, status);
             }
         }
@@ -392,7 +404,7 @@ impl CudaSession {
             // Read once its probes are in: set up already (a warm process), or about to
             // be, and then its probe announces it (a read before the attach could miss
             // both, the announcement and the finished line).
-            let status = injection_status(pid, &job.path, job.id);
+            let status = injection_status(pid, &job.path, job.id, None);
             self.injected.insert(pid, status);
         }
     }

@@ -72,7 +72,7 @@ pub struct Manager {
     tx: mpsc::Sender<Command>,
     /// Slots whose ended session's probes are now gone (see `release`).
     detached: mpsc::UnboundedSender<u8>,
-    /// Slots whose ended session's Python counts are read (`FinalCounts`).
+    /// Held slots let go (`Hold`: an ended session's last counts read).
     counts_read: mpsc::UnboundedSender<u8>,
     /// A scan for processes that map CUDA is under way (`CudaScanned`).
     cuda_scanning: bool,
@@ -436,7 +436,7 @@ impl Manager {
         }
     }
 
-    /// A held slot let go (`Hold`, `FinalCounts`, `CudaReleased`).
+    /// A held slot let go (`Hold`, `CudaReleased`).
     fn let_go(&mut self, slot: u8) {
         if self.slots.unhold(slot) {
             self.drain(slot);

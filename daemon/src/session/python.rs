@@ -11,6 +11,7 @@ use tracer_common::{
     PyCallStats, PyCodeEvent, PyEdgeKey, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD,
 };
 
+use super::slots::Hold;
 use crate::{
     bpf::Bpf,
     python::{
@@ -31,6 +32,7 @@ impl Versions {
         self.0.get(&file_id(path).ok()?).copied()
     }
 }
+
 /// A binary's build id and size ([`crate::binary::build`]).
 type Build = (Vec<u8>, u64);
 
@@ -330,7 +332,6 @@ impl Probes {
         file_id(path).is_ok_and(|id| self.links.contains_key(&id))
     }
 
-    /// The runtime of an attached binary.
     /// The probed interpreters' versions, to read code objects with on another thread.
     pub fn versions(&self) -> Versions {
         Versions(
@@ -341,6 +342,7 @@ impl Probes {
         )
     }
 
+    /// The runtime of an attached binary.
     pub fn runtime(&self, path: &Path) -> Option<&Runtime> {
         let id = file_id(path).ok()?;
         self.links
@@ -548,27 +550,20 @@ impl PySession {
     }
 }
 
-/// A Python session's counts, read out at its end: named into the report off the manager.
 /// A session's Python counts still in the kernel maps at its end, read and taken out of
 /// them off the manager's task (300,000 entries took ~60 ms). Its slot stays held until
 /// then; dropped unread, the entries are taken out all the same.
 pub struct FinalCounts {
-    slot: u8,
     maps: Option<crate::bpf::PythonMaps>,
-    /// Where the slot goes once they are read ([`super::slots::Slots::unhold`]).
-    read: tokio::sync::mpsc::UnboundedSender<u8>,
+    /// The slot, taken until they are read.
+    hold: Hold,
 }
 
 impl FinalCounts {
-    pub fn new(
-        slot: u8,
-        maps: crate::bpf::PythonMaps,
-        read: tokio::sync::mpsc::UnboundedSender<u8>,
-    ) -> Self {
+    pub fn new(maps: crate::bpf::PythonMaps, hold: Hold) -> Self {
         Self {
-            slot,
             maps: Some(maps),
-            read,
+            hold,
         }
     }
 
@@ -580,10 +575,11 @@ impl FinalCounts {
         Vec<(u32, u64, u64, PyCallStats)>,
         Vec<(PyEdgeKey, PyCallStats)>,
     ) {
+        let slot = self.hold.slot();
         let (calls, edges) = self
             .maps
             .take()
-            .map(|mut m| m.take(self.slot))
+            .map(|mut m| m.take(slot))
             .unwrap_or_default();
         let calls = calls
             .into_iter()
@@ -594,14 +590,16 @@ impl FinalCounts {
 }
 
 impl Drop for FinalCounts {
+    /// Unread, they are taken out all the same: a later session in the slot would count
+    /// them as its own. The slot is let go after (`hold` drops then).
     fn drop(&mut self) {
         if let Some(mut m) = self.maps.take() {
-            m.take(self.slot);
+            m.take(self.hold.slot());
         }
-        let _ = self.read.send(self.slot);
     }
 }
 
+/// A Python session's counts, read out at its end: named into the report off the manager.
 pub struct PythonEnd {
     pub py: PySession,
     pub counts: Vec<(u32, u64, u64, PyCallStats)>,

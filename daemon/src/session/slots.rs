@@ -28,6 +28,10 @@ impl Hold {
     pub fn new(slot: u8, let_go: UnboundedSender<u8>) -> Self {
         Self { slot, let_go }
     }
+
+    pub fn slot(&self) -> u8 {
+        self.slot
+    }
 }
 
 impl Drop for Hold {
@@ -68,7 +72,7 @@ impl<M: SlotMaps> LastCounts<M, M::Counts> {
     pub fn get(self) -> M::Counts {
         match self {
             Self::Read(counts) => counts,
-            Self::Later(mut maps, hold) => maps.take(hold.slot),
+            Self::Later(mut maps, hold) => maps.take(hold.slot()),
         }
     }
 }

@@ -179,10 +179,7 @@ impl Manager {
         // Python counts are read off this task (`FinalCounts`): the slot stays taken until then.
         let later = match (&s.python, s.slot) {
             (Some(_), Some(slot)) => match self.bpf.python_maps() {
-                Ok(maps) => {
-                    self.slots.hold(slot);
-                    Some(FinalCounts::new(slot, maps, self.counts_read.clone()))
-                }
+                Ok(maps) => Some(FinalCounts::new(maps, self.hold(slot))),
                 Err(e) => {
                     tracing::warn!(%e, "reading a session's Python counts here instead");
                     None

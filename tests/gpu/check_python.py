@@ -3,7 +3,9 @@ machine's distribution python3 in a PyTorch venv). Not part of CI: run by hand, 
 docs/GPU_VALIDATION.md.
 
 usage: check_python.py BIN_DIR   (with the python3 to check first on PATH; as root)
-Prints, per workload, how many functions were compared and every mismatch."""
+Prints, per workload, how many functions were compared and every difference with its reason;
+ends with ALL EXPLAINED when every difference has a known reason (start-up before the hook,
+a count that changes from run to run) and there were no losses, MISMATCHES otherwise."""
 import json
 import os
 import subprocess
@@ -47,7 +49,9 @@ def ours(ctl, script, args, keyed_by_file):
     return got, rep, wall
 
 
-def compare(label, want, got, keep=lambda k: True, primitive=True):
+def compare(label, want, got, keep=lambda k: True, primitive=True, explain=lambda k, w, g: None):
+    """Prints how many of the functions `keep` selects agree; returns whether every difference
+    has a reason `explain` gives."""
     keys = [k for k in want if keep(k)]
     bad = []
     for k in keys:
@@ -55,15 +59,44 @@ def compare(label, want, got, keep=lambda k: True, primitive=True):
         g = got.get(k, (0, 0)) if primitive else (got.get(k, (0, 0))[0], None)
         if w != g:
             bad.append((k, w, g))
-    extra = [k for k in got if keep(k) and k not in want]
+    extra = [(k, None, got[k]) for k in got if keep(k) and k not in want]
     calls = sum(want[k][0] for k in keys)
     print(f"{label}: {len(keys)} functions, {calls} calls compared; "
           f"{len(keys) - len(bad)} equal, {len(bad)} differ, {len(extra)} only in tracer")
-    for k, w, g in bad[:20]:
-        print(f"  differs {k}: cProfile {w} tracer {g}")
-    for k in extra[:10]:
-        print(f"  only in tracer {k}: {got[k]}")
-    return not bad
+    unexplained = 0
+    for i, (k, w, g) in enumerate(bad + extra):
+        why = explain(k, w, g)
+        unexplained += why is None
+        if why is None or i < 30:
+            seen = f"reference {w}" if w else "only in tracer"
+            print(f"  {k}: {seen}, tracer {g}" + (f"  ({why})" if why else "  UNEXPLAINED"))
+    return unexplained == 0
+
+
+# Functions whose count changes from run to run whoever counts.
+NONDETERMINISTIC = {
+    "sympy/multipledispatch/conflict.py:7:supercedes": "orders types by their ids",
+}
+
+
+def startup_files():
+    """Files of the modules loaded before a script's first line (site, .pth files): tracer
+    counts their calls from the process's start, a hook only from when it is installed."""
+    out = subprocess.run([sys.executable, "-c", "import sys\nfor m in list(sys.modules.values()):"
+                          "\n    f = getattr(m, '__file__', None)\n    f and print(f)"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def explained_by(startup):
+    def explain(k, want, got):
+        for tail, why in NONDETERMINISTIC.items():
+            if k.endswith(tail):
+                return why
+        if k.rsplit(":", 2)[0] in startup and (want is None or got[0] > want[0]):
+            return "module loaded at start-up: counted before the hook was installed"
+        return None
+    return explain
 
 
 def main():
@@ -97,14 +130,18 @@ def main():
         tl = os.path.join(HERE, "torch_loop.py")
         got, rep, wall = ours(ctl, tl, [], True)
         in_torch = lambda k: "/torch/" in k or k.startswith(tl + ":")
-        # cProfile sees neither start-up nor exit; the hook sees exit (atexit) too.
-        ok &= compare("torch_loop.py, functions in torch and the script, vs cProfile",
-                      truth("cprofile-all", tl), got, in_torch)
+        # The verdict compares with the hook, which sees start-up (from when it is installed)
+        # and exit. cProfile on 3.12 misses whole functions and reports impossible primitive
+        # counts for this program (docs/GPU_VALIDATION.md), so its comparison is printed only.
+        compare("torch_loop.py vs cProfile (printed, no verdict)", truth("cprofile-all", tl),
+                got, in_torch, explain=lambda *_: "cProfile, no verdict")
         ok &= compare("torch_loop.py, functions in torch and the script, vs profile hook",
-                      truth("hook-all", tl), got, in_torch, primitive=False)
+                      truth("hook-all", tl), got, in_torch, primitive=False,
+                      explain=explained_by(startup_files()))
         print(f"  traced run {wall:.1f} s; losses:", rep["losses"], "unknown names:",
               rep["python"]["unknown_names"], "warnings:", rep["python"].get("warnings"))
-        print("ALL EQUAL" if ok else "MISMATCHES")
+        ok &= not rep["losses"] and rep["python"]["unknown_names"] == 0
+        print("ALL EXPLAINED" if ok else "MISMATCHES")
     finally:
         d.terminate()
         d.wait()

@@ -243,6 +243,11 @@ fn an_overflowing_ring_buffer_loses_exactly_what_it_reports() {
         total_ncalls(&report),
         "produced = delivered + lost"
     );
+    let status = d.ok(&["status", &id]);
+    assert!(
+        status.contains(&format!("{lost} trace_ringbuf_full")),
+        "{status}"
+    );
     let tick = report["python"]["functions"]
         .as_array()
         .unwrap()
@@ -381,6 +386,12 @@ fn a_small_buffer_spills_to_the_file_and_its_limit_counts_losses() {
         in_file + over,
         total_ncalls(&report),
         "kept + over the limit = produced"
+    );
+    // The session's final state says what its report says, the last buffer's events included.
+    let status = d.ok(&["status", &id]);
+    assert!(
+        status.contains(&format!("{over} trace_file_limit")),
+        "{status}"
     );
     // The trace outlives the daemon, like the report.
     let mut d = d;

@@ -8,7 +8,7 @@ use std::{
 };
 
 use tracer_common::{trace_kind, TraceEvent, PY_STACK_DEPTH, TRACE_UNFINISHED};
-use tracer_proto::{counter, Counter, Loss, TracingOptions};
+use tracer_proto::{counter, Counter, Loss, SessionInfo, TracingOptions};
 
 use super::tracing::{self as worker, Limits, Spool};
 use crate::{
@@ -21,6 +21,13 @@ pub const DEFAULT_BUFFER_MB: u32 = 64;
 pub const MAX_BUFFER_MB: u32 = 4096;
 pub const DEFAULT_FILE_MB: u32 = 4096;
 pub const DEFAULT_COUNTER_INTERVAL_MS: u32 = 100;
+
+/// The causes of a trace's own losses ([`TraceSession::losses`]).
+const TRACE_LOSSES: [&str; 3] = [
+    "trace_ringbuf_full",
+    "trace_file_limit",
+    "trace_write_failed",
+];
 
 /// Names of the session's Python functions, as the kernel sends them; shared with live watchers.
 pub type Names = Arc<Mutex<HashMap<(u32, u64, u64), TraceFunction>>>;
@@ -159,10 +166,11 @@ impl TraceSession {
     /// The session's trace-specific losses so far.
     pub fn losses(&self) -> Vec<Loss> {
         let sp = worker::locked(&self.spool);
+        let [full, limit, failed] = TRACE_LOSSES;
         [
-            ("trace_ringbuf_full", sp.kernel_drops),
-            ("trace_file_limit", sp.over_file_limit),
-            ("trace_write_failed", sp.write_failed().0),
+            (full, sp.kernel_drops),
+            (limit, sp.over_file_limit),
+            (failed, sp.write_failed().0),
         ]
         .into_iter()
         .filter(|&(_, n)| n > 0)
@@ -257,22 +265,37 @@ impl TraceSession {
 /// (qualname, filename, firstlineno).
 pub type NameReader = Box<dyn FnMut(u32, u64, u64) -> Option<(String, String, i32)> + Send>;
 
-/// An ended trace, made into the report's on the naming thread: with many functions,
-/// copying and sorting their names took a quarter of a second.
+/// An ended trace, closed and made into the report's on the naming thread: draining the
+/// kernel's last events and waiting for the file took ~25 ms for a busy program, copying and
+/// sorting many functions' names a quarter of a second.
 pub struct TraceEnd {
     pub session: TraceSession,
     pub end_ns: u64,
     /// Names of code objects the kernel never named.
     pub name: NameReader,
+    /// Stops the spool; the slot is held until then.
+    pub closer: worker::Closer,
+    pub hold: super::slots::Hold,
 }
 
-impl super::ReportPart for TraceEnd {
-    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+impl TraceEnd {
+    /// The report's trace, and what the session's final state says of it: its last losses
+    /// (the kernel's last drops, what went past the file's limit) and its size.
+    pub fn fill(self, report: &mut crate::report::Report, info: &mut SessionInfo) {
         let TraceEnd {
             session,
             end_ns,
             name,
-        } = *self;
+            closer,
+            hold,
+        } = self;
+        closer.close();
+        drop(hold);
+        info.losses
+            .retain(|l| !TRACE_LOSSES.contains(&l.cause.as_str()));
+        info.losses.extend(session.losses());
+        (info.trace_events, info.trace_bytes) = session.progress();
+        report.losses = info.losses.iter().map(Into::into).collect();
         let (trace, write_error) = session.finish(end_ns, name);
         if let Some(e) = write_error {
             report.session.error.get_or_insert(e);

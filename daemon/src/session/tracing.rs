@@ -378,14 +378,34 @@ impl Tracing {
         Ok(spool)
     }
 
-    /// Stops recording `slot` (its probes must already be off): drains what the kernel still
-    /// holds, writes the rest to the file, and returns the spool.
-    pub fn finish(&self, slot: u8) -> Option<Arc<Mutex<Spool>>> {
+    /// What stops recording `slot` once its probes are off ([`Closer::close`]), to be run
+    /// where waiting is fine; the slot must stay taken until then.
+    pub fn closer(&self, slot: u8) -> Closer {
+        Closer {
+            state: self.state.clone(),
+            slot,
+        }
+    }
+}
+
+/// Stops recording one slot: see [`Tracing::closer`].
+pub struct Closer {
+    state: Arc<Mutex<State>>,
+    slot: u8,
+}
+
+impl Closer {
+    /// Drains what the kernel still holds, then writes the rest of the slot's events to its
+    /// file and waits for the disk: the file then holds every event kept.
+    pub fn close(self) {
         let mut st = lock(&self.state);
         st.drain(true);
-        let spool = st.sessions.remove(&u32::from(slot))?;
-        lock(&spool).close();
-        Some(spool)
+        let spool = st.sessions.remove(&u32::from(self.slot));
+        // The worker goes on draining other sessions while this file is finished.
+        drop(st);
+        if let Some(spool) = spool {
+            lock(&spool).close();
+        }
     }
 }
 

@@ -22,8 +22,6 @@ use crate::{
 pub(super) struct Closing {
     /// What `list` and `get` show meanwhile.
     pub shown: SessionInfo,
-    /// The final state.
-    pub info: SessionInfo,
     pub ended: watch::Sender<bool>,
     /// `stop` requests, answered at the end.
     pub stops: Vec<Reply<SessionInfo>>,
@@ -31,9 +29,13 @@ pub(super) struct Closing {
 
 /// The report, what is left to name in it, and where else it goes.
 pub(super) struct Pending {
+    /// The final state, but for what `trace` adds.
+    pub info: SessionInfo,
     pub report: Report,
     /// What each source left to name.
     pub parts: Vec<Box<dyn ReportPart>>,
+    /// A trace still to close.
+    pub trace: Option<TraceEnd>,
     /// Pushes the last window of the profile.
     pub continuous: Option<crate::continuous::Running>,
     /// Shown on the Prometheus endpoint.
@@ -45,6 +47,8 @@ pub(super) struct Pending {
 
 /// What the manager keeps of an ended session's report.
 pub(super) struct Done {
+    /// The final state.
+    info: SessionInfo,
     /// The report, if the store did not take it.
     unsaved: Option<(Report, StoreError)>,
     exported: Option<super::metrics::Ended>,
@@ -53,10 +57,13 @@ pub(super) struct Done {
 impl Pending {
     /// Names what is left, and stores the report with the session's final state (a large
     /// report is freed here too).
-    fn settle(self, id: &str, info: &SessionInfo, writer: &Writer) -> Done {
-        let mut report = self.report;
+    fn settle(self, id: &str, writer: &Writer) -> Done {
+        let (mut report, mut info) = (self.report, self.info);
         for part in self.parts {
             part.fill(&mut report);
+        }
+        if let Some(t) = self.trace {
+            t.fill(&mut report, &mut info);
         }
         let pids = report.pids().into_iter().chain(self.pids);
         report.processes.containers = crate::container::attribute(pids);
@@ -68,13 +75,14 @@ impl Pending {
         }
         let exported = self
             .export_prometheus
-            .then(|| super::metrics::Ended::new(info, &report));
+            .then(|| super::metrics::Ended::new(&info, &report));
         let (json, record) = (report.to_json(), info.clone());
         // After the session's running record, which was asked for first.
         let stored = writer
             .wait(move |store| store.put(&record, &json))
             .unwrap_or_else(|| Err(StoreError::Panicked));
         Done {
+            info,
             unsaved: stored.err().map(|e| (report, e)),
             exported,
         }
@@ -206,17 +214,23 @@ impl Manager {
             .forks_at_start
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
-        let trace = s.trace.take().zip(trace_end).map(|(session, end_ns)| {
-            let versions = self.py.versions();
-            TraceEnd {
-                session,
-                end_ns,
-                name: Box::new(move |pid, code, names| {
-                    let mapped = memory::runtime_of(pid)?;
-                    memory::checked_code_names(pid, code, names, versions.of(&mapped.path)?)
-                }),
-            }
-        });
+        let trace = s
+            .trace
+            .take()
+            .zip(trace_end)
+            .map(|(session, (end_ns, slot))| {
+                let versions = self.py.versions();
+                TraceEnd {
+                    session,
+                    end_ns,
+                    closer: self.tracing.closer(slot),
+                    hold: self.hold(slot),
+                    name: Box::new(move |pid, code, names| {
+                        let mapped = memory::runtime_of(pid)?;
+                        memory::checked_code_names(pid, code, names, versions.of(&mapped.path)?)
+                    }),
+                }
+            });
         let python = match (s.python.take(), s.slot) {
             (Some(mut py), Some(slot)) => {
                 // Stop counting for this slot before reading it out.
@@ -247,7 +261,6 @@ impl Manager {
             native.map(|n| Box::new(n) as Box<dyn ReportPart>),
             cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
             python.map(|p| Box::new(p) as Box<dyn ReportPart>),
-            trace.map(|t| Box::new(t) as Box<dyn ReportPart>),
         ]
         .into_iter()
         .flatten()
@@ -259,13 +272,14 @@ impl Manager {
         }
         let closing = Closing {
             shown,
-            info,
             ended: s.ended,
             stops: Vec::new(),
         };
         let pending = Pending {
+            info,
             report,
             parts,
+            trace,
             continuous: s.continuous.take(),
             export_prometheus: s.export_prometheus,
             pids,
@@ -274,8 +288,9 @@ impl Manager {
     }
 
     /// Stops a tracing session's events: probes off, last counter readings, calls still
-    /// running written as unfinished, the kernel's last events drained. Returns the end time.
-    fn close_trace(&mut self, s: &mut Session) -> Option<u64> {
+    /// running written as unfinished. Returns the end time and the slot; the kernel's last
+    /// events are drained later (`TraceEnd`).
+    fn close_trace(&mut self, s: &mut Session) -> Option<(u64, u8)> {
         let follows_pid = s.follows_pid();
         let (t, slot) = (s.trace.as_mut()?, s.slot?);
         // `s` has left `running`: its bit goes.
@@ -313,27 +328,21 @@ impl Manager {
             }
             crate::session::tracing::push_local(&t.spool, &events);
         }
-        self.tracing.finish(slot);
-        Some(end_ns)
+        Some((end_ns, slot))
     }
 
     /// Names and stores `id`'s report on a blocking thread, and ends it when that is done
     /// (during shutdown, here: nobody waits for other answers then).
     pub(super) fn close(&mut self, id: &str, closing: Closing, pending: Pending) {
         if self.shutting_down {
-            let done = pending.settle(id, &closing.info, &self.writer);
+            let done = pending.settle(id, &self.writer);
             self.complete(id, closing, done);
             return;
         }
-        let (tx, id, info, writer) = (
-            self.tx.clone(),
-            id.to_owned(),
-            closing.info.clone(),
-            self.writer.clone(),
-        );
+        let (tx, id, writer) = (self.tx.clone(), id.to_owned(), self.writer.clone());
         self.closing.insert(id.clone(), closing);
         tokio::task::spawn_blocking(move || {
-            let done = Box::new(pending.settle(&id, &info, &writer));
+            let done = Box::new(pending.settle(&id, &writer));
             let _ = tx.blocking_send(Command::Named { id, done });
         });
     }
@@ -357,17 +366,17 @@ impl Manager {
         }
         tracing::info!(
             id,
-            reason = crate::session::end_reason_name(c.info.end_reason),
+            reason = crate::session::end_reason_name(done.info.end_reason),
             "session ended"
         );
-        self.finished.insert(id.to_owned(), c.info.clone());
+        self.finished.insert(id.to_owned(), done.info.clone());
         if self.running.is_empty() {
             // Named in the report now: what is noted of processes gone can go.
             crate::container::forget_exited();
         }
         let _ = c.ended.send(true);
         for stop in c.stops {
-            let _ = stop.send(Ok(c.info.clone()));
+            let _ = stop.send(Ok(done.info.clone()));
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
-use super::{all_pids, Command, Manager, Reply};
+use super::{all_pids, exe_id, Command, Manager, Reply};
 use crate::{
     access::Caller, error::Error, native::NativeTarget, python::memory,
     session::native::NativeSession,
@@ -24,7 +24,7 @@ pub(super) struct Ahead {
     /// (reading every process's mappings takes ~100 ms with 1,500 processes).
     pub(super) cuda_pids: Option<Vec<u32>>,
     /// For a Python session on every process: the processes that map an interpreter now.
-    pub(super) python_pids: Option<Vec<u32>>,
+    pub(super) python_found: Option<Vec<FoundPython>>,
     /// The interpreters a Python session's target maps (every process's, for one on every
     /// process), attached off the manager's task before the start runs.
     pub(super) python_paths: Vec<std::path::PathBuf>,
@@ -121,14 +121,11 @@ impl Manager {
             let natives =
                 resolving.map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
             let cuda_pids = scanning.then(cuda_processes);
-            let python = python_all.then(python_runtimes);
-            let python_pids = python
-                .as_ref()
-                .map(|found| found.iter().map(|(pid, _)| *pid).collect());
-            let mut python_paths: Vec<std::path::PathBuf> = python
-                .into_iter()
+            let python_found = python_all.then(python_processes);
+            let mut python_paths: Vec<std::path::PathBuf> = python_found
+                .iter()
                 .flatten()
-                .map(|(_, path)| path)
+                .map(|f| f.mapped.path.clone())
                 .chain(python_pid.and_then(memory::runtime_of).map(|m| m.path))
                 .collect();
             python_paths.sort_unstable();
@@ -136,7 +133,7 @@ impl Manager {
             let ahead = Ahead {
                 natives,
                 cuda_pids,
-                python_pids,
+                python_found,
                 python_paths,
                 python_ahead: false,
                 attached: None,
@@ -298,7 +295,7 @@ impl Manager {
     }
 
     /// A scan's Python processes, looked at for the sessions on every process.
-    pub(super) fn python_scanned(&mut self, pids: &[u32]) {
+    pub(super) fn python_scanned(&mut self, found: &[FoundPython]) {
         self.python_scanning = false;
         let ids: Vec<String> = self
             .running
@@ -307,8 +304,8 @@ impl Manager {
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
-            for &pid in pids {
-                self.check_session_process(&id, pid, super::python::Met::Late);
+            for f in found {
+                self.check_session_process(&id, f.pid, super::python::Met::Late, Some(f));
             }
         }
     }
@@ -403,16 +400,26 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
     })
 }
 
-/// The processes that map a Python interpreter now.
-pub(super) fn python_processes() -> Vec<u32> {
-    python_runtimes().into_iter().map(|(pid, _)| pid).collect()
+/// A process that maps an interpreter, as a scan off the manager's task found it: what
+/// checking it there would read again (~0.1 ms a process, more for large ones).
+#[derive(Clone, Debug)]
+pub(crate) struct FoundPython {
+    pub(super) pid: u32,
+    /// Its executable ([`exe_id`]), read before its mappings: if it execs in between, the
+    /// next check sees a new executable and looks again.
+    pub(super) exe: (u64, u64),
+    pub(super) mapped: memory::Mapped,
 }
 
-/// The processes that map a Python interpreter now, with the interpreter's path.
-fn python_runtimes() -> Vec<(u32, std::path::PathBuf)> {
+/// The processes that map a Python interpreter now.
+pub(super) fn python_processes() -> Vec<FoundPython> {
     all_pids()
         .into_iter()
-        .filter_map(|pid| Some((pid, memory::runtime_of(pid)?.path)))
+        .filter_map(|pid| {
+            let exe = exe_id(pid);
+            let mapped = memory::runtime_of(pid)?;
+            Some(FoundPython { pid, exe, mapped })
+        })
         .collect()
 }
 

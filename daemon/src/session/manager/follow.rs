@@ -6,6 +6,7 @@ use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK
 use tracer_proto::{target, EndReason};
 
 use super::{
+    ahead::FoundPython,
     python::{LateCheck, Met},
     python_processes, Command, Manager,
 };
@@ -99,7 +100,7 @@ impl Manager {
         }
         let mut waits = false;
         for id in execs {
-            waits |= !self.check_session_process(&id, ev.pid, Met::AtExec);
+            waits |= !self.check_session_process(&id, ev.pid, Met::AtExec, None);
         }
         if ev.kind == PROC_EVENT_EXEC && !waits {
             // The probe stopped it if a Python session follows it (EXEC_HOLD). One whose new
@@ -114,13 +115,20 @@ impl Manager {
         }
     }
 
-    /// Probes the interpreter `pid` runs for session `id`. False when that waits for its
-    /// probes to be attached off this task: the check is kept in `late` until then.
-    pub(super) fn check_session_process(&mut self, id: &str, pid: u32, met: Met) -> bool {
+    /// Probes the interpreter `pid` runs for session `id` (`found`: as a scan read it).
+    /// False when that waits for its probes to be attached off this task: the check is kept
+    /// in `late` until then.
+    pub(super) fn check_session_process(
+        &mut self,
+        id: &str,
+        pid: u32,
+        met: Met,
+        found: Option<&FoundPython>,
+    ) -> bool {
         let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
             return true;
         };
-        let done = self.check_python_process(&mut py, pid, met);
+        let done = self.check_python_process(&mut py, pid, met, found);
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }
@@ -176,7 +184,7 @@ impl Manager {
             };
             let pids: Vec<u32> = s.live.iter().copied().collect();
             for pid in pids {
-                self.check_session_process(&id, pid, Met::Late);
+                self.check_session_process(&id, pid, Met::Late, None);
             }
         }
         let everyone = self

@@ -6,7 +6,7 @@ use aya::maps::{MapData, RingBuf};
 use tracer_common::PyCodeEvent;
 use tracer_proto::target;
 
-use super::{exe_id, python_processes, Command, Manager};
+use super::{ahead::FoundPython, exe_id, python_processes, Command, Manager};
 use crate::{
     error::Error,
     python::memory,
@@ -47,7 +47,7 @@ impl Manager {
         launched: bool,
         inproc: Result<(u8, crate::python::inproc::Counter), String>,
         // Every process's: those that map an interpreter, found ahead.
-        scanned: Option<Vec<u32>>,
+        scanned: Option<Vec<FoundPython>>,
     ) -> Result<PySession, Error> {
         let mut py = PySession::default();
         let way = |pid, way: &str, why: String| crate::report::CountedWay {
@@ -105,8 +105,8 @@ impl Manager {
             }
             None => {
                 let _ = self.py.ensure_known(&mut self.bpf);
-                for pid in scanned.unwrap_or_else(python_processes) {
-                    self.check_python_process(&mut py, pid, Met::AtStart);
+                for found in scanned.unwrap_or_else(python_processes) {
+                    self.check_python_process(&mut py, found.pid, Met::AtStart, Some(&found));
                 }
             }
         }
@@ -115,15 +115,24 @@ impl Manager {
 
     /// Probes the interpreter of `pid` if not yet (once per exec of the process). Returns
     /// false when that waits for its probes to be attached off this task (`LateProbed`): the
-    /// caller checks again then (`recheck_late`).
-    pub(super) fn check_python_process(&mut self, py: &mut PySession, pid: u32, met: Met) -> bool {
-        let exe = exe_id(pid);
+    /// caller checks again then (`recheck_late`). `found`: its executable and interpreter as
+    /// a scan off this task read them, else read here.
+    pub(super) fn check_python_process(
+        &mut self,
+        py: &mut PySession,
+        pid: u32,
+        met: Met,
+        found: Option<&FoundPython>,
+    ) -> bool {
+        let exe = found.map_or_else(|| exe_id(pid), |f| f.exe);
         if py.checked.get(&pid) == Some(&exe) {
             return true;
         }
         // Not marked as checked when no interpreter is mapped yet: right after exec the dynamic
         // loader may not have mapped libpython.
-        let Some(mapped) = memory::runtime_of(pid) else {
+        let Some(mapped) =
+            found.map_or_else(|| memory::runtime_of(pid), |f| Some(f.mapped.clone()))
+        else {
             return true;
         };
         // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
@@ -135,9 +144,14 @@ impl Manager {
             return false;
         }
         if met == Met::AtExec {
+            // Probed before it ran anything: nothing to find later (`Late` would read its
+            // threads again, on this task, for each new process a scan finds).
             if let Some(lib) = needed {
                 match self.py.ensure(&mut self.bpf, &lib) {
-                    Ok(_) => py.note_jit(pid, &self.py, &lib),
+                    Ok(_) => {
+                        py.note_jit(pid, &self.py, &lib);
+                        py.checked.insert(pid, exe);
+                    }
                     Err(why) => py.warnings.push(format!("pid {pid}: {why}")),
                 }
             } else if let Err(why) = self.py.ensure(&mut self.bpf, &mapped.path) {
@@ -147,6 +161,7 @@ impl Manager {
                 }
             } else {
                 py.note_jit(pid, &self.py, &mapped.path);
+                py.checked.insert(pid, exe);
             }
             return true;
         }
@@ -205,7 +220,7 @@ impl Manager {
                 met => met,
             };
             // Waits again (kept in `late`) where that binary's probes are still on their way.
-            self.check_session_process(&w.session, w.pid, met);
+            self.check_session_process(&w.session, w.pid, met, None);
         }
         for w in waited.iter().filter(|w| w.met == Met::AtExec) {
             if !self.late.iter().any(|l| l.pid == w.pid) {

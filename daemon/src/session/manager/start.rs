@@ -209,7 +209,7 @@ impl Manager {
         let Ahead {
             natives,
             cuda_pids,
-            python_pids,
+            python_found,
             ..
         } = ahead;
         let natives = match (attached.is_some(), natives) {
@@ -251,7 +251,7 @@ impl Manager {
             place,
             scope: &scope,
         };
-        let sources = match self.open_sources(&plan, natives, attached, prepared, python_pids) {
+        let sources = match self.open_sources(&plan, natives, attached, prepared, python_found) {
             Ok(s) => s,
             Err(e) => {
                 self.abandon(slot, attached);
@@ -290,7 +290,7 @@ impl Manager {
         natives: Vec<NativeTarget>,
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
-        python_pids: Option<Vec<u32>>,
+        python_found: Option<Vec<ahead::FoundPython>>,
     ) -> Result<Sources, Error> {
         let Plan {
             id,
@@ -339,7 +339,7 @@ impl Manager {
         };
         let python = asked
             .python
-            .then(|| self.start_python(pid, asked.target.launched, inproc, python_pids))
+            .then(|| self.start_python(pid, asked.target.launched, inproc, python_found))
             .transpose()?;
         if let (None, Some(slot)) = (attached.as_ref(), slot.filter(|_| !natives.is_empty())) {
             let attacher = self.bpf.native_attacher();

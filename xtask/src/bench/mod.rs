@@ -13,8 +13,8 @@
 //! - `probes` (probes.rs): attaching and removing 1 to 1,000 uprobes, multi-uprobe links next
 //!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
 //! - `ending` (ending.rs): the slowest request while a counting or tracing session with
-//!   1,000 to 150,000 Python functions ends (named, stored), next to the slowest while it
-//!   runs;
+//!   1,000 to 150,000 Python functions, or one counting 1,000 native functions in 20
+//!   processes, ends (counts read, named, stored), next to the slowest while it runs;
 //! - `interpreters` (interpreters.rs): the slowest request while a session on every process
 //!   meets interpreters not probed yet, next to the slowest with none, and what their hold
 //!   at exec costs those programs;

@@ -28,15 +28,7 @@ const SIZES: [(usize, &str); 4] = [
 
 pub fn run() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let exe = dir.path().join("probe_target");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/native/probe_target.c");
-    let built = Command::new("cc")
-        .args(["-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .status()
-        .context("running cc")?;
-    ensure!(built.success(), "building {}", src.display());
+    let exe = build_target(dir.path())?;
     println!("counting sessions with --uprobe on functions of one binary; times in ms");
     println!(
         "{:<28} {:>6} {:>9} {:>9} {:>14} {:>9}",
@@ -58,6 +50,20 @@ pub fn run() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `tests/native/probe_target.c`, built into `dir`.
+pub(super) fn build_target(dir: &Path) -> Result<PathBuf> {
+    let exe = dir.join("probe_target");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/native/probe_target.c");
+    let built = Command::new("cc")
+        .args(["-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .context("running cc")?;
+    ensure!(built.success(), "building {}", src.display());
+    Ok(exe)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -161,13 +167,13 @@ impl Drop for Daemon {
 
 /// The probed program, started in its own directory (it stops when a file `stop` appears
 /// there).
-struct Target {
+pub(super) struct Target {
     child: Child,
     dir: PathBuf,
 }
 
 impl Target {
-    fn start(exe: &Path) -> Result<Self> {
+    pub(super) fn start(exe: &Path) -> Result<Self> {
         let dir = exe.parent().context("target directory")?.to_owned();
         let mut child = Command::new(exe)
             .current_dir(&dir)
@@ -179,7 +185,11 @@ impl Target {
         Ok(Self { child, dir })
     }
 
-    fn finish(&mut self) -> Result<()> {
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(super) fn finish(&mut self) -> Result<()> {
         std::fs::write(self.dir.join("stop"), "")?;
         let status = self.child.wait()?;
         std::fs::remove_file(self.dir.join("stop"))?;

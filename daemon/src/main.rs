@@ -174,11 +174,18 @@ async fn shutdown_signal() {
 /// a thread's arena). With many threads handling multi-MB buffers, tracerd grew by tens of MB
 /// a thread that way. Fixed thresholds turn the adjustment off: blocks over 256 KiB are
 /// mapped and unmapped on their own.
+///
+/// No fastbins either: a large report freed on a naming thread left hundreds of thousands of
+/// small blocks in the fastbins of the arena the manager's task allocates from, and that
+/// task's next allocation of another size merged them all (`malloc_consolidate`), 17–50 ms
+/// in one session end of three or four with 150,000 functions. Without fastbins, blocks are
+/// merged when freed, by the thread that frees them.
 fn fixed_malloc_thresholds() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only sets allocator parameters; called before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1024 * 1024);
+        libc::mallopt(libc::M_MXFAST, 0);
     }
 }

@@ -132,12 +132,23 @@ impl Manager {
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }
-        if !done && !self.late.iter().any(|l| l.session == id && l.pid == pid) {
-            self.late.push(LateCheck {
-                session: id.to_owned(),
-                pid,
-                met,
-            });
+        if !done {
+            match self
+                .late
+                .iter_mut()
+                .find(|l| l.session == id && l.pid == pid)
+            {
+                // A sweep may have found the process first (`Late`) while its exec event was
+                // still on its way: held at its exec now, it must be continued once checked
+                // (`recheck_late`), or it stays stopped.
+                Some(l) if met == Met::AtExec => l.met = Met::AtExec,
+                Some(_) => {}
+                None => self.late.push(LateCheck {
+                    session: id.to_owned(),
+                    pid,
+                    met,
+                }),
+            }
         }
         done
     }

@@ -165,6 +165,11 @@ impl Host {
             }
             socket.exists()
         });
+        // The TCP listener is bound after the socket: a test that connects at once was
+        // refused now and then.
+        crate::wait_until(20, "tracerd's TCP listener", || {
+            std::net::TcpStream::connect(&addr).is_ok()
+        });
         Host {
             net,
             addr,

@@ -106,6 +106,16 @@ pub fn ptrace_boundary(pid: u32, uid: u32) -> io::Result<Option<String>> {
     Ok(None)
 }
 
+/// Every process's pid (empty if /proc cannot be read).
+pub fn pids() -> Vec<u32> {
+    fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Thread ids of `pid`.
 pub fn threads(pid: u32) -> io::Result<Vec<u32>> {
     let mut tids: Vec<u32> = fs::read_dir(format!("/proc/{pid}/task"))?

@@ -32,7 +32,6 @@ use crate::{
     error::Error,
     native::ProbeLimits,
     process,
-    python::memory,
     report::Report,
     store::{Store, StoreError},
 };
@@ -357,7 +356,7 @@ impl Manager {
         let mask = self
             .running
             .values()
-            .filter(|s| s.trace.is_some())
+            .filter(|s| s.measure.trace().is_some())
             .filter_map(|s| s.slot)
             .fold(0u64, |m, slot| m | 1 << slot);
         if let Err(e) = self.bpf.set_tracing_sessions(mask) {
@@ -368,19 +367,13 @@ impl Manager {
     /// Tracing sessions' perf counter readings, for those whose period has come (all: `force`).
     fn read_trace_counters(&mut self, force: bool) {
         for s in self.running.values_mut() {
-            let (Some(t), Some(c)) = (s.trace.as_mut(), s.counting.as_mut()) else {
-                continue;
-            };
-            if c.is_empty() {
-                continue;
-            }
-            t.read_counters(|| c.read(), force);
+            s.measure.tick(force);
         }
     }
 
     fn subscribe(&mut self, id: &str, caller: Caller) -> Result<Subscription, Error> {
         caller.may_read(self.owner(id)?, id)?;
-        let Some(t) = self.running.get(id).and_then(|s| s.trace.as_ref()) else {
+        let Some(t) = self.running.get(id).and_then(|s| s.measure.trace()) else {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is not a running tracing session"
             )));
@@ -457,8 +450,19 @@ impl Manager {
 
     /// Holds `slot` until the returned [`super::slots::Hold`] is dropped.
     fn hold(&mut self, slot: u8) -> super::slots::Hold {
-        self.slots.hold(slot);
-        super::slots::Hold::new(slot, self.counts_read.clone())
+        self.ends().hold(slot)
+    }
+
+    /// What a mode's end uses of the kernel side.
+    fn ends(&mut self) -> super::modes::Ends<'_> {
+        super::modes::Ends {
+            bpf: &mut self.bpf,
+            sampling: &self.sampling,
+            tracing: &self.tracing,
+            py: &self.py,
+            slots: &mut self.slots,
+            counts_read: &self.counts_read,
+        }
     }
 
     /// The session's final state, or None while its profile is named (answered then).
@@ -619,15 +623,6 @@ const INPROC_WAIT: Duration = Duration::from_millis(1000);
 fn exe_id(pid: u32) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |m| (m.dev(), m.ino()))
-}
-
-fn all_pids() -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// 12 hex digits from the kernel's random pool.

@@ -1,12 +1,15 @@
 //! Sessions: what one client asked to measure, from start to report.
 //!
 //! [`manager`] owns every session in one task; the gRPC service talks to it through a
-//! [`manager::Handle`]. Each mode's sources live in their own module ([`counting`]).
+//! [`manager::Handle`]. A session's mode is a type of its own behind one interface
+//! ([`modes::Measurement`]); the probes any mode may count with (Python, native functions,
+//! CUDA launches) are the session's, each source in its own module.
 
 mod callers;
 pub mod counting;
 pub mod cuda;
 pub mod manager;
+pub mod modes;
 pub mod native;
 pub mod python;
 pub mod sampling;
@@ -32,7 +35,8 @@ pub trait ReportPart: Send {
 /// A running session.
 struct Session {
     id: String,
-    mode: Mode,
+    /// What its mode measures with of its own.
+    measure: Box<dyn modes::Measurement>,
     target: Target,
     duration_ms: u64,
     owner_uid: u32,
@@ -51,24 +55,15 @@ struct Session {
     proc_events: u64,
     /// System-wide sessions: the machine's fork count (since boot) at the start.
     forks_at_start: Option<u64>,
-    counting: Option<counting::Counting>,
     /// Counting Python calls.
     python: Option<python::PySession>,
     /// Counting native function calls.
     native: Option<native::NativeSession>,
-    /// Sampling mode: the perf events driving the sampling program.
-    sampler: Option<crate::sampler::Sampler>,
-    /// Tracing mode: where its events go.
-    trace: Option<trace_session::TraceSession>,
     /// Counting CUDA launches (`--cuda`).
     cuda: Option<cuda::CudaSession>,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,
-    /// Counts shown on the Prometheus endpoint (`--export prometheus`).
-    export_prometheus: bool,
-    /// Continuous profiling: windows pushed to an endpoint.
-    continuous: Option<crate::continuous::Running>,
     ended: watch::Sender<bool>,
     expiry: Option<JoinHandle<()>>,
 }
@@ -98,7 +93,7 @@ impl Session {
         if self.slot.is_none() {
             return Vec::new();
         }
-        let mut out: Vec<Loss> = (0..loss::COUNT)
+        (0..loss::COUNT)
             // Not a loss: reported with the Python results. Trace losses: counted per session.
             .filter(|&i| i != loss::PY_EXIT_INFERRED && i != loss::TRACE_RINGBUF_FULL)
             .filter_map(|i| {
@@ -108,62 +103,30 @@ impl Session {
                     count: n,
                 })
             })
-            .collect();
-        if let Some(t) = &self.trace {
-            out.extend(t.losses());
-        }
-        out
+            .collect()
     }
 
+    /// Its state now; its mode adds what it measured and its own losses.
     fn info(&mut self, losses: &[u64; loss::COUNT as usize]) -> SessionInfo {
-        let (trace_events, trace_bytes) = self
-            .trace
-            .as_ref()
-            .map_or((0, 0), trace_session::TraceSession::progress);
-        SessionInfo {
+        let mut info = SessionInfo {
             id: self.id.clone(),
-            mode: self.mode.into(),
+            mode: self.measure.mode().into(),
             target: Some(self.target),
             state: SessionState::Running.into(),
             end_reason: EndReason::Unspecified.into(),
-            error: String::new(),
             started_unix_ms: self.started_unix_ms,
             elapsed_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             duration_ms: self.duration_ms,
-            counters: self
-                .counting
-                .as_mut()
-                .map(counting::Counting::read)
-                .unwrap_or_default(),
             live_processes: u32::try_from(self.live.len()).unwrap_or(u32::MAX),
             exited_processes: self.exited,
             losses: self.losses(losses),
             owner_uid: self.owner_uid,
             started_by: self.started_by.clone(),
             events: self.proc_events,
-            trace_events,
-            trace_bytes,
-            profiles_pushed: self.continuous.as_ref().map_or(0, |c| {
-                c.stats().pushed.load(std::sync::atomic::Ordering::Relaxed)
-            }),
-            push_failures: self.continuous.as_ref().map_or(0, |c| {
-                c.stats().failed.load(std::sync::atomic::Ordering::Relaxed)
-            }),
-            profiles_dropped: self.continuous.as_ref().map_or(0, |c| {
-                c.stats().dropped.load(std::sync::atomic::Ordering::Relaxed)
-            }),
-            last_push_error: self
-                .continuous
-                .as_ref()
-                .map(|c| {
-                    c.stats()
-                        .last_error
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clone()
-                })
-                .unwrap_or_default(),
-        }
+            ..SessionInfo::default()
+        };
+        self.measure.collect(&mut info);
+        info
     }
 }
 

@@ -5,9 +5,9 @@
 
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
-use super::{all_pids, exe_id, Command, Manager, Reply};
+use super::{exe_id, Command, Manager, Reply};
 use crate::{
-    access::Caller, error::Error, native::NativeTarget, python::memory,
+    access::Caller, error::Error, native::NativeTarget, process, python::memory,
     session::native::NativeSession,
 };
 
@@ -413,7 +413,7 @@ pub(crate) struct FoundPython {
 
 /// The processes that map a Python interpreter now.
 pub(super) fn python_processes() -> Vec<FoundPython> {
-    all_pids()
+    process::pids()
         .into_iter()
         .filter_map(|pid| {
             let exe = exe_id(pid);
@@ -425,7 +425,7 @@ pub(super) fn python_processes() -> Vec<FoundPython> {
 
 /// The processes that map a CUDA library now.
 pub(super) fn cuda_processes() -> Vec<u32> {
-    all_pids()
+    process::pids()
         .into_iter()
         .filter(|&pid| {
             crate::unwind::ProcMaps::read(pid).is_ok_and(|maps| {

@@ -10,6 +10,7 @@ use super::*;
 use crate::{
     report::{trace, CudaReport, Report},
     session::{
+        modes::{Finished, Threads},
         native::NativeEnd,
         python::{FinalCounts, PythonEnd},
         slots::LastCounts,
@@ -115,7 +116,9 @@ impl Manager {
         }
     }
 
-    /// Ends a running session: final readings, and what is left to make its report.
+    /// Ends a running session: final readings, and what is left to make its report. Its
+    /// mode stops and finishes first; then the probes it counted with, which every mode
+    /// ends the same way.
     pub(super) fn end(
         &mut self,
         id: &str,
@@ -137,21 +140,28 @@ impl Manager {
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
-        let trace_end = self.close_trace(&mut s);
+        if s.measure.trace().is_some() {
+            // `s` has left `running`: its bit goes.
+            self.update_trace_masks();
+        }
+        let threads = match (s.python.is_some(), s.follows_pid()) {
+            (false, _) => Threads::None,
+            (true, true) => Threads::Of(&s.live),
+            (true, false) => Threads::InPython,
+        };
+        s.measure.stop(&mut self.ends(), threads);
         let losses =
             crate::session::scoped_losses(&self.bpf, s.owner_uid, s.slot, &self.bpf.losses());
         let mut info = s.info(&losses);
         let shown = info.clone();
-        // Close the counters before anything else can fail.
-        s.counting = None;
-        // Stop sampling; what was sampled is named off this task (`close`).
-        let mut profile = match (s.sampler.take(), s.slot) {
-            (Some(sampler), Some(slot)) => {
-                drop(sampler);
-                self.sampling.end(slot)
-            }
-            _ => None,
-        };
+        let export_prometheus = s.measure.exports_prometheus();
+        // Counters close, sampling stops, a trace is left to close; what they measured is
+        // named off this task (`close`).
+        let Finished {
+            mut profile,
+            trace,
+            continuous,
+        } = s.measure.finish(&mut self.ends());
         // Counts are read off this task, from the maps opened again, the slot held until
         // then; probes detached later (`release_after`).
         let mut probes = Vec::new();
@@ -182,7 +192,10 @@ impl Manager {
         self.update_cuda_masks();
         if let (true, Some(slot)) = (launch_stacks, s.slot) {
             // The launch stacks recorded so far; later ones find no histogram for the slot.
-            profile = self.sampling.end(slot);
+            profile = self
+                .sampling
+                .end(slot)
+                .map(|p| Box::new(p) as Box<dyn ReportPart>);
         }
         // Python counts are read off this task (`FinalCounts`): the slot stays taken until then.
         let later = match (&s.python, s.slot) {
@@ -214,23 +227,6 @@ impl Manager {
             .forks_at_start
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
-        let trace = s
-            .trace
-            .take()
-            .zip(trace_end)
-            .map(|(session, (end_ns, slot))| {
-                let versions = self.py.versions();
-                TraceEnd {
-                    session,
-                    end_ns,
-                    closer: self.tracing.closer(slot),
-                    hold: self.hold(slot),
-                    name: Box::new(move |pid, code, names| {
-                        let mapped = memory::runtime_of(pid)?;
-                        memory::checked_code_names(pid, code, names, versions.of(&mapped.path)?)
-                    }),
-                }
-            });
         let python = match (s.python.take(), s.slot) {
             (Some(mut py), Some(slot)) => {
                 // Stop counting for this slot before reading it out.
@@ -257,7 +253,7 @@ impl Manager {
             _ => None,
         };
         let parts: Vec<Box<dyn ReportPart>> = [
-            profile.map(|p| Box::new(p) as Box<dyn ReportPart>),
+            profile,
             native.map(|n| Box::new(n) as Box<dyn ReportPart>),
             cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
             python.map(|p| Box::new(p) as Box<dyn ReportPart>),
@@ -280,55 +276,11 @@ impl Manager {
             report,
             parts,
             trace,
-            continuous: s.continuous.take(),
-            export_prometheus: s.export_prometheus,
+            continuous,
+            export_prometheus,
             pids,
         };
         Some((closing, pending))
-    }
-
-    /// Stops a tracing session's events: probes off, last counter readings, calls still
-    /// running written as unfinished. Returns the end time and the slot; the kernel's last
-    /// events are drained later (`TraceEnd`).
-    fn close_trace(&mut self, s: &mut Session) -> Option<(u64, u8)> {
-        let follows_pid = s.follows_pid();
-        let (t, slot) = (s.trace.as_mut()?, s.slot?);
-        // `s` has left `running`: its bit goes.
-        self.update_trace_masks();
-        if let Some(c) = s.counting.as_mut().filter(|c| !c.is_empty()) {
-            t.read_counters(|| c.read(), true);
-        }
-        let end_ns = crate::clock::monotonic_ns();
-        if s.python.is_some() {
-            let threads: Vec<(u32, u32)> = if follows_pid {
-                s.live
-                    .iter()
-                    .flat_map(|&pid| {
-                        process::threads(pid)
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(move |tid| (pid, tid))
-                    })
-                    .collect()
-            } else {
-                self.bpf
-                    .py_stacks
-                    .keys()
-                    .filter_map(Result::ok)
-                    .filter_map(|tid| Some((process::tgid(tid)?, tid)))
-                    .collect()
-            };
-            let mut events = Vec::new();
-            for (pid, tid) in threads {
-                if let Ok(stack) = self.bpf.py_stacks.get(&tid, 0) {
-                    events.extend(crate::session::trace_session::unfinished(
-                        pid, tid, &stack, end_ns,
-                    ));
-                }
-            }
-            crate::session::tracing::push_local(&t.spool, &events);
-        }
-        Some((end_ns, slot))
     }
 
     /// Names and stores `id`'s report on a blocking thread, and ends it when that is done

@@ -47,7 +47,7 @@ impl Manager {
                     crate::container::note(ev.pid, true);
                 }
                 PROC_EVENT_EXIT => {
-                    if s.sampler.is_some() || s.cuda.is_some() {
+                    if s.measure.mode() == tracer_proto::Mode::Sampling || s.cuda.is_some() {
                         exited_sampled = true;
                     }
                     if s.live.remove(&ev.pid) {

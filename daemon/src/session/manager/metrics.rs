@@ -78,7 +78,7 @@ impl Manager {
         let mut by_mode = std::collections::BTreeMap::new();
         for s in self.running.values() {
             *by_mode
-                .entry(crate::session::mode_name(s.mode.into()))
+                .entry(crate::session::mode_name(s.measure.mode().into()))
                 .or_insert(0u32) += 1;
         }
         for (mode, n) in by_mode {
@@ -129,7 +129,7 @@ impl Manager {
             let info = s.info(&losses);
             samples.push(info_sample(&info));
             samples.extend(session_samples(&info));
-            if !s.export_prometheus {
+            if !s.measure.exports_prometheus() {
                 continue;
             }
             let slot = s.slot;

@@ -330,7 +330,7 @@ impl Manager {
             if let Some(py) = s.python.as_mut() {
                 py.on_code(&ev, &self.py);
                 if let (Some(t), Some((q, f, line))) =
-                    (&s.trace, py.name(ev.pid, ev.code, ev.names))
+                    (s.measure.trace(), py.name(ev.pid, ev.code, ev.names))
                 {
                     let function = crate::report::trace::TraceFunction {
                         pid: ev.pid,

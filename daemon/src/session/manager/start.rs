@@ -20,7 +20,11 @@ use crate::{
     native::NativeTarget,
     perf, process,
     session::{
-        counting, cuda, native::NativeSession, python::PySession, trace_session::TraceSession,
+        counting, cuda,
+        modes::{CountingSession, Measurement, Opening, SamplingSession, TracingSession},
+        native::NativeSession,
+        python::PySession,
+        trace_session::TraceSession,
         Session,
     },
     store::StoreError,
@@ -50,13 +54,12 @@ pub(super) struct Answer {
     pub(super) reply: Reply<SessionInfo>,
 }
 
-/// What a session measures with, opened at its start.
+/// What a session measures with, opened at its start: its mode's own sources, and the
+/// probes any mode may count with.
 struct Sources {
-    counting: Option<counting::Counting>,
-    sampler: Option<crate::sampler::Sampler>,
+    measure: Box<dyn Measurement>,
     python: Option<PySession>,
     native: Option<NativeSession>,
-    trace: Option<TraceSession>,
 }
 
 impl Manager {
@@ -259,9 +262,9 @@ impl Manager {
             }
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
-        let (cuda, trace_mode) = (session.cuda.is_some(), session.trace.is_some());
+        let (cuda, trace_mode) = (session.cuda.is_some(), session.measure.trace().is_some());
         let info = session.info(&loss_base);
-        let record = persist::running_report(&info, session.trace.as_ref());
+        let record = persist::running_report(&info, session.measure.trace());
         let target = session.target;
         self.running.insert(id.clone(), session);
         tracing::info!(id, target = %crate::session::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
@@ -272,7 +275,11 @@ impl Manager {
         }
         if trace_mode {
             self.update_trace_masks();
-            if let Some(t) = self.running.get_mut(&id).and_then(|s| s.trace.as_mut()) {
+            if let Some(t) = self
+                .running
+                .get_mut(&id)
+                .and_then(|s| s.measure.trace_mut())
+            {
                 // Calls that started before this are not the session's own.
                 t.start_ns = crate::clock::monotonic_ns();
             }
@@ -282,8 +289,9 @@ impl Manager {
     }
 
     /// Opens what the session measures with, in the order each needs the one before: perf
-    /// counters, the target checked alive (it is followed by now), the sampler, Python, the
-    /// native probes (into `attached`, released with the slot on a later refusal), the trace.
+    /// counters, the target checked alive (it is followed by now), a sampling session,
+    /// Python, the native probes (into `attached`, released with the slot on a later
+    /// refusal), and last the mode's type: a tracing session's trace names those probes.
     fn open_sources(
         &mut self,
         plan: &Plan<'_>,
@@ -312,8 +320,20 @@ impl Manager {
         if let Some(pid) = pid.filter(|&p| !process::alive(p)) {
             return Err(Error::NoSuchProcess { pid });
         }
-        let sampler = match (asked.frequency, slot) {
-            (Some(hz), Some(slot)) => Some(self.start_sampler(slot, pid, hz, owner_uid)?),
+        let opening = |slot| Opening {
+            id,
+            slot,
+            pid,
+            owner_uid,
+        };
+        let sampling = match (asked.frequency, slot) {
+            (Some(hz), Some(slot)) => Some(SamplingSession::open(
+                &mut self.bpf,
+                &self.sampling,
+                &opening(slot),
+                hz,
+                asked.push.clone(),
+            )?),
             _ => None,
         };
         if let (true, Some(slot)) = (options.cuda_stacks, slot) {
@@ -353,32 +373,37 @@ impl Manager {
                 tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
             }
         }
-        let trace = match (asked.trace_limits, slot) {
-            (Some((limits, interval)), Some(slot)) => {
-                let spool = self
-                    .tracing
-                    .add(slot, id, limits)
-                    .map_err(|e| Error::io("creating the trace file", e))?;
+        let measure: Box<dyn Measurement> = match (counting, sampling, asked.trace_limits, slot) {
+            (Some(counters), None, None, _) => {
+                Box::new(CountingSession::new(counters, options.export_prometheus))
+            }
+            (None, Some(sampling), None, _) => Box::new(sampling),
+            (Some(counters), None, Some(limits), Some(slot)) => {
                 let probes = attached
                     .as_ref()
                     .map(|a| a.native.labels())
                     .unwrap_or_default();
-                Some(TraceSession::new(
-                    spool,
-                    id,
+                Box::new(TracingSession::open(
+                    &self.tracing,
+                    counters,
+                    &opening(slot),
+                    limits,
                     probes,
-                    interval,
-                    pid.unwrap_or(0),
-                ))
+                )?)
             }
-            _ => None,
+            // Not met: each mode opens its own (counters for counting and tracing, a sampler
+            // for sampling, a trace for tracing) and every mode but counting has a slot.
+            _ => {
+                return Err(Error::FailedPrecondition(format!(
+                    "a {} session's sources do not fit its mode",
+                    crate::session::mode_name(asked.mode.into())
+                )))
+            }
         };
         Ok(Sources {
-            counting,
-            sampler,
+            measure,
             python,
             native: attached.take().map(|a| a.native),
-            trace,
         })
     }
 
@@ -397,11 +422,9 @@ impl Manager {
         caller: &Caller,
     ) -> Session {
         let Sources {
-            counting,
-            sampler,
+            measure,
             python,
             native,
-            trace,
         } = sources;
         let options = &asked.options;
         let (ended, _) = watch::channel(false);
@@ -427,26 +450,14 @@ impl Manager {
                     driver_only: options.cuda_driver_only,
                 },
                 period,
-                trace.as_ref().map(TraceSession::gpu_tracks),
+                measure.trace().map(TraceSession::gpu_tracks),
             )
         });
-        let continuous = match (asked.push, slot) {
-            (Some((endpoint, period)), Some(slot)) => Some(crate::continuous::Running::start(
-                endpoint,
-                period,
-                self.sampling.windows(),
-                slot,
-                id.clone(),
-            )),
-            _ => None,
-        };
         Session {
             command: pid
                 .filter(|_| !asked.target.launched)
                 .and_then(process::comm),
-            export_prometheus: options.export_prometheus,
             id,
-            mode: asked.mode,
             target: asked.target,
             duration_ms: asked.duration_ms,
             owner_uid,
@@ -460,43 +471,14 @@ impl Manager {
             exited: 0,
             proc_events: 0,
             forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
-            counting,
+            measure,
             python,
             native,
-            sampler,
-            trace,
             cuda,
             loss_base,
-            continuous,
             ended,
             expiry,
         }
-    }
-
-    /// Starts a sampling session's perf events and its histogram.
-    fn start_sampler(
-        &mut self,
-        slot: u8,
-        pid: Option<u32>,
-        hz: u64,
-        owner_uid: u32,
-    ) -> Result<crate::sampler::Sampler, Error> {
-        let program = self.bpf.sample_program()?;
-        let sampler = crate::sampler::Sampler::start(
-            std::os::fd::AsFd::as_fd(&program),
-            slot,
-            pid.is_none(),
-            hz,
-        )?;
-        let pids = pid.map_or_else(super::all_pids, |p| vec![p]);
-        self.sampling.add(
-            slot,
-            hz,
-            sampler.event,
-            pids,
-            process::kernel_addresses_for(owner_uid),
-        );
-        Ok(sampler)
     }
 
     /// Refuses `--uprobe` `targets` (one probe per function) beyond the caps: a session's,

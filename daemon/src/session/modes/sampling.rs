@@ -1,0 +1,99 @@
+//! Sampling mode: perf events drive the sampling program; the worker keeps the session's
+//! histogram, and continuous profiling pushes windows of it.
+
+use std::{os::fd::AsFd, sync::atomic::Ordering, time::Duration};
+
+use tracer_proto::{Mode, SessionInfo};
+
+use super::{Ends, Finished, Measurement, Opening};
+use crate::{
+    bpf::Bpf,
+    continuous::{Endpoint, Running},
+    error::Error,
+    process,
+    sampler::Sampler,
+    session::sampling::Sampling,
+};
+
+pub struct SamplingSession {
+    sampler: Sampler,
+    slot: u8,
+    /// Windows pushed to an endpoint (`--push`).
+    continuous: Option<Running>,
+}
+
+impl SamplingSession {
+    /// Starts sampling at `hz` on each CPU: the perf events that drive the sampling
+    /// program, the session's histogram in the worker, and its pusher if it `push`es.
+    pub fn open(
+        bpf: &mut Bpf,
+        sampling: &Sampling,
+        at: &Opening<'_>,
+        hz: u64,
+        push: Option<(Endpoint, Duration)>,
+    ) -> Result<Self, Error> {
+        let program = bpf.sample_program()?;
+        let sampler = Sampler::start(program.as_fd(), at.slot, at.pid.is_none(), hz)?;
+        sampling.add(
+            at.slot,
+            hz,
+            sampler.event,
+            at.pid.map_or_else(process::pids, |p| vec![p]),
+            process::kernel_addresses_for(at.owner_uid),
+        );
+        let continuous = push.map(|(endpoint, period)| {
+            Running::start(
+                endpoint,
+                period,
+                sampling.windows(),
+                at.slot,
+                at.id.to_owned(),
+            )
+        });
+        Ok(Self {
+            sampler,
+            slot: at.slot,
+            continuous,
+        })
+    }
+}
+
+impl Measurement for SamplingSession {
+    fn mode(&self) -> Mode {
+        Mode::Sampling
+    }
+
+    fn collect(&mut self, info: &mut SessionInfo) {
+        let Some(c) = &self.continuous else {
+            return;
+        };
+        let stats = c.stats();
+        info.profiles_pushed = stats.pushed.load(Ordering::Relaxed);
+        info.push_failures = stats.failed.load(Ordering::Relaxed);
+        info.profiles_dropped = stats.dropped.load(Ordering::Relaxed);
+        info.last_push_error = stats
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+    }
+
+    /// Sampling stops; what was sampled is named off the manager's task.
+    fn finish(self: Box<Self>, end: &mut Ends<'_>) -> Finished {
+        let Self {
+            sampler,
+            slot,
+            continuous,
+        } = *self;
+        // The histogram ends once its perf events are closed.
+        drop(sampler);
+        Finished {
+            profile: end
+                .sampling
+                .end(slot)
+                .map(|p| Box::new(p) as Box<dyn crate::session::ReportPart>),
+            trace: None,
+            continuous,
+        }
+    }
+}

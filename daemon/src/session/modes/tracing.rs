@@ -1,0 +1,137 @@
+//! Tracing mode: every call its probes see is an event in the session's trace file, with
+//! its perf counters read as counter events on a period.
+
+use std::time::Duration;
+
+use tracer_proto::{Mode, SessionInfo};
+
+use super::{Ends, Finished, Measurement, Opening, Threads};
+use crate::{
+    error::Error,
+    process,
+    python::memory,
+    session::{
+        counting::Counting,
+        trace_session::{self, TraceEnd, TraceSession},
+        tracing::{push_local, Limits, Tracing},
+    },
+};
+
+pub struct TracingSession {
+    counters: Counting,
+    trace: TraceSession,
+    slot: u8,
+    /// When its events stopped (`stop`).
+    end_ns: Option<u64>,
+}
+
+impl TracingSession {
+    /// Starts the trace: its spool in the tracing worker and its file, within `limits`, its
+    /// `counters` read every `interval`. `probes`: the `--uprobe` functions' labels.
+    pub fn open(
+        tracing: &Tracing,
+        counters: Counting,
+        at: &Opening<'_>,
+        (limits, interval): (Limits, Duration),
+        probes: Vec<String>,
+    ) -> Result<Self, Error> {
+        let spool = tracing
+            .add(at.slot, at.id, limits)
+            .map_err(|e| Error::io("creating the trace file", e))?;
+        Ok(Self {
+            counters,
+            trace: TraceSession::new(spool, at.id, probes, interval, at.pid.unwrap_or(0)),
+            slot: at.slot,
+            end_ns: None,
+        })
+    }
+}
+
+impl Measurement for TracingSession {
+    fn mode(&self) -> Mode {
+        Mode::Tracing
+    }
+
+    fn trace(&self) -> Option<&TraceSession> {
+        Some(&self.trace)
+    }
+
+    fn trace_mut(&mut self) -> Option<&mut TraceSession> {
+        Some(&mut self.trace)
+    }
+
+    /// The counters' readings, once their period has come.
+    fn tick(&mut self, force: bool) {
+        if !self.counters.is_empty() {
+            let c = &mut self.counters;
+            self.trace.read_counters(|| c.read(), force);
+        }
+    }
+
+    fn collect(&mut self, info: &mut SessionInfo) {
+        info.counters = self.counters.read();
+        (info.trace_events, info.trace_bytes) = self.trace.progress();
+        info.losses.extend(self.trace.losses());
+    }
+
+    /// Its probes are off the slot already (the tracing mask): the last counter readings,
+    /// and calls still running written as unfinished. The kernel's last events are drained
+    /// later (`TraceEnd`).
+    fn stop(&mut self, end: &mut Ends<'_>, threads: Threads<'_>) {
+        self.tick(true);
+        let end_ns = crate::clock::monotonic_ns();
+        self.end_ns = Some(end_ns);
+        let threads: Vec<(u32, u32)> = match threads {
+            Threads::None => return,
+            Threads::Of(pids) => pids
+                .iter()
+                .flat_map(|&pid| {
+                    process::threads(pid)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(move |tid| (pid, tid))
+                })
+                .collect(),
+            Threads::InPython => end
+                .bpf
+                .py_stacks
+                .keys()
+                .filter_map(Result::ok)
+                .filter_map(|tid| Some((process::tgid(tid)?, tid)))
+                .collect(),
+        };
+        let mut events = Vec::new();
+        for (pid, tid) in threads {
+            if let Ok(stack) = end.bpf.py_stacks.get(&tid, 0) {
+                events.extend(trace_session::unfinished(pid, tid, &stack, end_ns));
+            }
+        }
+        push_local(&self.trace.spool, &events);
+    }
+
+    /// The trace is closed and its table of functions made off the manager's task; the
+    /// slot stays taken until then.
+    fn finish(self: Box<Self>, end: &mut Ends<'_>) -> Finished {
+        let Self {
+            trace,
+            slot,
+            end_ns,
+            ..
+        } = *self;
+        let versions = end.py.versions();
+        let trace = TraceEnd {
+            session: trace,
+            end_ns: end_ns.unwrap_or_else(crate::clock::monotonic_ns),
+            closer: end.tracing.closer(slot),
+            hold: end.hold(slot),
+            name: Box::new(move |pid, code, names| {
+                let mapped = memory::runtime_of(pid)?;
+                memory::checked_code_names(pid, code, names, versions.of(&mapped.path)?)
+            }),
+        };
+        Finished {
+            trace: Some(trace),
+            ..Finished::default()
+        }
+    }
+}

@@ -582,6 +582,12 @@ impl Bpf {
         let _ = self.held.remove(&pid);
     }
 
+    /// Processes stopped at exec and not continued yet, with when they were stopped
+    /// (CLOCK_MONOTONIC ns).
+    pub fn held(&self) -> Vec<(u32, u64)> {
+        self.held.iter().filter_map(Result::ok).collect()
+    }
+
     /// Another fd of the map of processes stopped at exec, for the guardian.
     pub fn held_fd(&self) -> std::io::Result<OwnedFd> {
         use aya::maps::IterableMap;

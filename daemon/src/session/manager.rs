@@ -94,6 +94,9 @@ pub struct Manager {
     /// Slots whose ended session's probes may have counted after its last reading: their
     /// native and CUDA maps are emptied of them once the slot is free (`drain`).
     to_drain: u64,
+    /// Processes left stopped at exec on purpose: they gained credentials and could not be
+    /// unfollowed (the guardian continues them if tracerd dies).
+    kept_stopped: Vec<u32>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -167,6 +170,7 @@ impl Manager {
             late: Vec::new(),
             cuda_starts: HashMap::new(),
             to_drain: 0,
+            kept_stopped: Vec::new(),
         };
         let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {

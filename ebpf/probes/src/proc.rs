@@ -135,6 +135,8 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
     }
     crate::sample::forget_process(tgid);
     crate::python::inproc_forget(tgid);
+    // Killed while stopped at exec: nobody is to continue it, nor a later process given its pid.
+    let _ = HELD.remove(&tgid);
     // SAFETY: see try_task_newtask.
     let Some(&sessions) = (unsafe { TRACKED.get(&tgid) }) else {
         return Ok(());

@@ -85,6 +85,7 @@ impl Manager {
                 // Still followed: the process must not run on. It stays stopped; killing it
                 // would change what the user ran.
                 tracing::error!(%e, pid = ev.pid, %why, "cannot stop following a process that gained credentials; it stays stopped");
+                self.kept_stopped.push(ev.pid);
                 return;
             }
         }
@@ -154,8 +155,9 @@ impl Manager {
     }
 
     /// Backstop for exit events the kernel could not deliver (counted as losses): processes
-    /// that are gone are treated as exited.
+    /// that are gone are treated as exited. Also continues processes left stopped at exec.
     pub(super) fn sweep(&mut self) {
+        self.continue_forgotten();
         let mut ended = Vec::new();
         for s in self
             .running
@@ -209,5 +211,64 @@ impl Manager {
                 let _ = tx.blocking_send(Command::PythonScanned(python_processes()));
             });
         }
+    }
+
+    /// A process stays stopped at its exec only while its check waits for its interpreter's
+    /// probes (`late`), or when it gained credentials and could not be unfollowed
+    /// (`kept_stopped`). One held long with none pending was lost track of (a bug, as the
+    /// one fixed in `check_session_process`); it goes on rather than stay stopped for good.
+    fn continue_forgotten(&mut self) {
+        let held = self.bpf.held();
+        // Gone from the map once they exit.
+        self.kept_stopped
+            .retain(|pid| held.iter().any(|&(h, _)| h == *pid));
+        let pending: Vec<u32> = self
+            .late
+            .iter()
+            .filter(|l| l.met == Met::AtExec)
+            .map(|l| l.pid)
+            .chain(self.kept_stopped.iter().copied())
+            .collect();
+        let now = crate::clock::monotonic_ns();
+        for pid in forgotten(&held, now, &pending) {
+            tracing::warn!(
+                pid,
+                "a process stopped at its exec had no check pending for it; continued"
+            );
+            self.continue_held(pid);
+        }
+    }
+}
+
+/// Longest a process may stay stopped at its exec with no check pending for it. Its exec
+/// event is handled within milliseconds; this is far beyond any queue of them.
+const HELD_AT_MOST_NS: u64 = 10_000_000_000;
+
+/// Of the processes stopped at exec (`held`: pid, when), those stopped longer than
+/// `HELD_AT_MOST_NS` at `now` with no check `pending`.
+fn forgotten(held: &[(u32, u64)], now: u64, pending: &[u32]) -> Vec<u32> {
+    held.iter()
+        .filter(|&&(pid, at)| now.saturating_sub(at) > HELD_AT_MOST_NS && !pending.contains(&pid))
+        .map(|&(pid, _)| pid)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_long_holds_with_nothing_pending_are_forgotten() {
+        let now = 100 * HELD_AT_MOST_NS;
+        let held = [
+            (1, now - 1),                   // just stopped
+            (2, now - 2 * HELD_AT_MOST_NS), // stopped long ago, nothing pending
+            (3, now - 2 * HELD_AT_MOST_NS), // stopped long ago, its probes on their way
+            (4, now + 5),                   // stopped after `now` was read
+            (5, now - HELD_AT_MOST_NS),     // exactly at the limit
+        ];
+        assert_eq!(forgotten(&held, now, &[3]), vec![2]);
+        assert!(forgotten(&held, now, &[2, 3]).is_empty());
+        assert!(forgotten(&[], now, &[]).is_empty());
     }
 }

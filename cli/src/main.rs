@@ -298,6 +298,9 @@ fn status_err(s: tonic::Status) -> anyhow::Error {
         (m, Some(c)) if !m.contains(&c) => format!("{m}: {c}"),
         (m, _) => m.to_owned(),
     };
+    // The message may quote a name a traced process chose (a path, a `comm`), and it is one
+    // line: escaped whole.
+    let message = tracer_report::escape_controls(&message).into_owned();
     let prefix = match s.code() {
         tonic::Code::Unavailable => "tracerd is unavailable: ",
         tonic::Code::Unauthenticated => "not authenticated: ",

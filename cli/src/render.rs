@@ -1,8 +1,10 @@
-//! Plain-text views of sessions and capabilities.
+//! Plain-text views of sessions and capabilities. Strings from the daemon go through
+//! `esc` where they are formatted: they may carry names a traced process chose.
 
 use std::fmt::Write as _;
 
 use tracer_proto::{counter, target, Capabilities, EndReason, Mode, SessionInfo, SessionState};
+use tracer_report::escape_controls as esc;
 
 pub fn mode(m: i32) -> &'static str {
     match Mode::try_from(m) {
@@ -52,7 +54,7 @@ pub fn list(sessions: &[SessionInfo]) -> String {
         let _ = writeln!(
             out,
             "{:<14} {:<9} {:<12} {:>9}  {}",
-            s.id,
+            esc(&s.id),
             mode(s.mode),
             target(s),
             secs(s.elapsed_ms),
@@ -64,15 +66,15 @@ pub fn list(sessions: &[SessionInfo]) -> String {
 
 pub fn status(s: &SessionInfo) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "session:   {}", s.id);
+    let _ = writeln!(out, "session:   {}", esc(&s.id));
     let _ = writeln!(out, "mode:      {}", mode(s.mode));
     let _ = writeln!(out, "target:    {}", target(s));
     let _ = writeln!(out, "state:     {}", state(s));
     if !s.started_by.is_empty() {
-        let _ = writeln!(out, "by:        {}", s.started_by);
+        let _ = writeln!(out, "by:        {}", esc(&s.started_by));
     }
     if !s.error.is_empty() {
-        let _ = writeln!(out, "error:     {}", s.error);
+        let _ = writeln!(out, "error:     {}", esc(&s.error));
     }
     let dur = if s.duration_ms > 0 {
         format!(" of {}", secs(s.duration_ms))
@@ -105,7 +107,7 @@ pub fn status(s: &SessionInfo) -> String {
             s.profiles_pushed, s.push_failures, s.profiles_dropped
         );
         if !s.last_push_error.is_empty() {
-            let _ = writeln!(out, "push error: {}", s.last_push_error);
+            let _ = writeln!(out, "push error: {}", esc(&s.last_push_error));
         }
     }
     let losses = if s.losses.is_empty() {
@@ -113,7 +115,7 @@ pub fn status(s: &SessionInfo) -> String {
     } else {
         s.losses
             .iter()
-            .map(|l| format!("{} {}", l.count, l.cause))
+            .map(|l| format!("{} {}", l.count, esc(&l.cause)))
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -124,12 +126,12 @@ pub fn status(s: &SessionInfo) -> String {
                 let _ = writeln!(
                     out,
                     "  {:<18} {v} {}",
-                    c.event,
+                    esc(&c.event),
                     if c.unit == "ns" { "ns" } else { "" }
                 );
             }
             Some(counter::Result::Unavailable(why)) => {
-                let _ = writeln!(out, "  {:<18} unavailable: {why}", c.event);
+                let _ = writeln!(out, "  {:<18} unavailable: {}", esc(&c.event), esc(why));
             }
             None => {}
         }
@@ -147,7 +149,7 @@ pub fn progress(s: &SessionInfo) -> String {
     };
     format!(
         "[tracer {}] {} elapsed · {} processes · {} events · {} lost",
-        s.id,
+        esc(&s.id),
         secs(s.elapsed_ms),
         s.live_processes,
         events,
@@ -214,7 +216,11 @@ pub fn capabilities(c: &Capabilities) -> String {
         let _ = writeln!(
             out,
             "  {:<5} {}  (eval loop in {}, {} symbols) {}",
-            i.version, i.path, i.runtime_path, i.symbols, i.support
+            esc(&i.version),
+            esc(&i.path),
+            esc(&i.runtime_path),
+            i.symbols,
+            esc(&i.support)
         );
     }
     out
@@ -233,8 +239,8 @@ pub fn event(e: &tracer_proto::TraceEvent) -> String {
             "{at} {:>7}/{:<7} py     {} ({}:{}) {:.3} ms{}",
             e.pid,
             e.tid,
-            e.name,
-            e.file,
+            esc(&e.name),
+            esc(&e.file),
             e.line,
             e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6,
             if e.exit_inferred {
@@ -243,19 +249,67 @@ pub fn event(e: &tracer_proto::TraceEvent) -> String {
                 ""
             }
         ),
-        Kind::NativeCall => format!("{at} {:>7}/{:<7} native {}", e.pid, e.tid, e.name),
-        Kind::Counter => format!("{at} {:>7}         counter {} = {}", e.pid, e.name, e.value),
-        Kind::CudaLaunch => format!("{at} {:>7}/{:<7} cuda   {}", e.pid, e.tid, e.name),
+        Kind::NativeCall => format!("{at} {:>7}/{:<7} native {}", e.pid, e.tid, esc(&e.name)),
+        Kind::Counter => format!(
+            "{at} {:>7}         counter {} = {}",
+            e.pid,
+            esc(&e.name),
+            e.value
+        ),
+        Kind::CudaLaunch => format!("{at} {:>7}/{:<7} cuda   {}", e.pid, e.tid, esc(&e.name)),
         Kind::CudaMemory => format!(
             "{at} {:>7}/{:<7} cuda   {} {} bytes",
-            e.pid, e.tid, e.name, e.value
+            e.pid,
+            e.tid,
+            esc(&e.name),
+            e.value
         ),
         Kind::GpuKernel => format!(
             "{at} {:>7}         gpu    {} {:.3} ms",
             e.pid,
-            e.name,
+            esc(&e.name),
             e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6
         ),
         Kind::Unspecified => format!("{at} {:>7}/{:<7} ?", e.pid, e.tid),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracer_proto::{trace_event::Kind, Loss, TraceEvent};
+
+    #[test]
+    fn names_from_the_daemon_are_escaped() {
+        let evil = "evil\x1b[2Jname\n\u{9b}31m";
+        let escaped = "evil\\x1b[2Jname\\n\\u{9b}31m";
+        let call = event(&TraceEvent {
+            kind: Kind::PythonCall.into(),
+            name: evil.into(),
+            file: evil.into(),
+            line: 3,
+            ..Default::default()
+        });
+        assert!(call.contains(&format!("{escaped} ({escaped}:3)")), "{call}");
+        let s = SessionInfo {
+            id: "s1".into(),
+            error: evil.into(),
+            losses: vec![Loss {
+                cause: evil.into(),
+                count: 1,
+            }],
+            ..Default::default()
+        };
+        let status = status(&s);
+        assert!(
+            status.contains(&format!("error:     {escaped}\n")),
+            "{status}"
+        );
+        for text in [call, status, list(&[s])] {
+            assert!(
+                !text.chars().any(|c| c.is_control() && c != '\n'),
+                "{text:?}"
+            );
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use super::us;
-use crate::{group, rows_shown, CudaReport};
+use crate::{escape_controls as esc, group, rows_shown, CudaReport};
 
 fn dims(d: [u32; 3]) -> String {
     format!("{}x{}x{}", d[0], d[1], d[2])
@@ -54,23 +54,23 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             out,
             "{:>10}  {:<20} {:>12} {:>12} {:>7} {:>14} {:>8}{}  {}",
             group(l.launches),
-            l.api,
+            esc(&l.api),
             dims(l.grid),
             dims(l.block),
             l.shared_mem,
             format!("{:#x}", l.stream),
             l.pid,
             gpu_col(Some(l)),
-            l.kernel
+            esc(&l.kernel)
         );
         if !l.named_from.is_empty() {
-            let _ = writeln!(out, "{:>10}  (named from its {})", "", l.named_from);
+            let _ = writeln!(out, "{:>10}  (named from its {})", "", esc(&l.named_from));
         }
         if !l.call_site.is_empty() {
-            let _ = writeln!(out, "{:>10}  ← {}", "", l.call_site);
+            let _ = writeln!(out, "{:>10}  ← {}", "", esc(&l.call_site));
         }
         if !l.caller.is_empty() {
-            let _ = writeln!(out, "{:>10}  ← native: {}", "", l.caller);
+            let _ = writeln!(out, "{:>10}  ← native: {}", "", esc(&l.caller));
         }
     }
     if shown < c.launches.len() {
@@ -92,8 +92,8 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
                 "{:>10} {:>16}  {:<22} {:<22} {:>8}",
                 group(m.calls),
                 group(m.bytes),
-                m.api,
-                m.direction,
+                esc(&m.api),
+                esc(&m.direction),
                 m.pid
             );
         }
@@ -107,7 +107,10 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
         let _ = writeln!(
             out,
             " probed {} ({} entry points) in pid {}, {} ms after the start{how}",
-            l.path, l.probes, l.pid, l.found_after_ms
+            esc(&l.path),
+            l.probes,
+            l.pid,
+            l.found_after_ms
         );
     }
     if c.unnamed > 0 {
@@ -120,27 +123,34 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
     gpu_times(out, c, limit);
     match &c.gpu.unavailable {
         Some(why) => {
-            let _ = writeln!(out, " GPU metrics: unavailable: {why}");
+            let _ = writeln!(out, " GPU metrics: unavailable: {}", esc(why));
         }
         None => {
             for d in &c.gpu.devices {
                 let _ = writeln!(
                     out,
                     "\n GPU {} ({}): {} readings every {} ms   min / mean / max",
-                    d.index, d.name, d.samples, c.gpu.period_ms
+                    d.index,
+                    esc(&d.name),
+                    d.samples,
+                    c.gpu.period_ms
                 );
                 for m in &d.metrics {
                     let _ = writeln!(
                         out,
                         "{:>22}  {:>9.1} {:>9.1} {:>9.1} {}",
-                        m.name, m.min, m.mean, m.max, m.unit
+                        esc(&m.name),
+                        m.min,
+                        m.mean,
+                        m.max,
+                        esc(&m.unit)
                     );
                 }
             }
         }
     }
     for w in &c.warnings {
-        let _ = writeln!(out, " warning: {w}");
+        let _ = writeln!(out, " warning: {}", esc(w));
     }
 }
 
@@ -160,7 +170,12 @@ fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
         return;
     }
     for g in &c.gpu_times {
-        let _ = writeln!(out, " GPU kernel times in pid {}: {}", g.pid, g.status);
+        let _ = writeln!(
+            out,
+            " GPU kernel times in pid {}: {}",
+            g.pid,
+            esc(&g.status)
+        );
     }
     let total: u64 = c.gpu_kernels.iter().map(|k| k.total_ns).sum();
     let executions: u64 = c.gpu_kernels.iter().map(|k| k.executions).sum();
@@ -193,7 +208,7 @@ fn gpu_times(out: &mut String, c: &CudaReport, limit: usize) {
             dims(k.block),
             k.device,
             k.pid,
-            k.kernel
+            esc(&k.kernel)
         );
     }
     if shown < c.gpu_kernels.len() {

@@ -1,6 +1,7 @@
 //! A session's report: what it measured, and what it could not. Stored as JSON; rendered as
 //! a table or JSON on request.
 
+mod escape;
 pub mod export;
 pub mod gpu;
 pub mod kernels;
@@ -17,6 +18,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use tracer_proto::{counter, Counter, Loss};
+
+pub use escape::escape_controls;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -388,22 +391,26 @@ impl Report {
             .processes
             .command
             .as_deref()
-            .map(|c| format!(" [{c}]"))
+            .map(|c| format!(" [{}]", escape_controls(c)))
             .unwrap_or_default();
+        // Every string of the report is escaped where it is printed: a report read back
+        // from the store is data, whatever wrote it.
         let _ = writeln!(
             out,
             "session {} · {} · {}{launched}{command}",
-            s.id, s.mode, s.target
+            escape_controls(&s.id),
+            escape_controls(&s.mode),
+            escape_controls(&s.target)
         );
         let _ = writeln!(
             out,
             "{} {} after {}",
-            s.state,
-            s.end_reason,
+            escape_controls(&s.state),
+            escape_controls(&s.end_reason),
             seconds(s.elapsed_ms)
         );
         if let Some(err) = &s.error {
-            let _ = writeln!(out, "error: {err}");
+            let _ = writeln!(out, "error: {}", escape_controls(err));
         }
         if let Some(c) = &self.cuda {
             kernels::table(&mut out, c, limit);
@@ -431,7 +438,7 @@ impl Report {
             let _ = writeln!(
                 out,
                 " Timeline: tracerctl report {} --format chrome -o trace.json (or --format perfetto)",
-                s.id
+                escape_controls(&s.id)
             );
         }
         if !self.counters.is_empty() {
@@ -444,7 +451,7 @@ impl Report {
                             out,
                             "{:>20} msec  {:<18}{}",
                             group_f(ms),
-                            c.event,
+                            escape_controls(&c.event),
                             multiplex_note(c)
                         );
                     }
@@ -453,14 +460,18 @@ impl Report {
                             out,
                             "{:>20}       {:<18}{}",
                             group(v),
-                            c.event,
+                            escape_controls(&c.event),
                             multiplex_note(c)
                         );
                     }
                     (None, why) => {
-                        let why = why.as_deref().unwrap_or("no reading");
-                        let _ =
-                            writeln!(out, "{:>20}       {:<18}{why}", "<not supported>", c.event);
+                        let why = escape_controls(why.as_deref().unwrap_or("no reading"));
+                        let _ = writeln!(
+                            out,
+                            "{:>20}       {:<18}{why}",
+                            "<not supported>",
+                            escape_controls(&c.event)
+                        );
                     }
                 }
             }
@@ -490,7 +501,7 @@ impl Report {
             );
         }
         for u in &self.processes.unfollowed {
-            let _ = writeln!(out, " not followed: {u}");
+            let _ = writeln!(out, " not followed: {}", escape_controls(u));
         }
         if self.losses.is_empty() {
             let _ = writeln!(out, " losses: none");
@@ -498,7 +509,7 @@ impl Report {
             let list: Vec<String> = self
                 .losses
                 .iter()
-                .map(|l| format!("{} {}", group(l.count), l.cause))
+                .map(|l| format!("{} {}", group(l.count), escape_controls(&l.cause)))
                 .collect();
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
@@ -511,17 +522,19 @@ impl Report {
             );
             for c in &self.processes.containers {
                 let o = &c.origin;
-                let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-                let id = o
-                    .container_id
-                    .as_deref()
-                    .map_or("-", |i| &i[..i.len().min(12)]);
+                fn dash(v: &Option<String>) -> std::borrow::Cow<'_, str> {
+                    escape_controls(v.as_deref().unwrap_or("-"))
+                }
+                // The short id, cut on a character boundary: a report read back may hold any.
+                let id = o.container_id.as_deref().map_or("-", |i| {
+                    i.char_indices().nth(12).map_or(i, |(end, _)| &i[..end])
+                });
                 let _ = writeln!(
                     out,
                     "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  {}",
                     c.pid,
                     dash(&o.runtime),
-                    id,
+                    escape_controls(id),
                     dash(&o.pod_uid),
                     dash(&o.qos),
                     dash(&o.hostname)
@@ -569,10 +582,11 @@ fn native_table(out: &mut String, native: &NativeReport, limit: usize) {
         let file = c.binary.rsplit('/').next().unwrap_or(&c.binary);
         let _ = writeln!(
             out,
-            "{:>14}  {:>8}  {} ({file})",
+            "{:>14}  {:>8}  {} ({})",
             group(c.calls),
             c.pid,
-            c.symbol
+            escape_controls(&c.symbol),
+            escape_controls(file)
         );
     }
     if native.calls.len() > shown {
@@ -597,7 +611,7 @@ fn native_table(out: &mut String, native: &NativeReport, limit: usize) {
         let _ = writeln!(out, " {never} probed functions were not called");
     }
     for n in &native.not_probed {
-        let _ = writeln!(out, " not probed: {n}");
+        let _ = writeln!(out, " not probed: {}", escape_controls(n));
     }
 }
 
@@ -658,9 +672,9 @@ fn py_table(out: &mut String, py: &PythonReport, limit: usize) {
             secs(f.cumtime_ns),
             secs(f.cumtime_ns) / f.primitive_calls.max(1) as f64,
             f.pid,
-            f.filename,
+            escape_controls(&f.filename),
             f.firstlineno,
-            f.qualname
+            escape_controls(&f.qualname)
         );
     }
     if shown < py.functions.len() {
@@ -681,10 +695,16 @@ fn py_table(out: &mut String, py: &PythonReport, limit: usize) {
         );
     }
     for c in &py.counted {
-        let _ = writeln!(out, " pid {} counted {}: {}", c.pid, c.way, c.why);
+        let _ = writeln!(
+            out,
+            " pid {} counted {}: {}",
+            c.pid,
+            escape_controls(&c.way),
+            escape_controls(&c.why)
+        );
     }
     for w in &py.warnings {
-        let _ = writeln!(out, " warning: {w}");
+        let _ = writeln!(out, " warning: {}", escape_controls(w));
     }
 }
 
@@ -733,45 +753,4 @@ fn group_f(v: f64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers_are_grouped() {
-        assert_eq!(group(0), "0");
-        assert_eq!(group(999), "999");
-        assert_eq!(group(1000), "1,000");
-        assert_eq!(group(1_234_567), "1,234,567");
-        assert_eq!(group_f(1234.5), "1,234.50");
-    }
-
-    #[test]
-    fn unavailable_counters_are_never_zero() {
-        let r = Report {
-            counters: vec![
-                CounterResult::from(&Counter {
-                    event: "cycles".into(),
-                    result: Some(counter::Result::Unavailable("no PMU".into())),
-                    unit: "count".into(),
-                    ..Default::default()
-                }),
-                CounterResult::from(&Counter {
-                    event: "page-faults".into(),
-                    result: Some(counter::Result::Value(1234)),
-                    unit: "count".into(),
-                    time_enabled_ns: 10,
-                    time_running_ns: 10,
-                }),
-            ],
-            ..Default::default()
-        };
-        let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
-        assert_eq!(json["counters"][0]["unavailable"], "no PMU");
-        assert!(json["counters"][0].get("value").is_none());
-        assert_eq!(json["counters"][1]["value"], 1234);
-        let table = r.to_table();
-        assert!(table.contains("<not supported>       cycles"), "{table}");
-        assert!(table.contains("1,234       page-faults"), "{table}");
-        assert_eq!(Report::from_json(&r.to_json()).unwrap(), r);
-    }
-}
+mod tests;

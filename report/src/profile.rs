@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::escape_controls;
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Profile {
     /// What was sampled: `cpu-clock`, or `cycles` where the machine has a PMU.
@@ -156,13 +158,13 @@ impl Profile {
             0 => writeln!(
                 out,
                 "\n Stacks of {total} {}es, {} distinct (self: launched from there; total: from there or below)\n",
-                self.event,
+                escape_controls(&self.event),
                 self.stacks.len()
             ),
             hz => writeln!(
                 out,
                 "\n Stack samples: {total} at {hz} Hz ({}), {} distinct stacks\n",
-                self.event,
+                escape_controls(&self.event),
                 self.stacks.len()
             ),
         };
@@ -173,11 +175,14 @@ impl Profile {
         );
         let shown = if limit == 0 { 25 } else { limit };
         for (label, (own, all)) in rows.iter().take(shown) {
+            // Escaped here, not in `Frame::label`: folded stacks and the other exports keep
+            // names as data.
             let _ = writeln!(
                 out,
-                "{own:>8} {:>6.1}% {all:>8} {:>6.1}%  {label}",
+                "{own:>8} {:>6.1}% {all:>8} {:>6.1}%  {}",
                 pct(*own),
-                pct(*all)
+                pct(*all),
+                escape_controls(label)
             );
         }
         if rows.len() > shown {
@@ -199,10 +204,10 @@ impl Profile {
             u.python_complete
         );
         for (why, n) in &u.failed {
-            let _ = writeln!(out, "   {n} stopped early: {why}");
+            let _ = writeln!(out, "   {n} stopped early: {}", escape_controls(why));
         }
         for note in &u.notes {
-            let _ = writeln!(out, "   note: {note}");
+            let _ = writeln!(out, "   note: {}", escape_controls(note));
         }
     }
 }

@@ -4,6 +4,7 @@
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde_json::{json, Map, Value};
+use tracer_report::escape_controls as esc;
 
 /// How one section of a report merges: where its rows are, which fields identify a row
 /// across hosts, and which are summed.
@@ -172,18 +173,20 @@ pub fn table(merged: &Value, limit: usize) -> String {
         names.len(),
         hosts.len()
     );
+    // Hosts' reports are data: every string is escaped where it is printed.
+    let s = |v: &Value| esc(v.as_str().unwrap_or("")).into_owned();
     for h in &hosts {
-        let name = h["host"].as_str().unwrap_or("?");
+        let name = esc(h["host"].as_str().unwrap_or("?"));
         match h["error"].as_str() {
             Some(e) => {
-                let _ = writeln!(out, "  {name}: FAILED: {e}");
+                let _ = writeln!(out, "  {name}: FAILED: {}", esc(e));
             }
             None => {
                 let _ = writeln!(
                     out,
                     "  {name}: session {} {}, clock {:+.3} ms from this machine's",
-                    h["session"].as_str().unwrap_or("-"),
-                    h["state"].as_str().unwrap_or("?"),
+                    esc(h["session"].as_str().unwrap_or("-")),
+                    esc(h["state"].as_str().unwrap_or("?")),
                     h["clock_offset_ms"].as_f64().unwrap_or(0.0)
                 );
             }
@@ -198,7 +201,7 @@ pub fn table(merged: &Value, limit: usize) -> String {
         let _ = writeln!(out, "\n{title}");
         let _ = write!(out, "{:>14}", "total");
         for n in &names {
-            let _ = write!(out, " {:>14}", truncate(n, 14));
+            let _ = write!(out, " {:>14}", truncate(&esc(n), 14));
         }
         let _ = writeln!(out, "  what");
         let shown = if limit == 0 {
@@ -218,7 +221,6 @@ pub fn table(merged: &Value, limit: usize) -> String {
             let _ = writeln!(out, "  … {} more (--limit 0 shows all)", rows.len() - shown);
         }
     };
-    let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
     section(
         &mut out,
         "perf counters",

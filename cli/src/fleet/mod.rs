@@ -19,6 +19,7 @@ use tracer_proto::{
     GetCapabilitiesRequest, GetReportRequest, ReportFormat, SessionInfo, StartSessionRequest,
     WatchSessionRequest,
 };
+use tracer_report::escape_controls as esc;
 
 use crate::client::{self, Client, Remote};
 
@@ -160,7 +161,7 @@ pub async fn start(
         hosts.len(),
         running
             .iter()
-            .map(|(p, i)| format!("; {} {}", p.host, i.id))
+            .map(|(p, i)| format!("; {} {}", p.host, esc(&i.id)))
             .collect::<String>()
     );
     // Ctrl-C stops every host's session; the reports are then merged as usual.
@@ -217,7 +218,7 @@ pub async fn start(
     done.sort_by_key(|d| hosts.iter().position(|h| *h == d.0));
     failed.sort_by_key(|f| hosts.iter().position(|h| *h == f.0));
     for (host, e) in &failed {
-        eprintln!("tracerctl: {host}: {e}");
+        eprintln!("tracerctl: {host}: {}", esc(e));
     }
     if done.is_empty() {
         bail!("no host completed the session");

@@ -95,6 +95,20 @@ pub async fn run(
         None => None,
     };
     let store = Store::open(&config.state_dir)?;
+    // In-process counters' directories are written down here; what a killed tracerd left is
+    // swept off the start's path (removal scripts may take seconds to run).
+    match crate::python::inproc::set_journal(&config.state_dir.join("inproc")) {
+        Ok(()) => {
+            std::thread::spawn(|| {
+                for line in crate::python::inproc::sweep() {
+                    tracing::info!("sweeping in-process counters left before: {line}");
+                }
+            });
+        }
+        Err(e) => {
+            tracing::warn!(%e, "in-process counters' journal unavailable: a killed tracerd's files would stay")
+        }
+    }
     let ring_mb = config.trace_ring_mb;
     if !ring_mb.is_power_of_two() || ring_mb > 1024 {
         return Err(DaemonError::BadTraceRing(ring_mb));

@@ -7,6 +7,7 @@ pub mod binary;
 pub mod container;
 pub mod cuda;
 pub mod native;
+pub mod pinned;
 pub mod plt;
 pub mod process;
 pub mod python;

@@ -179,6 +179,20 @@ pub fn parent(pid: u32) -> Option<u32> {
         .ok()
 }
 
+/// Whether `pid` is a live descendant of one of `ancestors` now, by its chain of parents (at
+/// most 64 steps; a process whose parent exited was given to another and is no one's here).
+pub fn descends_from(pid: u32, ancestors: &[u32]) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        match parent(p) {
+            Some(up) if ancestors.contains(&up) => return true,
+            Some(up) if up > 1 => p = up,
+            _ => return false,
+        }
+    }
+    false
+}
+
 /// The command name of `pid`, for reports.
 pub fn comm(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/comm"))

@@ -22,7 +22,7 @@ mod metrics;
 mod persist;
 mod python;
 mod start;
-use ahead::{counts_python, cuda_processes, python_processes};
+use ahead::{counts_python, cuda_processes};
 use commands::{Command, Prepared, Reply};
 pub use commands::{Fetched, Handle, SharedStore, Subscription};
 
@@ -312,7 +312,10 @@ impl Manager {
                 self.start(req, caller, ahead, &mut prepared, reply);
                 // Refused after all (bad options, no slot): the counter goes again.
                 if let Some(Prepared { counter: Ok(c), .. }) = prepared {
-                    std::thread::spawn(move || c.finish());
+                    std::thread::spawn(move || {
+                        let pid = c.pid;
+                        c.finish(&|p| p == pid)
+                    });
                 }
             }
             Command::Named { id, done } => self.named(&id, *done),

@@ -423,9 +423,15 @@ pub struct PySession {
     pub warnings: Vec<String>,
     /// Processes counted in-process (CPython 3.14+, see `python::inproc`).
     pub inproc: Vec<crate::python::inproc::Counter>,
+    /// Followed processes that exited, while some are counted in-process: their children's
+    /// counts files are read at the end only for processes the session followed.
+    pub gone: std::collections::HashSet<u32>,
     /// How each process named by pid is counted, and why.
     pub counted: Vec<crate::report::CountedWay>,
 }
+
+/// Exited processes kept in [`PySession::gone`], at most.
+const MAX_GONE: usize = 65_536;
 
 fn c_str(bytes: &[u8]) -> String {
     let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
@@ -433,6 +439,13 @@ fn c_str(bytes: &[u8]) -> String {
 }
 
 impl PySession {
+    /// A followed process exited.
+    pub fn exited(&mut self, pid: u32) {
+        if !self.inproc.is_empty() && self.gone.len() < MAX_GONE {
+            self.gone.insert(pid);
+        }
+    }
+
     /// Says in the report when `pid` runs CPython's JIT, which makes its counts inexact.
     pub fn note_jit(&mut self, pid: u32, probes: &Probes, runtime: &Path) {
         let built_in = probes.runtime(runtime).is_some_and(|rt| rt.jit_built_in);
@@ -606,8 +619,9 @@ pub struct PythonEnd {
     pub edges: Vec<(PyEdgeKey, PyCallStats)>,
     /// The counts and caller pairs, when they are read at `fill` rather than at the end.
     pub later: Option<FinalCounts>,
-    /// What the in-process counters counted.
-    pub inproc: Vec<crate::python::inproc::Counts>,
+    /// The processes the session followed, now or before: whose counts files its
+    /// in-process counters (`py.inproc`) read at the end.
+    pub followed: std::collections::HashSet<u32>,
     /// Calls whose return the probes inferred rather than saw.
     pub inferred_exits: u64,
 }
@@ -616,13 +630,26 @@ impl PythonEnd {
     /// The report's Python part: every function named, most time first.
     pub fn report(self) -> PythonReport {
         let Self {
-            py,
+            mut py,
             mut counts,
             mut edges,
             later,
-            inproc,
+            followed,
             inferred_exits,
         } = self;
+        let mut refused = Vec::new();
+        // Children forked before the kernel followed the target (its counter started as
+        // soon as a safe point came) are its descendants all the same.
+        let targets: Vec<u32> = py.inproc.iter().map(|c| c.pid).collect();
+        let follows = |p| followed.contains(&p) || crate::process::descends_from(p, &targets);
+        let inproc: Vec<_> = std::mem::take(&mut py.inproc)
+            .into_iter()
+            .flat_map(|c| {
+                let f = c.finish(&follows);
+                refused.extend(f.refused);
+                f.counts
+            })
+            .collect();
         if let Some(later) = later {
             (counts, edges) = later.take();
         }
@@ -643,7 +670,14 @@ impl PythonEnd {
                 ));
             }
         }
-        functions.extend(inproc_functions(inproc));
+        warnings.extend(refused);
+        let (inproc, unnamed) = inproc_functions(inproc);
+        if unnamed > 0 {
+            warnings.push(format!(
+                "{unnamed} callers of in-process counted functions are shown by code object: their names were over tracer's budget"
+            ));
+        }
+        functions.extend(inproc);
         crate::report::sort_functions(&mut functions, "tottime");
         if functions.is_empty() && !seen_interpreter {
             warnings.push(
@@ -666,22 +700,34 @@ impl super::ReportPart for PythonEnd {
     }
 }
 
+/// Bytes of caller names the report's in-process part may hold, all processes together:
+/// each pair names its caller, and a counter's user could make every name long.
+const CALLER_NAME_BYTES: usize = 64 << 20;
+
 /// The report's functions from in-process counters: callers are named from the same
-/// process's table (a caller is always counted before its callee ends).
-pub fn inproc_functions(all: Vec<crate::python::inproc::Counts>) -> Vec<PyFunction> {
+/// process's table (a caller is always counted before its callee ends). And how many
+/// callers are shown by code object instead, their names being over
+/// [`CALLER_NAME_BYTES`].
+pub fn inproc_functions(all: Vec<crate::python::inproc::Counts>) -> (Vec<PyFunction>, u64) {
     let mut out = Vec::new();
+    let mut left = CALLER_NAME_BYTES;
+    let mut unnamed = 0;
     for c in all {
         let names: HashMap<u64, &crate::python::inproc::Function> =
             c.functions.iter().map(|f| (f.code, f)).collect();
         let mut callers: HashMap<u64, Vec<PyCaller>> = HashMap::new();
         for e in &c.edges {
+            let by_code = || format!("[unknown: code object {:#x}]", e.caller);
             let (qualname, filename, firstlineno) = match names.get(&e.caller) {
-                Some(f) => (f.qualname.clone(), f.filename.clone(), f.firstlineno),
-                None => (
-                    format!("[unknown: code object {:#x}]", e.caller),
-                    String::new(),
-                    0,
-                ),
+                Some(f) if f.qualname.len() + f.filename.len() <= left => {
+                    left -= f.qualname.len() + f.filename.len();
+                    (f.qualname.clone(), f.filename.clone(), f.firstlineno)
+                }
+                Some(f) => {
+                    unnamed += 1;
+                    (by_code(), String::new(), f.firstlineno)
+                }
+                None => (by_code(), String::new(), 0),
             };
             callers.entry(e.callee).or_default().push(PyCaller {
                 qualname,
@@ -713,5 +759,5 @@ pub fn inproc_functions(all: Vec<crate::python::inproc::Counts>) -> Vec<PyFuncti
             });
         }
     }
-    out
+    (out, unnamed)
 }

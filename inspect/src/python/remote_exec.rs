@@ -11,14 +11,11 @@
 
 use std::io;
 
-use nix::{
-    sys::uio::{process_vm_writev, RemoteIoVec},
-    unistd::Pid,
-};
+use crate::pinned::Pinned;
 
 use super::{
     debug_offsets::DebugOffsets,
-    memory::{self, read, read_u64},
+    memory::{self, read},
     runtime::{Runtime, RuntimeError},
 };
 
@@ -56,6 +53,8 @@ pub enum RemoteExecError {
     BadPath { path: String },
     #[error("process {pid}: CPython's debug offsets {why}")]
     BadOffsets { pid: u32, why: String },
+    #[error("process {pid} exited while it was being asked")]
+    Gone { pid: u32 },
     #[error("process {pid}: cannot {what}: {source}")]
     Memory {
         pid: u32,
@@ -74,17 +73,20 @@ pub struct Requested {
     pub version: String,
 }
 
-/// Asks process `pid` to run the script at `script`, the path as the process sees it (its
-/// root and mount namespace): every live thread of its main interpreter is asked, so the
-/// first to reach a safe point runs it, and so may each of the others later unless
-/// [`withdraw`]n. The script must therefore be idempotent.
-pub fn request(pid: u32, script: &str) -> Result<Requested, RemoteExecError> {
+/// Asks the pinned process to run the script at `script`, the path as the process sees it
+/// (its root and mount namespace): every live thread of its main interpreter is asked, so
+/// the first to reach a safe point runs it, and so may each of the others later unless
+/// [`withdraw`]n. The script must therefore be idempotent. Whatever the caller checked about
+/// the process since pinning it holds for the process written to: the writes go to its
+/// memory only, and only once its pid is seen to be still its own.
+pub fn request(p: &Pinned, script: &str) -> Result<Requested, RemoteExecError> {
     if script.is_empty() || script.contains('\0') {
         return Err(RemoteExecError::BadPath {
             path: script.to_owned(),
         });
     }
-    let target = Target::open(pid)?;
+    let pid = p.pid();
+    let target = Target::open(pid)?.pinned(p)?;
     target.check_enabled()?;
     let o = &target.offsets;
     if script.len() as u64 >= o.path_size {
@@ -128,8 +130,8 @@ pub fn request(pid: u32, script: &str) -> Result<Requested, RemoteExecError> {
 /// Withdraws a [`request`] for `script` from every thread that has not taken it yet (its
 /// flag still set, its buffer still holding `script`: another debugger's request stays).
 /// The eval-breaker bit stays, a harmless extra check. Returns how many were withdrawn.
-pub fn withdraw(pid: u32, script: &str) -> Result<usize, RemoteExecError> {
-    let target = Target::open(pid)?;
+pub fn withdraw(p: &Pinned, script: &str) -> Result<usize, RemoteExecError> {
+    let target = Target::open(p.pid())?.pinned(p)?;
     let o = &target.offsets;
     let mut want = script.as_bytes().to_vec();
     want.push(0);
@@ -249,15 +251,17 @@ impl Offsets {
 }
 
 /// A process's main interpreter, ready to be asked.
-struct Target {
+struct Target<'a> {
     pid: u32,
+    /// Where writes go; reads, by pid, are checked against it before any write.
+    pinned: Option<&'a Pinned>,
     version: String,
     offsets: Offsets,
     /// The main interpreter's `PyInterpreterState *`.
     interp: u64,
 }
 
-impl Target {
+impl<'a> Target<'a> {
     fn open(pid: u32) -> Result<Self, RemoteExecError> {
         let mapped = memory::runtime_of(pid).ok_or(RemoteExecError::NotPython { pid })?;
         let rt = Runtime::inspect_layout(&mapped.path).map_err(|e| match e {
@@ -306,12 +310,23 @@ impl Target {
         let offsets = Offsets::from_debug_offsets(&d).map_err(|why| bad(&why))?;
         let mut target = Self {
             pid,
+            pinned: None,
             version: d.version(),
             offsets,
             interp: 0,
         };
         target.interp = target.main_interpreter(runtime)?;
         Ok(target)
+    }
+
+    /// Writes go to `p`'s memory; what was read by pid so far was read from it (it still
+    /// holds its pid).
+    fn pinned(mut self, p: &'a Pinned) -> Result<Self, RemoteExecError> {
+        if !p.alive() {
+            return Err(RemoteExecError::Gone { pid: self.pid });
+        }
+        self.pinned = Some(p);
+        Ok(self)
     }
 
     /// The main interpreter (id 0, the first created, so the list's last): the list's head
@@ -376,7 +391,11 @@ impl Target {
     }
 
     fn read(&self, addr: u64, buf: &mut [u8], what: &'static str) -> Result<(), RemoteExecError> {
-        read(self.pid, addr, buf).map_err(|source| RemoteExecError::Memory {
+        match self.pinned {
+            Some(p) => p.read(addr, buf),
+            None => read(self.pid, addr, buf),
+        }
+        .map_err(|source| RemoteExecError::Memory {
             pid: self.pid,
             what,
             source,
@@ -384,11 +403,9 @@ impl Target {
     }
 
     fn read_u64(&self, addr: u64, what: &'static str) -> Result<u64, RemoteExecError> {
-        read_u64(self.pid, addr).map_err(|source| RemoteExecError::Memory {
-            pid: self.pid,
-            what,
-            source,
-        })
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b, what)?;
+        Ok(u64::from_le_bytes(b))
     }
 
     fn write(&self, addr: u64, bytes: &[u8], what: &'static str) -> Result<(), RemoteExecError> {
@@ -397,21 +414,11 @@ impl Target {
             what,
             source,
         };
-        let remote = [RemoteIoVec {
-            base: usize::try_from(addr).map_err(|_| err(io::ErrorKind::InvalidInput.into()))?,
-            len: bytes.len(),
-        }];
-        let n = process_vm_writev(
-            Pid::from_raw(self.pid as i32),
-            &[io::IoSlice::new(bytes)],
-            &remote,
-        )
-        .map_err(|e| err(e.into()))?;
-        // Short only where the range runs into unmapped memory.
-        if n != bytes.len() {
-            return Err(err(io::ErrorKind::WriteZero.into()));
-        }
-        Ok(())
+        // Only into a pinned process: the one the caller checked.
+        let p = self
+            .pinned
+            .ok_or_else(|| err(io::Error::other("the process is not pinned")))?;
+        p.write(addr, bytes).map_err(err)
     }
 }
 
@@ -426,9 +433,16 @@ mod tests {
         time::{Duration, Instant},
     };
 
-    use nix::sys::signal::{kill, Signal};
+    use nix::{
+        sys::signal::{kill, Signal},
+        unistd::Pid,
+    };
 
     use super::*;
+
+    fn pin(pid: u32) -> Pinned {
+        Pinned::open(pid).unwrap()
+    }
 
     /// Debian's 3.14 or 3.15, chrooted by `cargo xtask setup`'s wrapper (which execs: the
     /// child's pid is the interpreter's; /tmp is the host's at the same path): `static`, the
@@ -607,15 +621,15 @@ time.sleep(3600)
         let t = Target::spawn(&python, &[], &[], "spin");
         let pid = t.pid();
         assert!(matches!(
-            request(pid, &"/x".repeat(300)),
+            request(&pin(pid), &"/x".repeat(300)),
             Err(RemoteExecError::PathTooLong { max: 512, .. })
         ));
         assert!(matches!(
-            request(pid, ""),
+            request(&pin(pid), ""),
             Err(RemoteExecError::BadPath { .. })
         ));
         remote_debugging(pid).unwrap();
-        let asked = request(pid, &t.script()).unwrap();
+        let asked = request(&pin(pid), &t.script()).unwrap();
         assert_eq!(asked.threads, 1);
         assert!(
             asked.version.starts_with(&format!("3.{minor}.")),
@@ -624,7 +638,7 @@ time.sleep(3600)
         t.wait_for("the script to run", || t.marker().is_some());
         assert_eq!(t.marker().unwrap(), "MainThread\n");
         // Taken: nothing left to withdraw.
-        assert_eq!(withdraw(pid, &t.script()).unwrap(), 0);
+        assert_eq!(withdraw(&pin(pid), &t.script()).unwrap(), 0);
         assert_unchanged(t);
     }
 
@@ -655,12 +669,12 @@ time.sleep(3600)
         };
         let t = Target::spawn(&python, &[], &[], "sleep");
         let pid = t.pid();
-        let asked = request(pid, &t.script()).unwrap();
+        let asked = request(&pin(pid), &t.script()).unwrap();
         assert_eq!(asked.threads, 2);
         t.wait_for("the script to run", || t.marker().is_some());
         assert_eq!(t.marker().unwrap(), "spinner\n");
         // The sleeping main thread's request is still there.
-        assert_eq!(withdraw(pid, &t.script()).unwrap(), 1);
+        assert_eq!(withdraw(&pin(pid), &t.script()).unwrap(), 1);
         assert_unchanged(t);
     }
 
@@ -685,7 +699,7 @@ time.sleep(3600)
             Err(RemoteExecError::Disabled { .. })
         ));
         assert!(matches!(
-            request(pid, &t.script()),
+            request(&pin(pid), &t.script()),
             Err(RemoteExecError::Disabled { .. })
         ));
         sleep(Duration::from_secs(1));
@@ -722,10 +736,10 @@ time.sleep(3600)
         };
         kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).unwrap();
         t.wait_for("the process to stop", stopped);
-        let asked = request(pid, &t.script()).unwrap();
-        assert_eq!(withdraw(pid, &t.script()).unwrap(), asked.threads);
+        let asked = request(&pin(pid), &t.script()).unwrap();
+        assert_eq!(withdraw(&pin(pid), &t.script()).unwrap(), asked.threads);
         // Another path's request is not ours to withdraw: none left anyway.
-        assert_eq!(withdraw(pid, "/elsewhere.py").unwrap(), 0);
+        assert_eq!(withdraw(&pin(pid), "/elsewhere.py").unwrap(), 0);
         kill(Pid::from_raw(pid as i32), Signal::SIGCONT).unwrap();
         // Many eval-breaker checks of the spinning loop.
         sleep(Duration::from_secs(1));
@@ -750,7 +764,10 @@ time.sleep(3600)
         };
         let t = Target::spawn(&python, &[], &[], "spin");
         let pid = t.pid();
-        for refused in [request(pid, &t.script()).map(|_| ()), remote_debugging(pid)] {
+        for refused in [
+            request(&pin(pid), &t.script()).map(|_| ()),
+            remote_debugging(pid),
+        ] {
             match refused {
                 Err(RemoteExecError::Unsupported { version, .. }) => {
                     assert!(version.starts_with("3.13"), "{version}");

@@ -5,7 +5,10 @@
 
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
-use super::{exe_id, Command, Manager, Reply};
+use super::{
+    python::{python_processes, FoundPython},
+    Command, Manager, Reply,
+};
 use crate::{
     access::Caller, error::Error, native::NativeTarget, process, python::memory,
     session::native::NativeSession,
@@ -398,29 +401,6 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
             .as_ref()
             .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true)))),
     })
-}
-
-/// A process that maps an interpreter, as a scan off the manager's task found it: what
-/// checking it there would read again (~0.1 ms a process, more for large ones).
-#[derive(Clone, Debug)]
-pub(crate) struct FoundPython {
-    pub(super) pid: u32,
-    /// Its executable ([`exe_id`]), read before its mappings: if it execs in between, the
-    /// next check sees a new executable and looks again.
-    pub(super) exe: (u64, u64),
-    pub(super) mapped: memory::Mapped,
-}
-
-/// The processes that map a Python interpreter now.
-pub(super) fn python_processes() -> Vec<FoundPython> {
-    process::pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let exe = exe_id(pid);
-            let mapped = memory::runtime_of(pid)?;
-            Some(FoundPython { pid, exe, mapped })
-        })
-        .collect()
 }
 
 /// The processes that map a CUDA library now.

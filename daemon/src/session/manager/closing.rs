@@ -235,10 +235,11 @@ impl Manager {
                     Some(_) => Default::default(),
                     None => (self.python_counts(slot, true), self.python_edges(slot)),
                 };
-                let inproc = std::mem::take(&mut py.inproc)
-                    .into_iter()
-                    .flat_map(crate::python::inproc::Counter::finish)
-                    .collect();
+                // In-process counters are stopped and read with the rest, off this task:
+                // their files are their processes' users' to fill.
+                let mut followed = std::mem::take(&mut py.gone);
+                followed.extend(s.live.iter().copied());
+                followed.extend(py.inproc.iter().map(|c| c.pid));
                 self.bpf.clear_inproc(slot);
                 let exits = tracer_common::loss::PY_EXIT_INFERRED as usize;
                 Some(PythonEnd {
@@ -246,7 +247,7 @@ impl Manager {
                     counts,
                     edges,
                     later,
-                    inproc,
+                    followed,
                     inferred_exits: losses[exits].saturating_sub(s.loss_base[exits]),
                 })
             }

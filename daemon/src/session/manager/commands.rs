@@ -90,7 +90,7 @@ pub(super) enum Command {
     CudaReleased(u8),
     /// The processes that map a Python interpreter, found off the manager's task for the
     /// Python sessions on every process (see `sweep`).
-    PythonScanned(Vec<super::ahead::FoundPython>),
+    PythonScanned(Vec<super::python::FoundPython>),
     /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
     Ready {
         req: StartSessionRequest,

@@ -6,9 +6,8 @@ use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK
 use tracer_proto::{target, EndReason};
 
 use super::{
-    ahead::FoundPython,
-    python::{LateCheck, Met},
-    python_processes, Command, Manager,
+    python::{python_processes, FoundPython, LateCheck, Met},
+    Command, Manager,
 };
 use crate::process;
 
@@ -52,6 +51,9 @@ impl Manager {
                     }
                     if s.live.remove(&ev.pid) {
                         s.exited += 1;
+                        if let Some(py) = &mut s.python {
+                            py.exited(ev.pid);
+                        }
                     }
                     if s.live.is_empty() {
                         ended.push(s.id.clone());
@@ -173,6 +175,9 @@ impl Manager {
             for pid in gone {
                 s.live.remove(&pid);
                 s.exited += 1;
+                if let Some(py) = &mut s.python {
+                    py.exited(pid);
+                }
             }
             if s.live.is_empty() {
                 ended.push(s.id.clone());

@@ -6,7 +6,7 @@ use aya::maps::{MapData, RingBuf};
 use tracer_common::PyCodeEvent;
 use tracer_proto::target;
 
-use super::{ahead::FoundPython, exe_id, python_processes, Command, Manager};
+use super::{exe_id, Command, Manager};
 use crate::{
     error::Error,
     python::memory,
@@ -348,4 +348,27 @@ impl Manager {
             }
         }
     }
+}
+
+/// A process that maps an interpreter, as a scan off the manager's task found it: what
+/// checking it there would read again (~0.1 ms a process, more for large ones).
+#[derive(Clone, Debug)]
+pub(crate) struct FoundPython {
+    pub(super) pid: u32,
+    /// Its executable ([`exe_id`]), read before its mappings: if it execs in between, the
+    /// next check sees a new executable and looks again.
+    pub(super) exe: (u64, u64),
+    pub(super) mapped: memory::Mapped,
+}
+
+/// The processes that map a Python interpreter now.
+pub(super) fn python_processes() -> Vec<FoundPython> {
+    crate::process::pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let exe = exe_id(pid);
+            let mapped = memory::runtime_of(pid)?;
+            Some(FoundPython { pid, exe, mapped })
+        })
+        .collect()
 }

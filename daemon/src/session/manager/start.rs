@@ -79,8 +79,12 @@ impl Manager {
             Some(pid) => {
                 let tx = self.tx.clone();
                 let id = new_id();
+                // Asked again before every request to run code in a process.
+                let who = caller.clone();
+                let may_trace: crate::python::inproc::MayTrace =
+                    std::sync::Arc::new(move |p| who.may_trace_pid(p).map_err(|e| e.to_string()));
                 tokio::task::spawn_blocking(move || {
-                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT);
+                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT, may_trace);
                     let prepared = Prepared { id, counter };
                     let cmd = Command::StartPrepared {
                         req,
@@ -94,7 +98,7 @@ impl Manager {
                         ..
                     })) = tx.blocking_send(cmd)
                     {
-                        c.finish();
+                        c.finish(&|p| p == pid);
                     }
                 });
             }
@@ -298,7 +302,7 @@ impl Manager {
         natives: Vec<NativeTarget>,
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
-        python_found: Option<Vec<ahead::FoundPython>>,
+        python_found: Option<Vec<super::python::FoundPython>>,
     ) -> Result<Sources, Error> {
         let Plan {
             id,

@@ -1,8 +1,11 @@
 //! The counter's directory and files, as tracerd touches them. The directory lies in the
-//! counted process's `/tmp` and is handed to the process's user, who may change anything in
-//! it: every operation is relative to a held descriptor and follows no symbolic link, files
-//! tracerd reads must be regular files, and what it reads is bounds-checked. A mapping whose
-//! file the user shrinks reads as zeros ([`super::sigbus`]) instead of killing tracerd.
+//! counted process's `/tmp` and belongs to the process's user, who may change anything in
+//! it: tracerd makes it, and makes, opens and deletes files in it, as that user (its
+//! file-system ids, [`as_user`]), so that it can do there nothing the user could not; only
+//! in a `/tmp` (and a root) that no other user could swap; relative to held descriptors,
+//! following no symbolic link; files it reads must be regular files, and what it reads is
+//! bounds-checked. A mapping whose file the user shrinks reads as zeros ([`super::sigbus`])
+//! instead of killing tracerd.
 
 use std::{
     ffi::CString,
@@ -10,7 +13,7 @@ use std::{
     io::{Read, Write},
     os::{
         fd::{AsRawFd, FromRawFd},
-        unix::fs::OpenOptionsExt,
+        unix::fs::{MetadataExt, OpenOptionsExt},
     },
     path::{Path, PathBuf},
     sync::atomic::AtomicU32,
@@ -19,8 +22,8 @@ use std::{
 use tracer_common::inproc::{self, Header, StrRef};
 
 fn c_name(name: &str) -> std::io::Result<CString> {
-    if name.contains('/') {
-        return Err(std::io::Error::other("a file name holds a slash"));
+    if name.contains('/') || name == "." || name == ".." || name.is_empty() {
+        return Err(std::io::Error::other("not a plain file name"));
     }
     CString::new(name).map_err(std::io::Error::other)
 }
@@ -33,52 +36,224 @@ fn check(ret: libc::c_int) -> std::io::Result<libc::c_int> {
     }
 }
 
-/// An open directory, and the one holding it.
+/// (uid, gid).
+pub(super) type Ids = (u32, u32);
+
+/// Runs `f` with this thread's file-system ids set to `owner`'s: what it makes is the
+/// owner's, and the kernel lets it do only what the owner may (a root thread's file
+/// capabilities are off while its fsuid is not 0). Linux keeps these ids per thread.
+pub(super) fn as_user<T>(owner: Ids, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    if owner == (0, 0) {
+        return f();
+    }
+    struct Back(u32, u32);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            // SAFETY: plain syscalls on this thread's own credentials.
+            unsafe {
+                libc::setfsuid(self.0);
+                libc::setfsgid(self.1);
+            }
+        }
+    }
+    // SAFETY: as above; each returns the id before the call. An invalid id (u32::MAX)
+    // changes nothing and returns the current one: how the change is checked.
+    let back = unsafe {
+        let gid = libc::setfsgid(owner.1) as u32;
+        let uid = libc::setfsuid(owner.0) as u32;
+        Back(uid, gid)
+    };
+    // SAFETY: as above.
+    let now = unsafe {
+        (
+            libc::setfsuid(u32::MAX) as u32,
+            libc::setfsgid(u32::MAX) as u32,
+        )
+    };
+    if now != owner {
+        drop(back);
+        return Err(std::io::Error::other(format!(
+            "could not act as uid {} gid {}",
+            owner.0, owner.1
+        )));
+    }
+    let out = f();
+    drop(back);
+    out
+}
+
+/// Why a directory on the way to the counter's files could let someone other than root or
+/// `uid` replace them; None: it could not. `what` names it for the message.
+fn unsafe_parent(m: &std::fs::Metadata, uid: u32, what: &str) -> Option<String> {
+    const STICKY: u32 = 0o1000;
+    if !m.is_dir() {
+        return Some(format!("{what} is not a directory"));
+    }
+    if m.uid() != 0 && m.uid() != uid {
+        return Some(format!(
+            "{what} belongs to uid {}, neither root nor the process's user",
+            m.uid()
+        ));
+    }
+    if m.mode() & 0o022 != 0 && m.mode() & STICKY == 0 {
+        return Some(format!(
+            "{what} (mode {:o}) is writable by others and not sticky: another user could replace tracer's files",
+            m.mode() & 0o7777
+        ));
+    }
+    None
+}
+
+/// The mount a descriptor lies on (0 where the kernel cannot say).
+fn mount_id(f: &File) -> u64 {
+    // SAFETY: `st` is written by the call; an empty path with AT_EMPTY_PATH names the fd.
+    let mut st = unsafe { std::mem::zeroed::<libc::statx>() };
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::statx(
+            f.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_MNT_ID,
+            &raw mut st,
+        )
+    };
+    if r == 0 && st.stx_mask & libc::STATX_MNT_ID != 0 {
+        st.stx_mnt_id
+    } else {
+        0
+    }
+}
+
+/// Opens `name` in `dir` as a directory, following no link at its last component.
+fn open_dir_at(dir: &File, name: &str) -> std::io::Result<File> {
+    let c = c_name(name)?;
+    // SAFETY: plain syscall; the descriptor returned is owned by the File.
+    let fd = check(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    })?;
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// `/tmp` of `pid`'s root (through `/proc/PID/root`: its chroot, container and mounts),
+/// checked: neither it nor the root may be replaceable by another user than root or `uid`.
+fn process_tmp(pid: u32, uid: u32) -> Result<File, String> {
+    tmp_under(Path::new(&format!("/proc/{pid}/root")), uid)
+}
+
+/// `/tmp` under `root`, checked as for [`process_tmp`].
+fn tmp_under(root: &Path, uid: u32) -> Result<File, String> {
+    let root = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(root)
+        .map_err(|e| format!("opening the process's root: {e}"))?;
+    let m = root.metadata().map_err(|e| e.to_string())?;
+    if let Some(why) = unsafe_parent(&m, uid, "the process's root directory") {
+        return Err(why);
+    }
+    let tmp = open_dir_at(&root, "tmp").map_err(|e| format!("opening the process's /tmp: {e}"))?;
+    let m = tmp.metadata().map_err(|e| e.to_string())?;
+    if let Some(why) = unsafe_parent(&m, uid, "the process's /tmp") {
+        return Err(why);
+    }
+    Ok(tmp)
+}
+
+/// An open directory, the one holding it, and the user tracerd acts as in it.
 pub(super) struct Dir {
     this: File,
     parent: File,
+    pub(super) owner: Ids,
+    /// (device, inode): what a process must find at the directory's path before it is asked
+    /// to run a file in it.
+    id: (u64, u64),
 }
 
 impl Dir {
-    /// Makes `name` in `/tmp` of `pid`'s root (which must be a directory, not a link), mode
-    /// 0700, root's until [`Dir::give`].
-    pub(super) fn make(pid: u32, name: &str) -> std::io::Result<Self> {
-        let tmp = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(format!("/proc/{pid}/root/tmp"))?;
-        let c = c_name(name)?;
-        // SAFETY: plain syscalls on a descriptor we hold and a NUL-terminated name.
-        check(unsafe { libc::mkdirat(tmp.as_raw_fd(), c.as_ptr(), 0o700) })?;
-        // SAFETY: as above; the descriptor returned is owned by the File.
-        let fd = check(unsafe {
-            libc::openat(
-                tmp.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        })?;
-        Ok(Self {
-            // SAFETY: a fresh descriptor nobody else owns.
-            this: unsafe { File::from_raw_fd(fd) },
+    /// Makes `name` in `/tmp` of `pid`'s root, mode 0700, as `owner` (the process's user), in
+    /// a `/tmp` checked by [`process_tmp`]: a `/tmp` the user may not write is refused by the
+    /// kernel itself, whatever is mounted there.
+    pub(super) fn make(pid: u32, name: &str, owner: Ids) -> Result<Self, String> {
+        let tmp = process_tmp(pid, owner.0)?;
+        let c = c_name(name).map_err(|e| e.to_string())?;
+        let this = as_user(owner, || {
+            // SAFETY: plain syscall on a descriptor we hold and a NUL-terminated name.
+            check(unsafe { libc::mkdirat(tmp.as_raw_fd(), c.as_ptr(), 0o700) })?;
+            open_dir_at(&tmp, name)
+        })
+        .map_err(|e| format!("creating it as uid {}: {e}", owner.0))?;
+        let dir = Self {
+            id: (0, 0),
+            this,
             parent: tmp,
+            owner,
+        };
+        let m = dir.this.metadata().map_err(|e| e.to_string())?;
+        let p = dir.parent.metadata().map_err(|e| e.to_string())?;
+        // Nothing mounted over it between the two calls.
+        if m.uid() != owner.0 || m.dev() != p.dev() || mount_id(&dir.this) != mount_id(&dir.parent)
+        {
+            dir.remove(name);
+            return Err(
+                "the directory made is not the one found (a mount or a swap in between)".into(),
+            );
+        }
+        Ok(Self {
+            id: (m.dev(), m.ino()),
+            ..dir
         })
     }
 
-    /// Hands the directory to `owner` (the process's user), once tracerd's files are in it.
-    pub(super) fn give(&self, owner: (u32, u32)) -> std::io::Result<()> {
-        std::os::unix::fs::fchown(&self.this, Some(owner.0), Some(owner.1))
+    /// A directory made before (by a tracerd since killed): `name` in `/tmp` under `root`, if
+    /// it is still the one made, `id`, and still `owner`'s.
+    pub(super) fn existing(
+        root: &Path,
+        name: &str,
+        owner: Ids,
+        id: (u64, u64),
+    ) -> Result<Self, String> {
+        let tmp = tmp_under(root, owner.0)?;
+        let this = open_dir_at(&tmp, name).map_err(|e| format!("/tmp/{name}: {e}"))?;
+        let m = this.metadata().map_err(|e| e.to_string())?;
+        if (m.dev(), m.ino()) != id || m.uid() != owner.0 {
+            return Err(format!("/tmp/{name} is not the directory tracer made"));
+        }
+        Ok(Self {
+            this,
+            parent: tmp,
+            owner,
+            id,
+        })
     }
 
-    /// Creates `name` (not there before), writes `bytes`, gives it to `owner`.
-    pub(super) fn create(
-        &self,
-        name: &str,
-        mode: u32,
-        owner: (u32, u32),
-        bytes: &[u8],
-    ) -> Result<File, String> {
-        let open = || -> std::io::Result<File> {
+    /// (device, inode).
+    pub(super) fn id(&self) -> (u64, u64) {
+        self.id
+    }
+
+    /// Whether `pid` finds this very directory at `/tmp/NAME` (its root, its mounts), in a
+    /// `/tmp` only root or the owner could swap: checked before it is asked to run a file
+    /// here.
+    pub(super) fn seen_by(&self, pid: u32, name: &str) -> Result<(), String> {
+        let tmp = process_tmp(pid, self.owner.0)?;
+        let found = open_dir_at(&tmp, name)
+            .and_then(|d| d.metadata())
+            .map_err(|e| format!("its /tmp/{name}: {e}"))?;
+        if (found.dev(), found.ino()) != self.id {
+            return Err(format!("its /tmp/{name} is not the directory tracer made"));
+        }
+        Ok(())
+    }
+
+    /// Creates `name` (not there before) as the owner, mode `mode`, and writes `bytes`.
+    pub(super) fn create(&self, name: &str, mode: u32, bytes: &[u8]) -> Result<File, String> {
+        as_user(self.owner, || {
             let c = c_name(name)?;
             // SAFETY: plain syscall; the descriptor returned is owned by the File.
             let fd = check(unsafe {
@@ -96,30 +271,31 @@ impl Dir {
             // SAFETY: a fresh descriptor nobody else owns.
             let mut f = unsafe { File::from_raw_fd(fd) };
             f.write_all(bytes)?;
-            std::os::unix::fs::fchown(&f, Some(owner.0), Some(owner.1))?;
             Ok(f)
-        };
-        open().map_err(|e| format!("creating {name}: {e}"))
+        })
+        .map_err(|e| format!("creating {name}: {e}"))
     }
 
-    /// Opens `name` if it is a regular file (no link, FIFO or device).
+    /// Opens `name`, as the owner, if it is a regular file (no link, FIFO or device).
     pub(super) fn open(&self, name: &str, write: bool) -> std::io::Result<File> {
-        let c = c_name(name)?;
         let access = if write { libc::O_RDWR } else { libc::O_RDONLY };
-        // SAFETY: plain syscall; the descriptor returned is owned by the File.
-        let fd = check(unsafe {
-            libc::openat(
-                self.this.as_raw_fd(),
-                c.as_ptr(),
-                access | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
-            )
-        })?;
-        // SAFETY: a fresh descriptor nobody else owns.
-        let f = unsafe { File::from_raw_fd(fd) };
-        if !f.metadata()?.is_file() {
-            return Err(std::io::Error::other("not a regular file"));
-        }
-        Ok(f)
+        as_user(self.owner, || {
+            let c = c_name(name)?;
+            // SAFETY: plain syscall; the descriptor returned is owned by the File.
+            let fd = check(unsafe {
+                libc::openat(
+                    self.this.as_raw_fd(),
+                    c.as_ptr(),
+                    access | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
+                )
+            })?;
+            // SAFETY: a fresh descriptor nobody else owns.
+            let f = unsafe { File::from_raw_fd(fd) };
+            if !f.metadata()?.is_file() {
+                return Err(std::io::Error::other("not a regular file"));
+            }
+            Ok(f)
+        })
     }
 
     pub(super) fn exists(&self, name: &str) -> bool {
@@ -149,10 +325,11 @@ impl Dir {
     }
 
     pub(super) fn unlink(&self, name: &str) {
-        if let Ok(c) = c_name(name) {
+        let _ = as_user(self.owner, || {
+            let c = c_name(name)?;
             // SAFETY: plain syscall; unlinkat never follows a link.
-            unsafe { libc::unlinkat(self.this.as_raw_fd(), c.as_ptr(), 0) };
-        }
+            check(unsafe { libc::unlinkat(self.this.as_raw_fd(), c.as_ptr(), 0) })
+        });
     }
 
     fn names(&self) -> Vec<String> {
@@ -166,36 +343,47 @@ impl Dir {
             .unwrap_or_default()
     }
 
-    /// Deletes its files, then itself (`name` in its parent).
+    /// Deletes its files (a bounded number: the owner may fill it), then itself (`name` in
+    /// its parent).
     pub(super) fn remove(&self, name: &str) {
-        for f in self.names() {
+        for f in self.names().into_iter().take(MAX_NAMES) {
             self.unlink(&f);
         }
-        if let Ok(c) = c_name(name) {
-            // SAFETY: plain syscall.
-            unsafe { libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR) };
-        }
+        self.remove_if_empty(name);
     }
 
     /// Removes the directory if it is empty; whether it did.
     pub(super) fn remove_if_empty(&self, name: &str) -> bool {
-        c_name(name).is_ok_and(|c| {
+        as_user(self.owner, || {
+            let c = c_name(name)?;
             // SAFETY: plain syscall; fails on a directory that is not empty.
-            unsafe { libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR) == 0 }
+            check(unsafe {
+                libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR)
+            })
         })
+        .is_ok()
     }
 
-    /// (pid, file name) of every counts file in it.
-    pub(super) fn counts_files(&self) -> Vec<(u32, String)> {
-        self.names()
+    /// (pid, file name) of the counts files in it, at most `most` (the owner may make any
+    /// number), and how many more there were.
+    pub(super) fn counts_files(&self, most: usize) -> (Vec<(u32, String)>, usize) {
+        let mut all: Vec<(u32, String)> = self
+            .names()
             .into_iter()
             .filter_map(|name| {
                 let pid = name.strip_prefix(inproc::FILE_PREFIX)?.parse().ok()?;
                 Some((pid, name))
             })
-            .collect()
+            .collect();
+        all.sort_unstable();
+        let more = all.len().saturating_sub(most);
+        all.truncate(most);
+        (all, more)
     }
 }
+
+/// How many names tracerd deletes from a directory the user could fill.
+pub(super) const MAX_NAMES: usize = 65_536;
 
 /// A whole counts file, mapped shared.
 pub(super) struct Mapping {
@@ -219,8 +407,8 @@ impl Mapping {
 
     fn with(file: &File, prot: libc::c_int) -> std::io::Result<Self> {
         let len = usize::try_from(file.metadata()?.len()).unwrap_or(0);
-        let most = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
-        if !(inproc::HEADER_SIZE..=most).contains(&len) {
+        // tracerd makes every file this size, and a counter's children take their parent's.
+        if len != inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS) {
             return Err(std::io::Error::other("a counts file of the wrong size"));
         }
         // SAFETY: a fresh shared mapping of a file we hold open; checked for failure.
@@ -264,8 +452,14 @@ impl Mapping {
         self.word(std::mem::offset_of!(Header, busy))
     }
 
-    /// Copies `count` records of type `T` from `offset`, if they lie inside the mapping.
-    pub(super) fn records<T: Copy>(&self, offset: usize, count: usize) -> Vec<T> {
+    /// The records of type `T` among `count` from `offset` that `keep` keeps, if they lie
+    /// inside the mapping: copied one by one, so a table mostly empty costs no copy of it.
+    pub(super) fn records<T: Copy>(
+        &self,
+        offset: usize,
+        count: usize,
+        keep: impl Fn(&T) -> bool,
+    ) -> Vec<T> {
         let size = std::mem::size_of::<T>();
         let end = count.checked_mul(size).and_then(|n| n.checked_add(offset));
         if end.is_none_or(|end| end > self.len) {
@@ -276,29 +470,23 @@ impl Mapping {
             .map(|i| unsafe {
                 std::ptr::read_volatile(self.ptr.add(offset + i * size).cast::<T>())
             })
+            .filter(|r| keep(r))
             .collect()
     }
 
-    pub(super) fn string(&self, h: &Header, s: StrRef) -> String {
-        let (entries, edges) = (h.entries_cap as usize, h.edges_cap as usize);
-        let sizes = (
-            std::mem::size_of::<inproc::Entry>(),
-            std::mem::size_of::<inproc::Edge>(),
-        );
-        let base = entries
-            .checked_mul(sizes.0)
-            .zip(edges.checked_mul(sizes.1))
-            .and_then(|(a, b)| a.checked_add(b)?.checked_add(inproc::HEADER_SIZE));
+    /// A name's bytes, if they lie inside the strings area as tracerd laid it out (its own
+    /// capacities, not the header's, which the process may rewrite).
+    pub(super) fn name_bytes(&self, s: StrRef) -> Option<&[u8]> {
         let (off, len) = (s.offset as usize, s.len as usize);
-        let Some(start) = base.and_then(|b| b.checked_add(off)) else {
-            return String::new();
-        };
-        if off + len > h.strings_cap as usize || start + len > self.len {
-            return String::new();
+        if off.checked_add(len)? > inproc::STRINGS {
+            return None;
+        }
+        let start = inproc::strings_offset(inproc::ENTRIES, inproc::EDGES) + off;
+        if start + len > self.len {
+            return None;
         }
         // SAFETY: inside the mapping (checked above).
-        let bytes = unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) };
-        String::from_utf8_lossy(bytes).into_owned()
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) })
     }
 }
 

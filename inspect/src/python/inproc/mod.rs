@@ -2,9 +2,9 @@
 //! ~1 µs a call, a `sys.monitoring` C callback tens of nanoseconds.
 //!
 //! tracerd makes a directory in the process's `/tmp` (reached through `/proc/PID/root`, so
-//! chroots and containers see it at the same path), puts the counter library
-//! (`libtracer_pycount.so`, built from `daemon/pycount`) and a counts file there
-//! (`tracer_common::inproc`), and asks the interpreter to run a start script (PEP 768,
+//! chroots and containers see it at the same path) as the process's user ([`files`]), puts
+//! the counter library (`libtracer_pycount.so`, built from `daemon/pycount`) and a counts file
+//! there (`tracer_common::inproc`), and asks the interpreter to run a start script (PEP 768,
 //! [`super::remote_exec`]). The script loads the library as an extension module, takes a
 //! free `sys.monitoring` tool id and registers the library's callbacks; the library takes
 //! the file over (PENDING → RUNNING). At the end tracerd stops the counter (RUNNING →
@@ -12,10 +12,18 @@
 //! the tool id and deletes the process's counts file; the scripts and the directory are
 //! deleted once they have run. A process that cannot do this is counted with uprobes, and
 //! [`start`]'s error says why.
+//!
+//! Everything in that directory is the process's user's to change, so nothing read there is
+//! trusted: a process is asked to run a file only after [`Counter::may_run`]'s checks, and
+//! reading is bounded ([`Budget`]). docs/SECURITY.md has the threat model.
 
 mod files;
+mod journal;
+mod read;
 mod scripts;
 mod sigbus;
+
+pub use journal::{set_journal, sweep};
 
 use std::{
     fs,
@@ -25,10 +33,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tracer_common::inproc::{self, state, Edge, Entry, Header};
+use std::sync::Arc;
+
+use tracer_common::inproc::{self, state, Edge, Header};
 
 use super::remote_exec;
+use crate::pinned::Pinned;
 use files::{Dir, Mapping};
+use read::{
+    drop_script_frames, read_counts, well_formed, Budget, MAX_FILES, NAME_BYTES, PEEK_FILES,
+    PEEK_NAME_BYTES, READ_TIME,
+};
 use scripts::{remove_script, start_script, LOAD_ERROR};
 
 /// The counter library's file name, beside tracerd's executable.
@@ -69,69 +84,9 @@ pub struct Counts {
     pub namespace_pid: bool,
 }
 
-/// Takes out the start script's own frames: a thread that runs it after the counter started
-/// (every thread was asked) is counted entering its function and module code, which are
-/// nobody's calls. They are the `_tracer_pycount` functions of `<string>` and the module code
-/// objects that called them.
-fn drop_script_frames(c: &mut Counts) {
-    let script: Vec<u64> = c
-        .functions
-        .iter()
-        .filter(|f| f.filename == "<string>" && f.qualname == "_tracer_pycount")
-        .map(|f| f.code)
-        .collect();
-    if script.is_empty() {
-        return;
-    }
-    let modules: Vec<u64> = c
-        .edges
-        .iter()
-        .filter(|e| script.contains(&e.callee))
-        .map(|e| e.caller)
-        .collect();
-    let own = |code: &u64| script.contains(code) || modules.contains(code);
-    c.functions.retain(|f| !own(&f.code));
-    c.edges.retain(|e| !own(&e.caller) && !own(&e.callee));
-}
-
-/// The counts in a file; `edges`: the caller pairs too.
-fn read_counts(map: &Mapping, edges: bool) -> Counts {
-    let h = map.header();
-    let entries = h.entries_cap as usize;
-    let functions = map
-        .records::<Entry>(inproc::entries_offset(), entries)
-        .into_iter()
-        .filter(|e| e.code != 0)
-        .map(|e| Function {
-            code: e.code,
-            qualname: map.string(&h, e.qualname),
-            filename: map.string(&h, e.filename),
-            firstlineno: e.firstlineno,
-            ncalls: e.ncalls,
-            primitive: e.primitive,
-            tottime_ns: e.tottime_ns,
-            cumtime_ns: e.cumtime_ns,
-        })
-        .collect();
-    let edges = if edges {
-        map.records::<Edge>(inproc::edges_offset(entries), h.edges_cap as usize)
-            .into_iter()
-            .filter(|e| e.callee != 0)
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Counts {
-        pid: h.pid,
-        functions,
-        edges,
-        lost_calls: h.lost_calls,
-        lost_edges: h.lost_edges,
-        lost_names: h.lost_names,
-        state: h.state,
-        namespace_pid: false,
-    }
-}
+/// Whether the session that counts may trace a pid now (the ptrace rule for its owner, and
+/// its grant's cgroups): asked again before each request to run code there.
+pub type MayTrace = Arc<dyn Fn(u32) -> Result<(), String> + Send + Sync>;
 
 /// A process counted in-process, and the directory its counter works in.
 pub struct Counter {
@@ -146,17 +101,34 @@ pub struct Counter {
     /// can lock it knows tracerd died and stops.
     _file: fs::File,
     map: Mapping,
+    /// The counter library's (device, inode): a process asked to run a removal script must
+    /// have loaded it (the counted process or a child it forked).
+    library: (u64, u64),
+    may_trace: MayTrace,
+}
+
+/// What an end read, and what it refused to do, in words for the report.
+#[derive(Debug, Default)]
+pub struct Finished {
+    pub counts: Vec<Counts>,
+    pub refused: Vec<String>,
 }
 
 /// Whether `pid` can still run a script: not gone, not a zombie.
 fn alive(pid: u32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the command name's closing parenthesis.
-        let state = stat
-            .rsplit_once(") ")
-            .and_then(|(_, rest)| rest.chars().next());
-        !matches!(state, Some('Z' | 'X') | None)
-    })
+    crate::process::alive(pid)
+}
+
+/// How a process's start is known across restarts (`/proc/PID/stat`'s start time).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 22; the fields after the parenthesised name start at 3.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
 }
 
 /// The pid a process knows itself by (in its own pid namespace).
@@ -243,35 +215,92 @@ fn fs_ids(pid: u32) -> Result<(u32, u32), String> {
         .ok_or_else(|| format!("pid {pid}'s status has no Uid/Gid lines"))
 }
 
-/// How long the counters of an ended session may take to leave the last callback.
+/// How long the counters of an ended session may take to leave the last callback, all of
+/// them together.
 const BUSY_WAIT: Duration = Duration::from_millis(200);
-/// How long the removal scripts may take to run before their files are left behind.
+/// How long the removal scripts may take to run before their requests are withdrawn and
+/// their files left to the next sweep.
 const CLEANUP_WAIT: Duration = Duration::from_secs(30);
 
+/// The ids on `pid`'s `Uid:` line: real, effective, saved, file-system.
+fn uids(pid: u32) -> Result<Vec<u32>, String> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+    let ids: Vec<u32> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    if ids.len() == 4 {
+        Ok(ids)
+    } else {
+        Err("its status has no Uid line".into())
+    }
+}
+
+/// Whether `pid` maps the file `(dev, ino)`.
+fn maps_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
+    let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return false;
+    };
+    maps.lines().any(|l| {
+        let mut f = l.split_whitespace().skip(3);
+        let (Some(d), Some(i)) = (f.next(), f.next()) else {
+            return false;
+        };
+        let same_dev = d.split_once(':').is_some_and(|(ma, mi)| {
+            let (ma, mi) = (
+                u32::from_str_radix(ma, 16).unwrap_or(u32::MAX),
+                u32::from_str_radix(mi, 16).unwrap_or(u32::MAX),
+            );
+            libc::makedev(ma, mi) == dev
+        });
+        i.parse::<u64>() == Ok(ino) && (same_dev || l.contains(&format!("/{LIBRARY_AS}")))
+    })
+}
+
+/// The library's name in the directory (what the start script loads).
+const LIBRARY_AS: &str = "_tracer_pycount.so";
+
 /// Has `pid` load the counter and start counting; waits up to `wait` for it. `tag` makes the
-/// directory's name unique (the session id). On error the process is to be counted with
-/// uprobes; the error says why, in words for the report.
-pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
+/// directory's name unique (the session id); `may_trace` is the session owner's right to
+/// trace a process, asked again before any request to run code. On error the process is to
+/// be counted with uprobes; the error says why, in words for the report.
+pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result<Counter, String> {
+    let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
     remote_exec::remote_debugging(pid).map_err(|e| e.to_string())?;
+    may_trace(pid)?;
     let library = library()?;
     let owner = fs_ids(pid)?;
     let name = format!("tracer-{tag}-{pid}");
     let target_dir = format!("/tmp/{name}");
-    let dir = Dir::make(pid, &name)
-        .map_err(|e| format!("creating {target_dir} in the process's root: {e}"))?;
+    let dir = Dir::make(pid, &name, owner)
+        .map_err(|e| format!("making {target_dir} in the process's root: {e}"))?;
+    journal::record(pid, &name, &dir, (0, 0));
     let fail = |why: String| {
         dir.remove(&name);
+        journal::forget(&name);
         why
     };
     let lib =
         fs::read(&library).map_err(|e| fail(format!("reading {}: {e}", library.display())))?;
-    dir.create("_tracer_pycount.so", 0o644, owner, &lib)
-        .map_err(fail)?;
+    let lib = dir.create(LIBRARY_AS, 0o644, &lib).map_err(fail)?;
+    let lib_id = lib
+        .metadata()
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        })
+        .map_err(|e| fail(e.to_string()))?;
+    journal::record(pid, &name, &dir, lib_id);
     // Named as the counter names its children's: by the pid its own namespace knows.
     let own = own_pid(pid).unwrap_or(pid);
     let file_name = format!("{}{own}", inproc::FILE_PREFIX);
     let size = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
-    let file = dir.create(&file_name, 0o600, owner, &[]).map_err(fail)?;
+    let file = dir.create(&file_name, 0o600, &[]).map_err(fail)?;
     file.set_len(size as u64)
         .map_err(|e| fail(format!("sizing the counts file: {e}")))?;
     // SAFETY: plain syscall on our own descriptor.
@@ -288,15 +317,13 @@ pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
     let script = start_script(
         &target_dir,
         &format!("{target_dir}/{file_name}"),
-        &format!("{target_dir}/_tracer_pycount.so"),
+        &format!("{target_dir}/{LIBRARY_AS}"),
     );
-    dir.create("start.py", 0o644, owner, script.as_bytes())
+    dir.create("start.py", 0o644, script.as_bytes())
         .map_err(fail)?;
-    // Only now the process's user's: tracerd's files are in place.
-    dir.give(owner)
-        .map_err(|e| fail(format!("giving {target_dir} to the process's user: {e}")))?;
     let start_path = format!("{target_dir}/start.py");
-    remote_exec::request(pid, &start_path).map_err(|e| fail(e.to_string()))?;
+    dir.seen_by(pid, &name).map_err(fail)?;
+    remote_exec::request(&pin, &start_path).map_err(|e| fail(e.to_string()))?;
     let counter = Counter {
         pid,
         own,
@@ -304,6 +331,8 @@ pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
         name,
         _file: file,
         map,
+        library: lib_id,
+        may_trace,
     };
     let started = Instant::now();
     let outcome = loop {
@@ -345,7 +374,7 @@ pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
         }
     };
     // Threads that have not taken the request yet need not.
-    let _ = remote_exec::withdraw(pid, &start_path);
+    let _ = remote_exec::withdraw(&pin, &start_path);
     match outcome {
         Ok(()) => Ok(counter),
         Err(why) => {
@@ -357,8 +386,36 @@ pub fn start(pid: u32, tag: &str, wait: Duration) -> Result<Counter, String> {
                 // The script ran: nothing will open these files again.
                 std::thread::sleep(Duration::from_millis(50));
                 counter.dir.remove(&counter.name);
+                journal::forget(&counter.name);
             }
             Err(why)
+        }
+    }
+}
+
+/// A counts file found in a counter's directory, mapped and checked.
+struct Found {
+    own: u32,
+    /// Its pid here; None: a child of another pid namespace that is gone.
+    host: Option<u32>,
+    /// Its name; None: the process's own file, mapped for the session.
+    name: Option<String>,
+}
+
+/// A found file, mapped: the process's own (`own`), or a child's, mapped now and unmapped
+/// when dropped. One child's at a time: each mapping is guarded against SIGBUS
+/// ([`sigbus`]), and the guard's slots are few.
+enum Mapped<'a> {
+    Own(&'a Mapping),
+    Child(Mapping),
+}
+
+impl std::ops::Deref for Mapped<'_> {
+    type Target = Mapping;
+    fn deref(&self) -> &Mapping {
+        match self {
+            Self::Own(m) => m,
+            Self::Child(m) => m,
         }
     }
 }
@@ -375,82 +432,198 @@ impl Counter {
         cleanup_later(self.dir, self.name, Vec::new(), vec![pid]);
     }
 
-    /// The functions counted so far in the process and its forked children (Prometheus'
-    /// live view), without stopping anything; children by the pid their namespace knows.
-    pub fn peek(&self) -> Vec<Counts> {
-        let mut out = vec![read_counts(&self.map, false)];
-        out[0].pid = self.pid;
-        for (own, name) in self.dir.counts_files() {
+    /// The counts files of the process and of the children it forked, at most `most`, mapped
+    /// and well formed: of live processes, only those `followed` says the session follows;
+    /// what was refused goes to `refused`.
+    fn found(
+        &self,
+        followed: &dyn Fn(u32) -> bool,
+        most: usize,
+        refused: &mut Vec<String>,
+    ) -> Vec<Found> {
+        let (files, more) = self.dir.counts_files(files::MAX_NAMES);
+        // Files are named by the pid the process knows itself by (its pid namespace's).
+        let hosts = Pids::of(self.pid);
+        let mut out = Vec::new();
+        let (mut strangers, mut skipped) = (Vec::new(), more);
+        for (own, name) in files {
             if own == self.own {
+                out.push(Found {
+                    own,
+                    host: Some(self.pid),
+                    name: None,
+                });
                 continue;
             }
-            let map = self
-                .dir
-                .open(&name, false)
-                .ok()
-                .and_then(|f| Mapping::new_read_only(&f).ok());
-            if let Some(map) = map.filter(|m| m.header().magic == inproc::MAGIC) {
-                out.push(read_counts(&map, false));
+            let host = hosts.host(own);
+            // A live process must be one the session follows; one that exited is asked
+            // nothing, and its counts are only read.
+            if let Some(h) = host.filter(|&h| alive(h) && !followed(h)) {
+                strangers.push(format!("{name} names pid {h}"));
+                continue;
             }
+            if out.len() >= most {
+                skipped += 1;
+                continue;
+            }
+            out.push(Found {
+                own,
+                host,
+                name: Some(name),
+            });
         }
-        for c in &mut out {
-            drop_script_frames(c);
+        if !strangers.is_empty() {
+            let n = strangers.len();
+            strangers.truncate(8);
+            let more = if n > 8 {
+                format!(", and {} more", n - 8)
+            } else {
+                String::new()
+            };
+            refused.push(format!(
+                "pid {}'s counter directory holds counts files naming processes this session does not follow ({}{more}): not read, and nothing asked of those processes",
+                self.pid,
+                strangers.join(", ")
+            ));
+        }
+        if skipped > 0 {
+            refused.push(format!(
+                "pid {}: {skipped} counts files past the first {most} in tracer's directory were not read",
+                self.pid
+            ));
         }
         out
     }
 
-    /// Stops the counters of the process and of the children it forked, reads them, and has
-    /// each live one removed. Cleaning up the files waits for the removal scripts, on a thread
-    /// of its own.
-    pub fn finish(self) -> Vec<Counts> {
+    /// Maps a found file (`write`: to stop its counter too), if it is a counts file as this
+    /// tracerd makes them; else says why not in `refused`.
+    fn map(&self, f: &Found, write: bool, refused: &mut Vec<String>) -> Option<Mapped<'_>> {
+        let Some(name) = &f.name else {
+            return Some(Mapped::Own(&self.map));
+        };
+        let map = self.dir.open(name, write).and_then(|file| {
+            if write {
+                Mapping::new(&file)
+            } else {
+                Mapping::new_read_only(&file)
+            }
+        });
+        let why = match map {
+            Ok(m) if well_formed(&m.header()) => return Some(Mapped::Child(m)),
+            Ok(_) => "is not a counts file of this tracer".to_owned(),
+            Err(e) => format!("could not be read: {e}"),
+        };
+        refused.push(format!(
+            "{name} in pid {}'s counter directory {why}: not read",
+            self.pid
+        ));
+        None
+    }
+
+    /// The functions counted so far in the process and its forked children (Prometheus'
+    /// live view), without stopping anything; children by the pid their namespace knows.
+    pub fn peek(&self, followed: &dyn Fn(u32) -> bool) -> Vec<Counts> {
+        let mut budget = Budget::new(PEEK_NAME_BYTES, READ_TIME);
+        let mut refused = Vec::new();
+        let mut out = Vec::new();
+        for f in self.found(followed, PEEK_FILES, &mut refused) {
+            let Some(map) = self.map(&f, false, &mut refused) else {
+                continue;
+            };
+            let mut c = read_counts(&map, false, &mut budget);
+            drop_script_frames(&mut c);
+            c.pid = f.host.unwrap_or(f.own);
+            out.push(c);
+        }
+        out
+    }
+
+    /// Whether tracerd may ask `pid` (one of the session's processes) to run a file from the
+    /// counter's directory, checked now (pids are reused): the session's owner may trace it,
+    /// it runs as the directory's owner and nobody else (who alone besides root can write
+    /// there), it has loaded the counter from this directory (the counted process or a child
+    /// it forked), and it finds this directory at the path it will open. The process pinned,
+    /// for the request; or why not.
+    fn may_run(&self, pid: u32) -> Result<Pinned, String> {
+        let pin = Pinned::open(pid).map_err(|e| format!("pinning it: {e}"))?;
+        (self.may_trace)(pid)?;
+        let ids = uids(pid)?;
+        if ids.iter().any(|&u| u != self.dir.owner.0) {
+            return Err(format!(
+                "it runs as uid {} while tracer's directory is uid {}'s",
+                ids[1], self.dir.owner.0
+            ));
+        }
+        if !maps_file(pid, self.library) {
+            return Err("it has not loaded tracer's counter from this session's directory".into());
+        }
+        self.dir.seen_by(pid, &self.name)?;
+        if !pin.alive() {
+            return Err("it exited".into());
+        }
+        Ok(pin)
+    }
+
+    /// Stops the counters of the process and of the children it forked that the session
+    /// follows (`followed`: now or before, by pid here), reads them, and has each live one
+    /// removed. Bounded in files, names and time whatever the directory holds; cleaning up
+    /// the files waits for the removal scripts on a thread of its own. Not for the manager's
+    /// task: it may take up to [`READ_TIME`] and [`BUSY_WAIT`].
+    pub fn finish(self, followed: &dyn Fn(u32) -> bool) -> Finished {
+        let mut refused = Vec::new();
+        let found = self.found(followed, MAX_FILES, &mut refused);
+        for f in &found {
+            if let Some(map) = self.map(f, true, &mut Vec::new()) {
+                let _ = map.state().compare_exchange(
+                    state::RUNNING,
+                    state::STOPPED,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+            }
+        }
+        // One wait for all: the last callbacks leave within microseconds of the stop.
+        let busy_until = Instant::now() + BUSY_WAIT;
+        let mut budget = Budget::new(NAME_BYTES, READ_TIME);
         let mut out = Vec::new();
         let mut removals = Vec::new();
         let mut pids = vec![self.pid];
-        // Files are named by the pid the process knows itself by (its pid namespace's).
-        let hosts = Pids::of(self.pid);
-        for (own, name) in self.dir.counts_files() {
-            let host = if own == self.own {
-                Some(self.pid)
-            } else {
-                hosts.host(own)
-            };
-            // A child of another pid namespace that is gone: known by that namespace's pid.
-            let pid = host.unwrap_or(own);
-            if host.is_some() {
-                pids.push(pid);
+        for (i, f) in found.iter().enumerate() {
+            if budget.late() {
+                refused.push(format!(
+                    "pid {}: {} counts files not read: reading took over {} s",
+                    self.pid,
+                    found.len() - i,
+                    READ_TIME.as_secs()
+                ));
+                break;
             }
-            let mapped = if own == self.own {
-                None
-            } else {
-                self.dir
-                    .open(&name, true)
-                    .ok()
-                    .and_then(|f| Mapping::new(&f).ok())
-            };
-            let map = mapped.as_ref().unwrap_or(&self.map);
-            if map.header().magic != inproc::MAGIC {
+            let Some(map) = self.map(f, true, &mut refused) else {
                 continue;
-            }
-            let _ = map.state().compare_exchange(
-                state::RUNNING,
-                state::STOPPED,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            );
-            let since = Instant::now();
-            while map.busy().load(Ordering::SeqCst) != 0 && since.elapsed() < BUSY_WAIT {
+            };
+            while map.busy().load(Ordering::SeqCst) != 0 && Instant::now() < busy_until {
                 std::thread::yield_now();
             }
-            let mut counts = read_counts(map, true);
+            let mut counts = read_counts(&map, true, &mut budget);
             drop_script_frames(&mut counts);
-            counts.pid = pid;
-            counts.namespace_pid = host.is_none();
-            let tool = map.header().tool_id;
-            if host.is_some() && (counts.state == state::RUNNING || counts.state == state::STOPPED)
-            {
-                removals.push((pid, own, tool));
+            // A child of another pid namespace that is gone: known by that namespace's pid.
+            counts.pid = f.host.unwrap_or(f.own);
+            counts.namespace_pid = f.host.is_none();
+            if let Some(host) = f.host {
+                if host != self.pid {
+                    pids.push(host);
+                }
+                if counts.state == state::RUNNING || counts.state == state::STOPPED {
+                    removals.push((host, f.own, map.header().tool_id));
+                }
             }
             out.push(counts);
+        }
+        if budget.over > 0 {
+            refused.push(format!(
+                "pid {}: {} functions and caller pairs of its counts files not read: over tracer's budget for one session's end",
+                self.pid, budget.over
+            ));
         }
         let mut scripts = Vec::new();
         let target_dir = format!("/tmp/{}", self.name);
@@ -458,35 +631,43 @@ impl Counter {
             if !alive(pid) {
                 continue;
             }
+            let pin = match self.may_run(pid) {
+                Ok(pin) => pin,
+                Err(why) => {
+                    refused.push(format!(
+                        "pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken): it was not asked to run tracer's removal script, as {why}"
+                    ));
+                    continue;
+                }
+            };
             let counts = format!("{target_dir}/{}{own}", inproc::FILE_PREFIX);
             let name = format!("remove.{own}.py");
-            let owner = fs_ids(pid).unwrap_or((0, 0));
             let script = remove_script(tool, &counts);
-            if self
-                .dir
-                .create(&name, 0o644, owner, script.as_bytes())
-                .is_ok()
-            {
+            if self.dir.create(&name, 0o644, script.as_bytes()).is_ok() {
                 let path = format!("{target_dir}/{name}");
-                match remote_exec::request(pid, &path) {
-                    Ok(_) => scripts.push((pid, own, path)),
+                match remote_exec::request(&pin, &path) {
+                    Ok(_) => scripts.push((pin, own, path)),
                     Err(e) => tracing::debug!(pid, %e, "asking for the counter's removal"),
                 }
             }
         }
         // The library is loaded where it will be; the start script has run or been withdrawn.
-        self.dir.unlink("_tracer_pycount.so");
+        self.dir.unlink(LIBRARY_AS);
         self.dir.unlink("start.py");
         cleanup_later(self.dir, self.name, scripts, pids);
-        out
+        Finished {
+            counts: out,
+            refused,
+        }
     }
 }
 
 /// Deletes the session's files once nothing can still run them: a removal script once the
 /// counts file it deletes is gone (it ran) or its process is; everything once the processes
-/// are. Gives up after [`CLEANUP_WAIT`], leaving what is left.
+/// are. After [`CLEANUP_WAIT`] the requests not taken are withdrawn, and what is left stays
+/// for the next sweep ([`journal`]).
 /// `pids`: the processes (pids here) that could still run something in the directory.
-fn cleanup_later(dir: Dir, name: String, scripts: Vec<(u32, u32, String)>, pids: Vec<u32>) {
+fn cleanup_later(dir: Dir, name: String, scripts: Vec<(Pinned, u32, String)>, pids: Vec<u32>) {
     CLEANUPS.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new()
         .name("pycount-cleanup".into())
@@ -501,14 +682,14 @@ fn cleanup_later(dir: Dir, name: String, scripts: Vec<(u32, u32, String)>, pids:
             let started = Instant::now();
             let mut pending = scripts;
             loop {
-                pending.retain(|(pid, own, path)| {
+                pending.retain(|(pin, own, path)| {
                     let counts = format!("{}{own}", inproc::FILE_PREFIX);
-                    if alive(*pid) && dir.exists(&counts) {
+                    if pin.alive() && dir.exists(&counts) {
                         return true;
                     }
-                    if alive(*pid) {
+                    if pin.alive() {
                         // Ran in one thread: the others' requests go, then the file.
-                        let _ = remote_exec::withdraw(*pid, path);
+                        let _ = remote_exec::withdraw(pin, path);
                         std::thread::sleep(Duration::from_millis(50));
                     }
                     let file = Path::new(path).file_name().and_then(|n| n.to_str());
@@ -519,12 +700,22 @@ fn cleanup_later(dir: Dir, name: String, scripts: Vec<(u32, u32, String)>, pids:
                 // needed; while one lives, only an empty directory goes.
                 if !pids.iter().any(|&p| alive(p)) {
                     dir.remove(&name);
+                    journal::forget(&name);
                     break;
                 }
                 if pending.is_empty() && dir.remove_if_empty(&name) {
+                    journal::forget(&name);
                     break;
                 }
                 if started.elapsed() > CLEANUP_WAIT {
+                    // A request nobody took must not be taken later, from files left here.
+                    for (pin, _, path) in &pending {
+                        if remote_exec::withdraw(pin, path).is_ok() {
+                            let file = Path::new(path).file_name().and_then(|n| n.to_str());
+                            dir.unlink(file.unwrap_or(""));
+                        }
+                    }
+                    tracing::warn!(dir = %name, "in-process counter files left after {} s; the next start of tracerd sweeps them", CLEANUP_WAIT.as_secs());
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(100));
@@ -544,41 +735,5 @@ pub fn describe() -> String {
             lib.file_name().unwrap_or_default().to_string_lossy()
         ),
         Err(why) => format!("unavailable: {why}; every process is counted with uprobes"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_second_run_of_the_start_script_is_not_counted() {
-        let f = |code, qualname: &str, filename: &str| Function {
-            code,
-            qualname: qualname.into(),
-            filename: filename.into(),
-            ncalls: 1,
-            ..Function::default()
-        };
-        let edge = |caller, callee| Edge {
-            caller,
-            callee,
-            ncalls: 1,
-            ..Edge::default()
-        };
-        let mut c = Counts {
-            functions: vec![
-                f(1, "<module>", "<string>"),
-                f(2, "_tracer_pycount", "<string>"),
-                f(3, "<module>", "<string>"),
-                f(4, "work", "app.py"),
-            ],
-            edges: vec![edge(1, 2), edge(3, 4)],
-            ..Counts::default()
-        };
-        drop_script_frames(&mut c);
-        let left: Vec<u64> = c.functions.iter().map(|f| f.code).collect();
-        assert_eq!(left, [3, 4], "a program's own exec'd code stays");
-        assert_eq!(c.edges.len(), 1);
     }
 }

@@ -126,6 +126,12 @@ pub(super) fn remove_script(tool: u32, counts: &str) -> String {
                 module.stop()
     except BaseException:
         pass
+    # Loading an extension module lists it there, whatever the loader asked.
+    try:
+        if getattr(sys.modules.get("_tracer_pycount"), "__file__", "").startswith(os.path.dirname(counts) + "/"):
+            del sys.modules["_tracer_pycount"]
+    except BaseException:
+        pass
     try:
         os.unlink(counts)
     except BaseException:

@@ -1,0 +1,105 @@
+//! A process held by its pidfd, with its memory opened: what tracerd writes into a process
+//! (a request to run a script) must reach the process that was checked, not one that took
+//! its pid since. `/proc/PID/mem`, once open, names the address space it was opened on; a
+//! pidfd tells whether the pid still names that process, so checks made through
+//! `/proc/PID/...` between [`Pinned::open`] and a true [`Pinned::alive`] were made on it.
+
+use std::{
+    fs::File,
+    io,
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::fs::{FileExt, OpenOptionsExt},
+    },
+};
+
+/// One process, pinned.
+#[derive(Debug)]
+pub struct Pinned {
+    pid: u32,
+    pidfd: OwnedFd,
+    mem: File,
+}
+
+impl Pinned {
+    /// Pins `pid`: its pidfd first, then its memory, so a process that took the pid in between
+    /// is caught by the next [`Pinned::alive`] (the pidfd names the first).
+    pub fn open(pid: u32) -> io::Result<Self> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let mem = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(format!("/proc/{pid}/mem"))?;
+        let p = Self { pid, pidfd, mem };
+        if !p.alive() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(p)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether the pinned process has not been reaped: while it has not, its pid is its own,
+    /// and what `/proc/PID` showed since [`Pinned::open`] was about it.
+    pub fn alive(&self) -> bool {
+        // SAFETY: signal 0 checks only; a null info and no flags, on our own descriptor.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        r == 0
+    }
+
+    /// Writes `bytes` at `addr` of the pinned process's memory (nowhere else, whoever has
+    /// its pid by now).
+    pub fn write(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
+        self.mem.write_all_at(bytes, addr)
+    }
+
+    /// Reads `buf.len()` bytes at `addr` of the pinned process's memory.
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.mem.read_exact_at(buf, addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reaped_process_is_not_alive_and_its_memory_is_not_written() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        let p = match Pinned::open(child.id()) {
+            Ok(p) => p,
+            // Not root, or ptrace forbidden here: nothing to check.
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert!(p.alive());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!p.alive());
+        assert!(p.write(0x1000, b"x").is_err());
+    }
+}

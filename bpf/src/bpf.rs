@@ -4,22 +4,33 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
+mod maps;
 mod programs;
+mod tracepoints;
+mod uprobes;
 
+pub use maps::GpuKernelTimes;
+use maps::{cuda_counts, gpu_kernel_times, native_counts, reopen};
+pub use maps::{
+    slot_entries, CudaCounts, CudaMaps, NativeMaps, PythonMaps, SamplingMaps, TracingMaps,
+};
 pub use programs::perf_link;
+pub use tracepoints::ensure_tracefs;
+use tracepoints::{attach, TracepointFormat};
+use uprobes::load_all;
+pub use uprobes::{release, CudaAttacher, Loading, NativeAttacher, ProbeSet, PythonAttacher};
 
-use std::{fs, os::fd::OwnedFd, path::Path};
+use std::{os::fd::OwnedFd, path::Path};
 
 use aya::{
     maps::{Array, HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap},
-    programs::TracePoint,
     Ebpf, EbpfError, EbpfLoader,
 };
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
-    globals, loss, native_cookie, py_role, CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey,
-    GpuKernelStats, NativeCallKey, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout,
-    PySampleProc, PyStack, SessionMask,
+    globals, loss, CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey, GpuKernelStats,
+    NativeCallKey, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout, PySampleProc, PyStack,
+    SessionMask,
 };
 
 use tracer_inspect::python::{
@@ -67,173 +78,6 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tr
 
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 
-/// The entries of a map shared by sessions whose key `belongs` to one session, read, and
-/// taken out of the map with `take` (at the session's end) or left there (live readings).
-/// In batches where the kernel has them, else one entry at a time.
-pub fn slot_entries<K: aya::Pod, V: aya::Pod>(
-    map: &mut HashMap<MapData, K, V>,
-    belongs: impl Fn(&K) -> bool,
-    take: bool,
-) -> Vec<(K, V)> {
-    use std::os::fd::AsFd;
-
-    use aya::maps::IterableMap;
-    let all = match crate::batch::entries::<K, V>(map.map().fd().as_fd()) {
-        Ok(all) => all,
-        Err(e) => {
-            tracing::debug!(%e, "batch map reads: reading one entry at a time");
-            return slot_entries_one_by_one(map, belongs, take);
-        }
-    };
-    let mine: Vec<(K, V)> = all.into_iter().filter(|(k, _)| belongs(k)).collect();
-    if take {
-        let keys: Vec<K> = mine.iter().map(|(k, _)| *k).collect();
-        if crate::batch::delete(map.map().fd().as_fd(), &keys).is_err() {
-            for k in &keys {
-                let _ = map.remove(k);
-            }
-        }
-    }
-    mine
-}
-
-fn slot_entries_one_by_one<K: aya::Pod, V: aya::Pod>(
-    map: &mut HashMap<MapData, K, V>,
-    belongs: impl Fn(&K) -> bool,
-    take: bool,
-) -> Vec<(K, V)> {
-    let keys: Vec<K> = map
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|k| belongs(k))
-        .collect();
-    let mut out = Vec::with_capacity(keys.len());
-    for k in keys {
-        if let Ok(v) = map.get(&k, 0) {
-            out.push((k, v));
-        }
-        if take {
-            let _ = map.remove(&k);
-        }
-    }
-    out
-}
-
-/// A map shared by sessions, opened again (its fd duplicated) for another thread to read.
-fn reopen<K: aya::Pod, V: aya::Pod>(
-    map: &HashMap<MapData, K, V>,
-    name: &'static str,
-) -> Result<HashMap<MapData, K, V>, BpfError> {
-    use std::os::fd::AsFd;
-
-    use aya::maps::IterableMap;
-    let err = |source: MapError| BpfError::Map {
-        name,
-        source: Box::new(source),
-    };
-    let fd = map
-        .map()
-        .fd()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|io_error| {
-            err(MapError::SyscallError(aya::sys::SyscallError {
-                call: "dup",
-                io_error,
-            }))
-        })?;
-    let data = MapData::from_fd(fd).map_err(err)?;
-    HashMap::try_from(aya::maps::Map::HashMap(data)).map_err(err)
-}
-
-/// The native-call counts map, opened again for reading a session's last counts off the
-/// thread that owns [`Bpf`].
-pub struct NativeMaps {
-    calls: HashMap<MapData, NativeCallKey, u64>,
-}
-
-impl NativeMaps {
-    /// The counts (pid, probe, calls) of `slot`, taken out of the map.
-    pub fn take(&mut self, slot: u8) -> Vec<(u32, u32, u64)> {
-        native_counts(&mut self.calls, slot, true)
-    }
-}
-
-/// The CUDA count maps, opened again for reading a session's last counts off the thread
-/// that owns [`Bpf`].
-pub struct CudaMaps {
-    launches: HashMap<MapData, CudaLaunchKey, u64>,
-    memory: HashMap<MapData, CudaMemKey, CudaMemStats>,
-    gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
-}
-
-impl CudaMaps {
-    /// The launch counts, memory totals and GPU kernel times of `slot`, taken out of the maps.
-    pub fn take(&mut self, slot: u8) -> (CudaCounts, GpuKernelTimes) {
-        (
-            cuda_counts(&mut self.launches, &mut self.memory, slot, true),
-            gpu_kernel_times(&mut self.gpu_kernels, slot, true),
-        )
-    }
-}
-
-/// A session's GPU kernel times (CUPTI), as the kernel keeps them.
-pub type GpuKernelTimes = Vec<(GpuKernelKey, GpuKernelStats)>;
-
-fn cuda_counts(
-    launches: &mut HashMap<MapData, CudaLaunchKey, u64>,
-    memory: &mut HashMap<MapData, CudaMemKey, CudaMemStats>,
-    slot: u8,
-    take: bool,
-) -> CudaCounts {
-    let slot = u32::from(slot);
-    (
-        slot_entries(launches, |k| k.slot == slot, take),
-        slot_entries(memory, |k| k.slot == slot, take),
-    )
-}
-
-fn gpu_kernel_times(
-    map: &mut HashMap<MapData, GpuKernelKey, GpuKernelStats>,
-    slot: u8,
-    take: bool,
-) -> GpuKernelTimes {
-    let slot = u32::from(slot);
-    slot_entries(map, |k| k.slot == slot, take)
-}
-
-fn native_counts(
-    map: &mut HashMap<MapData, NativeCallKey, u64>,
-    slot: u8,
-    take: bool,
-) -> Vec<(u32, u32, u64)> {
-    slot_entries(map, |k| k.slot == u32::from(slot), take)
-        .into_iter()
-        .map(|(k, n)| (k.pid, k.probe, n))
-        .collect()
-}
-
-/// A session's Python counts and caller pairs, as the kernel keeps them.
-pub type PythonCounts = (Vec<(PyCallKey, PyCallStats)>, Vec<(PyEdgeKey, PyCallStats)>);
-
-/// The Python call and caller-pair maps, opened again for reading a session's last counts
-/// off the thread that owns [`Bpf`].
-pub struct PythonMaps {
-    calls: HashMap<MapData, PyCallKey, PyCallStats>,
-    edges: HashMap<MapData, PyEdgeKey, PyCallStats>,
-}
-
-impl PythonMaps {
-    /// The counts and caller pairs of `slot`, taken out of the maps.
-    pub fn take(&mut self, slot: u8) -> PythonCounts {
-        let slot = u32::from(slot);
-        (
-            slot_entries(&mut self.calls, |k| k.slot == slot, true),
-            slot_entries(&mut self.edges, |k| k.slot == slot, true),
-        )
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
     #[error("loading tracer's BPF object: {0}")]
@@ -262,94 +106,6 @@ pub enum BpfError {
     #[error("tracefs is not available at {TRACEFS} and could not be mounted: {0}")]
     Tracefs(String),
 }
-
-/// Uprobes that come off together; dropping the set detaches them. That waits for the
-/// kernel's grace periods (once per multi-uprobe link, once per probe without them): drop
-/// sets off the task that answers RPCs, with [`crate::bpf::release`].
-#[derive(Default)]
-pub struct ProbeSet {
-    /// Held only to be dropped: multi-uprobe links, or one link per probe's perf event.
-    links: Vec<OwnedFd>,
-    probes: usize,
-}
-
-impl ProbeSet {
-    /// Probes in the set.
-    pub fn len(&self) -> usize {
-        self.probes
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.probes == 0
-    }
-
-    /// Takes in the probes of `other`.
-    pub fn extend(&mut self, other: ProbeSet) {
-        self.links.extend(other.links);
-        self.probes += other.probes;
-    }
-}
-
-/// Uprobe programs still to be verified and loaded, from [`Bpf::to_load`]; `run` them on a
-/// thread that may wait seconds. What they load, the daemon's later attaches use.
-pub struct Loading {
-    programs: programs::Programs,
-    names: Vec<&'static str>,
-}
-
-impl Loading {
-    pub fn run(self) -> Result<(), BpfError> {
-        load_all(&self.programs, &self.names)
-    }
-}
-
-/// Loads `names` (at once where loaded already); after a failed attempt some are loaded
-/// already, so the error names the one that fails.
-fn load_all(programs: &programs::Programs, names: &[&'static str]) -> Result<(), BpfError> {
-    for &name in names {
-        programs.load(name).map_err(|e| BpfError::Program {
-            name,
-            source: Box::new(e),
-        })?;
-    }
-    Ok(())
-}
-
-/// Detaches `sets` on a thread of their own, then calls `done` there: the kernel's grace
-/// periods keep nobody else waiting.
-pub fn release(sets: Vec<ProbeSet>, done: impl FnOnce() + Send + 'static) {
-    if sets.iter().all(ProbeSet::is_empty) {
-        drop(sets);
-        done();
-        return;
-    }
-    let spawned = std::thread::Builder::new()
-        .name("probe-release".into())
-        .spawn(move || {
-            drop(sets);
-            done();
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(%e, "no thread to release probes on");
-    }
-}
-
-/// The maps trace events come through, taken out of the BPF object.
-pub struct TracingMaps {
-    pub events: RingBuf<MapData>,
-    /// Events dropped on a full ring buffer, per session slot.
-    pub drops: PerCpuArray<MapData, u64>,
-}
-
-/// The maps the sampling program fills, taken out of the BPF object.
-pub struct SamplingMaps {
-    pub samples: RingBuf<MapData>,
-    pub kernel_stacks: StackTraceMap<MapData>,
-    pub python_procs: HashMap<MapData, u32, PySampleProc>,
-}
-
-/// A session's CUDA launch counts and memory totals.
-pub type CudaCounts = (Vec<(CudaLaunchKey, u64)>, Vec<(CudaMemKey, CudaMemStats)>);
 
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> BpfError {
     move |e| BpfError::Map {
@@ -892,129 +648,6 @@ impl Bpf {
     }
 }
 
-/// Attaches (program, file offset, cookie) points in `binary`, for every process that maps
-/// it; all or nothing. With multi-uprobe links, one link per program.
-fn attach_all(
-    programs: &programs::Programs,
-    binary: &Path,
-    points: &[(&'static str, u64, u64)],
-) -> Result<ProbeSet, BpfError> {
-    let mut set = ProbeSet::default();
-    let mut names: Vec<&'static str> = points.iter().map(|p| p.0).collect();
-    names.sort_unstable();
-    names.dedup();
-    for name in names {
-        let (offsets, cookies): (Vec<u64>, Vec<u64>) = points
-            .iter()
-            .filter(|p| p.0 == name)
-            .map(|p| (p.1, p.2))
-            .unzip();
-        let links = programs
-            .attach(name, binary, &offsets, &cookies, AT_RETURN.contains(&name))
-            .map_err(|e| BpfError::Attach {
-                name,
-                probes: offsets.len(),
-                source: e,
-            })?;
-        set.links.extend(links);
-        set.probes += offsets.len();
-    }
-    Ok(set)
-}
-
-/// Attaches the Python probes ([`Bpf::python_attacher`]); `Send`, for a blocking thread.
-#[derive(Clone)]
-pub struct PythonAttacher {
-    programs: programs::Programs,
-}
-
-impl PythonAttacher {
-    /// The Python probes on one interpreter binary, for every process that maps it.
-    pub fn attach(&self, rt: &Runtime, path: &Path) -> Result<ProbeSet, BpfError> {
-        load_all(&self.programs, &PY_PROGRAMS)?;
-        publish_layout(rt.version)?;
-        let index = u64::from(rt.version.index);
-        let entry = index | (py_role::ENTRY << py_role::SHIFT);
-        let exit = index | (py_role::EXIT << py_role::SHIFT);
-        let mut points = vec![(PY_ENTRY, &rt.eval_entry, entry)];
-        if rt.resume.is_empty() {
-            // 3.10: every frame is one call of the eval loop, left when it returns.
-            points.push((PY_RETURN, &rt.eval_entry, exit));
-        }
-        points.extend(rt.resume.iter().map(|p| (PY_OPCODE, p, entry)));
-        points.extend(rt.exit.iter().map(|p| (PY_OPCODE, p, exit)));
-        let points: Vec<_> = points
-            .into_iter()
-            .map(|(name, p, cookie)| (name, p.file_offset, cookie))
-            .collect();
-        attach_all(&self.programs, path, &points)
-    }
-}
-
-/// Attaches native-call counters ([`Bpf::native_attacher`]); `Send`, for a blocking thread.
-#[derive(Clone)]
-pub struct CudaAttacher {
-    programs: programs::Programs,
-}
-
-impl CudaAttacher {
-    /// Probes CUDA entry points of one library for one session: (file offset, cookie, and
-    /// whether the call's result is read at its return). `cookie`:
-    /// `cuda_cookie::make(slot, all, api)`.
-    pub fn attach(&self, binary: &Path, probes: &[(u64, u64, bool)]) -> Result<ProbeSet, BpfError> {
-        load_all(&self.programs, &CUDA_PROGRAMS)?;
-        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (CUDA_CALL, o, c)).collect();
-        points.extend(
-            probes
-                .iter()
-                .filter(|p| p.2)
-                .map(|&(o, c, _)| (CUDA_RETURN, o, c)),
-        );
-        attach_all(&self.programs, binary, &points)
-    }
-}
-
-pub struct NativeAttacher {
-    programs: programs::Programs,
-}
-
-impl NativeAttacher {
-    /// Attaches native-call counters for one session on functions of one binary: each
-    /// `(file offset, probe)` numbers the function in the session's report; `all`: count
-    /// every process, not only those the session follows. A function the kernel will not
-    /// probe is left out and comes back with why, by its index in `points`.
-    pub fn attach(
-        &self,
-        binary: &Path,
-        points: &[(u64, u32)],
-        slot: u8,
-        all: bool,
-    ) -> Result<(ProbeSet, Vec<(usize, BpfError)>), BpfError> {
-        load_all(&self.programs, &NATIVE_PROGRAMS)?;
-        let points: Vec<_> = points
-            .iter()
-            .map(|&(offset, probe)| (NATIVE_CALL, offset, native_cookie::make(slot, all, probe)))
-            .collect();
-        // In one link, unless the kernel refuses one of them: then one at a time, to name
-        // those it refuses. (One perf event each goes one at a time from the start: those
-        // attached before a refusal would each take a grace period to come off.)
-        if self.programs.multi() {
-            if let Ok(set) = attach_all(&self.programs, binary, &points) {
-                return Ok((set, Vec::new()));
-            }
-        }
-        let mut set = ProbeSet::default();
-        let mut refused = Vec::new();
-        for (i, p) in points.iter().enumerate() {
-            match attach_all(&self.programs, binary, std::slice::from_ref(p)) {
-                Ok(one) => set.extend(one),
-                Err(e) => refused.push((i, e)),
-            }
-        }
-        Ok((set, refused))
-    }
-}
-
 pub fn loss_cause_name(index: u32) -> &'static str {
     match index {
         loss::RINGBUF_FULL => "proc_events_ringbuf_full",
@@ -1035,87 +668,5 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::CUPTI_RECORDS_DROPPED => "cupti_records_dropped",
         loss::PY_INPROC_FULL => "python_inproc_map_full",
         _ => "unknown",
-    }
-}
-
-fn attach(ebpf: &mut Ebpf, prog: &'static str, category: &str, name: &str) -> Result<(), BpfError> {
-    let err = |e| BpfError::Program {
-        name: prog,
-        source: Box::new(e),
-    };
-    let tp: &mut TracePoint = ebpf
-        .program_mut(prog)
-        .expect("program in object")
-        .try_into()
-        .map_err(err)?;
-    tp.load().map_err(err)?;
-    tp.attach(category, name).map_err(err)?;
-    Ok(())
-}
-
-/// Mounts tracefs when it is not (a fresh boot may lack it); tracepoints and uprobes need it.
-pub fn ensure_tracefs() -> Result<(), BpfError> {
-    if Path::new(TRACEFS).join("events").exists() {
-        return Ok(());
-    }
-    nix::mount::mount(
-        Some("nodev"),
-        TRACEFS,
-        Some("tracefs"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(|e| BpfError::Tracefs(e.to_string()))
-}
-
-/// Field offsets of a tracepoint, from its tracefs `format` file.
-struct TracepointFormat(String);
-
-impl TracepointFormat {
-    fn read(category: &str, name: &str) -> Self {
-        Self(
-            fs::read_to_string(
-                Path::new(TRACEFS)
-                    .join("events")
-                    .join(category)
-                    .join(name)
-                    .join("format"),
-            )
-            .unwrap_or_default(),
-        )
-    }
-
-    /// The offset of `field`, from a line like `field:pid_t pid; offset:8; size:4; signed:1;`
-    /// (tab-separated).
-    fn offset(&self, field: &str) -> Option<u32> {
-        self.0.lines().find_map(|line| {
-            let decl = line.trim().strip_prefix("field:")?.split(';').next()?;
-            let name = decl.rsplit([' ', '*']).next()?.split('[').next()?;
-            if name != field {
-                return None;
-            }
-            let off = line.split("offset:").nth(1)?.split(';').next()?;
-            off.trim().parse().ok()
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tracepoint_offsets_parse() {
-        let f = TracepointFormat(
-            "format:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-             \tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
-             \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
-             \tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n"
-                .into(),
-        );
-        assert_eq!(f.offset("pid"), Some(24));
-        assert_eq!(f.offset("comm"), Some(8));
-        assert_eq!(f.offset("group_dead"), Some(32));
-        assert_eq!(f.offset("prio"), None);
     }
 }

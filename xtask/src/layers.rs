@@ -3,8 +3,11 @@
 //! - crates by layer: a workspace crate depends (for its build, not its tests) only on
 //!   crates of lower layers, read from `cargo metadata`;
 //! - no circle of modules in a crate, read from the `crate::…` and `super::…` paths each file
-//!   names. A module may use its ancestors (a child is part of its parent); any other circle
-//!   means two modules can no longer be read, tested or moved one without the other.
+//!   names, grouped `use` trees included. A module may use its ancestors (a child is part of
+//!   its parent); any other circle means two modules can no longer be read, tested or moved
+//!   one without the other;
+//! - no source file over [`MAX_LINES`] lines outside tests and generated code: a file should
+//!   be readable in one sitting.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -15,15 +18,24 @@ use std::{
 use anyhow::{bail, Result};
 
 /// The crates' source roots checked, relative to the repository.
-pub const ROOTS: [&str; 7] = [
+pub const ROOTS: [&str; 13] = [
     "daemon/src",
+    "daemon/pycount/src",
+    "daemon/cupti/src",
     "bpf/src",
     "inspect/src",
     "report/src",
     "symbolize/src",
+    "ebpf/common/src",
     "ebpf/probes/src",
+    "proto/src",
     "cli/src",
+    "tests/src",
+    "xtask/src",
 ];
+
+/// The longest a source file may be, tests and generated code aside.
+const MAX_LINES: usize = 800;
 
 /// Workspace crates by layer, lowest first. A crate missing here fails the check: a new
 /// crate is given its place.
@@ -42,7 +54,7 @@ const CRATE_LAYERS: [(&str, u32); 12] = [
     // sends (into the report's frames); neither knows a session.
     ("tracer-bpf", 2),
     ("tracer-symbolize", 2),
-    // The daemon, and the CLI that speaks only proto.
+    // The daemon, and the CLI that speaks only proto (and escapes names as `report` does).
     ("tracer-daemon", 3),
     ("tracerctl", 3),
     ("tracer-tests", 4),
@@ -65,7 +77,50 @@ pub fn check(repo: &Path) -> Result<()> {
         );
     }
     println!("xtask: no import circles in {}", ROOTS.join(", "));
+    let mut long = Vec::new();
+    for root in ROOTS {
+        long.extend(too_long(&repo.join(root))?.into_iter().map(|(path, n)| {
+            format!(
+                "{}: {n} lines",
+                path.strip_prefix(repo).unwrap_or(&path).display()
+            )
+        }));
+    }
+    if !long.is_empty() {
+        bail!(
+            "source files over {MAX_LINES} lines (split them by job):\n  {}",
+            long.join("\n  ")
+        );
+    }
     Ok(())
+}
+
+/// Files under `root` over [`MAX_LINES`] lines, but for tests (`tests.rs`, a `tests`
+/// folder) and generated code (a `generated` folder).
+fn too_long(root: &Path) -> Result<Vec<(std::path::PathBuf, usize)>> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir)? {
+            let path = entry?.path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            if path.is_dir() {
+                if name != "tests" && name != "generated" {
+                    dirs.push(path);
+                }
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") || name == "tests.rs" {
+                continue;
+            }
+            let n = fs::read_to_string(&path)?.lines().count();
+            if n > MAX_LINES {
+                out.push((path, n));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// Every workspace crate's build dependencies on other workspace crates go to a lower layer.
@@ -172,8 +227,16 @@ fn paths(prefix: &str, text: &str, out: &mut Vec<String>) -> usize {
             }
             path.push_str(&text[start..i]);
         }
-        if text[i..].starts_with("::{") {
-            i += 3;
+        // `a::{…}`, or a group right after the prefix (`crate::{…}`, `super::{…}`).
+        let group = if text[i..].starts_with("::{") {
+            Some(3)
+        } else if i == start && text[i..].starts_with('{') {
+            Some(1)
+        } else {
+            None
+        };
+        if let Some(skip) = group {
+            i += skip;
             loop {
                 while i < bytes.len() && (bytes[i] as char).is_whitespace() {
                     i += 1;
@@ -215,9 +278,15 @@ fn graph(mods: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> 
         for (needle, base) in [("crate::", ""), ("super::", parent)] {
             let mut at = 0;
             while let Some(k) = src[at..].find(needle) {
-                let from = at + k + needle.len();
+                let mut from = at + k + needle.len();
                 // `crate::` inside a longer name (`tracer_crate::`) is not this crate.
                 let before = src[..at + k].chars().next_back();
+                let mut base = base;
+                // `super::super::`: each one more step up.
+                while needle == "super::" && src[from..].starts_with("super::") {
+                    base = base.rsplit_once("::").map_or("", |(p, _)| p);
+                    from += needle.len();
+                }
                 at = from;
                 if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
                     continue;
@@ -307,6 +376,49 @@ mod tests {
         paths("", "a::{b, c::{d, e as f}, g::*};", &mut out);
         out.sort();
         assert_eq!(out, ["a::b", "a::c::d", "a::c::e", "a::g"]);
+    }
+
+    #[test]
+    fn grouped_uses_right_after_the_prefix_give_every_path() {
+        let mut out = Vec::new();
+        paths("p", "{a::X, b};", &mut out);
+        paths("", "{c::{d::Y, e}, f as g};", &mut out);
+        out.sort();
+        assert_eq!(out, ["c::d::Y", "c::e", "f", "p::a::X", "p::b"]);
+    }
+
+    #[test]
+    fn grouped_and_nested_uses_make_circles_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |p: &str, s: &str| {
+            let path = dir.path().join(p);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, s).unwrap();
+        };
+        w("lib.rs", "mod m; mod top;");
+        w("m/mod.rs", "mod a; mod b; mod c;");
+        w("m/a.rs", "use super::{b::X, c};");
+        w("m/b.rs", "use crate::{m::{c::Y}, top};");
+        w("m/c.rs", "use super::super::m::a::Z;");
+        w("top.rs", "pub struct T;");
+        assert_eq!(circles(dir.path()).unwrap(), [["m::a", "m::b", "m::c"]]);
+    }
+
+    #[test]
+    fn long_files_are_found_but_tests_and_generated_code_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |p: &str, n: usize| {
+            let path = dir.path().join(p);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, "//\n".repeat(n)).unwrap();
+        };
+        w("lib.rs", MAX_LINES);
+        w("big.rs", MAX_LINES + 1);
+        w("a/tests.rs", 2 * MAX_LINES);
+        w("a/tests/x.rs", 2 * MAX_LINES);
+        w("generated/g.rs", 2 * MAX_LINES);
+        let long = too_long(dir.path()).unwrap();
+        assert_eq!(long, [(dir.path().join("big.rs"), MAX_LINES + 1)]);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! - `py_start`, `py_resume`, `py_throw` (a call enters) and `py_return`, `py_yield`,
 //!   `py_unwind` (it leaves): the callbacks of the events of the same names.
 //!
-//! Semantics are the BPF counter's (`ebpf/probes/src/python.rs`), which are cProfile's: a
+//! Semantics are the BPF counter's (`ebpf/probes/src/python/`), which are cProfile's: a
 //! call counts when it enters, primitive when its function is not active further down the
 //! same thread; times count when it leaves, caller pairs too. The GIL serializes callbacks,
 //! so the process-wide state needs no locks; each thread keeps its own shadow stack.

@@ -10,7 +10,7 @@
 //! time with PENDING → CANCELLED, so exactly one of them counts the process. A forked child
 //! writes a file of its own (`counts.<pid>` beside its parent's), RUNNING from the start.
 //!
-//! Semantics are those of the BPF counter (`ebpf/probes/src/python.rs`): a call (start,
+//! Semantics are those of the BPF counter (`ebpf/probes/src/python/`): a call (start,
 //! resume or throw into a frame) counts at its start, primitive when its code is not active
 //! further down the same thread; times are added when it ends; caller pairs count when the
 //! callee ends, primitive when the pair is not active further down.

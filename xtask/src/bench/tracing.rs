@@ -13,98 +13,27 @@
 //!
 //! Part 2 times a Python workload of many small calls untraced, under
 //! `--mode=counting --python` and under `--mode=tracing --python`, interleaved.
+//!
+//! This file runs part 1's ramp; `generator` builds and reads the generator, `python` runs
+//! part 2.
+
+mod generator;
+mod python;
 
 use std::{
     fs,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Output, Stdio},
     thread::sleep,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, Context, Result};
 
-use super::{clock_ticks, group, median, python_executable, seconds, tracerctl, Daemon};
+use super::{clock_ticks, group, tracerctl, Daemon};
 use crate::bin_dir;
-
-/// The event generator. `tick` is built without optimisation so that it starts with
-/// `push %rbp`, an instruction the kernel emulates: a probe on an instruction it must
-/// single-step instead (the RIP-relative load an optimised `tick` starts with) costs
-/// ≈ 18 µs a hit on the development VM instead of ≈ 0.5 µs, and would measure that.
-/// (`optimize` is a GCC attribute; `cc` is GCC on Debian.)
-const GENERATOR: &str = r#"
-#include <pthread.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-
-static volatile unsigned long sink;
-
-__attribute__((noinline, optimize("O0"))) void tick(unsigned long i) { sink += i; }
-
-static double rate, seconds;
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-struct result { unsigned long calls; double seconds; };
-
-/* Calls tick at `rate` a second (0: as fast as it can) for `seconds`, checking the clock
-   every 1000 calls and sleeping or spinning until the next 1000 are due. */
-static void *run(void *arg) {
-    struct result *r = arg;
-    unsigned long n = 0;
-    double t0 = now(), t = t0;
-    while (t - t0 < seconds) {
-        for (int k = 0; k < 1000; k++)
-            tick(n++);
-        t = now();
-        if (rate > 0) {
-            double due = t0 + n / rate;
-            while (t < due) {
-                if (due - t > 0.0002) {
-                    struct timespec s = {0, (long)((due - t - 0.0001) * 1e9)};
-                    nanosleep(&s, 0);
-                }
-                t = now();
-            }
-        }
-    }
-    r->calls = n;
-    r->seconds = t - t0;
-    return 0;
-}
-
-/* gen RATE SECONDS THREADS: RATE calls a second in all, shared by THREADS threads. */
-int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: gen RATE SECONDS THREADS\n");
-        return 2;
-    }
-    int threads = atoi(argv[3]);
-    if (threads < 1 || threads > 64)
-        return 2;
-    rate = atof(argv[1]) / threads;
-    seconds = atof(argv[2]);
-    pthread_t th[64];
-    struct result r[64];
-    for (int i = 0; i < threads; i++)
-        pthread_create(&th[i], 0, run, &r[i]);
-    unsigned long calls = 0;
-    double t = 0;
-    for (int i = 0; i < threads; i++) {
-        pthread_join(th[i], 0);
-        calls += r[i].calls;
-        if (r[i].seconds > t)
-            t = r[i].seconds;
-    }
-    printf("CALLS %lu\nRATE %.0f\nSECONDS %.6f\n", calls, calls / t, t);
-    return 0;
-}
-"#;
+use generator::{compile_generator, generated, untraced_rate};
+use python::python_part;
 
 /// Seconds of each step of the ramp, and of the long step on the default ring.
 const STEP_SECONDS: f64 = 3.0;
@@ -135,41 +64,6 @@ const SMALL_BUFFER_MB: u64 = 1;
 
 /// Bytes an event takes in the ring: the 56-byte record and the ring's 8-byte header.
 const RING_RECORD: u64 = 64;
-
-/// Runs of each condition of part 2, interleaved.
-const RUNS: usize = 5;
-
-/// Part 2's workloads: (name, what, calls the timed work makes).
-const WORKLOADS: &[(&str, &str, u64)] = &[
-    (
-        "fib",
-        "recursive fib(25): 242,785 calls of a tiny function",
-        242_785,
-    ),
-    (
-        "work",
-        "200,000 calls of a function doing ~2 µs of work",
-        200_001,
-    ),
-];
-
-const SCRIPT: &str = r#"
-import sys, time
-def fib(n):
-    return n if n < 2 else fib(n - 1) + fib(n - 2)
-def unit(i):
-    s = 0
-    for j in range(60):
-        s += j * i
-    return s
-def work():
-    for i in range(200_000):
-        unit(i)
-t = time.perf_counter()
-fib(25) if sys.argv[1] == "fib" else work()
-t = time.perf_counter() - t
-print(f"SECONDS {t:.6f}")
-"#;
 
 pub(super) fn run() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -436,44 +330,6 @@ fn verdict(ring_mb: u64, buffer_mb: u64, capacity: u64, steps: &[&Step]) {
     }
 }
 
-/// Builds the generator in `dir`.
-fn compile_generator(dir: &Path) -> Result<PathBuf> {
-    let src = dir.join("gen.c");
-    fs::write(&src, GENERATOR)?;
-    let gen = dir.join("gen");
-    let out = Command::new("cc")
-        .args(["-O2", "-pthread", "-o"])
-        .arg(&gen)
-        .arg(&src)
-        .output()
-        .context("running cc (Debian package gcc)")?;
-    if !out.status.success() {
-        bail!(
-            "compiling the generator: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(gen)
-}
-
-/// The generator's rate alone, unpaced, one thread, for one second.
-fn untraced_rate(gen: &Path) -> Result<u64> {
-    let out = Command::new(gen).args(["0", "1", "1"]).output()?;
-    Ok(generated(&out.stdout)?.0)
-}
-
-/// (calls, seconds) the generator printed.
-fn generated(out: &[u8]) -> Result<(u64, f64)> {
-    let text = String::from_utf8_lossy(out);
-    let calls = text
-        .lines()
-        .find_map(|l| l.strip_prefix("CALLS "))
-        .context("the generator printed no count")?
-        .trim()
-        .parse()?;
-    Ok((calls, seconds(out)?))
-}
-
 /// A tracerd on `dir` with a tracing ring of `ring_mb` MiB.
 fn start_daemon(dir: &Path, ring_mb: u64) -> Result<Daemon> {
     if ring_mb == RING_DEFAULT_MB {
@@ -655,160 +511,4 @@ fn check(out: &Output, what: &str) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Conditions of part 2.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Cond {
-    Untraced,
-    Counting,
-    Tracing,
-}
-
-const CONDS: [Cond; 3] = [Cond::Untraced, Cond::Counting, Cond::Tracing];
-
-/// One run of part 2: seconds, and (tracing) events in the trace and events lost.
-struct PyRun {
-    seconds: f64,
-    events: u64,
-    lost: u64,
-}
-
-fn python_part(dir: &Path) -> Result<()> {
-    let script = dir.join("bench.py");
-    fs::write(&script, SCRIPT)?;
-    let python = python_executable()?;
-    let sub = dir.join("python");
-    fs::create_dir_all(&sub)?;
-    let daemon = Daemon::start(&sub)?;
-    println!("== Part 2: the traced program's slowdown, tracing next to counting ==");
-    println!(
-        "python: {}; {RUNS} runs of each condition, interleaved, median; the workload's own time",
-        python.display()
-    );
-    println!("counting: tracerctl start --mode=counting --python -- python3 …");
-    println!("tracing:  tracerctl start --mode=tracing --python -- python3 …");
-    println!(
-        "columns: seconds and slowdown (×) untraced, counting and tracing; the cost of each call"
-    );
-    println!(
-        "         (µs, over untraced); events in the trace (the whole process, start-up included),"
-    );
-    println!("         events/s over the timed work (its calls / its traced time), events lost");
-    println!();
-    println!(
-        "{:<5} {:>9} {:>9} {:>6} {:>9} {:>6} {:>10} {:>10} {:>7} {:>9} {:>9} {:>5}",
-        "work",
-        "untraced",
-        "counting",
-        "×",
-        "tracing",
-        "×",
-        "count µs",
-        "trace µs",
-        "tr/cnt",
-        "events",
-        "events/s",
-        "lost"
-    );
-    let mut notes = Vec::new();
-    for &(name, what, calls) in WORKLOADS {
-        let mut runs: Vec<Vec<PyRun>> = vec![Vec::new(), Vec::new(), Vec::new()];
-        for round in 0..RUNS {
-            for k in 0..CONDS.len() {
-                let i = (k + round) % CONDS.len();
-                runs[i].push(py_run(&daemon, &sub, &python, &script, name, CONDS[i])?);
-            }
-        }
-        let secs = |i: usize| median(runs[i].iter().map(|r| r.seconds).collect());
-        let (base, counted, traced) = (secs(0), secs(1), secs(2));
-        let per_call = |t: f64| (t - base) / calls as f64 * 1e6;
-        let events = median(runs[2].iter().map(|r| r.events as f64).collect());
-        let lost: u64 = runs[2].iter().map(|r| r.lost).sum();
-        println!(
-            "{:<5} {:>9.3} {:>9.3} {:>6.1} {:>9.3} {:>6.1} {:>10.2} {:>10.2} {:>7.2} {:>9} {:>9} {:>5}",
-            name,
-            base,
-            counted,
-            counted / base,
-            traced,
-            traced / base,
-            per_call(counted),
-            per_call(traced),
-            per_call(traced) / per_call(counted),
-            group(events as u64),
-            group((calls as f64 / traced) as u64),
-            group(lost)
-        );
-        println!("      {what}");
-        notes.push((name, per_call(counted), per_call(traced), lost));
-    }
-    for (name, c, t, lost) in notes {
-        println!(
-            "{name}: tracing costs {t:.2} µs a call, counting {c:.2} µs ({:+.2} µs, {:.2}×); {}",
-            t - c,
-            t / c,
-            if lost == 0 {
-                "no event lost".to_owned()
-            } else {
-                format!("{} events LOST over {RUNS} runs", group(lost))
-            }
-        );
-    }
-    Ok(())
-}
-
-fn py_run(
-    daemon: &Daemon,
-    dir: &Path,
-    python: &Path,
-    script: &Path,
-    name: &str,
-    cond: Cond,
-) -> Result<PyRun> {
-    let report = dir.join("report.json");
-    let mut cmd = match cond {
-        Cond::Untraced => Command::new(python),
-        Cond::Counting | Cond::Tracing => {
-            let mut c = tracerctl(daemon);
-            c.args([
-                "start",
-                if cond == Cond::Counting {
-                    "--mode=counting"
-                } else {
-                    "--mode=tracing"
-                },
-                "--python",
-                "--format",
-                "json",
-                "-o",
-            ])
-            .arg(&report)
-            .arg("--")
-            .arg(python);
-            c
-        }
-    };
-    let out = cmd
-        .arg(script)
-        .arg(name)
-        .stdin(Stdio::null())
-        .output()
-        .context("running the workload")?;
-    check(&out, "the workload")?;
-    let mut run = PyRun {
-        seconds: seconds(&out.stdout)?,
-        events: 0,
-        lost: 0,
-    };
-    if cond == Cond::Tracing {
-        let json: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(&report)?).context("tracer's JSON report")?;
-        run.events = json["trace"]["python_calls"]
-            .as_u64()
-            .context("no trace.python_calls in the report")?;
-        run.lost = super::losses(&json);
-        ensure!(run.events > 0, "the trace holds no Python call");
-    }
-    Ok(run)
 }

@@ -1,0 +1,107 @@
+//! Stack sampling's records: the sample sent on the ring (Python frames and a copy of the
+//! user stack), how to read a process's Python stacks, and the sampler's attach cookie.
+
+/// Python frames read per sample; deeper frames are cut (the sample says so).
+pub const SAMPLE_PY_DEPTH: usize = 128;
+/// Most bytes of the sampled thread's user stack copied for unwinding in user space, from
+/// the start of the page holding its stack pointer (no frame pointers in distribution
+/// builds); the copy ends earlier at the first unreadable page (the top of a main thread's
+/// stack). 64 KiB, perf's own limit: importing PyTorch runs deeper than 16 KiB.
+pub const SAMPLE_STACK_BYTES: usize = 65_536;
+/// Where `SampleEvent::stack` starts: a record on the ring is this many bytes plus the
+/// stack bytes copied (`stack_len`).
+pub const SAMPLE_STACK_OFFSET: usize = core::mem::offset_of!(SampleEvent, stack);
+
+/// `PySampleFrame::code` bits above any user address: this frame was the first of its
+/// run of the eval loop (3.10: every frame; 3.11: `is_entry`).
+pub const PY_FRAME_ENTRY: u64 = 1 << 63;
+/// `PySampleFrame::code` bit: a 3.12+ frame owned by the C stack, a shim marking the start
+/// of an eval-loop run (it is not a Python function).
+pub const PY_FRAME_SHIM: u64 = 1 << 62;
+
+/// One Python frame of a sample: its code object and its current instruction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PySampleFrame {
+    /// Code object address, with `PY_FRAME_ENTRY`/`PY_FRAME_SHIM` flags.
+    pub code: u64,
+    /// 3.10: `f_lasti` (instruction index, sign-extended); 3.11+: address of the instruction.
+    pub instr: u64,
+    /// `py_names_id` of the code object's qualname and file name objects when sampled: the
+    /// daemon names the frame only if the code object still has them (a freed code object's
+    /// address is soon reused by another one).
+    pub names: u64,
+}
+
+/// `SampleEvent::flags`.
+pub mod sample_flag {
+    /// The process is a known Python process and its thread state was found.
+    pub const PYTHON: u32 = 1;
+    /// The Python chain was longer than `SAMPLE_PY_DEPTH`.
+    pub const PY_TRUNCATED: u32 = 2;
+    /// A Python process, but this thread has no thread state (a native thread).
+    pub const PY_NO_THREAD: u32 = 4;
+    /// Reading the interpreter's memory failed mid-chain.
+    pub const PY_READ_FAILED: u32 = 8;
+    /// The daemon has not yet told the probe whether this process runs Python.
+    pub const PY_UNKNOWN_PROCESS: u32 = 16;
+    /// The sample interrupted kernel code.
+    pub const KERNEL_MODE: u32 = 32;
+}
+
+/// One stack sample, sent on the `SAMPLES` ring buffer up to the stack bytes copied. Kernel
+/// stacks are aggregated in a stack map (`kernel_stack` is its id); user stacks travel as a
+/// stack copy, unwound by the daemon with the binaries' unwind tables.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SampleEvent {
+    /// The session the sample is for.
+    pub slot: u32,
+    pub cpu: u32,
+    pub pid: u32,
+    pub tid: u32,
+    pub ktime_ns: u64,
+    /// Id in `SAMPLE_KSTACKS`, or negative: no kernel stack (user mode) or an error.
+    pub kernel_stack: i64,
+    /// User registers at the sample.
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Address of `stack[0]` (the page of `sp`) and how many bytes were copied.
+    pub stack_base: u64,
+    pub stack_len: u32,
+    pub flags: u32,
+    pub py_depth: u32,
+    pub _pad: u32,
+    pub comm: [u8; 16],
+    /// Innermost first.
+    pub py: [PySampleFrame; SAMPLE_PY_DEPTH],
+    pub stack: [u8; SAMPLE_STACK_BYTES],
+}
+
+/// Value of `PY_SAMPLE_PROCS`: how to read a process's Python stacks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PySampleProc {
+    /// Address of `_PyRuntime` in the process.
+    pub runtime: u64,
+    /// Index into `PY_LAYOUTS`, or `PY_SAMPLE_NOT_PYTHON`.
+    pub layout: u32,
+    /// 0 for a process the daemon looked at; for a forked copy of one, that process's pid:
+    /// its memory held the child's code objects first, and may still when the child is gone.
+    pub origin: u32,
+}
+
+/// `PySampleProc::layout`: the daemon looked, and the process does not run a known CPython.
+pub const PY_SAMPLE_NOT_PYTHON: u32 = u32::MAX;
+
+/// The attach cookie of a sampling perf event: the session slot, and whether it samples
+/// every process.
+pub mod sample_cookie {
+    pub const ALL: u64 = 1 << 8;
+    pub const SLOT_MASK: u64 = 0xff;
+
+    pub const fn make(slot: u8, all: bool) -> u64 {
+        slot as u64 | if all { ALL } else { 0 }
+    }
+}

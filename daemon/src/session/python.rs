@@ -671,7 +671,7 @@ impl PythonEnd {
             }
         }
         warnings.extend(refused);
-        let (inproc, unnamed) = inproc_functions(inproc);
+        let (inproc, unnamed) = inproc_functions(&inproc);
         if unnamed > 0 {
             warnings.push(format!(
                 "{unnamed} callers of in-process counted functions are shown by code object: their names were over tracer's budget"
@@ -708,7 +708,7 @@ const CALLER_NAME_BYTES: usize = 64 << 20;
 /// process's table (a caller is always counted before its callee ends). And how many
 /// callers are shown by code object instead, their names being over
 /// [`CALLER_NAME_BYTES`].
-pub fn inproc_functions(all: Vec<crate::python::inproc::Counts>) -> (Vec<PyFunction>, u64) {
+pub fn inproc_functions(all: &[crate::python::inproc::Counts]) -> (Vec<PyFunction>, u64) {
     let mut out = Vec::new();
     let mut left = CALLER_NAME_BYTES;
     let mut unnamed = 0;

@@ -146,14 +146,13 @@ impl Manager {
                         .as_ref()
                         .map(|py| {
                             let mut f = py.functions(counts, Vec::new()).0;
-                            let targets: Vec<u32> = py.inproc.iter().map(|c| c.pid).collect();
-                            let followed = |p| {
-                                s.live.contains(&p)
-                                    || py.gone.contains(&p)
-                                    || crate::process::descends_from(p, &targets)
-                            };
-                            let live = py.inproc.iter().flat_map(|c| c.peek(&followed)).collect();
-                            f.extend(crate::session::python::inproc_functions(live).0);
+                            // Read off this task; here only the last reading is taken.
+                            let followed: std::collections::HashSet<u32> =
+                                s.live.iter().chain(&py.gone).copied().collect();
+                            for c in &py.inproc {
+                                let live = c.peek(followed.clone());
+                                f.extend(crate::session::python::inproc_functions(&live).0);
+                            }
                             f
                         })
                         .unwrap_or_default()

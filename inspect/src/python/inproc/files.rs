@@ -394,6 +394,8 @@ pub(super) struct Mapping {
 // SAFETY: the mapping is plain shared memory, read and written only through atomics and
 // volatile copies; nothing in it is tied to a thread.
 unsafe impl Send for Mapping {}
+// SAFETY: as above: shared reads go through volatile copies and atomics only.
+unsafe impl Sync for Mapping {}
 
 impl Mapping {
     pub(super) fn new(file: &File) -> std::io::Result<Self> {

@@ -178,7 +178,12 @@ fn sweep_one(name: &str, e: &Entry) -> String {
         Removal::Asked(pin, own, path) => vec![(pin, own, path)],
         Removal::Not(_) => Vec::new(),
     };
-    cleanup_later(dir, name.to_owned(), scripts, vec![e.pid]);
+    cleanup_later(
+        std::sync::Arc::new(dir),
+        name.to_owned(),
+        scripts,
+        vec![e.pid],
+    );
     said
 }
 

@@ -22,6 +22,7 @@ mod journal;
 mod read;
 mod scripts;
 mod sigbus;
+mod view;
 
 pub use journal::{set_journal, sweep};
 
@@ -33,7 +34,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use std::sync::Arc;
+use std::{
+    collections::HashSet,
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use view::View;
 
 use tracer_common::inproc::{self, state, Edge, Header};
 
@@ -91,20 +97,30 @@ pub type MayTrace = Arc<dyn Fn(u32) -> Result<(), String> + Send + Sync>;
 /// A process counted in-process, and the directory its counter works in.
 pub struct Counter {
     pub pid: u32,
-    /// Its pid in its own pid namespace.
-    own: u32,
-    /// The directory and the process's `/tmp`, held open: a chrooted process's root, through
-    /// which tracerd reached them, goes when the process does. And the directory's name.
-    dir: Dir,
+    /// Its directory and counts file, shared with the live view's thread.
+    files: Arc<Files>,
+    /// The directory's name.
     name: String,
     /// The process's counts file, locked (`LOCK_EX`) while tracerd holds it: a counter that
     /// can lock it knows tracerd died and stops.
     _file: fs::File,
-    map: Mapping,
     /// The counter library's (device, inode): a process asked to run a removal script must
     /// have loaded it (the counted process or a child it forked).
     library: (u64, u64),
     may_trace: MayTrace,
+    /// The live view (Prometheus), once asked for.
+    view: Mutex<Option<Arc<View>>>,
+}
+
+/// What reading a counter needs: the process, its directory and its own counts file.
+struct Files {
+    pid: u32,
+    /// Its pid in its own pid namespace.
+    own: u32,
+    /// The directory and the process's `/tmp`, held open: a chrooted process's root, through
+    /// which tracerd reached them, goes when the process does.
+    dir: Arc<Dir>,
+    map: Mapping,
 }
 
 /// What an end read, and what it refused to do, in words for the report.
@@ -326,26 +342,30 @@ pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result
     remote_exec::request(&pin, &start_path).map_err(|e| fail(e.to_string()))?;
     let counter = Counter {
         pid,
-        own,
-        dir,
+        files: Arc::new(Files {
+            pid,
+            own,
+            dir: Arc::new(dir),
+            map,
+        }),
         name,
         _file: file,
-        map,
         library: lib_id,
         may_trace,
+        view: Mutex::new(None),
     };
     let started = Instant::now();
     let outcome = loop {
-        match counter.map.state().load(Ordering::SeqCst) {
+        match counter.files.map.state().load(Ordering::SeqCst) {
             state::RUNNING => break Ok(()),
             state::REFUSED => {
-                let why = counter.map.header().why;
+                let why = counter.files.map.header().why;
                 let len = why.iter().position(|&b| b == 0).unwrap_or(why.len());
                 break Err(String::from_utf8_lossy(&why[..len]).into_owned());
             }
-            _ if counter.dir.exists(LOAD_ERROR) => {
-                let why = counter.dir.read_text(LOAD_ERROR).unwrap_or_default();
-                let _ = counter.map.state().compare_exchange(
+            _ if counter.files.dir.exists(LOAD_ERROR) => {
+                let why = counter.files.dir.read_text(LOAD_ERROR).unwrap_or_default();
+                let _ = counter.files.map.state().compare_exchange(
                     state::PENDING,
                     state::CANCELLED,
                     Ordering::SeqCst,
@@ -355,7 +375,7 @@ pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result
             }
             _ if started.elapsed() >= wait => {
                 // Exactly one of tracerd and the counter decides.
-                match counter.map.state().compare_exchange(
+                match counter.files.map.state().compare_exchange(
                     state::PENDING,
                     state::CANCELLED,
                     Ordering::SeqCst,
@@ -378,14 +398,16 @@ pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result
     match outcome {
         Ok(()) => Ok(counter),
         Err(why) => {
-            if counter.map.header().state == state::CANCELLED && !counter.dir.exists(LOAD_ERROR) {
+            if counter.files.map.header().state == state::CANCELLED
+                && !counter.files.dir.exists(LOAD_ERROR)
+            {
                 // The files stay while a thread may still run the start script, which then
                 // deletes them (or the cleanup does, once the process is gone).
                 counter.leave_behind();
             } else {
                 // The script ran: nothing will open these files again.
                 std::thread::sleep(Duration::from_millis(50));
-                counter.dir.remove(&counter.name);
+                counter.files.dir.remove(&counter.name);
                 journal::forget(&counter.name);
             }
             Err(why)
@@ -420,18 +442,7 @@ impl std::ops::Deref for Mapped<'_> {
     }
 }
 
-impl Counter {
-    /// The tool id the counter took.
-    pub fn tool_id(&self) -> u32 {
-        self.map.header().tool_id
-    }
-
-    /// Lets the directory outlive this handle: a pending request may still name a script.
-    fn leave_behind(self) {
-        let pid = self.pid;
-        cleanup_later(self.dir, self.name, Vec::new(), vec![pid]);
-    }
-
+impl Files {
     /// The counts files of the process and of the children it forked, at most `most`, mapped
     /// and well formed: of live processes, only those `followed` says the session follows;
     /// what was refused goes to `refused`.
@@ -520,9 +531,9 @@ impl Counter {
         None
     }
 
-    /// The functions counted so far in the process and its forked children (Prometheus'
-    /// live view), without stopping anything; children by the pid their namespace knows.
-    pub fn peek(&self, followed: &dyn Fn(u32) -> bool) -> Vec<Counts> {
+    /// The functions counted so far in the process and its forked children, without
+    /// stopping anything; children by the pid their namespace knows.
+    fn peek(&self, followed: &dyn Fn(u32) -> bool) -> Vec<Counts> {
         let mut budget = Budget::new(PEEK_NAME_BYTES, READ_TIME);
         let mut refused = Vec::new();
         let mut out = Vec::new();
@@ -537,6 +548,30 @@ impl Counter {
         }
         out
     }
+}
+
+impl Counter {
+    /// The tool id the counter took.
+    pub fn tool_id(&self) -> u32 {
+        self.files.map.header().tool_id
+    }
+
+    /// Lets the directory outlive this handle: a pending request may still name a script.
+    fn leave_behind(self) {
+        let pid = self.pid;
+        cleanup_later(self.files.dir.clone(), self.name, Vec::new(), vec![pid]);
+    }
+
+    /// The functions counted so far in the process and its forked children (Prometheus'
+    /// live view), without stopping anything; children by the pid their namespace knows.
+    /// Read on a thread of its own, about once a second while asked: this returns the last
+    /// reading (empty at first), and `followed` is what the next one reads by.
+    pub fn peek(&self, followed: HashSet<u32>) -> Arc<Vec<Counts>> {
+        let mut slot = self.view.lock().unwrap_or_else(PoisonError::into_inner);
+        let view = slot.get_or_insert_with(|| Arc::new(View::new(self.files.clone())));
+        view.asked(followed);
+        view.snapshot()
+    }
 
     /// Whether tracerd may ask `pid` (one of the session's processes) to run a file from the
     /// counter's directory, checked now (pids are reused): the session's owner may trace it,
@@ -548,16 +583,16 @@ impl Counter {
         let pin = Pinned::open(pid).map_err(|e| format!("pinning it: {e}"))?;
         (self.may_trace)(pid)?;
         let ids = uids(pid)?;
-        if ids.iter().any(|&u| u != self.dir.owner.0) {
+        if ids.iter().any(|&u| u != self.files.dir.owner.0) {
             return Err(format!(
                 "it runs as uid {} while tracer's directory is uid {}'s",
-                ids[1], self.dir.owner.0
+                ids[1], self.files.dir.owner.0
             ));
         }
         if !maps_file(pid, self.library) {
             return Err("it has not loaded tracer's counter from this session's directory".into());
         }
-        self.dir.seen_by(pid, &self.name)?;
+        self.files.dir.seen_by(pid, &self.name)?;
         if !pin.alive() {
             return Err("it exited".into());
         }
@@ -571,9 +606,18 @@ impl Counter {
     /// task: it may take up to [`READ_TIME`] and [`BUSY_WAIT`].
     pub fn finish(self, followed: &dyn Fn(u32) -> bool) -> Finished {
         let mut refused = Vec::new();
-        let found = self.found(followed, MAX_FILES, &mut refused);
+        if let Some(view) = self
+            .view
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            view.stop.store(true, Ordering::SeqCst);
+        }
+        let files = &self.files;
+        let found = files.found(followed, MAX_FILES, &mut refused);
         for f in &found {
-            if let Some(map) = self.map(f, true, &mut Vec::new()) {
+            if let Some(map) = files.map(f, true, &mut Vec::new()) {
                 let _ = map.state().compare_exchange(
                     state::RUNNING,
                     state::STOPPED,
@@ -598,7 +642,7 @@ impl Counter {
                 ));
                 break;
             }
-            let Some(map) = self.map(f, true, &mut refused) else {
+            let Some(map) = files.map(f, true, &mut refused) else {
                 continue;
             };
             while map.busy().load(Ordering::SeqCst) != 0 && Instant::now() < busy_until {
@@ -643,7 +687,7 @@ impl Counter {
             let counts = format!("{target_dir}/{}{own}", inproc::FILE_PREFIX);
             let name = format!("remove.{own}.py");
             let script = remove_script(tool, &counts);
-            if self.dir.create(&name, 0o644, script.as_bytes()).is_ok() {
+            if files.dir.create(&name, 0o644, script.as_bytes()).is_ok() {
                 let path = format!("{target_dir}/{name}");
                 match remote_exec::request(&pin, &path) {
                     Ok(_) => scripts.push((pin, own, path)),
@@ -652,9 +696,9 @@ impl Counter {
             }
         }
         // The library is loaded where it will be; the start script has run or been withdrawn.
-        self.dir.unlink(LIBRARY_AS);
-        self.dir.unlink("start.py");
-        cleanup_later(self.dir, self.name, scripts, pids);
+        files.dir.unlink(LIBRARY_AS);
+        files.dir.unlink("start.py");
+        cleanup_later(files.dir.clone(), self.name.clone(), scripts, pids);
         Finished {
             counts: out,
             refused,
@@ -667,7 +711,7 @@ impl Counter {
 /// are. After [`CLEANUP_WAIT`] the requests not taken are withdrawn, and what is left stays
 /// for the next sweep ([`journal`]).
 /// `pids`: the processes (pids here) that could still run something in the directory.
-fn cleanup_later(dir: Dir, name: String, scripts: Vec<(Pinned, u32, String)>, pids: Vec<u32>) {
+fn cleanup_later(dir: Arc<Dir>, name: String, scripts: Vec<(Pinned, u32, String)>, pids: Vec<u32>) {
     CLEANUPS.fetch_add(1, Ordering::SeqCst);
     let spawned = std::thread::Builder::new()
         .name("pycount-cleanup".into())

@@ -545,7 +545,7 @@ mod tests {
         match std::fs::read(VMLINUX_BTF) {
             Ok(blob) => Some(blob),
             Err(e) => {
-                println!("skipping: cannot read {VMLINUX_BTF}: {e}");
+                tracer_testkit::skip(format_args!("cannot read {VMLINUX_BTF}: {e}"));
                 None
             }
         }
@@ -571,12 +571,12 @@ mod tests {
         {
             Ok(out) if out.status.success() => out,
             Ok(out) => {
-                return println!(
-                    "skipping: bpftool failed: {}",
+                return tracer_testkit::skip(format_args!(
+                    "bpftool failed: {}",
                     String::from_utf8_lossy(&out.stderr)
-                )
+                ))
             }
-            Err(e) => return println!("skipping: bpftool not available: {e}"),
+            Err(e) => return tracer_testkit::skip(format_args!("bpftool not available: {e}")),
         };
         let dump = RawDump::parse(&String::from_utf8_lossy(&out.stdout));
         let paths: &[&[&str]] = &[

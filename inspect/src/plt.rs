@@ -98,7 +98,7 @@ mod tests {
         let data = std::fs::read("/proc/self/exe").unwrap();
         let plt = Plt::read(&data);
         if plt.stubs.is_empty() {
-            println!("skipping: this binary has no PLT");
+            tracer_testkit::skip(format_args!("this binary has no PLT"));
             return;
         }
         assert!(

@@ -403,7 +403,7 @@ mod tests {
     #[test]
     fn a_chrooted_processs_files_resolve_to_the_host_path() {
         if !nix::unistd::geteuid().is_root() {
-            println!("skipping: chroot needs root");
+            tracer_testkit::skip(format_args!("chroot needs root"));
             return;
         }
         let dir = tempfile::tempdir().unwrap();
@@ -458,7 +458,7 @@ mod tests {
     #[test]
     fn deleted_files_resolve_through_map_files() {
         if !nix::unistd::geteuid().is_root() {
-            println!("skipping: /proc/PID/map_files needs CAP_SYS_ADMIN");
+            tracer_testkit::skip(format_args!("/proc/PID/map_files needs CAP_SYS_ADMIN"));
             return;
         }
         let dir = tempfile::tempdir().unwrap();

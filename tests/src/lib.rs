@@ -41,7 +41,9 @@ pub fn root_or_skip() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    println!("skipping: needs root (BPF, perf events on other processes)");
+    tracer_testkit::skip(format_args!(
+        "needs root (BPF, perf events on other processes)"
+    ));
     false
 }
 
@@ -422,7 +424,7 @@ pub fn chroot_interpreters() -> Vec<PathBuf> {
                 },
                 |r| r.trim().to_owned(),
             );
-            println!("skipping: CPython 3.14/3.15 not set up ({reason})");
+            tracer_testkit::skip(format_args!("CPython 3.14/3.15 not set up ({reason})"));
         });
     }
     found

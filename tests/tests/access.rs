@@ -36,7 +36,9 @@ fn users() -> Option<(Ids, Ids, u32)> {
 /// and the member's uid and the group's gid; None (said) where the users cannot be made.
 fn member_daemon(args: &[&str]) -> Option<(Daemon, PathBuf, u32, u32)> {
     let Some(((m_uid, _), _, gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
         return None;
     };
     let d = Daemon::start_with(DaemonOptions {
@@ -54,7 +56,9 @@ fn the_socket_and_the_callers_uid_decide() {
         return;
     }
     let Some(((m_uid, _), (o_uid, o_gid), gid)) = users() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
         return;
     };
     let d = Daemon::start_with(DaemonOptions {

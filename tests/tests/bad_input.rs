@@ -10,7 +10,9 @@ use tracer_tests::{one_line_error, root_or_skip, script, ChildGuard, Daemon};
 /// ("OK", response hex) or (status code name, details).
 fn raw(d: &Daemon, method: &str, request: &[u8]) -> Option<(String, String)> {
     let Some(py) = tracer_tests::grpc_python() else {
-        println!("skipping raw requests: no Python with grpcio (run via `cargo xtask test`)");
+        tracer_testkit::skip(format_args!(
+            "raw requests: no Python with grpcio (run via `cargo xtask test`)"
+        ));
         return None;
     };
     let hex: String = request.iter().map(|b| format!("{b:02x}")).collect();
@@ -273,7 +275,7 @@ fn a_function_the_kernel_will_not_probe_is_skipped_and_named() {
         .arg(tracer_tests::test_file("native/unprobeable.c"))
         .status();
     if !built.is_ok_and(|s| s.success()) {
-        println!("skipping: no C compiler (cc)");
+        tracer_testkit::skip(format_args!("no C compiler (cc)"));
         return;
     }
     let d = Daemon::start();

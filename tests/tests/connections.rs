@@ -76,7 +76,9 @@ fn a_user_at_its_cap_is_refused_and_root_still_served() {
         return;
     }
     let Some((uid, gid)) = users::member() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
         return;
     };
     let d = daemon("8", "3");
@@ -117,7 +119,9 @@ fn the_last_connections_are_kept_for_root() {
         return;
     }
     let Some((uid, gid)) = users::member() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
         return;
     };
     // 4 in all, the last one root's: the member may hold 3.

@@ -180,7 +180,9 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
 /// `go tool pprof` finds the busy loop in a pushed profile.
 fn assert_busy(d: &Daemon, profile: &[u8]) {
     let Ok(go) = Command::new("go").arg("version").output() else {
-        println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
+        tracer_testkit::skip(format_args!(
+            "the pprof half: go is not installed (cargo xtask test installs it)"
+        ));
         return;
     };
     assert!(go.status.success());
@@ -229,7 +231,9 @@ fn windows_reach_parca_over_grpc() {
         return;
     }
     let Some(grpc_python) = tracer_tests::grpc_python() else {
-        println!("skipping: no Python with grpcio (cargo xtask test makes one)");
+        tracer_testkit::skip(format_args!(
+            "no Python with grpcio (cargo xtask test makes one)"
+        ));
         return;
     };
     let d = Daemon::start();

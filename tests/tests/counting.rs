@@ -70,7 +70,9 @@ fn counts_agree_with_perf_stat() {
         return;
     }
     if perf_stat("task-clock", &["true"]).is_none() {
-        println!("skipping: perf is not installed (Debian package linux-perf)");
+        tracer_testkit::skip(format_args!(
+            "perf is not installed (Debian package linux-perf)"
+        ));
         return;
     }
     let d = Daemon::start();

@@ -34,7 +34,7 @@ fn build_into(libs: std::path::PathBuf) -> Option<std::path::PathBuf> {
     if !built.status.success() {
         let why = String::from_utf8_lossy(&built.stderr);
         if why.contains("cc: not found") {
-            println!("skipping: no C compiler to build the test libraries");
+            tracer_testkit::skip(format_args!("no C compiler to build the test libraries"));
             return None;
         }
         panic!("building tests/cuda: {why}");
@@ -542,7 +542,9 @@ fn launch_stacks_show_where_launches_come_from() {
     assert_eq!(launches, 10, "{}", report["cuda"]);
     // pprof, weighted by launches, as go tool pprof reads it.
     if Command::new("go").arg("version").output().is_err() {
-        println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
+        tracer_testkit::skip(format_args!(
+            "the pprof half: go is not installed (cargo xtask test installs it)"
+        ));
         return;
     }
     let file = tempfile::NamedTempFile::new().unwrap();

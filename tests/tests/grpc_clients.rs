@@ -12,7 +12,7 @@ fn reflection_and_health_serve_generic_clients() {
         return;
     }
     let Some(py) = tracer_tests::grpc_python() else {
-        println!("skipping: no Python with grpcio, grpcio-reflection and grpcio-health-checking (run via `cargo xtask test`)");
+        tracer_testkit::skip(format_args!("no Python with grpcio, grpcio-reflection and grpcio-health-checking (run via `cargo xtask test`)"));
         return;
     };
     let d = Daemon::start();

@@ -82,7 +82,9 @@ fn setup() -> Option<(PathBuf, u32, u32)> {
     }
     let py = chroot_interpreters().into_iter().next()?;
     let Some((uid, gid)) = member() else {
-        println!("skipping: could not create test users (useradd/groupadd missing)");
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
         return None;
     };
     Some((py, uid, gid))
@@ -286,7 +288,7 @@ fn a_tmp_bound_in_a_user_namespace_gets_nothing() {
         .stdin(Stdio::null())
         .status();
     if !probe.is_ok_and(|s| s.success()) {
-        println!("skipping: unshare -Urm is not allowed here");
+        tracer_testkit::skip(format_args!("unshare -Urm is not allowed here"));
         return;
     }
     let code = "import time\n\

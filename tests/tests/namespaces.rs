@@ -546,10 +546,10 @@ fn run_jail(kind: Kind) {
     }
     let Some(root) = tracer_tests::cpython_root().filter(|r| r.join(&STATIC.exe[1..]).exists())
     else {
-        println!(
-            "skipping: no CPython root with {} (`cargo xtask setup` makes it)",
+        tracer_testkit::skip(format_args!(
+            "no CPython root with {} (`cargo xtask setup` makes it)",
             STATIC.exe
-        );
+        ));
         return;
     };
     let d = Daemon::start();

@@ -29,7 +29,7 @@ fn build_target() -> Option<(tempfile::TempDir, PathBuf)> {
         .arg(tracer_tests::test_file("native/probe_target.c"))
         .status();
     if !built.is_ok_and(|s| s.success()) {
-        println!("skipping: no C compiler (cc)");
+        tracer_testkit::skip(format_args!("no C compiler (cc)"));
         return None;
     }
     Some((dir, exe))

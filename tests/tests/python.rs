@@ -169,7 +169,7 @@ fn ncalls_equal_cprofiles_on_every_interpreter() {
     }
     let pythons = interpreters();
     if pythons.is_empty() {
-        println!("skipping: no CPython 3.10-3.15 found");
+        tracer_testkit::skip(format_args!("no CPython 3.10-3.15 found"));
         return;
     }
     let d = Daemon::start();
@@ -386,7 +386,7 @@ fn system_wide_sessions_pick_up_new_python_processes() {
         .chain(chrooted.into_iter().next())
         .collect();
     if pythons.is_empty() {
-        println!("skipping: no CPython 3.10-3.15 found");
+        tracer_testkit::skip(format_args!("no CPython 3.10-3.15 found"));
         return;
     }
     for py in pythons {
@@ -435,7 +435,9 @@ fn static_interpreter() -> Option<PathBuf> {
             !String::from_utf8_lossy(&ldd.stdout).contains("libpython")
         });
     if found.is_none() {
-        println!("skipping: no CPython here holds its eval loop in its executable");
+        tracer_testkit::skip(format_args!(
+            "no CPython here holds its eval loop in its executable"
+        ));
     }
     found
 }
@@ -614,7 +616,7 @@ fn pstats_files_open_in_pstats_and_tables_sort() {
         return;
     }
     let Some(py) = interpreters().into_iter().next() else {
-        println!("skipping: no CPython 3.10-3.15 found");
+        tracer_testkit::skip(format_args!("no CPython 3.10-3.15 found"));
         return;
     };
     let d = Daemon::start();

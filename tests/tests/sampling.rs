@@ -522,7 +522,9 @@ fn all_processes_get_root_frames_and_pprof_parses() {
     assert!(only.iter().all(|(s, _)| s[0].ends_with(&root)) && !only.is_empty());
 
     let Ok(go) = Command::new("go").arg("version").output() else {
-        println!("skipping the pprof half: go is not installed (cargo xtask test installs it)");
+        tracer_testkit::skip(format_args!(
+            "the pprof half: go is not installed (cargo xtask test installs it)"
+        ));
         return;
     };
     assert!(go.status.success());
@@ -658,7 +660,7 @@ fn later_sessions_name_frames_of_binaries_seen_before() {
         .into_iter()
         .find(|p| p.to_string_lossy().contains("/versions/"))
     else {
-        println!("skipping: no pyenv CPython with a shared libpython");
+        tracer_testkit::skip(format_args!("no pyenv CPython with a shared libpython"));
         return;
     };
     let d = Daemon::start();

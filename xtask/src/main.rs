@@ -4,6 +4,7 @@ mod bench;
 mod cpython;
 mod layers;
 mod proto;
+mod suite;
 mod toolchain;
 
 use std::{
@@ -276,7 +277,7 @@ fn test() -> Result<()> {
     if let Some(dir) = cpython::installed_bin_dir() {
         test.env("TRACER_TEST_CPYTHON_BIN", dir);
     }
-    run(&mut test)
+    suite::run(&mut test, &root().join("target").join("skipped-tests.log"))
 }
 
 /// Compiles xtask/c/cpython_layout.c against every pyenv CPython 3.10-3.13 and runs it.

@@ -46,11 +46,13 @@ pub fn setup() -> Result<()> {
 }
 
 /// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), iproute2's `ip`, for
-/// the fleet tests' network namespaces, and a Prometheus server to scrape the daemons: from
+/// the fleet tests' network namespaces, bpftool, and a Prometheus server to scrape the daemons: from
 /// Debian's packages.
 pub fn ensure_test_tools() -> Result<()> {
     ensure_package("go", &["version"], "golang-go")?;
     ensure_package("ip", &["-V"], "iproute2")?;
+    // btf.rs's check of the kernel's BTF against bpftool's own reading.
+    ensure_package("bpftool", &["version"], "bpftool")?;
     ensure_package("prometheus", &["--version"], "prometheus")
 }
 

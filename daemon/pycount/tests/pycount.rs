@@ -77,7 +77,9 @@ fn interpreters() -> Vec<(String, PathBuf)> {
             .max();
         match best {
             Some((_, python)) => found.push((minor.to_string(), python)),
-            None => println!("skipping: no pyenv CPython {minor} (~/.pyenv/versions/{minor}.*)"),
+            None => tracer_testkit::skip(format_args!(
+                "no pyenv CPython {minor} (~/.pyenv/versions/{minor}.*)"
+            )),
         }
     }
     let wrappers = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/cpython-bin/static");
@@ -86,10 +88,10 @@ fn interpreters() -> Vec<(String, PathBuf)> {
         if python.exists() {
             found.push((minor.to_string(), python));
         } else {
-            println!(
-                "skipping: no {} (made by `cargo xtask setup`)",
+            tracer_testkit::skip(format_args!(
+                "no {} (made by `cargo xtask setup`)",
                 python.display()
-            );
+            ));
         }
     }
     found

@@ -313,7 +313,10 @@ mod tests {
         ] {
             let path = root.join(path);
             let Ok(data) = std::fs::read(&path) else {
-                println!("skipping: {} is absent (cargo xtask setup)", path.display());
+                tracer_testkit::skip(format_args!(
+                    "{} is absent (cargo xtask setup)",
+                    path.display()
+                ));
                 continue;
             };
             let file = object::File::parse(&*data).unwrap();

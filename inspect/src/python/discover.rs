@@ -202,7 +202,9 @@ mod tests {
             checked += 1;
         }
         if checked == 0 {
-            println!("skipping: no python3.X linking libpython on this machine");
+            tracer_testkit::skip(format_args!(
+                "no python3.X linking libpython on this machine"
+            ));
         }
     }
 

@@ -333,7 +333,7 @@ while todo:
         let src = source();
         for minor in [10, 11, 12, 13] {
             let Some(python) = python(minor) else {
-                println!("skipping: python 3.{minor} not installed under pyenv");
+                tracer_testkit::skip(format_args!("python 3.{minor} not installed under pyenv"));
                 continue;
             };
             let (mut codes, mut checked, mut lineless) = (0, 0, 0);

@@ -456,7 +456,10 @@ mod tests {
         if p.exists() {
             Some(p)
         } else {
-            println!("skipping: no {} (cargo xtask setup, as root)", p.display());
+            tracer_testkit::skip(format_args!(
+                "no {} (cargo xtask setup, as root)",
+                p.display()
+            ));
             None
         }
     }
@@ -477,7 +480,7 @@ mod tests {
             .map(|p| p.join("bin/python3"))
             .find(|p| p.exists());
         if found.is_none() {
-            println!("skipping: no pyenv CPython 3.13");
+            tracer_testkit::skip(format_args!("no pyenv CPython 3.13"));
         }
         found
     }

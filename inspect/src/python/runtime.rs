@@ -487,7 +487,7 @@ mod tests {
     #[test]
     fn a_newer_version_is_read_from_its_debug_offsets() {
         let Some(src) = debian_315() else {
-            println!("skipping: CPython 3.15 not set up (cargo xtask setup)");
+            tracer_testkit::skip(format_args!("CPython 3.15 not set up (cargo xtask setup)"));
             return;
         };
         let mut data = fs::read(&src).unwrap();
@@ -586,7 +586,7 @@ mod tests {
             checked += 1;
         }
         if checked == 0 {
-            println!("skipping: no CPython 3.13+ on this machine");
+            tracer_testkit::skip(format_args!("no CPython 3.13+ on this machine"));
         }
     }
 
@@ -617,7 +617,9 @@ mod tests {
             checked += 1;
         }
         if checked == 0 {
-            println!("skipping: no CPython 3.11+ with a full symbol table on this machine");
+            tracer_testkit::skip(format_args!(
+                "no CPython 3.11+ with a full symbol table on this machine"
+            ));
         }
     }
 }

@@ -386,7 +386,7 @@ mod tests {
     #[test]
     fn go_tool_pprof_reads_it() {
         if Command::new("go").arg("version").output().is_err() {
-            println!("skipping: go not installed");
+            tracer_testkit::skip(format_args!("go not installed"));
             return;
         }
         let file = tempfile::NamedTempFile::new().unwrap();

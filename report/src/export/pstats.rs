@@ -161,7 +161,7 @@ mod tests {
             .arg(file.path())
             .output()
         else {
-            println!("skipping: no python3");
+            tracer_testkit::skip(format_args!("no python3"));
             return;
         };
         assert!(

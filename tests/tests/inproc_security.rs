@@ -291,18 +291,21 @@ fn a_tmp_bound_in_a_user_namespace_gets_nothing() {
         tracer_testkit::skip(format_args!("unshare -Urm is not allowed here"));
         return;
     }
-    let code = "import time\n\
-                def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
-                print('ready', flush=True)\n\
-                for _ in range(3000):\n    fib(10); time.sleep(0.001)\n";
-    // As the member: its own user namespace, where it may bind what it can see over /tmp.
-    let script = format!(
-        "mount --bind {} /tmp && exec {} -c \"$0\"",
-        guarded.display(),
-        py.display()
+    // As the member, in a user and mount namespace of its own, where it may bind what it
+    // can see over its /tmp: done by the program itself once running, so that its
+    // interpreter (and the workspace, wherever it lies) was found first.
+    let code = format!(
+        "import ctypes, os, time\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         if libc.mount({guarded:?}.encode(), b'/tmp', None, 4096, None) != 0:\n\
+         \x20   raise OSError(ctypes.get_errno(), 'binding over /tmp')\n\
+         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         print('ready', flush=True)\n\
+         for _ in range(3000):\n    fib(10); time.sleep(0.001)\n",
+        guarded = guarded.display().to_string()
     );
     let mut cmd = Command::new("unshare");
-    cmd.args(["-Urm", "sh", "-c", &script, code]);
+    cmd.args(["-Urm"]).arg(&py).arg("-c").arg(&code);
     tracer_tests::users::as_user(&mut cmd, uid, gid);
     let mut child = ChildGuard::spawn_ready(&mut cmd);
     let pid = child.pid();

@@ -396,16 +396,7 @@ fn a_clean_session_leaves_no_module_behind() {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut out, &mut line).unwrap();
     let pid = child.pid();
-    let id = d
-        .ok(&[
-            "start",
-            "--mode=counting",
-            "--python",
-            "--pid",
-            &pid.to_string(),
-        ])
-        .trim()
-        .to_owned();
+    let id = start(&d, Path::new(""), (0, 0), false, pid);
     std::fs::write(&go, b"").unwrap();
     d.ok(&["stop", &id]);
     std::fs::write(&ended, b"").unwrap();

@@ -251,25 +251,26 @@ impl Dir {
         Ok(())
     }
 
+    /// `openat` of `name` in the directory, following no link, as the caller's ids.
+    fn open_at(&self, name: &str, flags: libc::c_int, mode: u32) -> std::io::Result<File> {
+        let c = c_name(name)?;
+        // SAFETY: plain syscall; the descriptor returned is owned by the File.
+        let fd = check(unsafe {
+            libc::openat(
+                self.this.as_raw_fd(),
+                c.as_ptr(),
+                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                mode,
+            )
+        })?;
+        // SAFETY: a fresh descriptor nobody else owns.
+        Ok(unsafe { File::from_raw_fd(fd) })
+    }
+
     /// Creates `name` (not there before) as the owner, mode `mode`, and writes `bytes`.
     pub(super) fn create(&self, name: &str, mode: u32, bytes: &[u8]) -> Result<File, String> {
         as_user(self.owner, || {
-            let c = c_name(name)?;
-            // SAFETY: plain syscall; the descriptor returned is owned by the File.
-            let fd = check(unsafe {
-                libc::openat(
-                    self.this.as_raw_fd(),
-                    c.as_ptr(),
-                    libc::O_RDWR
-                        | libc::O_CREAT
-                        | libc::O_EXCL
-                        | libc::O_NOFOLLOW
-                        | libc::O_CLOEXEC,
-                    mode,
-                )
-            })?;
-            // SAFETY: a fresh descriptor nobody else owns.
-            let mut f = unsafe { File::from_raw_fd(fd) };
+            let mut f = self.open_at(name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, mode)?;
             f.write_all(bytes)?;
             Ok(f)
         })
@@ -280,17 +281,7 @@ impl Dir {
     pub(super) fn open(&self, name: &str, write: bool) -> std::io::Result<File> {
         let access = if write { libc::O_RDWR } else { libc::O_RDONLY };
         as_user(self.owner, || {
-            let c = c_name(name)?;
-            // SAFETY: plain syscall; the descriptor returned is owned by the File.
-            let fd = check(unsafe {
-                libc::openat(
-                    self.this.as_raw_fd(),
-                    c.as_ptr(),
-                    access | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
-                )
-            })?;
-            // SAFETY: a fresh descriptor nobody else owns.
-            let f = unsafe { File::from_raw_fd(fd) };
+            let f = self.open_at(name, access | libc::O_NONBLOCK, 0)?;
             if !f.metadata()?.is_file() {
                 return Err(std::io::Error::other("not a regular file"));
             }

@@ -6,7 +6,7 @@ use std::{collections::HashMap, fs::File, os::fd::AsRawFd, path::PathBuf};
 
 use crate::{
     symbolize::{Sym, Symbolizer},
-    unwind::ProcMaps,
+    unwind::{MapEntry, ProcMaps},
 };
 
 /// (pid, address).
@@ -52,26 +52,36 @@ impl Callers {
         }
     }
 
+    /// Keeps `pid`'s mappings as read now, and opens the binaries of its executable ones:
+    /// a process that launches and exits before its new rows are read is located in them.
+    pub(super) fn keep(&mut self, pid: u32, maps: &ProcMaps) {
+        for m in maps.entries().iter().filter(|m| m.executable && m.is_file()) {
+            self.binary(pid, m);
+        }
+        self.maps.insert(pid, maps.clone());
+    }
+
     fn locate_in_known(&mut self, pid: u32, a: u64) -> Option<Located> {
-        let m = self.maps.get(&pid)?.find(a)?;
-        let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
-        let binary = match self.by_inode.get(&id) {
-            Some(&b) => b,
-            None => {
-                let path = crate::process::mapped_path(pid, m)
-                    .map_err(|e| tracing::debug!(%e, "launching binary not reachable"))
-                    .ok()?;
-                let b = self.binaries.len();
-                self.binaries
-                    .push((m.path.clone(), File::open(&path).ok()?));
-                self.by_inode.insert(id, b);
-                b
-            }
-        };
+        let m = self.maps.get(&pid)?.find(a)?.clone();
         Some(Located {
-            binary,
+            binary: self.binary(pid, &m)?,
             file_offset: a - m.start + m.offset,
         })
+    }
+
+    /// The open binary of mapping `m` of `pid`, opened through the process while it lives.
+    fn binary(&mut self, pid: u32, m: &MapEntry) -> Option<usize> {
+        let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+        if let Some(&b) = self.by_inode.get(&id) {
+            return Some(b);
+        }
+        let path = crate::process::mapped_path(pid, m)
+            .map_err(|e| tracing::debug!(%e, "launching binary not reachable"))
+            .ok()?;
+        let b = self.binaries.len();
+        self.binaries.push((m.path.clone(), File::open(&path).ok()?));
+        self.by_inode.insert(id, b);
+        Some(b)
     }
 
     /// Names every located address, one symbolizer call per binary.

@@ -329,6 +329,9 @@ impl CudaSession {
                 self.injected.insert(pid, status);
             }
         }
+        if maps_cuda {
+            self.callers.keep(pid, &maps);
+        }
         (maps_cuda, jobs)
     }
 

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use crate::{
     error::Error,
-    process,
     remote::{Grant, Role},
 };
+use tracer_inspect::process;
 
 /// The client behind a request.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -4,9 +4,14 @@ use std::path::Path;
 
 use tracer_proto::{Capabilities, Interpreter, Mode, PerfEventSupport};
 
-use crate::{bpf, perf, python};
+use tracer_bpf::bpf;
+use tracer_bpf::perf;
+use tracer_inspect::python;
 
-pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> Capabilities {
+pub fn measure(
+    bpf_loaded: bool,
+    probe_limits: &tracer_inspect::native::ProbeLimits,
+) -> Capabilities {
     let perf_events: Vec<PerfEventSupport> = perf::EVENTS
         .iter()
         .map(|e| {
@@ -85,7 +90,7 @@ pub fn measure(bpf_loaded: bool, probe_limits: &crate::native::ProbeLimits) -> C
         session_limits: crate::session::slots::Slots::describe(),
         // Known to the loaded BPF object: set by the caller.
         uprobe_links: String::new(),
-        python_in_process: crate::python::inproc::describe(),
+        python_in_process: tracer_inspect::python::inproc::describe(),
     }
 }
 

@@ -2,7 +2,7 @@
 
 pub use tracer_inspect::container::{forget_exited, note, of};
 
-use crate::report::{Origin, ProcessOrigin};
+use tracer_report::{Origin, ProcessOrigin};
 
 /// The processes among `pids` that ran in a container or pod, and where.
 pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<ProcessOrigin> {

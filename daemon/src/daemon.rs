@@ -11,7 +11,8 @@ use tonic::transport::Server;
 use tower::layer::util::{Identity, Stack};
 use tracer_proto::tracer_server::TracerServer;
 
-use crate::{bpf::Bpf, capabilities, server::Service, session::manager::Manager, store::Store};
+use crate::{capabilities, server::Service, session::manager::Manager, store::Store};
+use tracer_bpf::bpf::Bpf;
 
 pub const DEFAULT_SOCKET: &str = "/run/tracer/tracerd.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
@@ -32,7 +33,7 @@ pub struct Config {
     /// One perf event per uprobe even where the kernel has multi-uprobe links.
     pub per_probe_uprobes: bool,
     /// Caps on native probes (`--uprobe`), per session and per user.
-    pub probe_limits: crate::native::ProbeLimits,
+    pub probe_limits: tracer_inspect::native::ProbeLimits,
     /// Caps on connections to the Unix socket, and when idle ones are closed.
     pub connections: crate::conn::Limits,
 }
@@ -72,7 +73,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
-    Bpf(#[from] crate::bpf::BpfError),
+    Bpf(#[from] tracer_bpf::bpf::BpfError),
     #[error(transparent)]
     Session(#[from] crate::error::Error),
     #[error("gRPC server: {0}")]
@@ -97,10 +98,10 @@ pub async fn run(
     let store = Store::open(&config.state_dir)?;
     // In-process counters' directories are written down here; what a killed tracerd left is
     // swept off the start's path (removal scripts may take seconds to run).
-    match crate::python::inproc::set_journal(&config.state_dir.join("inproc")) {
+    match tracer_inspect::python::inproc::set_journal(&config.state_dir.join("inproc")) {
         Ok(()) => {
             std::thread::spawn(|| {
-                for line in crate::python::inproc::sweep() {
+                for line in tracer_inspect::python::inproc::sweep() {
                     tracing::info!("sweeping in-process counters left before: {line}");
                 }
             });
@@ -274,7 +275,7 @@ pub async fn run(
     // Ended sessions' in-process counters leave files in their processes' /tmp until their
     // removal scripts have run: a little longer for them.
     tokio::task::spawn_blocking(|| {
-        crate::python::inproc::wait_cleanups(std::time::Duration::from_secs(2))
+        tracer_inspect::python::inproc::wait_cleanups(std::time::Duration::from_secs(2))
     })
     .await
     .ok();

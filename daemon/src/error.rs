@@ -22,9 +22,9 @@ pub enum Error {
     #[error("{0}")]
     ResourceExhausted(String),
     #[error(transparent)]
-    Bpf(#[from] crate::bpf::BpfError),
+    Bpf(#[from] tracer_bpf::bpf::BpfError),
     #[error(transparent)]
-    Sampler(#[from] crate::sampler::SamplerError),
+    Sampler(#[from] tracer_bpf::sampler::SamplerError),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("{context}: {source}")]

@@ -18,7 +18,7 @@ use nvml_wrapper::{
     Device, Nvml,
 };
 
-pub use crate::report::gpu::{GpuDevice, GpuMetric, GpuReport};
+pub use tracer_report::gpu::{GpuDevice, GpuMetric, GpuReport};
 
 /// Where every reading goes besides the session's totals (a tracing session's counter
 /// tracks): `record(device, readings)`, each reading a metric's name, its unit and its value

@@ -67,7 +67,7 @@ pub fn stream(sub: Subscription) -> Events {
                 .filter(|e| e.kind == trace_kind::GPU_KERNEL)
             {
                 gpu_names.entry((e.pid, e.a)).or_insert_with(|| {
-                    crate::cuda::name_in_process(e.pid, e.a)
+                    tracer_inspect::cuda::name_in_process(e.pid, e.a)
                         .unwrap_or_else(|| format!("kernel {:#x}", e.a))
                 });
             }
@@ -107,7 +107,7 @@ fn convert(
     ev: &Raw,
     name: impl Fn((u32, u64, u64)) -> Option<(String, String, i32)>,
     probes: &[String],
-    counters: &[crate::report::trace::TraceCounter],
+    counters: &[tracer_report::trace::TraceCounter],
     gpu_names: &HashMap<(u32, u64), String>,
 ) -> TraceEvent {
     let mut out = TraceEvent {
@@ -116,7 +116,7 @@ fn convert(
         pid: ev.pid,
         tid: ev.tid,
         cpu: ev.cpu,
-        exit_inferred: crate::report::trace::exit_inferred(ev),
+        exit_inferred: tracer_report::trace::exit_inferred(ev),
         ..TraceEvent::default()
     };
     match ev.kind {
@@ -135,16 +135,20 @@ fn convert(
         trace_kind::CUDA_LAUNCH => {
             // Kernel names are resolved when the session ends; live, the entry point and handle.
             out.set_kind(Kind::CudaLaunch);
-            out.name = format!("{} {:#x}", crate::cuda::api_name(u32::from(ev.flags)), ev.a);
+            out.name = format!(
+                "{} {:#x}",
+                tracer_inspect::cuda::api_name(u32::from(ev.flags)),
+                ev.a
+            );
         }
         trace_kind::CUDA_MEMORY => {
             out.set_kind(Kind::CudaMemory);
-            out.name = crate::report::trace::Named::CudaMemory(u32::from(ev.flags)).name();
+            out.name = tracer_report::trace::Named::CudaMemory(u32::from(ev.flags)).name();
             out.value = ev.a;
         }
         trace_kind::GPU_KERNEL => {
             out.set_kind(Kind::GpuKernel);
-            let track = crate::report::trace::GpuTrack::of(ev);
+            let track = tracer_report::trace::GpuTrack::of(ev);
             let kernel = gpu_names
                 .get(&(ev.pid, ev.a))
                 .cloned()

@@ -7,9 +7,9 @@ use clap::Parser;
 use tracer_daemon::{
     conn::Limits,
     daemon::{self, Config},
-    native::ProbeLimits,
     remote::{Auth, ListenOptions},
 };
+use tracer_inspect::native::ProbeLimits;
 
 /// The tracer daemon: serves profiling sessions over gRPC.
 #[derive(Parser)]
@@ -99,7 +99,7 @@ fn main() {
     fixed_malloc_thresholds();
     let args = Args::parse();
     if let Some(path) = &args.show_python_probes {
-        match tracer_daemon::python::runtime::Runtime::inspect(path) {
+        match tracer_inspect::python::runtime::Runtime::inspect(path) {
             Ok(rt) => {
                 println!(
                     "# CPython 3.{}: layout from {}; opcode table by {}",

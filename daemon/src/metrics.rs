@@ -7,8 +7,8 @@ use std::{collections::BTreeMap, fmt::Write as _, net::SocketAddr};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::report::{CudaReport, NativeCalls, PyFunction};
 use tracer_proto::{counter, Counter};
+use tracer_report::{CudaReport, NativeCalls, PyFunction};
 
 /// One series' value.
 #[derive(Clone, Debug, PartialEq)]

@@ -175,18 +175,18 @@ impl Tracer for Service {
         })?;
         let sort = match req.get_ref().sort.as_str() {
             "" => "tottime",
-            s if crate::report::PY_SORTS.contains(&s) => s,
+            s if tracer_report::PY_SORTS.contains(&s) => s,
             s => {
                 return Err(Status::invalid_argument(format!(
                     "unknown sort key '{}' (known: {})",
                     crate::error::clip(s, 64),
-                    crate::report::PY_SORTS.join(", ")
+                    tracer_report::PY_SORTS.join(", ")
                 )))
             }
         };
         let mut report = self.sessions.report(id, who).await?;
         if let Some(py) = report.python.as_mut() {
-            crate::report::sort_functions(&mut py.functions, sort);
+            tracer_report::sort_functions(&mut py.functions, sort);
         }
         let limit = req.get_ref().limit as usize;
         if let Some(p) = report.profile.as_mut() {
@@ -200,8 +200,8 @@ impl Tracer for Service {
                 ));
             };
             return Ok(Response::new(stream_export(move |w| match format {
-                ReportFormat::Chrome => crate::export::chrome::write(&trace, w),
-                _ => crate::export::perfetto::write(&trace, w),
+                ReportFormat::Chrome => tracer_report::export::chrome::write(&trace, w),
+                _ => tracer_report::export::perfetto::write(&trace, w),
             })));
         }
         let bytes = match format {
@@ -210,7 +210,7 @@ impl Tracer for Service {
             }
             ReportFormat::Json => report.to_json().into_bytes(),
             ReportFormat::Pstats => match &report.python {
-                Some(py) => crate::export::pstats::encode(&py.functions),
+                Some(py) => tracer_report::export::pstats::encode(&py.functions),
                 None => {
                     return Err(Status::failed_precondition(
                         "pstats needs Python results: start the session with --python",
@@ -221,7 +221,7 @@ impl Tracer for Service {
             ReportFormat::Kernels => match &report.cuda {
                 Some(c) => {
                     let mut out = String::new();
-                    crate::report::kernels::table(&mut out, c, limit);
+                    tracer_report::kernels::table(&mut out, c, limit);
                     out.into_bytes()
                 }
                 None => {
@@ -241,14 +241,14 @@ impl Tracer for Service {
                 };
                 let title = format!("tracer {} ({})", report.session.id, report.session.target);
                 match format {
-                    ReportFormat::Folded => crate::export::folded::folded(p).into_bytes(),
+                    ReportFormat::Folded => tracer_report::export::folded::folded(p).into_bytes(),
                     ReportFormat::Pprof => {
-                        crate::export::pprof::pprof(p, &report.processes.containers)
+                        tracer_report::export::pprof::pprof(p, &report.processes.containers)
                     }
                     ReportFormat::Speedscope => {
-                        crate::export::speedscope::speedscope(p, &title).into_bytes()
+                        tracer_report::export::speedscope::speedscope(p, &title).into_bytes()
                     }
-                    _ => crate::export::svg::svg(p, &title).into_bytes(),
+                    _ => tracer_report::export::svg::svg(p, &title).into_bytes(),
                 }
             }
         };

@@ -18,7 +18,8 @@ pub mod sinks;
 
 pub use sinks::{Endpoint, Series};
 
-use crate::{profile::Profile, report::ProcessOrigin};
+use tracer_report::profile::Profile;
+use tracer_report::ProcessOrigin;
 
 /// Windows kept while the endpoint does not take them.
 const QUEUE: usize = 16;
@@ -39,7 +40,7 @@ pub fn series(
     node: &str,
     id: &str,
 ) -> Vec<Series> {
-    let origins: std::collections::HashMap<u32, &crate::report::Origin> =
+    let origins: std::collections::HashMap<u32, &tracer_report::Origin> =
         containers.iter().map(|c| (c.pid, &c.origin)).collect();
     let mut groups: BTreeMap<Vec<(String, String)>, Vec<usize>> = BTreeMap::new();
     for (i, s) in profile.stacks.iter().enumerate() {
@@ -77,7 +78,7 @@ pub fn series(
             };
             Series {
                 labels,
-                pprof: crate::export::pprof::pprof(&part, containers),
+                pprof: tracer_report::export::pprof::pprof(&part, containers),
                 id: format!("{id}-{n}"),
             }
         })

@@ -4,10 +4,8 @@
 
 use std::{collections::HashMap, fs::File, os::fd::AsRawFd, path::PathBuf};
 
-use crate::{
-    symbolize::{Sym, Symbolizer},
-    unwind::{MapEntry, ProcMaps},
-};
+use tracer_inspect::unwind::{MapEntry, ProcMaps};
+use tracer_symbolize::symbolize::{Sym, Symbolizer};
 
 /// (pid, address).
 pub(super) type ProcAddr = (u32, u64);
@@ -55,7 +53,11 @@ impl Callers {
     /// Keeps `pid`'s mappings as read now, and opens the binaries of its executable ones:
     /// a process that launches and exits before its new rows are read is located in them.
     pub(super) fn keep(&mut self, pid: u32, maps: &ProcMaps) {
-        for m in maps.entries().iter().filter(|m| m.executable && m.is_file()) {
+        for m in maps
+            .entries()
+            .iter()
+            .filter(|m| m.executable && m.is_file())
+        {
             self.binary(pid, m);
         }
         self.maps.insert(pid, maps.clone());
@@ -75,11 +77,12 @@ impl Callers {
         if let Some(&b) = self.by_inode.get(&id) {
             return Some(b);
         }
-        let path = crate::process::mapped_path(pid, m)
+        let path = tracer_inspect::process::mapped_path(pid, m)
             .map_err(|e| tracing::debug!(%e, "launching binary not reachable"))
             .ok()?;
         let b = self.binaries.len();
-        self.binaries.push((m.path.clone(), File::open(&path).ok()?));
+        self.binaries
+            .push((m.path.clone(), File::open(&path).ok()?));
         self.by_inode.insert(id, b);
         Some(b)
     }

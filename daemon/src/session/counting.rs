@@ -3,10 +3,8 @@
 use perf_event::Counter as PerfCounter;
 use tracer_proto::{counter, Counter};
 
-use crate::{
-    error::Error,
-    perf::{self, EventSpec, Scope},
-};
+use crate::error::Error;
+use tracer_bpf::perf::{self, EventSpec, Scope};
 
 enum Slot {
     Open {

@@ -11,11 +11,11 @@ use std::{
 
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
-use crate::{
-    bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet},
-    cuda::{self, Names},
-    report::{CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus},
-    unwind::ProcMaps,
+use tracer_bpf::bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
+use tracer_inspect::cuda::{self, Names};
+use tracer_inspect::unwind::ProcMaps;
+use tracer_report::{
+    CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus,
 };
 
 use super::{
@@ -70,10 +70,11 @@ impl CudaJob {
         let began = Instant::now();
         let symbols: Vec<&str> = self.points.iter().map(|p| p.0).collect();
         let mut warning = None;
-        let offsets = crate::native::resolve_exact(&self.path, &symbols).unwrap_or_else(|e| {
-            warning = Some(format!("{}: {e}", self.mapped));
-            HashMap::new()
-        });
+        let offsets =
+            tracer_inspect::native::resolve_exact(&self.path, &symbols).unwrap_or_else(|e| {
+                warning = Some(format!("{}: {e}", self.mapped));
+                HashMap::new()
+            });
         // Not every version exports every variant.
         let probes: Vec<(u64, u64, bool)> = self
             .points
@@ -269,7 +270,7 @@ impl CudaSession {
             .filter(|&pid| pid != 0)
             .find_map(|pid| {
                 let v = sampling.version(pid)?;
-                crate::stacks::python_location(pid, ev.handle, ev.other, ev.extra, v)
+                tracer_symbolize::stacks::python_location(pid, ev.handle, ev.other, ev.extra, v)
             })
             .map_or_else(
                 || format!("[code object {:#x}]", ev.handle),
@@ -299,7 +300,7 @@ impl CudaSession {
             }
             let id = (m.dev.0, m.dev.1, m.inode);
             // Chroots and containers: see `process::mapped_path`.
-            let path = match crate::process::mapped_path(pid, m) {
+            let path = match tracer_inspect::process::mapped_path(pid, m) {
                 Ok(p) => p,
                 Err(e) => {
                     if !self.libs.contains_key(&id) && !self.probing_libs.contains_key(&id) {
@@ -462,7 +463,7 @@ impl CudaEnd {
 }
 
 impl super::ReportPart for CudaEnd {
-    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         report.cuda = Some(self.finish());
     }
 }
@@ -470,7 +471,7 @@ impl super::ReportPart for CudaEnd {
 impl CudaSession {
     fn report(
         mut self,
-        counts: crate::bpf::CudaCounts,
+        counts: tracer_bpf::bpf::CudaCounts,
         times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
     ) -> CudaReport {
         let native = self.callers.name_all();
@@ -562,7 +563,7 @@ impl CudaSession {
     /// `native`: named native addresses (pid, address), for callers and host stubs.
     fn rows(
         &self,
-        (launches, memory): crate::bpf::CudaCounts,
+        (launches, memory): tracer_bpf::bpf::CudaCounts,
         native: &HashMap<ProcAddr, Named>,
     ) -> (Vec<CudaLaunch>, Vec<CudaMemory>, u64) {
         let mut unnamed = 0;

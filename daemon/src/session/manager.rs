@@ -1,5 +1,6 @@
-//! The task that owns every session. The gRPC service sends it [`Command`]s through a
-//! [`Handle`]; it also consumes process events from BPF and ends sessions on their timers.
+//! The task that owns every session. The gRPC service sends it [`Request`]s through a
+//! [`Handle`]; work it hands off comes back as [`Done`]; it also consumes process events
+//! from BPF and ends sessions on their timers.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -23,18 +24,18 @@ mod persist;
 mod python;
 mod start;
 use ahead::{counts_python, cuda_processes};
-use commands::{Command, Prepared, Reply};
+use commands::{Done, DoneTx, Prepared, Reply, Request};
 pub use commands::{Fetched, Handle, SharedStore, Subscription};
 
 use crate::{
     access::Caller,
-    bpf::{Bpf, ProbeSet},
     error::Error,
-    native::ProbeLimits,
-    process,
-    report::Report,
     store::{Store, StoreError},
 };
+use tracer_bpf::bpf::{Bpf, ProbeSet};
+use tracer_inspect::native::ProbeLimits;
+use tracer_inspect::process;
+use tracer_report::Report;
 
 /// Longest session a client may ask for.
 pub const MAX_DURATION_MS: u64 = 24 * 60 * 60 * 1000;
@@ -44,20 +45,9 @@ pub const MAX_RUNNING: usize = 256;
 pub struct Manager {
     probe_limits: ProbeLimits,
     running: HashMap<String, Session>,
-    /// Ended sessions whose profile is being named (`closing`).
-    closing: HashMap<String, closing::Closing>,
-    /// Finished sessions whose trace file and report are being removed (`delete`).
-    deleting: std::collections::HashSet<String>,
-    /// Starts whose running record is being written (`record`).
-    recording: usize,
     /// Sessions end in place during shutdown.
     shutting_down: bool,
     finished: HashMap<String, SessionInfo>,
-    /// Reports of ended sessions not in the store (yet): served from memory, and stored once
-    /// the store takes writes again.
-    unsaved: HashMap<String, std::sync::Arc<Report>>,
-    /// The unsaved reports are being written (`save_unsaved`).
-    saving: bool,
     /// Final counts of exported sessions that ended lately, for the Prometheus endpoint.
     exported: HashMap<String, metrics::Ended>,
     store: SharedStore,
@@ -68,29 +58,18 @@ pub struct Manager {
     sampling: super::sampling::Sampling,
     tracing: super::tracing::Tracing,
     slots: super::slots::Slots,
-    tx: mpsc::Sender<Command>,
+    /// Where work handed off to other threads and tasks comes back.
+    done: DoneTx,
     /// Slots whose ended session's probes are now gone (see `release`).
     detached: mpsc::UnboundedSender<u8>,
     /// Held slots let go (`Hold`: an ended session's last counts read).
     counts_read: mpsc::UnboundedSender<u8>,
-    /// A scan for processes that map CUDA is under way (`CudaScanned`).
-    cuda_scanning: bool,
-    /// A scan for processes that map Python is under way (`PythonScanned`).
-    python_scanning: bool,
-    /// Native probes being attached off this task for starts not answered yet, by uid
-    /// (counted against the user's limit as if held).
-    attaching: HashMap<u32, usize>,
-    /// Starts waiting for the Python probes another start attaches (`PythonAttached`).
-    python_waiting: Vec<ahead::WaitingStart>,
-    /// Starts whose Python probes were attached ahead and that have not started or failed
-    /// yet: no other start's failure may take those probes off meanwhile.
-    python_starts: usize,
-    /// Processes whose interpreter's probes are being attached off this task, to check
-    /// again then (those held at exec go on after).
-    late: Vec<python::LateCheck>,
-    /// Started CUDA sessions answered once the libraries their processes map are probed
-    /// (`CudaProbed`), by session.
-    cuda_starts: HashMap<String, start::Answer>,
+    /// Starts not answered yet, by what they wait for.
+    starts: Starts,
+    /// Ended sessions whose reports are being named, stored or removed.
+    ending: Ending,
+    /// Looks for processes that run off this task.
+    scans: Scans,
     /// Slots whose ended session's probes may have counted after its last reading: their
     /// native and CUDA maps are emptied of them once the slot is free (`drain`).
     to_drain: u64,
@@ -99,11 +78,57 @@ pub struct Manager {
     kept_stopped: Vec<u32>,
 }
 
+/// Starts taken but not answered yet, by what they wait for. Each is answered once the
+/// work it waits for comes back as a [`Done`].
+#[derive(Default)]
+struct Starts {
+    /// Native probes being attached off this task, by uid (counted against the user's limit
+    /// as if held).
+    attaching: HashMap<u32, usize>,
+    /// Starts waiting for the Python probes another start attaches (`PythonAttached`).
+    python_waiting: Vec<ahead::WaitingStart>,
+    /// Starts whose Python probes were attached ahead and that have not started or failed
+    /// yet: no other start's failure may take those probes off meanwhile.
+    python_ahead: usize,
+    /// Started CUDA sessions answered once the libraries their processes map are probed
+    /// (`CudaProbed`), by session.
+    cuda_probing: HashMap<String, start::Answer>,
+    /// Started sessions whose running record is being written (`Recorded`).
+    recording: usize,
+}
+
+/// Ended sessions whose reports are on their way to the store, or out of it.
+#[derive(Default)]
+struct Ending {
+    /// Ended sessions whose profile is being named (`Named`).
+    closing: HashMap<String, closing::Closing>,
+    /// Finished sessions whose trace file and report are being removed (`Deleted`).
+    deleting: std::collections::HashSet<String>,
+    /// Reports of ended sessions not in the store (yet): served from memory, and stored once
+    /// the store takes writes again.
+    unsaved: HashMap<String, std::sync::Arc<Report>>,
+    /// The unsaved reports are being written (`Saved`).
+    saving: bool,
+}
+
+/// Looks for processes that run off this task.
+#[derive(Default)]
+struct Scans {
+    /// For processes that map CUDA (`CudaScanned`).
+    cuda: bool,
+    /// For processes that map Python (`PythonScanned`).
+    python: bool,
+    /// Processes whose interpreter's probes are being attached, to check again then (those
+    /// held at exec go on after; `LateProbed`).
+    late: Vec<python::LateCheck>,
+}
+
 type CodeRing = AsyncFd<RingBuf<MapData>>;
 
 /// What the manager's task waits on besides its timers.
 struct Inputs {
-    rx: mpsc::Receiver<Command>,
+    rx: mpsc::Receiver<Request>,
+    done_rx: mpsc::UnboundedReceiver<Done>,
     proc_rx: mpsc::UnboundedReceiver<ProcEvent>,
     detached_rx: mpsc::UnboundedReceiver<u8>,
     counts_read_rx: mpsc::UnboundedReceiver<u8>,
@@ -122,6 +147,7 @@ impl Manager {
         probe_limits: ProbeLimits,
     ) -> Result<(Handle, tokio::task::JoinHandle<()>), Error> {
         let (tx, rx) = mpsc::channel(256);
+        let (done, done_rx) = mpsc::unbounded_channel();
         let persist::Recovered { finished, unsaved } = persist::recover(&mut store, &traces)?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
         let (detached, detached_rx) = mpsc::unbounded_channel();
@@ -144,13 +170,8 @@ impl Manager {
         let manager = Manager {
             probe_limits,
             running: HashMap::new(),
-            closing: HashMap::new(),
-            deleting: Default::default(),
-            recording: 0,
             shutting_down: false,
             finished,
-            unsaved,
-            saving: false,
             exported: HashMap::new(),
             store: store.clone(),
             writer,
@@ -159,26 +180,25 @@ impl Manager {
             sampling,
             tracing,
             slots: super::slots::Slots::default(),
-            tx: tx.clone(),
+            done: done.clone(),
             detached,
             counts_read,
-            cuda_scanning: false,
-            python_scanning: false,
-            attaching: HashMap::new(),
-            python_waiting: Vec::new(),
-            python_starts: 0,
-            late: Vec::new(),
-            cuda_starts: HashMap::new(),
+            starts: Starts::default(),
+            ending: Ending {
+                unsaved,
+                ..Ending::default()
+            },
+            scans: Scans::default(),
             to_drain: 0,
             kept_stopped: Vec::new(),
         };
-        let ahead = tx.clone();
         tokio::task::spawn_blocking(move || {
             let found = super::python::Inspected::read(&interpreters);
-            let _ = ahead.blocking_send(Command::Inspected(found));
+            let _ = done.send(Done::Inspected(found));
         });
         let task = tokio::spawn(manager.run(Inputs {
             rx,
+            done_rx,
             proc_rx,
             detached_rx,
             counts_read_rx,
@@ -191,6 +211,7 @@ impl Manager {
     async fn run(mut self, inputs: Inputs) {
         let Inputs {
             mut rx,
+            mut done_rx,
             mut proc_rx,
             mut detached_rx,
             mut counts_read_rx,
@@ -220,12 +241,18 @@ impl Manager {
                     }
                     continue;
                 }
-                cmd = rx.recv() => {
-                    // Names first: a session that ends now must have every name it was sent.
+                // Names first, for both: a session that ends now must have every name it
+                // was sent.
+                Some(done) = done_rx.recv() => {
                     self.drain_codes(codes.get_mut());
                     self.drain_kernel_names(kernel_names.get_mut());
-                    match cmd {
-                    Some(Command::Shutdown { reply }) => {
+                    self.on_done(done);
+                }
+                request = rx.recv() => {
+                    self.drain_codes(codes.get_mut());
+                    self.drain_kernel_names(kernel_names.get_mut());
+                    match request {
+                    Some(Request::Shutdown { reply }) => {
                         self.shutting_down = true;
                         let ids: Vec<String> = self.running.keys().cloned().collect();
                         for id in ids {
@@ -233,13 +260,13 @@ impl Manager {
                         }
                         // Reports being named and stored, or deleted, and starts being
                         // recorded when the shutdown came are waited for.
-                        while !self.closing.is_empty() || !self.deleting.is_empty() || self.recording > 0 {
-                            match rx.recv().await {
-                                Some(Command::Named { id, done }) => self.named(&id, *done),
-                                Some(Command::Recorded { info, stored, reply }) => {
+                        while !self.ending.closing.is_empty() || !self.ending.deleting.is_empty() || self.starts.recording > 0 {
+                            match done_rx.recv().await {
+                                Some(Done::Named { id, done }) => self.named(&id, *done),
+                                Some(Done::Recorded { info, stored, reply }) => {
                                     self.recorded(info, stored, reply);
                                 }
-                                Some(Command::Deleted { id, stored, reply }) => {
+                                Some(Done::Deleted { id, stored, reply }) => {
                                     self.deleted(&id, stored, reply);
                                 }
                                 Some(_) => {}
@@ -248,13 +275,13 @@ impl Manager {
                         }
                         self.save_unsaved_now();
                         // Held at exec for probes that will not come now.
-                        for held in std::mem::take(&mut self.late) {
+                        for held in std::mem::take(&mut self.scans.late) {
                             self.continue_held(held.pid);
                         }
                         let _ = reply.send(());
                         return;
                     }
-                    Some(cmd) => self.handle(cmd),
+                    Some(request) => self.on_request(request),
                     None => return,
                 }},
                 Some(slot) = detached_rx.recv() => self.free_slot(slot),
@@ -277,31 +304,52 @@ impl Manager {
         }
     }
 
-    fn handle(&mut self, cmd: Command) {
-        match cmd {
-            Command::Start { req, caller, reply } => self.prepare(req, caller, reply),
-            Command::Ready {
+    /// A client's request: answered now, or once the work it starts comes back.
+    fn on_request(&mut self, request: Request) {
+        match request {
+            Request::Start { req, caller, reply } => self.prepare(req, caller, reply),
+            Request::Stop { id, caller, reply } => match self.stop(&id, caller) {
+                Ok(None) => {
+                    if let Some(c) = self.ending.closing.get_mut(&id) {
+                        c.stops.push(reply);
+                    }
+                }
+                done => {
+                    let _ = reply.send(done.map(|info| info.expect("answered")));
+                }
+            },
+            Request::Get { id, caller, reply } => {
+                let _ = reply.send(self.get(&id, caller));
+            }
+            Request::List { caller, reply } => {
+                let _ = reply.send(Ok(self.list(&caller)));
+            }
+            Request::Report { id, caller, reply } => {
+                let _ = reply.send(self.report(&id, caller));
+            }
+            Request::Subscribe { id, caller, reply } => {
+                let _ = reply.send(self.subscribe(&id, caller));
+            }
+            Request::Delete { id, caller, reply } => self.delete(id, caller, reply),
+            Request::Metrics { reply } => {
+                let _ = reply.send(self.metrics());
+            }
+            Request::Shutdown { .. } => unreachable!("handled in run"),
+        }
+    }
+
+    /// Handed-off work come back: the start, end or scan it belongs to goes on.
+    fn on_done(&mut self, done: Done) {
+        match done {
+            Done::Ready {
                 req,
                 caller,
                 reply,
                 ahead,
             } => self.ready(req, caller, reply, ahead),
-            Command::Attached(start) => self.attached(start),
-            Command::PythonAttached(start) => self.python_attached(start),
-            Command::LateProbed(attached) => {
-                self.py.adopt(attached);
-                self.python_probes_in();
-                // The sessions that needed them may have ended meanwhile.
-                self.update_python_masks();
-            }
-            Command::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
-            Command::CudaReleased(slot) => self.cuda_released(slot),
-            Command::CudaScanned(pids) => {
-                self.cuda_scanning = false;
-                self.look_for_cuda(false, Some(&pids));
-            }
-            Command::PythonScanned(pids) => self.python_scanned(&pids),
-            Command::StartPrepared {
+            Done::Attached(start) => self.attached(start),
+            Done::PythonAttached(start) => self.python_attached(start),
+            Done::StartPrepared {
                 req,
                 caller,
                 reply,
@@ -318,43 +366,29 @@ impl Manager {
                     });
                 }
             }
-            Command::Named { id, done } => self.named(&id, *done),
-            Command::Inspected(found) => self.py.add_inspected(found),
-            Command::Stop { id, caller, reply } => match self.stop(&id, caller) {
-                Ok(None) => {
-                    if let Some(c) = self.closing.get_mut(&id) {
-                        c.stops.push(reply);
-                    }
-                }
-                done => {
-                    let _ = reply.send(done.map(|info| info.expect("answered")));
-                }
-            },
-            Command::Get { id, caller, reply } => {
-                let _ = reply.send(self.get(&id, caller));
-            }
-            Command::List { caller, reply } => {
-                let _ = reply.send(Ok(self.list(&caller)));
-            }
-            Command::Report { id, caller, reply } => {
-                let _ = reply.send(self.report(&id, caller));
-            }
-            Command::Subscribe { id, caller, reply } => {
-                let _ = reply.send(self.subscribe(&id, caller));
-            }
-            Command::Delete { id, caller, reply } => self.delete(id, caller, reply),
-            Command::Deleted { id, stored, reply } => self.deleted(&id, stored, reply),
-            Command::Saved(ids) => self.saved(ids),
-            Command::Recorded {
+            Done::Recorded {
                 info,
                 stored,
                 reply,
             } => self.recorded(info, stored, reply),
-            Command::Expire { id } => self.finish(&id, EndReason::Duration, None),
-            Command::Metrics { reply } => {
-                let _ = reply.send(self.metrics());
+            Done::LateProbed(attached) => {
+                self.py.adopt(attached);
+                self.python_probes_in();
+                // The sessions that needed them may have ended meanwhile.
+                self.update_python_masks();
             }
-            Command::Shutdown { .. } => unreachable!("handled in run"),
+            Done::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
+            Done::CudaReleased(slot) => self.cuda_released(slot),
+            Done::CudaScanned(pids) => {
+                self.scans.cuda = false;
+                self.look_for_cuda(false, Some(&pids));
+            }
+            Done::PythonScanned(pids) => self.python_scanned(&pids),
+            Done::Inspected(found) => self.py.add_inspected(found),
+            Done::Expire { id } => self.finish(&id, EndReason::Duration, None),
+            Done::Named { id, done } => self.named(&id, *done),
+            Done::Saved(ids) => self.saved(ids),
+            Done::Deleted { id, stored, reply } => self.deleted(&id, stored, reply),
         }
     }
 
@@ -423,7 +457,7 @@ impl Manager {
             return;
         }
         let detached = self.detached.clone();
-        crate::bpf::release(probes, move || {
+        tracer_bpf::bpf::release(probes, move || {
             let _ = detached.send(slot);
         });
     }
@@ -479,7 +513,7 @@ impl Manager {
         if self.running.contains_key(id) {
             self.finish(id, EndReason::Stopped, None);
         }
-        if self.closing.contains_key(id) {
+        if self.ending.closing.contains_key(id) {
             return Ok(None);
         }
         Ok(Some(self.finished[id].clone()))
@@ -494,7 +528,7 @@ impl Manager {
             .values_mut()
             .map(|s| s.info(&super::scoped_losses(bpf, s.owner_uid, s.slot, &losses)))
             .collect();
-        all.extend(self.closing.values().map(|c| c.shown.clone()));
+        all.extend(self.ending.closing.values().map(|c| c.shown.clone()));
         all.extend(self.finished.values().cloned());
         all.retain(|s| caller.sees(s.owner_uid));
         all.sort_by(|a, b| {
@@ -509,7 +543,7 @@ impl Manager {
         self.running
             .get(id)
             .map(|s| s.owner_uid)
-            .or_else(|| self.closing.get(id).map(|c| c.shown.owner_uid))
+            .or_else(|| self.ending.closing.get(id).map(|c| c.shown.owner_uid))
             .or_else(|| self.finished.get(id).map(|s| s.owner_uid))
             .ok_or_else(|| Error::NoSuchSession { id: id.into() })
     }
@@ -525,7 +559,7 @@ impl Manager {
             let losses = super::scoped_losses(&self.bpf, s.owner_uid, s.slot, &losses);
             return Ok((s.info(&losses), s.ended.subscribe()));
         }
-        if let Some(c) = self.closing.get(id) {
+        if let Some(c) = self.ending.closing.get(id) {
             return Ok((c.shown.clone(), c.ended.subscribe()));
         }
         let (_, rx) = watch::channel(true);
@@ -539,13 +573,13 @@ impl Manager {
             let _ = reply.send(Err(e));
             return;
         }
-        self.deleting.insert(id.clone());
-        let (trace, tx) = (self.trace_path(&id), self.tx.clone());
+        self.ending.deleting.insert(id.clone());
+        let (trace, tx) = (self.trace_path(&id), self.done.clone());
         self.writer.then(move |store| {
             // The trace first: on a full disk, its space is what lets the store write again.
             persist::remove_trace_file(&trace);
             let stored = store.delete(&id);
-            let _ = tx.blocking_send(Command::Deleted { id, stored, reply });
+            let _ = tx.send(Done::Deleted { id, stored, reply });
         });
     }
 
@@ -557,12 +591,12 @@ impl Manager {
                 "session {id} is running: stop it first"
             )));
         }
-        if self.closing.contains_key(id) {
+        if self.ending.closing.contains_key(id) {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is ending: its profile is being named"
             )));
         }
-        if self.deleting.contains(id) {
+        if self.ending.deleting.contains(id) {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is being deleted"
             )));
@@ -573,12 +607,12 @@ impl Manager {
     /// A session's trace file and stored report are removed: it is forgotten. If the store
     /// could not, it stays listed, to be deleted again.
     fn deleted(&mut self, id: &str, stored: Result<(), StoreError>, reply: Reply<SessionInfo>) {
-        self.deleting.remove(id);
+        self.ending.deleting.remove(id);
         if let Err(e) = stored {
             let _ = reply.send(Err(e.into()));
             return;
         }
-        self.unsaved.remove(id);
+        self.ending.unsaved.remove(id);
         self.exported.remove(id);
         tracing::info!(id, "session deleted");
         let info = self
@@ -606,15 +640,15 @@ impl Manager {
     /// are.
     fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
         caller.may_read(self.owner(id)?, id)?;
-        if self.running.contains_key(id) || self.closing.contains_key(id) {
+        if self.running.contains_key(id) || self.ending.closing.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }
-        if self.deleting.contains(id) {
+        if self.ending.deleting.contains(id) {
             return Err(Error::FailedPrecondition(format!(
                 "session {id} is being deleted"
             )));
         }
-        let fetched = match self.unsaved.get(id) {
+        let fetched = match self.ending.unsaved.get(id) {
             Some(r) => Fetched::Parsed(Box::new((**r).clone())),
             None => Fetched::Stored(self.store.clone()),
         };

@@ -23,7 +23,8 @@ use tokio::{sync::watch, task::JoinHandle};
 use tracer_common::loss;
 use tracer_proto::{EndReason, Loss, Mode, SessionInfo, SessionState, Target};
 
-use crate::{bpf, report};
+use tracer_bpf::bpf;
+use tracer_report as report;
 
 /// What one of a session's sources leaves once its last readings are taken at the session's
 /// end: named off the manager's task into its part of the report.

@@ -1,12 +1,10 @@
 //! Counting mode's native source: one session's uprobes on native functions, and its report.
 
 use super::slots::LastCounts;
-use crate::{
-    bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet},
-    error::Error,
-    native::NativeTarget,
-    report::{NativeCalls, NativeProbe, NativeReport},
-};
+use crate::error::Error;
+use tracer_bpf::bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet};
+use tracer_inspect::native::NativeTarget;
+use tracer_report::{NativeCalls, NativeProbe, NativeReport};
 
 pub struct NativeSession {
     /// By probe number, the skipped ones included.
@@ -183,7 +181,7 @@ impl NativeEnd {
 }
 
 impl super::ReportPart for NativeEnd {
-    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         let counts = self.counts.get();
         report.native = Some(self.session.finish(counts));
     }

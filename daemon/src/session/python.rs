@@ -12,28 +12,26 @@ use tracer_common::{
 };
 
 use super::slots::Hold;
-use crate::{
-    bpf::Bpf,
-    python::{
-        memory::{self, Mapped},
-        runtime::{Runtime, RuntimeError},
-    },
-    report::{PyCaller, PyFunction, PythonReport},
+use tracer_bpf::bpf::Bpf;
+use tracer_inspect::python::{
+    memory::{self, Mapped},
+    runtime::{Runtime, RuntimeError},
 };
+use tracer_report::{PyCaller, PyFunction, PythonReport};
 
 type FileId = (u64, u64);
 
 /// The versions of the interpreters [`Probes`] probed, by file ([`Probes::versions`]).
-pub struct Versions(HashMap<FileId, &'static crate::python::layout::Version>);
+pub struct Versions(HashMap<FileId, &'static tracer_inspect::python::layout::Version>);
 
 impl Versions {
     /// The version of the interpreter at `path`, if it was probed.
-    pub fn of(&self, path: &Path) -> Option<&'static crate::python::layout::Version> {
+    pub fn of(&self, path: &Path) -> Option<&'static tracer_inspect::python::layout::Version> {
         self.0.get(&file_id(path).ok()?).copied()
     }
 }
 
-/// A binary's build id and size ([`crate::binary::build`]).
+/// A binary's build id and size ([`tracer_inspect::binary::build`]).
 type Build = (Vec<u8>, u64);
 
 /// Interpreter binaries and their probes, keyed by (device, inode) so that one file seen
@@ -44,7 +42,7 @@ pub struct Probes {
     /// Python is counted; then only the machine's own interpreters' stay.
     inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
     /// Probes attached now.
-    links: HashMap<FileId, crate::bpf::ProbeSet>,
+    links: HashMap<FileId, tracer_bpf::bpf::ProbeSet>,
     /// Interpreter runtimes found on this machine at start.
     known: Vec<PathBuf>,
     /// Answers once the probes `detach_all` removed are gone. New ones are not attached
@@ -93,14 +91,14 @@ struct Probed {
     /// Its build, where it was inspected there.
     build: Option<Build>,
     /// Its probes, or why not; None when it cannot be probed.
-    links: Option<Result<crate::bpf::ProbeSet, String>>,
+    links: Option<Result<tracer_bpf::bpf::ProbeSet, String>>,
 }
 
 /// The probes [`Attaching::run`] attached, by binary, or why not.
 pub struct AttachedPython(Vec<Probed>);
 
 impl Attaching {
-    pub fn run(self, attacher: &crate::bpf::PythonAttacher) -> AttachedPython {
+    pub fn run(self, attacher: &tracer_bpf::bpf::PythonAttacher) -> AttachedPython {
         if let Some(r) = &self.releasing {
             r.wait();
         }
@@ -115,7 +113,7 @@ impl Attaching {
                         None => {
                             let found = inspect(&path);
                             let links = found.as_ref().ok().map(|rt| attach(rt, &path));
-                            (Some(found), crate::binary::build(&path), links)
+                            (Some(found), tracer_inspect::binary::build(&path), links)
                         }
                     };
                     Probed {
@@ -167,7 +165,13 @@ impl Inspected {
         Self(
             paths
                 .iter()
-                .filter_map(|p| Some((file_id(p).ok()?, crate::binary::build(p), inspect(p))))
+                .filter_map(|p| {
+                    Some((
+                        file_id(p).ok()?,
+                        tracer_inspect::binary::build(p),
+                        inspect(p),
+                    ))
+                })
                 .collect(),
         )
     }
@@ -292,7 +296,10 @@ impl Probes {
     /// What inspecting `path` would find, if it is a copy of a build inspected before
     /// (reading its build id maps the file and parses its headers, not its symbols).
     fn copy_of_known_build(&mut self, id: FileId, path: &Path) -> Option<Runtime> {
-        let mut rt = self.builds.get(&crate::binary::build(path)?)?.clone();
+        let mut rt = self
+            .builds
+            .get(&tracer_inspect::binary::build(path)?)?
+            .clone();
         rt.path = path.to_owned();
         self.inspected.insert(id, Ok(rt.clone()));
         Some(rt)
@@ -366,7 +373,7 @@ impl Probes {
         let sets: Vec<_> = self.links.drain().map(|(_, set)| set).collect();
         self.failed.clear();
         let (done, released) = std::sync::mpsc::sync_channel(1);
-        crate::bpf::release(sets, move || {
+        tracer_bpf::bpf::release(sets, move || {
             let _ = done.send(());
         });
         self.releasing = Some(std::sync::Arc::new(Released(std::sync::Mutex::new(Some(
@@ -422,12 +429,12 @@ pub struct PySession {
     pub checked: HashMap<u32, (u64, u64)>,
     pub warnings: Vec<String>,
     /// Processes counted in-process (CPython 3.14+, see `python::inproc`).
-    pub inproc: Vec<crate::python::inproc::Counter>,
+    pub inproc: Vec<tracer_inspect::python::inproc::Counter>,
     /// Followed processes that exited, while some are counted in-process: their children's
     /// counts files are read at the end only for processes the session followed.
     pub gone: std::collections::HashSet<u32>,
     /// How each process named by pid is counted, and why.
-    pub counted: Vec<crate::report::CountedWay>,
+    pub counted: Vec<tracer_report::CountedWay>,
 }
 
 /// Exited processes kept in [`PySession::gone`], at most.
@@ -449,7 +456,7 @@ impl PySession {
     /// Says in the report when `pid` runs CPython's JIT, which makes its counts inexact.
     pub fn note_jit(&mut self, pid: u32, probes: &Probes, runtime: &Path) {
         let built_in = probes.runtime(runtime).is_some_and(|rt| rt.jit_built_in);
-        if let Some(w) = crate::python::jit::warning(pid, built_in) {
+        if let Some(w) = tracer_inspect::python::jit::warning(pid, built_in) {
             if !self.warnings.contains(&w) {
                 self.warnings.push(w);
             }
@@ -558,7 +565,7 @@ impl PySession {
                 }
             })
             .collect();
-        crate::report::sort_functions(&mut out, "tottime");
+        tracer_report::sort_functions(&mut out, "tottime");
         (out, unknown)
     }
 }
@@ -567,13 +574,13 @@ impl PySession {
 /// them off the manager's task (300,000 entries took ~60 ms). Its slot stays held until
 /// then; dropped unread, the entries are taken out all the same.
 pub struct FinalCounts {
-    maps: Option<crate::bpf::PythonMaps>,
+    maps: Option<tracer_bpf::bpf::PythonMaps>,
     /// The slot, taken until they are read.
     hold: Hold,
 }
 
 impl FinalCounts {
-    pub fn new(maps: crate::bpf::PythonMaps, hold: Hold) -> Self {
+    pub fn new(maps: tracer_bpf::bpf::PythonMaps, hold: Hold) -> Self {
         Self {
             maps: Some(maps),
             hold,
@@ -641,7 +648,8 @@ impl PythonEnd {
         // Children forked before the kernel followed the target (its counter started as
         // soon as a safe point came) are its descendants all the same.
         let targets: Vec<u32> = py.inproc.iter().map(|c| c.pid).collect();
-        let follows = |p| followed.contains(&p) || crate::process::descends_from(p, &targets);
+        let follows =
+            |p| followed.contains(&p) || tracer_inspect::process::descends_from(p, &targets);
         let inproc: Vec<_> = std::mem::take(&mut py.inproc)
             .into_iter()
             .flat_map(|c| {
@@ -678,7 +686,7 @@ impl PythonEnd {
             ));
         }
         functions.extend(inproc);
-        crate::report::sort_functions(&mut functions, "tottime");
+        tracer_report::sort_functions(&mut functions, "tottime");
         if functions.is_empty() && !seen_interpreter {
             warnings.push(
                 "no probed CPython 3.10-3.15 interpreter was seen running in the followed processes".into(),
@@ -695,7 +703,7 @@ impl PythonEnd {
 }
 
 impl super::ReportPart for PythonEnd {
-    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         report.python = Some(self.report());
     }
 }
@@ -708,12 +716,12 @@ const CALLER_NAME_BYTES: usize = 64 << 20;
 /// process's table (a caller is always counted before its callee ends). And how many
 /// callers are shown by code object instead, their names being over
 /// [`CALLER_NAME_BYTES`].
-pub fn inproc_functions(all: &[crate::python::inproc::Counts]) -> (Vec<PyFunction>, u64) {
+pub fn inproc_functions(all: &[tracer_inspect::python::inproc::Counts]) -> (Vec<PyFunction>, u64) {
     let mut out = Vec::new();
     let mut left = CALLER_NAME_BYTES;
     let mut unnamed = 0;
     for c in all {
-        let names: HashMap<u64, &crate::python::inproc::Function> =
+        let names: HashMap<u64, &tracer_inspect::python::inproc::Function> =
             c.functions.iter().map(|f| (f.code, f)).collect();
         let mut callers: HashMap<u64, Vec<PyCaller>> = HashMap::new();
         for e in &c.edges {

@@ -1,6 +1,6 @@
 //! Sampling sessions' data path. A worker thread drains the `SAMPLES` ring buffer every
 //! few milliseconds — while the sampled processes are alive, so their memory and binaries
-//! can still be read — turns each sample into a named stack ([`crate::stacks`]) and counts
+//! can still be read — turns each sample into a named stack ([`tracer_symbolize::stacks`]) and counts
 //! it in its session's histogram. The manager adds a session when its perf events start
 //! and takes its samples when they stop ([`Sampling::end`]), to be named off its task.
 
@@ -21,24 +21,22 @@ use tracer_common::{
     sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON, SAMPLE_STACK_OFFSET,
 };
 
-use crate::{
-    profile::{Frame, FrameKind, Mapping, Profile, Stack, Unwinding},
-    python::{
-        layout::Version,
-        memory,
-        runtime::{Runtime, RuntimeError},
-    },
-    stacks::{Naming, RawStack, Resolver},
-    symbolize::Symbolizer,
-    unwind::End,
+use tracer_inspect::python::{
+    layout::Version,
+    memory,
+    runtime::{Runtime, RuntimeError},
 };
+use tracer_inspect::unwind::End;
+use tracer_report::profile::{Frame, FrameKind, Mapping, Profile, Stack, Unwinding};
+use tracer_symbolize::stacks::{Naming, RawStack, Resolver};
+use tracer_symbolize::symbolize::Symbolizer;
 
 /// How long the worker waits for samples before it looks for a stop request.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// Interpreter binaries whose layout is kept at most.
 const MAX_RUNTIMES: usize = 64;
 
-use crate::bpf::SamplingMaps;
+use tracer_bpf::bpf::SamplingMaps;
 
 /// One session's histogram.
 struct Histogram {
@@ -99,7 +97,7 @@ impl Ending {
 }
 
 impl super::ReportPart for Ending {
-    fn fill(self: Box<Self>, report: &mut crate::report::Report) {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         report.profile = Some(self.name());
     }
 }
@@ -409,7 +407,8 @@ impl State {
     /// What ended sessions no longer need goes.
     fn tidy(&mut self) {
         self.resolver.forget_exited();
-        self.versions.retain(|&pid, _| crate::process::alive(pid));
+        self.versions
+            .retain(|&pid, _| tracer_inspect::process::alive(pid));
         self.compact();
     }
 
@@ -451,7 +450,7 @@ impl State {
             return v;
         }
         let entry = self.maps.python_procs.get(&pid, 0).ok()?;
-        let v = crate::python::layout::by_index(entry.layout)?;
+        let v = tracer_inspect::python::layout::by_index(entry.layout)?;
         self.versions.insert(pid, Some(v));
         Some(v)
     }
@@ -464,7 +463,7 @@ impl State {
         let found = self.python_runtime(pid);
         let entry = match found {
             Lookup::Python(runtime, v) => {
-                if let Err(e) = crate::bpf::publish_layout(v) {
+                if let Err(e) = tracer_bpf::bpf::publish_layout(v) {
                     tracing::warn!(%e, pid, "this process's Python frames cannot be read");
                 }
                 self.versions.insert(pid, Some(v));
@@ -615,7 +614,7 @@ enum Lookup {
 
 /// The process's name (not the sampled thread's, which threads may rename).
 fn process_comm(pid: u32, thread_comm: &[u8; 16]) -> String {
-    crate::process::comm(pid).unwrap_or_else(|| {
+    tracer_inspect::process::comm(pid).unwrap_or_else(|| {
         let len = thread_comm.iter().position(|&b| b == 0).unwrap_or(16);
         String::from_utf8_lossy(&thread_comm[..len]).into_owned()
     })

@@ -53,17 +53,17 @@ pub trait SlotMaps {
     fn take(&mut self, slot: u8) -> Self::Counts;
 }
 
-impl SlotMaps for crate::bpf::NativeMaps {
+impl SlotMaps for tracer_bpf::bpf::NativeMaps {
     type Counts = Vec<(u32, u32, u64)>;
     fn take(&mut self, slot: u8) -> Self::Counts {
-        crate::bpf::NativeMaps::take(self, slot)
+        tracer_bpf::bpf::NativeMaps::take(self, slot)
     }
 }
 
-impl SlotMaps for crate::bpf::CudaMaps {
-    type Counts = (crate::bpf::CudaCounts, crate::bpf::GpuKernelTimes);
+impl SlotMaps for tracer_bpf::bpf::CudaMaps {
+    type Counts = (tracer_bpf::bpf::CudaCounts, tracer_bpf::bpf::GpuKernelTimes);
     fn take(&mut self, slot: u8) -> Self::Counts {
-        crate::bpf::CudaMaps::take(self, slot)
+        tracer_bpf::bpf::CudaMaps::take(self, slot)
     }
 }
 

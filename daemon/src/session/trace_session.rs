@@ -11,11 +11,8 @@ use tracer_common::{trace_kind, TraceEvent, PY_STACK_DEPTH, TRACE_UNFINISHED};
 use tracer_proto::{counter, Counter, Loss, SessionInfo, TracingOptions};
 
 use super::tracing::{self as worker, Limits, Spool};
-use crate::{
-    clock::monotonic_ns,
-    error::Error,
-    report::trace::{Trace, TraceCounter, TraceFunction, TraceThread},
-};
+use crate::{clock::monotonic_ns, error::Error};
+use tracer_report::trace::{Trace, TraceCounter, TraceFunction, TraceThread};
 
 pub const DEFAULT_BUFFER_MB: u32 = 64;
 pub const MAX_BUFFER_MB: u32 = 4096;
@@ -281,7 +278,7 @@ pub struct TraceEnd {
 impl TraceEnd {
     /// The report's trace, and what the session's final state says of it: its last losses
     /// (the kernel's last drops, what went past the file's limit) and its size.
-    pub fn fill(self, report: &mut crate::report::Report, info: &mut SessionInfo) {
+    pub fn fill(self, report: &mut tracer_report::Report, info: &mut SessionInfo) {
         let TraceEnd {
             session,
             end_ns,

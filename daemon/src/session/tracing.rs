@@ -21,7 +21,7 @@ use std::{
 use tokio::sync::broadcast;
 use tracer_common::{trace_kind, TraceEvent, TRACE_EXIT_INFERRED, TRACE_UNFINISHED};
 
-use crate::report::trace::{as_bytes, TraceThread, RECORD};
+use tracer_report::trace::{as_bytes, TraceThread, RECORD};
 
 /// How long the worker waits for a wakeup before it drains anyway.
 const DRAIN_EVERY: Duration = Duration::from_millis(10);
@@ -31,7 +31,7 @@ const BATCH: usize = 4096;
 /// misses some.
 const WATCH_BACKLOG: usize = 64;
 
-use crate::bpf::TracingMaps;
+use tracer_bpf::bpf::TracingMaps;
 
 /// Limits of one session's storage.
 #[derive(Clone, Copy, Debug)]
@@ -169,7 +169,7 @@ impl Spool {
             });
             self.processes.entry(pid).or_insert_with(|| {
                 crate::container::note(pid, false);
-                crate::process::comm(pid).unwrap_or_default()
+                tracer_inspect::process::comm(pid).unwrap_or_default()
             });
         }
     }

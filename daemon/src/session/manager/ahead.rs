@@ -7,12 +7,12 @@ use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionReque
 
 use super::{
     python::{python_processes, FoundPython},
-    Command, Manager, Reply,
+    Done, Manager, Reply,
 };
-use crate::{
-    access::Caller, error::Error, native::NativeTarget, process, python::memory,
-    session::native::NativeSession,
-};
+use crate::{access::Caller, error::Error, session::native::NativeSession};
+use tracer_inspect::native::NativeTarget;
+use tracer_inspect::process;
+use tracer_inspect::python::memory;
 
 /// What a start needs that can take long, done on a blocking thread before the start runs on
 /// the manager: probe programs the kernel's verifier takes seconds over (a first Python or
@@ -114,11 +114,11 @@ impl Manager {
             self.ready(req, caller, reply, Ahead::default());
             return;
         }
-        let tx = self.tx.clone();
+        let tx = self.done.clone();
         tokio::task::spawn_blocking(move || {
             // A program that would not load is tried again in place by the start,
             // which says why or goes on without it as it would have.
-            if let Some(Err(e)) = loading.map(crate::bpf::Loading::run) {
+            if let Some(Err(e)) = loading.map(tracer_bpf::bpf::Loading::run) {
                 tracing::warn!(%e, "loading probe programs ahead of a start");
             }
             let natives =
@@ -141,7 +141,7 @@ impl Manager {
                 python_ahead: false,
                 attached: None,
             };
-            let _ = tx.blocking_send(Command::Ready {
+            let _ = tx.send(Done::Ready {
                 req,
                 caller,
                 reply,
@@ -174,7 +174,7 @@ impl Manager {
             let (job, busy) = self.py.to_attach(&paths);
             if job.is_none() && busy {
                 // Being attached for another start: this one goes on once they are in.
-                self.python_waiting.push(WaitingStart {
+                self.starts.python_waiting.push(WaitingStart {
                     req,
                     caller,
                     reply,
@@ -183,14 +183,14 @@ impl Manager {
                 return;
             }
             ahead.python_ahead = true;
-            self.python_starts += 1;
+            self.starts.python_ahead += 1;
             if let Some(job) = job {
                 let attacher = self.bpf.python_attacher();
-                let tx = self.tx.clone();
+                let tx = self.done.clone();
                 tokio::task::spawn_blocking(move || {
                     let attached = job.run(&attacher);
                     // A manager gone (shutdown) drops the probes here, off its task.
-                    let _ = tx.blocking_send(Command::PythonAttached(PythonAttachedStart {
+                    let _ = tx.send(Done::PythonAttached(PythonAttachedStart {
                         req,
                         caller,
                         reply,
@@ -224,14 +224,14 @@ impl Manager {
             }
         };
         let probes = natives.len();
-        *self.attaching.entry(uid).or_default() += probes;
+        *self.starts.attaching.entry(uid).or_default() += probes;
         let all = asked.as_ref().is_some_and(|a| a.all);
         let attacher = self.bpf.native_attacher();
-        let tx = self.tx.clone();
+        let tx = self.done.clone();
         tokio::task::spawn_blocking(move || {
             let native = NativeSession::attach(&attacher, natives, slot, all);
             // A manager gone (shutdown) drops the probes here, off its task.
-            let _ = tx.blocking_send(Command::Attached(AttachedStart {
+            let _ = tx.send(Done::Attached(AttachedStart {
                 req,
                 caller,
                 reply,
@@ -262,7 +262,7 @@ impl Manager {
     /// Python probes attached off this task are in (`adopt`ed): starts and checks that
     /// waited for them go on.
     pub(super) fn python_probes_in(&mut self) {
-        for w in std::mem::take(&mut self.python_waiting) {
+        for w in std::mem::take(&mut self.starts.python_waiting) {
             self.ready(w.req, w.caller, w.reply, w.ahead);
         }
         self.recheck_late();
@@ -280,10 +280,10 @@ impl Manager {
             probes,
             native,
         } = start;
-        if let Some(n) = self.attaching.get_mut(&uid) {
+        if let Some(n) = self.starts.attaching.get_mut(&uid) {
             *n = n.saturating_sub(probes);
         }
-        self.attaching.retain(|_, n| *n > 0);
+        self.starts.attaching.retain(|_, n| *n > 0);
         match native {
             Ok(native) => {
                 ahead.attached = Some(Attached { slot, native });
@@ -299,7 +299,7 @@ impl Manager {
 
     /// A scan's Python processes, looked at for the sessions on every process.
     pub(super) fn python_scanned(&mut self, found: &[FoundPython]) {
-        self.python_scanning = false;
+        self.scans.python = false;
         let ids: Vec<String> = self
             .running
             .iter()
@@ -331,7 +331,7 @@ pub(super) fn resolve_natives(
     maps_of: Option<u32>,
     uid: u32,
 ) -> Result<Vec<NativeTarget>, Error> {
-    use crate::native::{self, MAX_SPECS};
+    use tracer_inspect::native::{self, MAX_SPECS};
     let specs = native::distinct_specs(specs);
     if specs.len() > MAX_SPECS {
         return Err(Error::InvalidArgument(format!(
@@ -408,10 +408,10 @@ pub(super) fn cuda_processes() -> Vec<u32> {
     process::pids()
         .into_iter()
         .filter(|&pid| {
-            crate::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
+            tracer_inspect::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
                 maps.entries()
                     .iter()
-                    .any(|m| crate::cuda::library(std::path::Path::new(&m.path)).is_some())
+                    .any(|m| tracer_inspect::cuda::library(std::path::Path::new(&m.path)).is_some())
             })
         })
         .collect()

@@ -9,10 +9,10 @@ use super::{counts_python, MAX_DURATION_MS};
 use crate::{
     access::Caller,
     error::Error,
-    perf::{self, EventSpec},
-    process,
     session::{counting, trace_session, tracing::Limits},
 };
+use tracer_bpf::perf::{self, EventSpec};
+use tracer_inspect::process;
 
 /// Samples per second on each CPU unless asked otherwise: perf's and py-spy's habit of an odd
 /// rate, so that sampling does not beat in step with periodic work.
@@ -70,9 +70,9 @@ fn sampling_frequency(sampling: bool, req: &StartSessionRequest) -> Result<Optio
     }
     match asked {
         0 => Ok(Some(DEFAULT_FREQUENCY)),
-        hz if hz > crate::sampler::MAX_FREQUENCY => Err(Error::InvalidArgument(format!(
+        hz if hz > tracer_bpf::sampler::MAX_FREQUENCY => Err(Error::InvalidArgument(format!(
             "frequency {hz} Hz is above the {} Hz tracer allows",
-            crate::sampler::MAX_FREQUENCY
+            tracer_bpf::sampler::MAX_FREQUENCY
         ))),
         hz => Ok(Some(hz)),
     }

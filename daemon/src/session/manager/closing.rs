@@ -8,7 +8,6 @@
 
 use super::*;
 use crate::{
-    report::{trace, CudaReport, Report},
     session::{
         modes::{Finished, Threads},
         native::NativeEnd,
@@ -19,6 +18,7 @@ use crate::{
     },
     store::{writer::Writer, StoreError},
 };
+use tracer_report::{trace, CudaReport, Report};
 
 pub(super) struct Closing {
     /// What `list` and `get` show meanwhile.
@@ -47,7 +47,7 @@ pub(super) struct Pending {
 }
 
 /// What the manager keeps of an ended session's report.
-pub(super) struct Done {
+pub(super) struct Settled {
     /// The final state.
     info: SessionInfo,
     /// The report, if the store did not take it.
@@ -58,7 +58,7 @@ pub(super) struct Done {
 impl Pending {
     /// Names what is left, and stores the report with the session's final state (a large
     /// report is freed here too).
-    fn settle(self, id: &str, writer: &Writer) -> Done {
+    fn settle(self, id: &str, writer: &Writer) -> Settled {
         let (mut report, mut info) = (self.report, self.info);
         for part in self.parts {
             part.fill(&mut report);
@@ -82,7 +82,7 @@ impl Pending {
         let stored = writer
             .wait(move |store| store.put(&record, &json))
             .unwrap_or_else(|| Err(StoreError::Panicked));
-        Done {
+        Settled {
             info,
             unsaved: stored.err().map(|e| (report, e)),
             exported,
@@ -104,8 +104,8 @@ impl Manager {
     fn last_counts<M, T>(
         &mut self,
         slot: u8,
-        maps: Result<M, crate::bpf::BpfError>,
-        now: impl FnOnce(&mut crate::bpf::Bpf) -> T,
+        maps: Result<M, tracer_bpf::bpf::BpfError>,
+        now: impl FnOnce(&mut tracer_bpf::bpf::Bpf) -> T,
     ) -> LastCounts<M, T> {
         match maps {
             Ok(maps) => LastCounts::Later(maps, self.hold(slot)),
@@ -126,7 +126,7 @@ impl Manager {
         error: Option<String>,
     ) -> Option<(Closing, Pending)> {
         let mut s = self.running.remove(id)?;
-        if let Some(a) = self.cuda_starts.remove(id) {
+        if let Some(a) = self.starts.cuda_probing.remove(id) {
             // Recorded running before it is recorded ended: the store's writes keep order.
             self.record(a.info, a.record, a.reply);
         }
@@ -292,29 +292,30 @@ impl Manager {
             self.complete(id, closing, done);
             return;
         }
-        let (tx, id, writer) = (self.tx.clone(), id.to_owned(), self.writer.clone());
-        self.closing.insert(id.clone(), closing);
+        let (tx, id, writer) = (self.done.clone(), id.to_owned(), self.writer.clone());
+        self.ending.closing.insert(id.clone(), closing);
         tokio::task::spawn_blocking(move || {
             let done = Box::new(pending.settle(&id, &writer));
-            let _ = tx.blocking_send(Command::Named { id, done });
+            let _ = tx.send(Done::Named { id, done });
         });
     }
 
     /// A closing session's report is named and stored: it ends.
-    pub(super) fn named(&mut self, id: &str, done: Done) {
-        if let Some(c) = self.closing.remove(id) {
+    pub(super) fn named(&mut self, id: &str, done: Settled) {
+        if let Some(c) = self.ending.closing.remove(id) {
             self.complete(id, c, done);
             self.release_free_memory();
         }
     }
 
-    fn complete(&mut self, id: &str, c: Closing, done: Done) {
+    fn complete(&mut self, id: &str, c: Closing, done: Settled) {
         if let Some(exported) = done.exported {
             self.exported.insert(id.to_owned(), exported);
         }
         if let Some((report, e)) = done.unsaved {
             tracing::error!(%e, id, "could not store the report; it is kept in memory and stored once the state database takes writes again");
-            self.unsaved
+            self.ending
+                .unsaved
                 .insert(id.to_owned(), std::sync::Arc::new(report));
         }
         tracing::info!(

@@ -1,5 +1,5 @@
-//! What the manager is sent: clients' requests through a [`Handle`], and what its own
-//! helpers (blocking threads, the store's writer) bring back ([`Command`]).
+//! What the manager is sent: clients' requests through a [`Handle`] ([`Request`]), and
+//! what the work it hands off brings back ([`Done`]), on a channel of its own.
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tracer_proto::{SessionInfo, StartSessionRequest};
@@ -8,18 +8,13 @@ use super::{
     ahead::{self, Ahead},
     closing,
 };
-use crate::{access::Caller, error::Error, report::Report, store::StoreError};
+use crate::{access::Caller, error::Error, store::StoreError};
+use tracer_report::Report;
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
-pub(super) enum Command {
-    /// A closing session's report, named and stored off the manager's task.
-    Named {
-        id: String,
-        done: Box<closing::Done>,
-    },
-    /// The machine's interpreters, inspected at start off this task.
-    Inspected(crate::session::python::Inspected),
+/// A client's request, from a [`Handle`]: answered through its `reply`.
+pub(super) enum Request {
     Start {
         req: StartSessionRequest,
         caller: Caller,
@@ -54,6 +49,24 @@ pub(super) enum Command {
         caller: Caller,
         reply: Reply<SessionInfo>,
     },
+    Metrics {
+        reply: oneshot::Sender<String>,
+    },
+    Shutdown {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// Work the manager handed off (to blocking threads, the store's writer, a timer) coming
+/// back: each continues or ends something a request began.
+pub(super) enum Done {
+    /// A closing session's report, named and stored off the manager's task.
+    Named {
+        id: String,
+        done: Box<closing::Settled>,
+    },
+    /// The machine's interpreters, inspected at start off this task.
+    Inspected(crate::session::python::Inspected),
     /// The unsaved reports the store took, written off the manager's task.
     Saved(Vec<String>),
     /// A started session's running record, written off the manager's task.
@@ -68,15 +81,8 @@ pub(super) enum Command {
         stored: Result<(), StoreError>,
         reply: Reply<SessionInfo>,
     },
-    Expire {
-        id: String,
-    },
-    Metrics {
-        reply: oneshot::Sender<String>,
-    },
-    Shutdown {
-        reply: oneshot::Sender<()>,
-    },
+    /// A session's duration is up (its timer).
+    Expire { id: String },
     /// The processes that map a CUDA library, found off the manager's task for the CUDA
     /// sessions on every process.
     CudaScanned(Vec<u32>),
@@ -115,21 +121,24 @@ pub(super) enum Command {
     },
 }
 
+/// Where handed-off work sends what it brings back.
+pub(super) type DoneTx = mpsc::UnboundedSender<Done>;
+
 /// The in-process counter of a start's target, made before the session is: the session's
 /// id, and the counter or why there is none.
 pub(super) struct Prepared {
     pub(super) id: String,
-    pub(super) counter: Result<crate::python::inproc::Counter, String>,
+    pub(super) counter: Result<tracer_inspect::python::inproc::Counter, String>,
 }
 
 /// A cheap, cloneable way to talk to the manager.
 #[derive(Clone)]
 pub struct Handle {
-    pub(super) tx: mpsc::Sender<Command>,
+    pub(super) tx: mpsc::Sender<Request>,
 }
 
 impl Handle {
-    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, Error> {
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Request) -> Result<T, Error> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(make(reply))
@@ -143,20 +152,20 @@ impl Handle {
         req: StartSessionRequest,
         caller: Caller,
     ) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Start { req, caller, reply })
+        self.call(|reply| Request::Start { req, caller, reply })
             .await
     }
     /// The Prometheus exposition text.
     pub async fn metrics(&self) -> String {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Metrics { reply }).await.is_err() {
+        if self.tx.send(Request::Metrics { reply }).await.is_err() {
             return String::new();
         }
         rx.await.unwrap_or_default()
     }
 
     pub async fn stop(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Stop { id, caller, reply }).await
+        self.call(|reply| Request::Stop { id, caller, reply }).await
     }
     /// The session's state, and a receiver that turns `true` when it ends.
     pub async fn get(
@@ -164,13 +173,13 @@ impl Handle {
         id: String,
         caller: Caller,
     ) -> Result<(SessionInfo, watch::Receiver<bool>), Error> {
-        self.call(|reply| Command::Get { id, caller, reply }).await
+        self.call(|reply| Request::Get { id, caller, reply }).await
     }
     pub async fn list(&self, caller: Caller) -> Result<Vec<SessionInfo>, Error> {
-        self.call(|reply| Command::List { caller, reply }).await
+        self.call(|reply| Request::List { caller, reply }).await
     }
     pub async fn delete(&self, id: String, caller: Caller) -> Result<SessionInfo, Error> {
-        self.call(|reply| Command::Delete { id, caller, reply })
+        self.call(|reply| Request::Delete { id, caller, reply })
             .await
     }
 
@@ -178,7 +187,7 @@ impl Handle {
     /// blocking thread: a large profile's JSON takes a while), not in the manager's.
     pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
         let (fetched, traces) = self
-            .call(|reply| Command::Report {
+            .call(|reply| Request::Report {
                 id: id.clone(),
                 caller,
                 reply,
@@ -209,13 +218,13 @@ impl Handle {
     }
     /// A running tracing session's events from now on.
     pub async fn subscribe(&self, id: String, caller: Caller) -> Result<Subscription, Error> {
-        self.call(|reply| Command::Subscribe { id, caller, reply })
+        self.call(|reply| Request::Subscribe { id, caller, reply })
             .await
     }
     /// Ends every running session (their reports are kept) and stops the manager.
     pub async fn shutdown(&self) {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Shutdown { reply }).await.is_ok() {
+        if self.tx.send(Request::Shutdown { reply }).await.is_ok() {
             let _ = rx.await;
         }
     }
@@ -228,7 +237,7 @@ pub struct Subscription {
     pub next_seq: u64,
     pub names: crate::session::trace_session::Names,
     pub probes: std::sync::Arc<Vec<String>>,
-    pub counters: Vec<crate::report::trace::TraceCounter>,
+    pub counters: Vec<tracer_report::trace::TraceCounter>,
 }
 
 /// A report as the manager hands it out: the one in memory, or the stored JSON, which the

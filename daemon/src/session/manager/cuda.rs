@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use aya::maps::{MapData, RingBuf};
 
-use super::{cuda_processes, Command, Manager};
+use super::{cuda_processes, Done, Manager};
 use crate::session::cuda::{CudaJob, CudaProbed};
 
 impl Manager {
@@ -34,7 +34,7 @@ impl Manager {
         // Looked at now, before the process gets far (the ring's reader is woken per
         // mapping); the probes go on as soon as a blocking thread has attached them.
         for (pid, addr, len) in mapped {
-            if crate::cuda::mapped_library(pid, addr, len) {
+            if tracer_inspect::cuda::mapped_library(pid, addr, len) {
                 self.look_at(pid, "mmap");
             }
         }
@@ -64,11 +64,11 @@ impl Manager {
     fn probe_cuda(&self, jobs: Vec<(String, CudaJob)>) {
         for (session, job) in jobs {
             let attacher = self.bpf.cuda_attacher();
-            let tx = self.tx.clone();
+            let tx = self.done.clone();
             tokio::task::spawn_blocking(move || {
                 let probed = job.run(&attacher);
                 // A manager gone (shutdown) drops the probes here, off its task.
-                let _ = tx.blocking_send(Command::CudaProbed { session, probed });
+                let _ = tx.send(Done::CudaProbed { session, probed });
             });
         }
     }
@@ -80,7 +80,7 @@ impl Manager {
         if let Some(c) = self.running.get_mut(session).and_then(|s| s.cuda.as_mut()) {
             c.adopt(probed);
             if !c.probing() {
-                if let Some(start) = self.cuda_starts.remove(session) {
+                if let Some(start) = self.starts.cuda_probing.remove(session) {
                     self.record(start.info, start.record, start.reply);
                 }
             }
@@ -92,9 +92,9 @@ impl Manager {
             self.cuda_released(slot);
             return;
         }
-        let tx = self.tx.clone();
-        crate::bpf::release(vec![probed.links], move || {
-            let _ = tx.blocking_send(Command::CudaReleased(slot));
+        let tx = self.done.clone();
+        tracer_bpf::bpf::release(vec![probed.links], move || {
+            let _ = tx.send(Done::CudaReleased(slot));
         });
     }
 
@@ -146,11 +146,11 @@ impl Manager {
             }
         }
         self.probe_cuda(jobs);
-        if scan && !self.cuda_scanning {
-            self.cuda_scanning = true;
-            let tx = self.tx.clone();
+        if scan && !self.scans.cuda {
+            self.scans.cuda = true;
+            let tx = self.done.clone();
             tokio::task::spawn_blocking(move || {
-                let _ = tx.blocking_send(Command::CudaScanned(cuda_processes()));
+                let _ = tx.send(Done::CudaScanned(cuda_processes()));
             });
         }
     }

@@ -7,9 +7,9 @@ use tracer_proto::{target, EndReason};
 
 use super::{
     python::{python_processes, FoundPython, LateCheck, Met},
-    Command, Manager,
+    Done, Manager,
 };
-use crate::process;
+use tracer_inspect::process;
 
 impl Manager {
     pub(super) fn on_proc_event(&mut self, ev: ProcEvent) {
@@ -61,7 +61,7 @@ impl Manager {
                 }
                 // Held at exec (EXEC_HOLD): the new program has not run yet.
                 PROC_EVENT_EXEC if s.owner_uid != 0 => {
-                    match crate::process::ptrace_boundary(ev.pid, s.owner_uid) {
+                    match tracer_inspect::process::ptrace_boundary(ev.pid, s.owner_uid) {
                         Ok(Some(why)) => {
                             crossed.push((slot, why.clone()));
                             s.live.remove(&ev.pid);
@@ -120,7 +120,7 @@ impl Manager {
 
     /// Probes the interpreter `pid` runs for session `id` (`found`: as a scan read it).
     /// False when that waits for its probes to be attached off this task: the check is kept
-    /// in `late` until then.
+    /// in `scans.late` until then.
     pub(super) fn check_session_process(
         &mut self,
         id: &str,
@@ -137,6 +137,7 @@ impl Manager {
         }
         if !done {
             match self
+                .scans
                 .late
                 .iter_mut()
                 .find(|l| l.session == id && l.pid == pid)
@@ -146,7 +147,7 @@ impl Manager {
                 // (`recheck_late`), or it stays stopped.
                 Some(l) if met == Met::AtExec => l.met = Met::AtExec,
                 Some(_) => {}
-                None => self.late.push(LateCheck {
+                None => self.scans.late.push(LateCheck {
                     session: id.to_owned(),
                     pid,
                     met,
@@ -209,17 +210,17 @@ impl Manager {
             .running
             .values()
             .any(|s| s.python.is_some() && !s.follows_pid());
-        if everyone && !self.python_scanning {
-            self.python_scanning = true;
-            let tx = self.tx.clone();
+        if everyone && !self.scans.python {
+            self.scans.python = true;
+            let tx = self.done.clone();
             tokio::task::spawn_blocking(move || {
-                let _ = tx.blocking_send(Command::PythonScanned(python_processes()));
+                let _ = tx.send(Done::PythonScanned(python_processes()));
             });
         }
     }
 
     /// A process stays stopped at its exec only while its check waits for its interpreter's
-    /// probes (`late`), or when it gained credentials and could not be unfollowed
+    /// probes (`scans.late`), or when it gained credentials and could not be unfollowed
     /// (`kept_stopped`). One held long with none pending was lost track of (a bug, as the
     /// one fixed in `check_session_process`); it goes on rather than stay stopped for good.
     fn continue_forgotten(&mut self) {
@@ -228,6 +229,7 @@ impl Manager {
         self.kept_stopped
             .retain(|pid| held.iter().any(|&(h, _)| h == *pid));
         let pending: Vec<u32> = self
+            .scans
             .late
             .iter()
             .filter(|l| l.met == Met::AtExec)

@@ -6,11 +6,9 @@ use std::time::{Duration, Instant};
 use tracer_proto::{SessionInfo, SessionState};
 
 use super::Manager;
-use crate::{
-    bpf,
-    metrics::{self, gauge, Sample},
-    report::Report,
-};
+use crate::metrics::{self, gauge, Sample};
+use tracer_bpf::bpf;
+use tracer_report::Report;
 
 /// How long an exported session's final counts stay on the endpoint after it ends: long
 /// enough for any scrape interval to see them.

@@ -6,12 +6,9 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use tracer_proto::{EndReason, SessionInfo, SessionState};
 
-use super::{super::build_report, super::trace_session::TraceSession, Command, Manager};
-use crate::{
-    error::Error,
-    report::{trace::RECORD, Report},
-    store::Store,
-};
+use super::{super::build_report, super::trace_session::TraceSession, Done, Manager};
+use crate::{error::Error, store::Store};
+use tracer_report::{trace::RECORD, Report};
 
 /// Why a session the store shows as running is no longer.
 const DIED: &str = "daemon died";
@@ -19,7 +16,7 @@ const DIED: &str = "daemon died";
 /// The report stored with a session as it starts: what a daemon killed before its end leaves.
 pub(super) fn running_report(info: &SessionInfo, trace: Option<&TraceSession>) -> String {
     let mut report = build_report(info, 0, None);
-    report.trace = trace.map(|t| crate::report::trace::Trace {
+    report.trace = trace.map(|t| tracer_report::trace::Trace {
         file: t.file.clone(),
         start_ns: t.start_ns,
         end_ns: t.start_ns,
@@ -103,19 +100,19 @@ impl Manager {
     /// Stores the reports a failed write left in memory, if the store takes writes again:
     /// on the store's writer, one attempt at a time; back as `Saved`.
     pub(super) fn save_unsaved(&mut self) {
-        if self.saving || self.unsaved.is_empty() {
+        if self.ending.saving || self.ending.unsaved.is_empty() {
             return;
         }
-        self.saving = true;
-        let (save, tx) = (self.to_save(), self.tx.clone());
+        self.ending.saving = true;
+        let (save, tx) = (self.to_save(), self.done.clone());
         self.writer.then(move |store| {
-            let _ = tx.blocking_send(Command::Saved(save(store)));
+            let _ = tx.send(Done::Saved(save(store)));
         });
     }
 
     /// As `save_unsaved`, waited for: at shutdown, on the manager's task.
     pub(super) fn save_unsaved_now(&mut self) {
-        if self.unsaved.is_empty() {
+        if self.ending.unsaved.is_empty() {
             return;
         }
         let save = self.to_save();
@@ -128,6 +125,7 @@ impl Manager {
     /// those written.
     fn to_save(&self) -> impl FnOnce(&mut Store) -> Vec<String> + Send + 'static {
         let todo: Vec<(SessionInfo, Arc<Report>)> = self
+            .ending
             .unsaved
             .iter()
             .filter_map(|(id, r)| Some((self.finished.get(id)?.clone(), r.clone())))
@@ -147,20 +145,20 @@ impl Manager {
 
     /// Reports the store took again.
     pub(super) fn saved(&mut self, ids: Vec<String>) {
-        self.saving = false;
+        self.ending.saving = false;
         for id in ids {
             tracing::info!(
                 id,
                 "report stored, now that the state database takes writes"
             );
-            self.unsaved.remove(&id);
+            self.ending.unsaved.remove(&id);
         }
     }
 
     /// Forgets a session that ended as it started: nothing of it is kept.
     pub(super) fn discard(&mut self, id: &str) {
         self.finished.remove(id);
-        self.unsaved.remove(id);
+        self.ending.unsaved.remove(id);
         self.exported.remove(id);
         self.remove_trace(id);
         let id = id.to_owned();

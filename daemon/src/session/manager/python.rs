@@ -6,12 +6,12 @@ use aya::maps::{MapData, RingBuf};
 use tracer_common::PyCodeEvent;
 use tracer_proto::target;
 
-use super::{exe_id, Command, Manager};
+use super::{exe_id, Done, Manager};
 use crate::{
     error::Error,
-    python::memory,
     session::python::{PySession, ToProbe, Unprobed},
 };
+use tracer_inspect::python::memory;
 
 /// When a session met a process whose interpreter it probes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -29,7 +29,7 @@ pub(super) enum Met {
     Unprobed,
 }
 
-/// A process whose check waits for its interpreter's probes (`Command::LateProbed`).
+/// A process whose check waits for its interpreter's probes (`Done::LateProbed`).
 #[derive(Clone, Debug)]
 pub(super) struct LateCheck {
     pub(super) session: String,
@@ -45,12 +45,12 @@ impl Manager {
         &mut self,
         pid: Option<u32>,
         launched: bool,
-        inproc: Result<(u8, crate::python::inproc::Counter), String>,
+        inproc: Result<(u8, tracer_inspect::python::inproc::Counter), String>,
         // Every process's: those that map an interpreter, found ahead.
         scanned: Option<Vec<FoundPython>>,
     ) -> Result<PySession, Error> {
         let mut py = PySession::default();
-        let way = |pid, way: &str, why: String| crate::report::CountedWay {
+        let way = |pid, way: &str, why: String| tracer_report::CountedWay {
             pid,
             way: way.into(),
             why,
@@ -138,7 +138,7 @@ impl Manager {
         // At exec, held (EXEC_HOLD): nothing has run yet. A `python3.X` that links libpython
         // has not mapped it yet; probing the file it will map counts its first call too.
         let needed = (met == Met::AtExec)
-            .then(|| crate::python::discover::libpython_needed(pid, &mapped.path))
+            .then(|| tracer_inspect::python::discover::libpython_needed(pid, &mapped.path))
             .flatten();
         if met != Met::AtStart && !self.probed_now(needed.as_deref().unwrap_or(&mapped.path)) {
             return false;
@@ -199,11 +199,11 @@ impl Manager {
             ToProbe::Waiting => false,
             ToProbe::Attach(job) => {
                 let attacher = self.bpf.python_attacher();
-                let tx = self.tx.clone();
+                let tx = self.done.clone();
                 tokio::task::spawn_blocking(move || {
                     let attached = job.run(&attacher);
                     // A manager gone (shutdown) drops the probes here, off its task.
-                    let _ = tx.blocking_send(Command::LateProbed(attached));
+                    let _ = tx.send(Done::LateProbed(attached));
                 });
                 false
             }
@@ -213,17 +213,17 @@ impl Manager {
     /// Checks again the processes whose interpreter was being probed off this task; a
     /// process held at its exec goes on once no session waits for it.
     pub(super) fn recheck_late(&mut self) {
-        let waited = std::mem::take(&mut self.late);
+        let waited = std::mem::take(&mut self.scans.late);
         for w in &waited {
             let met = match w.met {
                 Met::Late => Met::Unprobed,
                 met => met,
             };
-            // Waits again (kept in `late`) where that binary's probes are still on their way.
+            // Waits again (kept in `scans.late`) where that binary's probes are still on their way.
             self.check_session_process(&w.session, w.pid, met, None);
         }
         for w in waited.iter().filter(|w| w.met == Met::AtExec) {
-            if !self.late.iter().any(|l| l.pid == w.pid) {
+            if !self.scans.late.iter().any(|l| l.pid == w.pid) {
                 self.continue_held(w.pid);
             }
         }
@@ -254,7 +254,7 @@ impl Manager {
             tracing::error!(%e, "updating Python session masks");
         }
         self.update_exec_hold(python & !all, all);
-        if python == 0 && self.python_starts == 0 && self.python_waiting.is_empty() {
+        if python == 0 && self.starts.python_ahead == 0 && self.starts.python_waiting.is_empty() {
             self.py.detach_all();
         }
     }
@@ -265,7 +265,7 @@ impl Manager {
         if !ahead {
             return;
         }
-        self.python_starts = self.python_starts.saturating_sub(1);
+        self.starts.python_ahead = self.starts.python_ahead.saturating_sub(1);
         if failed {
             self.update_python_masks();
         }
@@ -294,7 +294,7 @@ impl Manager {
         slot: u8,
     ) -> Vec<(tracer_common::PyEdgeKey, tracer_common::PyCallStats)> {
         let slot = u32::from(slot);
-        crate::bpf::slot_entries(&mut self.bpf.py_edges, |k| k.slot == slot, true)
+        tracer_bpf::bpf::slot_entries(&mut self.bpf.py_edges, |k| k.slot == slot, true)
     }
 
     /// A session's Python counts in the kernel map, taken out of it with `take`.
@@ -304,7 +304,7 @@ impl Manager {
         take: bool,
     ) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
         let slot = u32::from(slot);
-        crate::bpf::slot_entries(&mut self.bpf.py_calls, |k| k.slot == slot, take)
+        tracer_bpf::bpf::slot_entries(&mut self.bpf.py_calls, |k| k.slot == slot, take)
             .into_iter()
             .map(|(k, n)| (k.pid, k.code, k.names, n))
             .collect()
@@ -332,7 +332,7 @@ impl Manager {
                 if let (Some(t), Some((q, f, line))) =
                     (s.measure.trace(), py.name(ev.pid, ev.code, ev.names))
                 {
-                    let function = crate::report::trace::TraceFunction {
+                    let function = tracer_report::trace::TraceFunction {
                         pid: ev.pid,
                         code: ev.code,
                         names: ev.names,
@@ -363,7 +363,7 @@ pub(crate) struct FoundPython {
 
 /// The processes that map a Python interpreter now.
 pub(super) fn python_processes() -> Vec<FoundPython> {
-    crate::process::pids()
+    tracer_inspect::process::pids()
         .into_iter()
         .filter_map(|pid| {
             let exe = exe_id(pid);

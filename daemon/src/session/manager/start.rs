@@ -12,13 +12,11 @@ use tracer_proto::{EndReason, Mode, SessionInfo, StartSessionRequest};
 use super::{
     ahead::{self, resolve_natives, Ahead},
     checks::{self, inproc_candidate, Asked},
-    new_id, persist, Command, Manager, Prepared, Reply, INPROC_WAIT, MAX_RUNNING,
+    new_id, persist, Done, Manager, Prepared, Reply, INPROC_WAIT, MAX_RUNNING,
 };
 use crate::{
     access::Caller,
     error::Error,
-    native::NativeTarget,
-    perf, process,
     session::{
         counting, cuda,
         modes::{CountingSession, Measurement, Opening, SamplingSession, TracingSession},
@@ -29,6 +27,9 @@ use crate::{
     },
     store::StoreError,
 };
+use tracer_bpf::perf;
+use tracer_inspect::native::NativeTarget;
+use tracer_inspect::process;
 
 /// Where a start's session runs, known once its slot is taken.
 #[derive(Clone, Copy)]
@@ -77,26 +78,27 @@ impl Manager {
             // hold up other requests: the attempt runs on a blocking thread and the start
             // comes back as StartPrepared.
             Some(pid) => {
-                let tx = self.tx.clone();
+                let tx = self.done.clone();
                 let id = new_id();
                 // Asked again before every request to run code in a process.
                 let who = caller.clone();
-                let may_trace: crate::python::inproc::MayTrace =
+                let may_trace: tracer_inspect::python::inproc::MayTrace =
                     std::sync::Arc::new(move |p| who.may_trace_pid(p).map_err(|e| e.to_string()));
                 tokio::task::spawn_blocking(move || {
-                    let counter = crate::python::inproc::start(pid, &id, INPROC_WAIT, may_trace);
+                    let counter =
+                        tracer_inspect::python::inproc::start(pid, &id, INPROC_WAIT, may_trace);
                     let prepared = Prepared { id, counter };
-                    let cmd = Command::StartPrepared {
+                    let cmd = Done::StartPrepared {
                         req,
                         caller,
                         reply,
                         ahead,
                         prepared,
                     };
-                    if let Err(mpsc::error::SendError(Command::StartPrepared {
+                    if let Err(mpsc::error::SendError(Done::StartPrepared {
                         prepared: Prepared { counter: Ok(c), .. },
                         ..
-                    })) = tx.blocking_send(cmd)
+                    })) = tx.send(cmd)
                     {
                         c.finish(&|p| p == pid);
                     }
@@ -142,7 +144,7 @@ impl Manager {
                     record,
                     reply,
                 };
-                self.cuda_starts.insert(id, answer);
+                self.starts.cuda_probing.insert(id, answer);
             }
             Ok((info, record)) => self.record(info, record, reply),
             Err(e) => {
@@ -156,11 +158,11 @@ impl Manager {
     /// the store's other writes, off this task: a large report being stored takes hundreds
     /// of ms.
     pub(super) fn record(&mut self, info: SessionInfo, record: String, reply: Reply<SessionInfo>) {
-        self.recording += 1;
-        let tx = self.tx.clone();
+        self.starts.recording += 1;
+        let tx = self.done.clone();
         self.writer.then(move |store| {
             let stored = store.put(&info, &record);
-            let _ = tx.blocking_send(Command::Recorded {
+            let _ = tx.send(Done::Recorded {
                 info,
                 stored,
                 reply,
@@ -177,7 +179,7 @@ impl Manager {
         stored: Result<(), StoreError>,
         reply: Reply<SessionInfo>,
     ) {
-        self.recording -= 1;
+        self.starts.recording -= 1;
         let answer = match stored {
             Ok(()) => Ok(info),
             Err(e) => {
@@ -433,12 +435,12 @@ impl Manager {
         let options = &asked.options;
         let (ended, _) = watch::channel(false);
         let expiry = (asked.duration_ms > 0).then(|| {
-            let tx = self.tx.clone();
+            let tx = self.done.clone();
             let id = id.clone();
             let after = Duration::from_millis(asked.duration_ms);
             tokio::spawn(async move {
                 tokio::time::sleep(after).await;
-                let _ = tx.send(Command::Expire { id }).await;
+                let _ = tx.send(Done::Expire { id });
             })
         });
         let cuda = slot.filter(|_| options.cuda).map(|slot| {
@@ -507,7 +509,7 @@ impl Manager {
             .filter_map(|s| s.native.as_ref())
             .map(NativeSession::probes)
             .sum::<usize>()
-            + self.attaching.get(&uid).copied().unwrap_or(0);
+            + self.starts.attaching.get(&uid).copied().unwrap_or(0);
         if !targets.is_empty() && held + targets.len() > limits.per_user {
             return Err(Error::ResourceExhausted(format!(
                 "uid {uid} holds {held} native probes in running sessions; {} more would pass the {} a user may hold (stop a session first)",

@@ -27,7 +27,7 @@ use super::{
     tracing::Tracing,
     ReportPart,
 };
-use crate::bpf::Bpf;
+use tracer_bpf::bpf::Bpf;
 
 /// A mode's own sources, from a session's start to its report.
 pub trait Measurement: Send {

@@ -7,13 +7,13 @@ use tracer_proto::{Mode, SessionInfo};
 
 use super::{Ends, Finished, Measurement, Opening};
 use crate::{
-    bpf::Bpf,
     continuous::{Endpoint, Running},
     error::Error,
-    process,
-    sampler::Sampler,
     session::sampling::Sampling,
 };
+use tracer_bpf::bpf::Bpf;
+use tracer_bpf::sampler::Sampler;
+use tracer_inspect::process;
 
 pub struct SamplingSession {
     sampler: Sampler,

@@ -8,14 +8,14 @@ use tracer_proto::{Mode, SessionInfo};
 use super::{Ends, Finished, Measurement, Opening, Threads};
 use crate::{
     error::Error,
-    process,
-    python::memory,
     session::{
         counting::Counting,
         trace_session::{self, TraceEnd, TraceSession},
         tracing::{push_local, Limits, Tracing},
     },
 };
+use tracer_inspect::process;
+use tracer_inspect::python::memory;
 
 pub struct TracingSession {
     counters: Counting,

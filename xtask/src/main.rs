@@ -42,6 +42,8 @@ enum Task {
     Demo,
     /// The whole test suite: formatting, lints, generated code, unit and end-to-end tests (needs root).
     Test,
+    /// Only the layout checks `test` starts with: crate layers, import circles, file sizes.
+    Layers,
     /// Benchmarks that print ratios measured side by side in one run (needs root and perf).
     Bench {
         #[arg(value_enum)]
@@ -57,6 +59,7 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::PyLayouts => py_layouts(),
         Task::Test => test(),
+        Task::Layers => layers::check(&root()),
         Task::Bench { which } => {
             build()?;
             bench::run(which)

@@ -166,12 +166,12 @@ pub struct Running {
 }
 
 impl Running {
-    /// Every `period`, takes `slot`'s window and queues it for the endpoint.
+    /// Every `period`, takes a window (`take`: the samples since the last one, named; it
+    /// may read binaries, so it runs on a blocking thread) and queues it for the endpoint.
     pub fn start(
         endpoint: Endpoint,
         period: Duration,
-        windows: crate::session::sampling::Windows,
-        slot: u8,
+        take: Arc<dyn Fn() -> Option<Profile> + Send + Sync>,
         session: String,
     ) -> Self {
         let pusher = Pusher::spawn(endpoint.clone());
@@ -183,14 +183,12 @@ impl Running {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                let (w, id, ep) = (windows.clone(), session.clone(), ep.clone());
-                // Naming may read binaries: off the async threads.
-                let body = tokio::task::spawn_blocking(move || {
-                    w.take(slot).and_then(|p| window(&ep, &p, &id))
-                })
-                .await
-                .ok()
-                .flatten();
+                let (take, id, ep) = (take.clone(), session.clone(), ep.clone());
+                let body =
+                    tokio::task::spawn_blocking(move || take().and_then(|p| window(&ep, &p, &id)))
+                        .await
+                        .ok()
+                        .flatten();
                 if let Some(b) = body {
                     p.push(b);
                 }

@@ -397,7 +397,7 @@ impl Manager {
         let mask = self
             .running
             .values()
-            .filter(|s| s.measure.trace().is_some())
+            .filter(|s| s.measure.records_calls())
             .filter_map(|s| s.slot)
             .fold(0u64, |m, slot| m | 1 << slot);
         if let Err(e) = self.bpf.set_tracing_sessions(mask) {
@@ -414,19 +414,12 @@ impl Manager {
 
     fn subscribe(&mut self, id: &str, caller: Caller) -> Result<Subscription, Error> {
         caller.may_read(self.owner(id)?, id)?;
-        let Some(t) = self.running.get(id).and_then(|s| s.measure.trace()) else {
-            return Err(Error::FailedPrecondition(format!(
-                "session {id} is not a running tracing session"
-            )));
-        };
-        let (events, next_seq) = super::tracing::locked(&t.spool).subscribe();
-        Ok(Subscription {
-            events,
-            next_seq,
-            names: t.names.clone(),
-            probes: t.probes.clone(),
-            counters: t.counters.snapshot(),
-        })
+        self.running
+            .get(id)
+            .and_then(|s| s.measure.subscribe())
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!("session {id} is not a running tracing session"))
+            })
     }
 
     fn release(&mut self, slot: Option<u8>) {
@@ -495,8 +488,8 @@ impl Manager {
     }
 
     /// What a mode's end uses of the kernel side.
-    fn ends(&mut self) -> super::modes::Ends<'_> {
-        super::modes::Ends {
+    fn ends(&mut self) -> super::Ends<'_> {
+        super::Ends {
             bpf: &mut self.bpf,
             sampling: &self.sampling,
             tracing: &self.tracing,

@@ -1,29 +1,37 @@
 //! Sessions: what one client asked to measure, from start to report.
 //!
 //! [`manager`] owns every session in one task; the gRPC service talks to it through a
-//! [`manager::Handle`]. A session's mode is a type of its own behind one interface
-//! ([`modes::Measurement`]); the probes any mode may count with (Python, native functions,
-//! CUDA launches) are the session's, each source in its own module.
+//! [`manager::Handle`]. A session's mode is a type of its own behind one interface,
+//! [`Measurement`] (one folder per mode): what a counting, sampling or tracing session
+//! measures with of its own (perf counters, the sampler, the trace), how each opens, what it
+//! says while it runs, and how it ends into its part of the report. The probes any mode may
+//! count with (Python, `--uprobe` functions, CUDA launches) are the session's, not the
+//! mode's: counting and tracing share them, so they stay on the session and end the same way
+//! whatever the mode.
 
 mod callers;
 pub mod counting;
 pub mod cuda;
 pub mod manager;
-pub mod modes;
 pub mod native;
 pub mod python;
+mod ring;
 pub mod sampling;
 pub mod slots;
-pub mod trace_session;
 pub mod tracing;
 
 use std::{collections::BTreeSet, time::Instant};
+
+use python::Probes;
+use sampling::Sampling;
+use slots::{Hold, Slots};
+use tracing::{TraceEnd, Tracing};
 
 use tokio::{sync::watch, task::JoinHandle};
 use tracer_common::loss;
 use tracer_proto::{EndReason, Loss, Mode, SessionInfo, SessionState, Target};
 
-use tracer_bpf::bpf;
+use tracer_bpf::bpf::{self, Bpf};
 use tracer_report as report;
 
 /// What one of a session's sources leaves once its last readings are taken at the session's
@@ -33,11 +41,110 @@ pub trait ReportPart: Send {
     fn fill(self: Box<Self>, report: &mut report::Report);
 }
 
+/// A mode's own sources, from a session's start to its report.
+pub trait Measurement: Send {
+    fn mode(&self) -> Mode;
+
+    /// Whether the probes write each call it sees as an event (the tracing mask), besides
+    /// counting it.
+    fn records_calls(&self) -> bool {
+        false
+    }
+
+    /// It runs from now (the session is in the manager's table): what started before is not
+    /// its own.
+    fn begin(&mut self) {}
+
+    /// Its part of the record stored while it runs (a trace's file, so that a killed
+    /// tracerd's trace is still found).
+    fn running_record(&self, _report: &mut report::Report) {}
+
+    /// Where GPU metrics go while it runs besides the report (a trace's counter tracks).
+    fn gpu_tracks(&self) -> Option<Box<dyn crate::gpu::Tracks>> {
+        None
+    }
+
+    /// A Python function its probes met, named: for events that need the name.
+    fn named(&self, _function: report::trace::TraceFunction) {}
+
+    /// A live view of what it measures from now on, where it has one (a trace's events).
+    fn subscribe(&self) -> Option<tracing::Subscription> {
+        None
+    }
+
+    /// Whether its counts are shown on the Prometheus endpoint while it runs.
+    fn exports_prometheus(&self) -> bool {
+        false
+    }
+
+    /// Readings due on the manager's timer (all of them: `force`).
+    fn tick(&mut self, _force: bool) {}
+
+    /// What it has measured so far, and its own losses, into `info`.
+    fn collect(&mut self, info: &mut SessionInfo);
+
+    /// Stops measuring at the session's end, before its final state is read: `threads` are
+    /// those whose Python calls may still be running.
+    fn stop(&mut self, _end: &mut Ends<'_>, _threads: Threads<'_>) {}
+
+    /// Its last readings, and what it leaves to name off the manager's task.
+    fn finish(self: Box<Self>, end: &mut Ends<'_>) -> Finished;
+}
+
+/// Where a mode opens its sources: the session, its slot, its target (None: every process)
+/// and its owner.
+pub struct Opening<'a> {
+    pub id: &'a str,
+    pub slot: u8,
+    pub pid: Option<u32>,
+    pub owner_uid: u32,
+}
+
+/// What an ended mode leaves for its report.
+#[derive(Default)]
+pub struct Finished {
+    /// Its profile, named later.
+    pub profile: Option<Box<dyn ReportPart>>,
+    /// A trace still to close.
+    pub trace: Option<TraceEnd>,
+    /// Pushes the last window of the profile.
+    pub continuous: Option<crate::continuous::Running>,
+}
+
+/// Threads whose Python calls may still run at a session's end.
+pub enum Threads<'a> {
+    /// The session counts no Python calls.
+    None,
+    /// Every thread of these processes.
+    Of(&'a BTreeSet<u32>),
+    /// Every thread the probes saw in a Python frame (system-wide sessions).
+    InPython,
+}
+
+/// What a mode's end uses of the manager's kernel side, borrowed for that end.
+pub struct Ends<'a> {
+    pub bpf: &'a mut Bpf,
+    pub sampling: &'a Sampling,
+    pub tracing: &'a Tracing,
+    pub py: &'a Probes,
+    pub slots: &'a mut Slots,
+    /// Where a [`Hold`] says it let go.
+    pub counts_read: &'a tokio::sync::mpsc::UnboundedSender<u8>,
+}
+
+impl Ends<'_> {
+    /// Keeps `slot` taken until the hold is dropped.
+    pub fn hold(&mut self, slot: u8) -> Hold {
+        self.slots.hold(slot);
+        Hold::new(slot, self.counts_read.clone())
+    }
+}
+
 /// A running session.
 struct Session {
     id: String,
     /// What its mode measures with of its own.
-    measure: Box<dyn modes::Measurement>,
+    measure: Box<dyn Measurement>,
     target: Target,
     duration_ms: u64,
     owner_uid: u32,

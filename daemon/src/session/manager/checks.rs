@@ -9,7 +9,10 @@ use super::{counts_python, MAX_DURATION_MS};
 use crate::{
     access::Caller,
     error::Error,
-    session::{counting, trace_session, tracing::Limits},
+    session::{
+        counting,
+        tracing::{self, Limits},
+    },
 };
 use tracer_bpf::perf::{self, EventSpec};
 use tracer_inspect::process;
@@ -160,7 +163,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
                     "trace buffer, file and counter period options are for tracing sessions (--mode=tracing)".into(),
                 ))
             }
-            (o, true) => Some(trace_session::limits(&o.unwrap_or_default())?),
+            (o, true) => Some(tracing::limits(&o.unwrap_or_default())?),
             _ => None,
         };
     let duration_ms = match req.duration_ms {

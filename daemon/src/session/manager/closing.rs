@@ -9,12 +9,11 @@
 use super::*;
 use crate::{
     session::{
-        modes::{Finished, Threads},
         native::NativeEnd,
         python::{FinalCounts, PythonEnd},
         slots::LastCounts,
-        trace_session::TraceEnd,
-        ReportPart,
+        tracing::TraceEnd,
+        Finished, ReportPart, Threads,
     },
     store::{writer::Writer, StoreError},
 };
@@ -140,7 +139,7 @@ impl Manager {
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
-        if s.measure.trace().is_some() {
+        if s.measure.records_calls() {
             // `s` has left `running`: its bit goes.
             self.update_trace_masks();
         }

@@ -8,6 +8,7 @@ use super::{
     ahead::{self, Ahead},
     closing,
 };
+pub use crate::session::tracing::Subscription;
 use crate::{access::Caller, error::Error, store::StoreError};
 use tracer_report::Report;
 
@@ -228,16 +229,6 @@ impl Handle {
             let _ = rx.await;
         }
     }
-}
-
-/// What a live watcher of a tracing session needs: its events, and their names.
-pub struct Subscription {
-    pub events: tokio::sync::broadcast::Receiver<std::sync::Arc<crate::session::tracing::Batch>>,
-    /// Number of the first event the receiver will see.
-    pub next_seq: u64,
-    pub names: crate::session::trace_session::Names,
-    pub probes: std::sync::Arc<Vec<String>>,
-    pub counters: Vec<tracer_report::trace::TraceCounter>,
 }
 
 /// A report as the manager hands it out: the one in memory, or the stored JSON, which the

@@ -6,7 +6,7 @@ use std::{collections::HashMap, path::Path, sync::Arc};
 
 use tracer_proto::{EndReason, SessionInfo, SessionState};
 
-use super::{super::build_report, super::trace_session::TraceSession, Done, Manager};
+use super::{super::build_report, super::Measurement, Done, Manager};
 use crate::{error::Error, store::Store};
 use tracer_report::{trace::RECORD, Report};
 
@@ -14,16 +14,9 @@ use tracer_report::{trace::RECORD, Report};
 const DIED: &str = "daemon died";
 
 /// The report stored with a session as it starts: what a daemon killed before its end leaves.
-pub(super) fn running_report(info: &SessionInfo, trace: Option<&TraceSession>) -> String {
+pub(super) fn running_report(info: &SessionInfo, measure: &dyn Measurement) -> String {
     let mut report = build_report(info, 0, None);
-    report.trace = trace.map(|t| tracer_report::trace::Trace {
-        file: t.file.clone(),
-        start_ns: t.start_ns,
-        end_ns: t.start_ns,
-        start_unix_ns: t.start_unix_ns,
-        probes: t.probes.to_vec(),
-        ..Default::default()
-    });
+    measure.running_record(&mut report);
     report.to_json()
 }
 

@@ -329,9 +329,7 @@ impl Manager {
             };
             if let Some(py) = s.python.as_mut() {
                 py.on_code(&ev, &self.py);
-                if let (Some(t), Some((q, f, line))) =
-                    (s.measure.trace(), py.name(ev.pid, ev.code, ev.names))
-                {
+                if let Some((q, f, line)) = py.name(ev.pid, ev.code, ev.names) {
                     let function = tracer_report::trace::TraceFunction {
                         pid: ev.pid,
                         code: ev.code,
@@ -340,10 +338,7 @@ impl Manager {
                         filename: f.to_owned(),
                         firstlineno: line,
                     };
-                    t.names
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert((ev.pid, ev.code, ev.names), function);
+                    s.measure.named(function);
                 }
             }
         }

@@ -18,12 +18,13 @@ use crate::{
     access::Caller,
     error::Error,
     session::{
-        counting, cuda,
-        modes::{CountingSession, Measurement, Opening, SamplingSession, TracingSession},
+        counting::{self, CountingSession},
+        cuda,
         native::NativeSession,
         python::PySession,
-        trace_session::TraceSession,
-        Session,
+        sampling::SamplingSession,
+        tracing::TracingSession,
+        Measurement, Opening, Session,
     },
     store::StoreError,
 };
@@ -268,9 +269,9 @@ impl Manager {
             }
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
-        let (cuda, trace_mode) = (session.cuda.is_some(), session.measure.trace().is_some());
+        let (cuda, records_calls) = (session.cuda.is_some(), session.measure.records_calls());
         let info = session.info(&loss_base);
-        let record = persist::running_report(&info, session.measure.trace());
+        let record = persist::running_report(&info, session.measure.as_ref());
         let target = session.target;
         self.running.insert(id.clone(), session);
         tracing::info!(id, target = %crate::session::target_label(Some(&target)), uid = owner_uid, by = %caller.describe(), "session started");
@@ -279,17 +280,11 @@ impl Manager {
             self.update_cuda_masks();
             self.look_for_cuda(true, cuda_pids.as_deref());
         }
-        if trace_mode {
+        if records_calls {
             self.update_trace_masks();
-            if let Some(t) = self
-                .running
-                .get_mut(&id)
-                .and_then(|s| s.measure.trace_mut())
-            {
-                // Calls that started before this are not the session's own.
-                t.start_ns = crate::clock::monotonic_ns();
-            }
-            self.read_trace_counters(true);
+        }
+        if let Some(s) = self.running.get_mut(&id) {
+            s.measure.begin();
         }
         Ok((info, record))
     }
@@ -456,7 +451,7 @@ impl Manager {
                     driver_only: options.cuda_driver_only,
                 },
                 period,
-                measure.trace().map(TraceSession::gpu_tracks),
+                measure.gpu_tracks(),
             )
         });
         Session {

@@ -5,15 +5,28 @@ use std::time::Duration;
 
 use tracer_proto::{Mode, SessionInfo};
 
-use super::{Ends, Finished, Measurement, Opening, Threads};
-use crate::{
-    error::Error,
-    session::{
-        counting::Counting,
-        trace_session::{self, TraceEnd, TraceSession},
-        tracing::{push_local, Limits, Tracing},
-    },
+mod spool;
+mod trace;
+
+pub use spool::{file_name, locked, push_local, Batch, Closer, Limits, Spool, Tracing};
+pub use trace::{
+    limits, Counters, NameReader, Names, TraceEnd, TraceSession, DEFAULT_BUFFER_MB,
+    DEFAULT_COUNTER_INTERVAL_MS, DEFAULT_FILE_MB, MAX_BUFFER_MB,
 };
+
+use super::{counting::Counting, Ends, Finished, Measurement, Opening, Threads};
+use crate::error::Error;
+
+/// What a live watcher of a tracing session needs: its events, and their names.
+pub struct Subscription {
+    pub events: tokio::sync::broadcast::Receiver<std::sync::Arc<Batch>>,
+    /// Number of the first event the receiver will see.
+    pub next_seq: u64,
+    pub names: Names,
+    pub probes: std::sync::Arc<Vec<String>>,
+    pub counters: Vec<tracer_report::trace::TraceCounter>,
+}
+
 use tracer_inspect::process;
 use tracer_inspect::python::memory;
 
@@ -52,12 +65,51 @@ impl Measurement for TracingSession {
         Mode::Tracing
     }
 
-    fn trace(&self) -> Option<&TraceSession> {
-        Some(&self.trace)
+    fn records_calls(&self) -> bool {
+        true
     }
 
-    fn trace_mut(&mut self) -> Option<&mut TraceSession> {
-        Some(&mut self.trace)
+    /// Calls that started before this are not the session's own; the counters' first
+    /// reading.
+    fn begin(&mut self) {
+        self.trace.start_ns = crate::clock::monotonic_ns();
+        self.tick(true);
+    }
+
+    fn running_record(&self, report: &mut tracer_report::Report) {
+        let t = &self.trace;
+        report.trace = Some(tracer_report::trace::Trace {
+            file: t.file.clone(),
+            start_ns: t.start_ns,
+            end_ns: t.start_ns,
+            start_unix_ns: t.start_unix_ns,
+            probes: t.probes.to_vec(),
+            ..Default::default()
+        });
+    }
+
+    fn gpu_tracks(&self) -> Option<Box<dyn crate::gpu::Tracks>> {
+        Some(self.trace.gpu_tracks())
+    }
+
+    fn named(&self, function: tracer_report::trace::TraceFunction) {
+        self.trace
+            .names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((function.pid, function.code, function.names), function);
+    }
+
+    fn subscribe(&self) -> Option<Subscription> {
+        let t = &self.trace;
+        let (events, next_seq) = locked(&t.spool).subscribe();
+        Some(Subscription {
+            events,
+            next_seq,
+            names: t.names.clone(),
+            probes: t.probes.clone(),
+            counters: t.counters.snapshot(),
+        })
     }
 
     /// The counters' readings, once their period has come.
@@ -103,7 +155,7 @@ impl Measurement for TracingSession {
         let mut events = Vec::new();
         for (pid, tid) in threads {
             if let Ok(stack) = end.bpf.py_stacks.get(&tid, 0) {
-                events.extend(trace_session::unfinished(pid, tid, &stack, end_ns));
+                events.extend(trace::unfinished(pid, tid, &stack, end_ns));
             }
         }
         push_local(&self.trace.spool, &events);

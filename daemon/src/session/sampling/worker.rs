@@ -7,11 +7,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     os::unix::fs::MetadataExt,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
-    thread,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -36,6 +32,7 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 /// Interpreter binaries whose layout is kept at most.
 const MAX_RUNTIMES: usize = 64;
 
+use super::super::ring::{lock, RingWorker};
 use tracer_bpf::bpf::SamplingMaps;
 
 /// One session's histogram.
@@ -69,9 +66,10 @@ struct State {
 }
 
 pub struct Sampling {
+    /// The worker's state, shared.
     state: Arc<Mutex<State>>,
-    stop: Arc<AtomicBool>,
-    worker: Option<thread::JoinHandle<()>>,
+    /// Stopped and joined when the manager drops it.
+    _worker: RingWorker<State>,
 }
 
 /// An ended session's samples, to be named where waiting is fine ([`Ending::name`]): reading
@@ -96,7 +94,7 @@ impl Ending {
     }
 }
 
-impl super::ReportPart for Ending {
+impl super::super::ReportPart for Ending {
     fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         report.profile = Some(self.name());
     }
@@ -155,7 +153,8 @@ impl Sampling {
     /// `interpreters`: the Python runtime binaries on this machine, read ahead so that the
     /// first samples of a short-lived process already find its interpreter known.
     pub fn spawn(maps: SamplingMaps, interpreters: Vec<std::path::PathBuf>) -> Self {
-        let state = Arc::new(Mutex::new(State {
+        let fd = maps.samples.as_raw_fd();
+        let mut state = State {
             maps,
             resolver: Resolver::new(),
             sessions: HashMap::new(),
@@ -163,47 +162,16 @@ impl Sampling {
             runtimes: HashMap::new(),
             kernel_stacks: HashMap::new(),
             naming: 0,
-        }));
+        };
         let started = Instant::now();
         for path in &interpreters {
-            lock(&state).runtime(path);
+            state.runtime(path);
         }
         tracing::debug!(elapsed = ?started.elapsed(), "interpreters read for sampling");
-        let stop = Arc::new(AtomicBool::new(false));
-        let worker = {
-            let (state, stop) = (state.clone(), stop.clone());
-            thread::Builder::new()
-                .name("tracer-sampling".into())
-                .spawn(move || {
-                    let fd = lock(&state).maps.samples.as_raw_fd();
-                    while !stop.load(Ordering::Relaxed) {
-                        // Woken by the first sample: short-lived processes must be read
-                        // (maps, code objects) while they still exist.
-                        let mut pfd = libc::pollfd {
-                            fd,
-                            events: libc::POLLIN,
-                            revents: 0,
-                        };
-                        // SAFETY: one valid pollfd; the ring buffer's fd outlives the loop.
-                        unsafe { libc::poll(&mut pfd, 1, DRAIN_EVERY.as_millis() as i32) };
-                        // A bug met by one sample must not stop sampling for good.
-                        let drained =
-                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                lock(&state).drain()
-                            }));
-                        if drained.is_err() {
-                            tracing::error!(
-                                "the sampling worker hit a bug; samples in flight were dropped"
-                            );
-                        }
-                    }
-                })
-                .expect("spawning the sampling worker")
-        };
+        let worker = RingWorker::spawn("tracer-sampling", fd, DRAIN_EVERY, state, State::drain);
         Self {
-            state,
-            stop,
-            worker: Some(worker),
+            state: worker.state().clone(),
+            _worker: worker,
         }
     }
 
@@ -280,15 +248,6 @@ impl Sampling {
         st.drain();
         st.versions.remove(&pid);
         st.resolver.forget(pid);
-    }
-}
-
-impl Drop for Sampling {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
     }
 }
 
@@ -596,13 +555,6 @@ impl State {
             unwinding,
         }
     }
-}
-
-/// The state, also after a panic elsewhere left the lock poisoned.
-fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    state
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 enum Lookup {

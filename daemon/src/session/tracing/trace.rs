@@ -10,7 +10,7 @@ use std::{
 use tracer_common::{trace_kind, TraceEvent, PY_STACK_DEPTH, TRACE_UNFINISHED};
 use tracer_proto::{counter, Counter, Loss, SessionInfo, TracingOptions};
 
-use super::tracing::{self as worker, Limits, Spool};
+use super::spool::{self as worker, Limits, Spool};
 use crate::{clock::monotonic_ns, error::Error};
 use tracer_report::trace::{Trace, TraceCounter, TraceFunction, TraceThread};
 
@@ -272,7 +272,7 @@ pub struct TraceEnd {
     pub name: NameReader,
     /// Stops the spool; the slot is held until then.
     pub closer: worker::Closer,
-    pub hold: super::slots::Hold,
+    pub hold: super::super::slots::Hold,
 }
 
 impl TraceEnd {
@@ -330,7 +330,7 @@ pub fn unfinished(
 
 /// A trace's counter tracks for GPU readings: each becomes a COUNTER event.
 struct GpuTracks {
-    spool: Arc<std::sync::Mutex<super::tracing::Spool>>,
+    spool: Arc<std::sync::Mutex<Spool>>,
     counters: Counters,
     /// The pid the tracks are shown under (the target, or 0 for the machine).
     pid: u32,
@@ -353,6 +353,6 @@ impl crate::gpu::Tracks for GpuTracks {
                 ..Default::default()
             })
             .collect();
-        super::tracing::push_local(&self.spool, &events);
+        worker::push_local(&self.spool, &events);
     }
 }

@@ -2,8 +2,11 @@
 
 use tracer_proto::{Mode, SessionInfo};
 
+mod counters;
+
+pub use counters::{resolve, Counting};
+
 use super::{Ends, Finished, Measurement};
-use crate::session::counting::Counting;
 
 pub struct CountingSession {
     counters: Counting,

@@ -5,11 +5,14 @@ use std::{os::fd::AsFd, sync::atomic::Ordering, time::Duration};
 
 use tracer_proto::{Mode, SessionInfo};
 
+mod worker;
+
+pub use worker::{Ending, Sampling, Windows};
+
 use super::{Ends, Finished, Measurement, Opening};
 use crate::{
     continuous::{Endpoint, Running},
     error::Error,
-    session::sampling::Sampling,
 };
 use tracer_bpf::bpf::Bpf;
 use tracer_bpf::sampler::Sampler;
@@ -42,11 +45,11 @@ impl SamplingSession {
             process::kernel_addresses_for(at.owner_uid),
         );
         let continuous = push.map(|(endpoint, period)| {
+            let (windows, slot) = (sampling.windows(), at.slot);
             Running::start(
                 endpoint,
                 period,
-                sampling.windows(),
-                at.slot,
+                std::sync::Arc::new(move || windows.take(slot)),
                 at.id.to_owned(),
             )
         });

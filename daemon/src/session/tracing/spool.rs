@@ -11,7 +11,7 @@ use std::{
     os::fd::AsRawFd,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex, MutexGuard,
     },
     thread,
@@ -31,6 +31,7 @@ const BATCH: usize = 4096;
 /// misses some.
 const WATCH_BACKLOG: usize = 64;
 
+use super::super::ring::{lock, RingWorker};
 use tracer_bpf::bpf::TracingMaps;
 
 /// Limits of one session's storage.
@@ -310,51 +311,30 @@ struct State {
 const DROPS_EVERY: Duration = Duration::from_millis(200);
 
 pub struct Tracing {
+    /// The worker's state, shared.
     state: Arc<Mutex<State>>,
     dir: PathBuf,
-    stop: Arc<AtomicBool>,
-    worker: Option<thread::JoinHandle<()>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock leaves plain data behind; keep going with it.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Stopped and joined when the manager drops it.
+    _worker: RingWorker<State>,
 }
 
 impl Tracing {
     /// `dir`: where trace files go (created if needed).
     pub fn spawn(maps: TracingMaps, dir: PathBuf) -> Self {
         let fd = maps.events.as_raw_fd();
-        let state = Arc::new(Mutex::new(State {
+        let state = State {
             maps,
             sessions: HashMap::new(),
             pending: HashMap::new(),
             drops_read: std::time::Instant::now(),
-        }));
-        let stop = Arc::new(AtomicBool::new(false));
-        let worker = {
-            let (state, stop) = (state.clone(), stop.clone());
-            thread::Builder::new()
-                .name("tracer-tracing".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let mut pfd = libc::pollfd {
-                            fd,
-                            events: libc::POLLIN,
-                            revents: 0,
-                        };
-                        // SAFETY: one valid pollfd; the ring buffer's fd outlives the loop.
-                        unsafe { libc::poll(&mut pfd, 1, DRAIN_EVERY.as_millis() as i32) };
-                        lock(&state).drain(false);
-                    }
-                })
-                .expect("spawning the tracing worker")
         };
+        let worker = RingWorker::spawn("tracer-tracing", fd, DRAIN_EVERY, state, |st| {
+            st.drain(false)
+        });
         Self {
-            state,
+            state: worker.state().clone(),
             dir,
-            stop,
-            worker: Some(worker),
+            _worker: worker,
         }
     }
 
@@ -412,15 +392,6 @@ impl Closer {
 /// A trace file's name in the traces directory.
 pub fn file_name(id: &str) -> String {
     format!("{id}.events")
-}
-
-impl Drop for Tracing {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-    }
 }
 
 impl State {

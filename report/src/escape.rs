@@ -9,14 +9,19 @@ use std::{borrow::Cow, fmt::Write as _};
 
 /// `name` with each control character written as a visible escape: `\n`, `\r`, `\t`;
 /// `\xNN` for the rest of C0 (0x00-0x1f) and DEL; `\u{NN}` for C1 (U+0080-U+009F), which
-/// UTF-8 spells in two bytes, so `\x9b` would misname it as one.
+/// UTF-8 spells in two bytes, so `\x9b` would misname it as one; and `\u{NNNN}` for the
+/// formatting characters that reorder or break what a terminal shows ([`reorders`]): a
+/// name holding U+202E would print its tail, and the columns after it, right to left.
 ///
 /// A backslash is doubled only where what follows it would otherwise read as one of these
 /// escapes (`\\`, `x`, `u`, `n`, `r`, `t`, or an escaped control), so that a name spelling
 /// `\x1b` itself cannot pass for one holding ESC, while a path like `a\b` reads as it is.
 /// Borrows `name` when nothing needs escaping.
 pub fn escape_controls(name: &str) -> Cow<'_, str> {
-    if !name.chars().any(|c| c.is_control() || c == '\\') {
+    if !name
+        .chars()
+        .any(|c| c.is_control() || reorders(c) || c == '\\')
+    {
         return Cow::Borrowed(name);
     }
     let mut out = String::with_capacity(name.len() + 8);
@@ -29,7 +34,7 @@ pub fn escape_controls(name: &str) -> Cow<'_, str> {
             '\\' => {
                 let next = chars.peek().copied();
                 let ambiguous = next.is_some_and(|n| {
-                    n.is_control() || matches!(n, '\\' | 'x' | 'u' | 'n' | 'r' | 't')
+                    n.is_control() || reorders(n) || matches!(n, '\\' | 'x' | 'u' | 'n' | 'r' | 't')
                 });
                 out.push_str(if ambiguous { "\\\\" } else { "\\" });
             }
@@ -37,13 +42,23 @@ pub fn escape_controls(name: &str) -> Cow<'_, str> {
             c if c.is_control() && c.is_ascii() => {
                 let _ = write!(out, "\\x{:02x}", u32::from(c));
             }
-            c if c.is_control() => {
+            c if c.is_control() || reorders(c) => {
                 let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
             }
             c => out.push(c),
         }
     }
     Cow::Owned(out)
+}
+
+/// Bidirectional formatting characters (embeddings, overrides, isolates, marks) and the
+/// line and paragraph separators: invisible, they move or split the text around them.
+pub fn reorders(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+            | '\u{2028}' | '\u{2029}'
+    )
 }
 
 #[cfg(test)]
@@ -73,6 +88,26 @@ mod tests {
         assert_eq!(escape_controls(" ~\u{a0}é"), " ~\u{a0}é");
         let escaped = escape_controls("x\x1b\n\u{9b}\x7fy");
         assert!(!escaped.chars().any(char::is_control), "{escaped:?}");
+    }
+
+    #[test]
+    fn characters_that_reorder_text_become_visible_escapes() {
+        // "Trojan Source": an override that would print `gpj.exe` as `exe.jpg`.
+        assert_eq!(
+            escape_controls("evil\u{202e}gpj.exe"),
+            "evil\\u{202e}gpj.exe"
+        );
+        assert_eq!(
+            escape_controls("\u{2066}a\u{2069}\u{200f}\u{61c}\u{2028}"),
+            "\\u{2066}a\\u{2069}\\u{200f}\\u{61c}\\u{2028}"
+        );
+        assert_eq!(escape_controls("\\u{202e}"), "\\\\u{202e}");
+        // Neighbours that only look alike stay as they are.
+        assert_eq!(
+            escape_controls("\u{2010}\u{2030}\u{2065}"),
+            "\u{2010}\u{2030}\u{2065}"
+        );
+        assert_eq!(unescape(&escape_controls("a\\\u{202e}b")), "a\\\u{202e}b");
     }
 
     #[test]

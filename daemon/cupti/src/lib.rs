@@ -15,7 +15,7 @@ use std::{
     cell::UnsafeCell,
     ffi::{c_char, c_int, c_void},
     sync::{
-        atomic::{AtomicI32, AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering},
         OnceLock,
     },
     time::Duration,
@@ -111,6 +111,15 @@ static KERNELS: AtomicU64 = AtomicU64::new(0);
 /// CLOCK_MONOTONIC minus CUPTI's clock, ns.
 static CLOCK_OFFSET: AtomicI64 = AtomicI64::new(0);
 static CUPTI: OnceLock<Cupti> = OnceLock::new();
+/// Held by whoever asks CUPTI to flush: the exit handler waits for a periodic flush under
+/// way, whose buffers are handed over on the flushing thread, before its own.
+static FLUSHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Set by the exit handler: the periodic flush starts no more.
+static EXITING: AtomicBool = AtomicBool::new(false);
+/// Buffers being handed over now, on any thread (CUPTI's own included).
+static COMPLETING: AtomicU64 = AtomicU64::new(0);
+/// How long the exit handler waits for buffers other threads are handing over.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
 /// The process that set CUPTI up: a child forked from it inherits the exit handler but not
 /// CUPTI's threads, and must not call into CUPTI.
 static OWNER: AtomicI32 = AtomicI32::new(0);
@@ -157,6 +166,10 @@ fn start() -> Result<String, String> {
         .name("tracer-cupti".into())
         .spawn(|| loop {
             std::thread::sleep(FLUSH_EVERY);
+            let _held = FLUSHING.lock().unwrap_or_else(|e| e.into_inner());
+            if EXITING.load(Ordering::SeqCst) {
+                return;
+            }
             if let Some(c) = CUPTI.get() {
                 c.flush(false);
             }
@@ -180,7 +193,24 @@ extern "C" fn flush_at_exit() {
         return;
     }
     if let Some(c) = CUPTI.get() {
+        // A buffer another thread is handing over when the process exits would be lost
+        // half-way, with the process: the exit waits for it (bounded: a stuck flush must not
+        // hold the program's exit for long).
+        EXITING.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + EXIT_WAIT;
+        let held = loop {
+            match FLUSHING.try_lock() {
+                Ok(g) => break Some(g),
+                Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+                Err(_) if std::time::Instant::now() >= deadline => break None,
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        };
         c.flush(true);
+        drop(held);
+        while COMPLETING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
     let (kernels, dropped) = counts();
     let line = format!(
@@ -238,6 +268,7 @@ extern "C" fn buffer_completed(
     _size: usize,
     valid: usize,
 ) {
+    COMPLETING.fetch_add(1, Ordering::SeqCst);
     if let Some(c) = CUPTI.get() {
         // The wall clock may have been stepped since the last buffer.
         let offset = clock_offset(c);
@@ -256,6 +287,7 @@ extern "C" fn buffer_completed(
     }
     // SAFETY: allocated by `buffer_requested`.
     unsafe { libc::free(buffer.cast()) };
+    COMPLETING.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// The counts so far: kernel records handed over, records dropped.

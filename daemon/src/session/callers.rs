@@ -80,6 +80,11 @@ impl Callers {
         let path = tracer_inspect::process::mapped_path(pid, m)
             .map_err(|e| tracing::debug!(%e, "launching binary not reachable"))
             .ok()?;
+        // Code is mapped from regular files; opening anything else (a device node) as root
+        // could do more than read it.
+        if !std::fs::metadata(&path).is_ok_and(|meta| meta.is_file()) {
+            return None;
+        }
         let b = self.binaries.len();
         self.binaries
             .push((m.path.clone(), File::open(&path).ok()?));

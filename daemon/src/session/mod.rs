@@ -64,8 +64,9 @@ pub trait Measurement: Send {
         None
     }
 
-    /// A Python function its probes met, named: for events that need the name.
-    fn named(&self, _function: report::trace::TraceFunction) {}
+    /// A Python function its probes met, `(pid, code, names)`, named `(qualname, filename,
+    /// first line)`: for events that need the name. Borrowed: most modes keep nothing.
+    fn named(&self, _key: (u32, u64, u64), _name: (&str, &str, i32)) {}
 
     /// A live view of what it measures from now on, where it has one (a trace's events).
     fn subscribe(&self) -> Option<tracing::Subscription> {

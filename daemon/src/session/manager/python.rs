@@ -329,16 +329,8 @@ impl Manager {
             };
             if let Some(py) = s.python.as_mut() {
                 py.on_code(&ev, &self.py);
-                if let Some((q, f, line)) = py.name(ev.pid, ev.code, ev.names) {
-                    let function = tracer_report::trace::TraceFunction {
-                        pid: ev.pid,
-                        code: ev.code,
-                        names: ev.names,
-                        qualname: q.to_owned(),
-                        filename: f.to_owned(),
-                        firstlineno: line,
-                    };
-                    s.measure.named(function);
+                if let Some(name) = py.name(ev.pid, ev.code, ev.names) {
+                    s.measure.named((ev.pid, ev.code, ev.names), name);
                 }
             }
         }

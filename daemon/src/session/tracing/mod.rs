@@ -92,12 +92,20 @@ impl Measurement for TracingSession {
         Some(self.trace.gpu_tracks())
     }
 
-    fn named(&self, function: tracer_report::trace::TraceFunction) {
+    fn named(&self, (pid, code, names): (u32, u64, u64), (q, f, line): (&str, &str, i32)) {
+        let function = tracer_report::trace::TraceFunction {
+            pid,
+            code,
+            names,
+            qualname: q.to_owned(),
+            filename: f.to_owned(),
+            firstlineno: line,
+        };
         self.trace
             .names
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert((function.pid, function.code, function.names), function);
+            .insert((pid, code, names), function);
     }
 
     fn subscribe(&self) -> Option<Subscription> {

@@ -297,6 +297,19 @@ impl Bpf {
             .map_err(map_err("PY_INPROC"))
     }
 
+    /// Unmarks `pid` for `slot` (its counter could not start: the probes count it now).
+    pub fn unset_inproc(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
+        let mask = self.py_inproc.get(&pid, 0).unwrap_or(0) & !(1 << slot);
+        if mask == 0 {
+            let _ = self.py_inproc.remove(&pid);
+            Ok(())
+        } else {
+            self.py_inproc
+                .insert(pid, mask, 0)
+                .map_err(map_err("PY_INPROC"))
+        }
+    }
+
     /// Forgets `slot` everywhere in `PY_INPROC` (its session ended).
     pub fn clear_inproc(&mut self, slot: u8) {
         let pids: Vec<(u32, SessionMask)> = self

@@ -447,12 +447,92 @@ fn a_counts_file_shrunk_by_its_process_does_not_harm_tracerd() {
     assert!(d.ok(&["list"]).contains(&id), "tracerd still serves");
 }
 
-/// A process whose only thread sits in native code (`time.sleep`) takes no request until it
-/// wakes: tracerd answers other requests meanwhile, counts it with uprobes after its wait,
-/// saying why, and the start script the process runs when it wakes finds the session gave
-/// up on it and deletes its files.
+/// A program whose every thread sits in native code when the session starts: the worker in
+/// `read` on a pipe, the main thread on a futex (`Event.wait`), a signal handler installed.
+/// `GATED_TOOLS=1` takes sys.monitoring's tool ids 3 and 4 first. It prints `ready` and
+/// nothing after; it exits 0 only if its own checks hold.
+const BLOCKED: &str = r#"import os, signal, sys, threading, time
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+if os.environ.get("GATED_TOOLS") == "1":
+    sys.monitoring.use_tool_id(3, "gate-a")
+    sys.monitoring.use_tool_id(4, "gate-b")
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append("usr1"))
+done = threading.Event()
+def worker():
+    got.append(sys.stdin.buffer.readline())
+    time.sleep(float(os.environ.get("GATED_PAUSE", "0")))
+    fib(15)
+    done.set()
+t = threading.Thread(target=worker)
+t.start()
+print("ready", flush=True)
+done.wait()
+t.join()
+fib(10)
+sys.exit(0 if got == [b"go\n"] else 3)
+"#;
+
+/// Starts a session on a BLOCKED program: it is answered while the program still waits for
+/// its line (nothing holds the start until a safe point comes); then the line goes.
+fn start_blocked(d: &Daemon, py: &Path, env: &[(&str, &str)]) -> (ChildGuard, String, String) {
+    let file = d.dir.path().join("blocked.py");
+    std::fs::write(&file, BLOCKED).unwrap();
+    let child = ChildGuard::spawn_ready(
+        Command::new(py)
+            .arg(&file)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let pid = child.pid().to_string();
+    let id = start(d, &pid, &[]);
+    let info = d.ok(&["status", &id]);
+    assert!(!info.contains("target exited"), "{info}");
+    (child, pid, id)
+}
+
+/// Sends a BLOCKED program its line.
+fn go(child: &mut ChildGuard) {
+    let mut stdin = child.0.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, b"go\n").unwrap();
+}
+
+/// Every thread in native code at the start: counted in-process all the same, from the first
+/// safe point a thread reaches, every call of both threads, and the program sees nothing.
 #[test]
-fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
+fn a_process_blocked_in_native_code_is_counted_in_process_from_its_first_safe_point() {
+    if !root_or_skip() {
+        return;
+    }
+    for py in chroot_interpreters() {
+        let d = Daemon::start();
+        let (mut child, pid, id) = start_blocked(&d, &py, &[]);
+        go(&mut child);
+        assert!(child.0.wait().unwrap().success(), "{}", py.display());
+        let report = ended_report(&d, &id);
+        let (way, why) = counted(&report, &pid);
+        assert_eq!(way, "in-process", "{}: {why}", py.display());
+        assert!(why.contains("first safe point"), "{why}");
+        assert!(why.contains("tool id 3"), "{why}");
+        // fib(15) in the worker, fib(10) in the main thread.
+        let file = d.dir.path().join("blocked.py");
+        assert_eq!(
+            ours(&report, &file).get("2:fib").map(|c| c.0),
+            Some(1973 + 177),
+            "{}",
+            py.display()
+        );
+        let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
+        wait_until(10, "the session's files to go", || !dir.exists());
+    }
+}
+
+/// A counter refused at the late safe point (another tool holds both tool ids) leaves the
+/// process to the probes from then on, and the report says so.
+#[test]
+fn a_late_refusal_is_counted_with_uprobes_from_then_on() {
     if !root_or_skip() {
         return;
     }
@@ -460,36 +540,56 @@ fn a_process_that_cannot_answer_in_time_holds_up_nobody() {
         return;
     };
     let d = Daemon::start();
-    let code = "import time\n\
-                def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
-                print('ready', flush=True)\n\
-                time.sleep(5)\n\
-                fib(15)\n";
-    let (mut child, pid, file) = script_ready(&d, &py, "asleep.py", code);
-    let mut start = d
-        .ctl()
-        .args(["start", "--mode=counting", "--python", "--pid", &pid])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The start waits for the process (a second); the daemon answers meanwhile.
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    d.ok(&["list"]);
-    d.ok(&["capabilities"]);
-    assert!(
-        start.try_wait().unwrap().is_none(),
-        "the start was answered before the other requests"
-    );
-    let out = start.wait_with_output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    // The pause after the refusal lets the probes be attached before fib runs.
+    let env = [("GATED_TOOLS", "1"), ("GATED_PAUSE", "3")];
+    let (mut child, pid, id) = start_blocked(&d, &py, &env);
+    go(&mut child);
     assert!(child.0.wait().unwrap().success());
     let report = ended_report(&d, &id);
     let (way, why) = counted(&report, &pid);
     assert_eq!(way, "uprobes", "{why}");
-    assert!(why.contains("safe point"), "{why}");
-    assert_eq!(ours(&report, &file).get("2:fib").map(|c| c.0), Some(1973));
+    assert!(why.contains("tool ids 3 and 4 are taken"), "{why}");
+    let file = d.dir.path().join("blocked.py");
+    assert_eq!(
+        ours(&report, &file).get("2:fib").map(|c| c.0),
+        Some(1973 + 177)
+    );
+    let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
+    wait_until(10, "the session's files to go", || !dir.exists());
+}
+
+/// A session that ends before the program reaches a safe point counted nothing and says so;
+/// the request it left is withdrawn, or the script it runs later finds the session gone and
+/// deletes its files, and the program neither prints nor fails.
+#[test]
+fn a_session_that_ends_before_any_safe_point_leaves_nothing() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = chroot_interpreters().into_iter().next() else {
+        return;
+    };
+    let d = Daemon::start();
+    let (mut child, pid, id) = start_blocked(&d, &py, &[]);
+    d.ok(&["stop", &id]);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let warnings = report["python"]["warnings"].to_string();
+    assert!(
+        warnings.contains("no thread reached a safe point"),
+        "{warnings}"
+    );
+    assert_eq!(counted(&report, &pid).0, "in-process");
+    go(&mut child);
+    let mut err = String::new();
+    child
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(child.0.wait().unwrap().success());
+    assert_eq!(err, "");
     let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
     wait_until(10, "the session's files to go", || !dir.exists());
 }

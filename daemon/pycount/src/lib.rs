@@ -509,15 +509,23 @@ unsafe extern "C" fn start(
         let result = match opened {
             Err(e) => raise(&format!("start: {e}")),
             Ok((fd, mut sh)) => {
-                let won = sh
-                    .state()
-                    .compare_exchange(
-                        state::PENDING,
-                        state::RUNNING,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    )
-                    .is_ok();
+                // A request left pending may be taken long after tracerd died (it holds an
+                // exclusive lock on the file while it lives): then nobody would read the
+                // counts, and nothing starts.
+                let orphaned = libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) == 0;
+                if orphaned {
+                    libc::flock(fd, libc::LOCK_UN);
+                }
+                let won = !orphaned
+                    && sh
+                        .state()
+                        .compare_exchange(
+                            state::PENDING,
+                            state::RUNNING,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        )
+                        .is_ok();
                 if won {
                     ptr::write_volatile(&raw mut (*sh.hdr).tool_id, tool_id as u32);
                     ptr::write_volatile(&raw mut (*sh.hdr).pid, libc::getpid() as u32);

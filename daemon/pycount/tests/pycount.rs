@@ -10,10 +10,12 @@
 
 use std::{
     collections::BTreeMap,
+    ffi::OsStr,
     fs,
+    io::{BufRead, BufReader, Read, Write},
     os::unix::io::AsRawFd,
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Command, Output, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
         OnceLock,
@@ -537,12 +539,40 @@ fn orphaned_when_tracerd_is_gone() {
     let so = library();
     for (version, py) in interpreters() {
         let dir = workdir(&format!("orphan{version}"));
-        let file = dir.join("session");
-        // Nobody holds the lock: tracerd is gone.
-        drop(session_file(&file, state::PENDING));
         let calls = 100_000u64;
+        // Nobody holds the lock at the start (tracerd died with a request pending): nothing
+        // starts.
+        let file = dir.join("unlocked");
+        drop(session_file(&file, state::PENDING));
         let out = python(&py, &[&"orphan", &so, &file, &calls.to_string()]);
-        assert!(out.stdout.starts_with(b"stop "), "{version}");
+        assert!(
+            out.stdout.starts_with(b"started False\nstop -1"),
+            "{version}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert_eq!(read_counts(&file).header.state, state::PENDING, "{version}");
+        // tracerd dies while the counter runs.
+        let file = dir.join("session");
+        let held = session_file(&file, state::PENDING);
+        lock(&held);
+        let mut child = Command::new(&py)
+            .arg(WORKLOAD)
+            .args([OsStr::new("orphan"), so.as_ref(), file.as_ref()])
+            .arg(calls.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "started True\n", "{version}");
+        drop(held);
+        child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let mut rest = String::new();
+        out.read_to_string(&mut rest).unwrap();
+        assert!(child.wait().unwrap().success(), "{version}");
+        assert!(rest.starts_with("stop "), "{version}: {rest}");
         let counts = read_counts(&file);
         assert_eq!(counts.header.state, state::ORPHANED, "{version}");
         let leaf = counts

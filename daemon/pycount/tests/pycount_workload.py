@@ -10,7 +10,8 @@ cprofile SO FILE OUT     the single-threaded part counted while cProfile runs to
                          stats in OUT/cprofile
 cancelled SO FILE        start() on a cancelled file
 refuse SO FILE WHY       refuse()
-orphan SO FILE N         N calls counted with no tracerd holding the file's lock
+orphan SO FILE N         start() (refused if no tracerd holds the file's lock), then, after
+                         a line on stdin, N calls counted
 bad SO FILE...           start() on each FILE must raise RuntimeError
 twice SO FILE1 FILE2     wl_fib(10) counted into FILE1, which tracerd then stops (no stop()),
                          and wl_fib(12) into FILE2 by a second start()
@@ -388,7 +389,13 @@ def main():
         so, path, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
         m = load(so)
         tool = free_tool_id()
-        assert m.start(path, tool, MON.DISABLE)
+        started = m.start(path, tool, MON.DISABLE)
+        print("started", started, flush=True)
+        if not started:
+            print("stop", m.stop())
+            return
+        # tracerd lets go of the file now.
+        sys.stdin.readline()
         turn_on(m, tool)
         for i in range(n):
             wl_leaf(i)

@@ -366,6 +366,11 @@ impl Manager {
                     });
                 }
             }
+            Done::InprocSettled {
+                session,
+                pid,
+                outcome,
+            } => self.inproc_settled(&session, pid, outcome),
             Done::Recorded {
                 info,
                 stored,
@@ -651,7 +656,7 @@ impl Manager {
 
 /// How long a process may take to start its in-process counter (a thread must reach a safe
 /// point of the eval loop) before it is counted with uprobes instead.
-const INPROC_WAIT: Duration = Duration::from_millis(1000);
+const INPROC_WAIT: Duration = Duration::from_millis(200);
 
 /// Identity of the executable a process runs now (changes on exec).
 fn exe_id(pid: u32) -> (u64, u64) {

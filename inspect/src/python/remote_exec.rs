@@ -80,6 +80,17 @@ pub struct Requested {
 /// the process since pinning it holds for the process written to: the writes go to its
 /// memory only, and only once its pid is seen to be still its own.
 pub fn request(p: &Pinned, script: &str) -> Result<Requested, RemoteExecError> {
+    request_more(p, script, &mut Vec::new())
+}
+
+/// As [`request`], asking only the thread states not in `asked`, which it extends: a
+/// request left pending while a process sits in native code reaches the threads it starts
+/// meanwhile. `threads` counts those asked now.
+pub fn request_more(
+    p: &Pinned,
+    script: &str,
+    asked: &mut Vec<u64>,
+) -> Result<Requested, RemoteExecError> {
     if script.is_empty() || script.contains('\0') {
         return Err(RemoteExecError::BadPath {
             path: script.to_owned(),
@@ -96,10 +107,14 @@ pub fn request(p: &Pinned, script: &str) -> Result<Requested, RemoteExecError> {
             max: o.path_size,
         });
     }
-    let threads = target.thread_states()?;
-    if threads.is_empty() {
+    let all = target.thread_states()?;
+    if all.is_empty() {
         return Err(RemoteExecError::NoThreads { pid });
     }
+    // A thread state freed and made again at the same address is a new thread that was not
+    // asked: the ones gone are forgotten first.
+    asked.retain(|t| all.contains(t));
+    let threads: Vec<u64> = all.into_iter().filter(|t| !asked.contains(t)).collect();
     let mut path = script.as_bytes().to_vec();
     path.push(0);
     for &tstate in &threads {
@@ -120,6 +135,7 @@ pub fn request(p: &Pinned, script: &str) -> Result<Requested, RemoteExecError> {
             &(breaker | PLEASE_STOP_BIT).to_le_bytes(),
             "set the eval breaker",
         )?;
+        asked.push(tstate);
     }
     Ok(Requested {
         threads: threads.len(),

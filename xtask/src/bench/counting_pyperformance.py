@@ -6,7 +6,7 @@
 #
 # BENCHMARKS_DIR is pyperformance's data-files/benchmarks (its bm_NAME/run_benchmark.py imports
 # pyperf: PYTHONPATH names it). MODE is `plain`, `gated:FILE` (as plain, but first prints
-# `ready` and waits, in a sleep loop, until FILE exists: a profiler attaches by pid meanwhile,
+# `ready` and waits, blocked in open() of the FIFO FILE until it is written: a profiler attaches by pid meanwhile,
 # and sees the module's import and every run) or `cprofile` (cProfile enabled around each
 # timed run, and around the module's import, untimed). Prints `SECONDS` (the fastest of RUNS
 # runs, each timed as pyperf times it: the workload's own timer) and, under cProfile, `CALLS`
@@ -25,11 +25,11 @@ path = os.path.join(bench_dir, "bm_" + name, "run_benchmark.py")
 spec = importlib.util.spec_from_file_location("bm_" + name, path)
 bm = importlib.util.module_from_spec(spec)
 if mode.startswith("gated:"):
-    import time
-
     print("ready", flush=True)
-    while not os.path.exists(mode[len("gated:"):]):
-        time.sleep(0.005)
+    # Blocked in native code (open of a FIFO, until the bench opens it to write), as an idle
+    # service waits in accept or on a queue.
+    with open(mode[len("gated:"):], "rb") as gate:
+        gate.read()
 if mode == "cprofile":
     import cProfile
 

@@ -112,6 +112,13 @@ pub(super) enum Done {
     /// The probes of an interpreter a session met after its start, attached off the
     /// manager's task (`python::LateCheck`).
     LateProbed(crate::session::python::AttachedPython),
+    /// What became of a session's in-process start left pending (the process was in native
+    /// code): the counter's tool id, or why it will not count (the probes count it then).
+    InprocSettled {
+        session: String,
+        pid: u32,
+        outcome: Result<u32, String>,
+    },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,

@@ -38,6 +38,48 @@ pub(super) struct LateCheck {
 }
 
 impl Manager {
+    /// A pending in-process start settled: the report says so, and a process whose
+    /// counter will not start is counted with the probes from now on.
+    pub(super) fn inproc_settled(&mut self, id: &str, pid: u32, outcome: Result<u32, String>) {
+        let Some(s) = self.running.get_mut(id) else {
+            // Ended first: its end read what there was.
+            return;
+        };
+        let slot = s.slot;
+        let Some(mut py) = s.python.take() else {
+            return;
+        };
+        let entry = py
+            .counted
+            .iter_mut()
+            .find(|c| c.pid == pid && c.way == "in-process");
+        match (outcome, entry) {
+            (Ok(tool), Some(c)) => c.why = crate::session::python::late_start_why(Some(tool)),
+            (Err(why), Some(c)) => {
+                c.way = "uprobes".into();
+                c.why = format!(
+                    "in-process counting could not start at the process's first safe point ({why}): counted with uprobes from when tracer learnt of it; its calls in between were not counted"
+                );
+                if let Some(slot) = slot {
+                    if let Err(e) = self.bpf.unset_inproc(pid, slot) {
+                        tracing::warn!(%e, pid, "unmarking a process counted in-process");
+                    }
+                }
+                tracing::info!(pid, %why, "in-process counting refused late; counting with uprobes");
+                py.checked.remove(&pid);
+                if let Some(s) = self.running.get_mut(id) {
+                    s.python = Some(py);
+                }
+                self.check_session_process(id, pid, Met::Late, None);
+                return;
+            }
+            (_, None) => {}
+        }
+        if let Some(s) = self.running.get_mut(id) {
+            s.python = Some(py);
+        }
+    }
+
     /// Probes what a Python-counting session needs before it starts counting.
     /// `inproc`: the session's slot and its target's in-process counter, else why there is
     /// none.
@@ -68,14 +110,15 @@ impl Manager {
                         if let Err(e) = self.bpf.set_inproc(pid, slot) {
                             tracing::warn!(%e, pid, "marking a process counted in-process");
                         }
-                        py.counted.push(way(
-                            pid,
-                            "in-process",
+                        let why = if counter.pending() {
+                            crate::session::python::late_start_why(None)
+                        } else {
                             format!(
                                 "sys.monitoring callbacks (tool id {}), loaded through remote execution",
                                 counter.tool_id()
-                            ),
-                        ));
+                            )
+                        };
+                        py.counted.push(way(pid, "in-process", why));
                         py.inproc.push(counter);
                         py.checked.insert(pid, exe_id(pid));
                         return Ok(py);

@@ -85,9 +85,26 @@ impl Manager {
                 let who = caller.clone();
                 let may_trace: tracer_inspect::python::inproc::MayTrace =
                     std::sync::Arc::new(move |p| who.may_trace_pid(p).map_err(|e| e.to_string()));
+                // What becomes of a request left pending goes to the manager after the start
+                // itself, on the same channel.
+                let (sent, started) = std::sync::mpsc::channel::<()>();
+                let (late_tx, session) = (tx.clone(), id.clone());
+                let late: tracer_inspect::python::inproc::Late = Box::new(move |outcome| {
+                    let _ = started.recv();
+                    let _ = late_tx.send(Done::InprocSettled {
+                        session,
+                        pid,
+                        outcome,
+                    });
+                });
                 tokio::task::spawn_blocking(move || {
-                    let counter =
-                        tracer_inspect::python::inproc::start(pid, &id, INPROC_WAIT, may_trace);
+                    let counter = tracer_inspect::python::inproc::start(
+                        pid,
+                        &id,
+                        INPROC_WAIT,
+                        may_trace,
+                        late,
+                    );
                     let prepared = Prepared { id, counter };
                     let cmd = Done::StartPrepared {
                         req,
@@ -103,6 +120,7 @@ impl Manager {
                     {
                         c.finish(&|p| p == pid);
                     }
+                    drop(sent);
                 });
             }
             None => {

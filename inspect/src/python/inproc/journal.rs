@@ -18,7 +18,8 @@ use tracer_common::inproc::{self, state};
 use super::{
     cleanup_later,
     files::{Dir, Mapping},
-    maps_file, own_pid, remote_exec, remove_script, start_time, uids, LIBRARY_AS,
+    process::{maps_file, own_pid, start_time, uids},
+    remote_exec, remove_script, LIBRARY_AS,
 };
 use crate::pinned::Pinned;
 

@@ -19,12 +19,15 @@
 
 mod files;
 mod journal;
+mod pending;
+mod process;
 mod read;
 mod scripts;
 mod sigbus;
 mod view;
 
 pub use journal::{set_journal, sweep};
+pub use pending::ASK_EVERY;
 
 use std::{
     fs,
@@ -46,6 +49,8 @@ use tracer_common::inproc::{self, state, Edge, Header};
 use super::remote_exec;
 use crate::pinned::Pinned;
 use files::{Dir, Mapping};
+use pending::Watch;
+use process::{alive, fs_ids, maps_file, own_pid, uids, Pids};
 use read::{
     drop_script_frames, read_counts, well_formed, Budget, MAX_FILES, NAME_BYTES, PEEK_FILES,
     PEEK_NAME_BYTES, READ_TIME,
@@ -130,80 +135,6 @@ pub struct Finished {
     pub refused: Vec<String>,
 }
 
-/// Whether `pid` can still run a script: not gone, not a zombie.
-fn alive(pid: u32) -> bool {
-    crate::process::alive(pid)
-}
-
-/// How a process's start is known across restarts (`/proc/PID/stat`'s start time).
-fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Field 22; the fields after the parenthesised name start at 3.
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(19)?
-        .parse()
-        .ok()
-}
-
-/// The pid a process knows itself by (in its own pid namespace).
-fn own_pid(pid: u32) -> Option<u32> {
-    fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))?
-        .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
-}
-
-/// Pids as a counted process's pid namespace knows them → pids here.
-enum Pids {
-    /// The daemon's own namespace.
-    Same,
-    /// Another: the live processes of that namespace.
-    Map(std::collections::HashMap<u32, u32>),
-}
-
-impl Pids {
-    fn of(pid: u32) -> Self {
-        let Some(own) = own_pid(pid) else {
-            return Self::Same;
-        };
-        if own == pid {
-            return Self::Same;
-        }
-        let ns = |p: u32| fs::read_link(format!("/proc/{p}/ns/pid")).ok();
-        let mine = ns(pid);
-        let mut out = std::collections::HashMap::from([(own, pid)]);
-        for e in fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .filter_map(Result::ok)
-        {
-            let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-                continue;
-            };
-            if ns(p) == mine {
-                if let Some(o) = own_pid(p) {
-                    out.insert(o, p);
-                }
-            }
-        }
-        Self::Map(out)
-    }
-
-    /// The pid here; unknown for a process of another namespace that is gone.
-    fn host(&self, own: u32) -> Option<u32> {
-        match self {
-            Self::Same => Some(own),
-            Self::Map(m) => m.get(&own).copied(),
-        }
-    }
-}
-
 /// Cleanups still waiting for removal scripts.
 static CLEANUPS: AtomicU32 = AtomicU32::new(0);
 
@@ -215,22 +146,6 @@ pub fn wait_cleanups(limit: Duration) {
     }
 }
 
-/// The file-system uid and gid `pid` creates and opens files as.
-fn fs_ids(pid: u32) -> Result<(u32, u32), String> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))
-        .map_err(|e| format!("reading pid {pid}'s status: {e}"))?;
-    let field = |key: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().nth(3))
-            .and_then(|v| v.parse().ok())
-    };
-    field("Uid:")
-        .zip(field("Gid:"))
-        .ok_or_else(|| format!("pid {pid}'s status has no Uid/Gid lines"))
-}
-
 /// How long the counters of an ended session may take to leave the last callback, all of
 /// them together.
 const BUSY_WAIT: Duration = Duration::from_millis(200);
@@ -238,54 +153,32 @@ const BUSY_WAIT: Duration = Duration::from_millis(200);
 /// their files left to the next sweep.
 const CLEANUP_WAIT: Duration = Duration::from_secs(30);
 
-/// The ids on `pid`'s `Uid:` line: real, effective, saved, file-system.
-fn uids(pid: u32) -> Result<Vec<u32>, String> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
-    let ids: Vec<u32> = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .map(|v| {
-            v.split_whitespace()
-                .filter_map(|n| n.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    if ids.len() == 4 {
-        Ok(ids)
-    } else {
-        Err("its status has no Uid line".into())
-    }
-}
-
-/// Whether `pid` maps the file `(dev, ino)`.
-fn maps_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
-    let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
-        return false;
-    };
-    maps.lines().any(|l| {
-        let mut f = l.split_whitespace().skip(3);
-        let (Some(d), Some(i)) = (f.next(), f.next()) else {
-            return false;
-        };
-        let same_dev = d.split_once(':').is_some_and(|(ma, mi)| {
-            let (ma, mi) = (
-                u32::from_str_radix(ma, 16).unwrap_or(u32::MAX),
-                u32::from_str_radix(mi, 16).unwrap_or(u32::MAX),
-            );
-            libc::makedev(ma, mi) == dev
-        });
-        i.parse::<u64>() == Ok(ino) && (same_dev || l.contains(&format!("/{LIBRARY_AS}")))
-    })
-}
-
 /// The library's name in the directory (what the start script loads).
 const LIBRARY_AS: &str = "_tracer_pycount.so";
+
+/// What becomes of a request left pending ([`start`]): the counter's tool id once it runs,
+/// or why it never will (the process is then to be counted with uprobes from then on).
+/// Called on a thread of tracer's own, at most once; not called when the session ends first.
+pub type Late = Box<dyn FnOnce(Result<u32, String>) + Send>;
 
 /// Has `pid` load the counter and start counting; waits up to `wait` for it. `tag` makes the
 /// directory's name unique (the session id); `may_trace` is the session owner's right to
 /// trace a process, asked again before any request to run code. On error the process is to
 /// be counted with uprobes; the error says why, in words for the report.
-pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result<Counter, String> {
+///
+/// A process that has not started counting by then (every thread in native code: a server
+/// in `accept`, a worker on a queue) is not given up on: the counter is returned
+/// [`Counter::pending`], its request stays, the threads the process starts meanwhile are
+/// asked too, and `late` says what became of it. Until then no thread has run Python since
+/// the request reached it, so nothing is missed but what a thread started meanwhile runs
+/// before it is asked (within [`ASK_EVERY`]).
+pub fn start(
+    pid: u32,
+    tag: &str,
+    wait: Duration,
+    may_trace: MayTrace,
+    late: Late,
+) -> Result<Counter, String> {
     let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
     remote_exec::remote_debugging(pid).map_err(|e| e.to_string())?;
     may_trace(pid)?;
@@ -339,7 +232,9 @@ pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result
         .map_err(fail)?;
     let start_path = format!("{target_dir}/start.py");
     dir.seen_by(pid, &name).map_err(fail)?;
-    remote_exec::request(&pin, &start_path).map_err(|e| fail(e.to_string()))?;
+    let exe = pending::exe_of(pid);
+    let mut asked = Vec::new();
+    remote_exec::request_more(&pin, &start_path, &mut asked).map_err(|e| fail(e.to_string()))?;
     let counter = Counter {
         pid,
         files: Arc::new(Files {
@@ -374,21 +269,19 @@ pub fn start(pid: u32, tag: &str, wait: Duration, may_trace: MayTrace) -> Result
                 break Err(why);
             }
             _ if started.elapsed() >= wait => {
-                // Exactly one of tracerd and the counter decides.
-                match counter.files.map.state().compare_exchange(
-                    state::PENDING,
-                    state::CANCELLED,
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                ) {
-                    Ok(_) => {
-                        break Err(format!(
-                            "the interpreter did not run tracer's start script within {} ms (no thread reached a safe point, or remote execution is compiled out)",
-                            wait.as_millis()
-                        ))
-                    }
-                    Err(_) => continue,
-                }
+                // Left pending: the session starts now, the process counts from its first
+                // safe point, however late.
+                let watch = Watch {
+                    pin,
+                    script: start_path,
+                    files: counter.files.clone(),
+                    name: counter.name.clone(),
+                    may_trace: counter.may_trace.clone(),
+                    asked,
+                    exe,
+                };
+                watch.spawn(late)?;
+                return Ok(counter);
             }
             _ => std::thread::sleep(Duration::from_millis(1)),
         }
@@ -556,6 +449,12 @@ impl Counter {
         self.files.map.header().tool_id
     }
 
+    /// Whether its start request is still pending: no thread of the process has reached a
+    /// safe point since it was made.
+    pub fn pending(&self) -> bool {
+        self.files.map.state().load(Ordering::SeqCst) == state::PENDING
+    }
+
     /// Lets the directory outlive this handle: a pending request may still name a script.
     fn leave_behind(self) {
         let pid = self.pid;
@@ -613,6 +512,34 @@ impl Counter {
             .take()
         {
             view.stop.store(true, Ordering::SeqCst);
+        }
+        // Exactly one of tracerd and the start script decides; a script run later finds the
+        // session gone and deletes the files itself.
+        if self
+            .files
+            .map
+            .state()
+            .compare_exchange(
+                state::PENDING,
+                state::CANCELLED,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+        {
+            if let Ok(pin) = Pinned::open(self.pid) {
+                let _ = remote_exec::withdraw(&pin, &format!("/tmp/{}/start.py", self.name));
+            }
+            let counts = Counts {
+                pid: self.pid,
+                state: state::CANCELLED,
+                ..Counts::default()
+            };
+            self.leave_behind();
+            return Finished {
+                counts: vec![counts],
+                refused,
+            };
         }
         let files = &self.files;
         let found = files.found(followed, MAX_FILES, &mut refused);

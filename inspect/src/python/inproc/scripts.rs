@@ -33,6 +33,10 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str) -> String {
         except BaseException:
             pass
 
+    # A child forked with its parent's request still pending: the parent's counter is not
+    # its to take.
+    if not counts.endswith(f".{{os.getpid()}}"):
+        return
     # Every thread was asked: a second run finds the counter started and leaves, calling
     # nothing in Python (its own two frames are taken out of the report). A run after
     # tracerd gave up (the process was busy in native code) deletes the files.

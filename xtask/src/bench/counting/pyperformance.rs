@@ -149,7 +149,7 @@ pub(super) fn pyperformance(
     );
     println!("   under cProfile, under tracer launching it (`tracerctl start … -- CMD`: uprobes), and under");
     println!(
-        "   tracer attached by pid while it waits before its work (`--pid`: in-process on 3.14+)"
+        "   tracer attached by pid while it waits in native code before its work (`--pid`: in-process on 3.14+)"
     );
     println!(
         "columns: seconds and slowdown (×); Python calls a run (cProfile's count, C functions"
@@ -349,8 +349,9 @@ fn compare(report: &serde_json::Value, file: &Path, cprof: &Profiled) -> String 
     text
 }
 
-/// One run of `python ARGS gated:FILE` counted by pid (`tracerctl start --pid`, attached
-/// while the program waits before its work, as one attaches to a running service; in-process
+/// One run of `python ARGS gated:FIFO` counted by pid (`tracerctl start --pid`, attached
+/// while the program waits in native code before its work, as one attaches to an idle
+/// service; in-process
 /// on CPython 3.14+, else with uprobes): the workload's seconds, tracer's JSON report, and
 /// how the process was counted.
 fn attached(
@@ -363,6 +364,9 @@ fn attached(
     use std::io::{BufRead, Read};
     let go = dir.join("go");
     let _ = fs::remove_file(&go);
+    if !Command::new("mkfifo").arg(&go).status()?.success() {
+        bail!("mkfifo {} failed", go.display());
+    }
     let mut child = Command::new(python)
         .args(args)
         .arg(format!("gated:{}", go.display()))

@@ -11,6 +11,10 @@ use tracer_common::{
     PyCallStats, PyCodeEvent, PyEdgeKey, PY_CODE_FILENAME_UNREAD, PY_CODE_QUALNAME_UNREAD,
 };
 
+mod inproc;
+
+pub use inproc::{inproc_functions, late_start_why};
+
 use super::slots::Hold;
 use tracer_bpf::bpf::Bpf;
 use tracer_inspect::python::{
@@ -653,6 +657,17 @@ impl PythonEnd {
         let inproc: Vec<_> = std::mem::take(&mut py.inproc)
             .into_iter()
             .flat_map(|c| {
+                // Started late, maybe too late for the manager to hear of it.
+                let pending = late_start_why(None);
+                if let Some(w) = py
+                    .counted
+                    .iter_mut()
+                    .find(|w| w.pid == c.pid && w.why == pending)
+                {
+                    if !c.pending() {
+                        w.why = late_start_why(Some(c.tool_id()));
+                    }
+                }
                 let f = c.finish(&follows);
                 refused.extend(f.refused);
                 f.counts
@@ -665,6 +680,17 @@ impl PythonEnd {
         let (mut functions, unknown_names) = py.functions(counts, edges);
         let mut warnings = py.warnings;
         for c in &inproc {
+            let pending = c.state == tracer_common::inproc::state::CANCELLED
+                && py
+                    .counted
+                    .iter()
+                    .any(|w| w.pid == c.pid && w.way == "in-process");
+            if pending {
+                warnings.push(format!(
+                    "pid {}: no thread reached a safe point while the session ran (all in native code), so it ran no Python and nothing was counted",
+                    c.pid
+                ));
+            }
             if c.namespace_pid {
                 warnings.push(format!(
                     "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",
@@ -706,66 +732,4 @@ impl super::ReportPart for PythonEnd {
     fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         report.python = Some(self.report());
     }
-}
-
-/// Bytes of caller names the report's in-process part may hold, all processes together:
-/// each pair names its caller, and a counter's user could make every name long.
-const CALLER_NAME_BYTES: usize = 64 << 20;
-
-/// The report's functions from in-process counters: callers are named from the same
-/// process's table (a caller is always counted before its callee ends). And how many
-/// callers are shown by code object instead, their names being over
-/// [`CALLER_NAME_BYTES`].
-pub fn inproc_functions(all: &[tracer_inspect::python::inproc::Counts]) -> (Vec<PyFunction>, u64) {
-    let mut out = Vec::new();
-    let mut left = CALLER_NAME_BYTES;
-    let mut unnamed = 0;
-    for c in all {
-        let names: HashMap<u64, &tracer_inspect::python::inproc::Function> =
-            c.functions.iter().map(|f| (f.code, f)).collect();
-        let mut callers: HashMap<u64, Vec<PyCaller>> = HashMap::new();
-        for e in &c.edges {
-            let by_code = || format!("[unknown: code object {:#x}]", e.caller);
-            let (qualname, filename, firstlineno) = match names.get(&e.caller) {
-                Some(f) if f.qualname.len() + f.filename.len() <= left => {
-                    left -= f.qualname.len() + f.filename.len();
-                    (f.qualname.clone(), f.filename.clone(), f.firstlineno)
-                }
-                Some(f) => {
-                    unnamed += 1;
-                    (by_code(), String::new(), f.firstlineno)
-                }
-                None => (by_code(), String::new(), 0),
-            };
-            callers.entry(e.callee).or_default().push(PyCaller {
-                qualname,
-                filename,
-                firstlineno,
-                ncalls: e.ncalls,
-                primitive_calls: e.primitive,
-                tottime_ns: e.tottime_ns,
-                cumtime_ns: e.cumtime_ns,
-            });
-        }
-        for f in &c.functions {
-            let mut callers = callers.remove(&f.code).unwrap_or_default();
-            callers.sort_by(|a, b| {
-                b.ncalls
-                    .cmp(&a.ncalls)
-                    .then_with(|| a.qualname.cmp(&b.qualname))
-            });
-            out.push(PyFunction {
-                callers,
-                pid: c.pid,
-                qualname: f.qualname.clone(),
-                filename: f.filename.clone(),
-                firstlineno: f.firstlineno,
-                ncalls: f.ncalls,
-                primitive_calls: f.primitive,
-                tottime_ns: f.tottime_ns,
-                cumtime_ns: f.cumtime_ns,
-            });
-        }
-    }
-    (out, unnamed)
 }

@@ -42,6 +42,19 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
                 // SAFETY: _exit is async-signal-safe.
                 unsafe { libc::_exit(125) };
             }
+            // Forked from a single-threaded process: allocating and setting variables is safe.
+            for (name, value) in read_env(&rx) {
+                let value = match std::env::var_os(&name) {
+                    Some(old) if name == "LD_PRELOAD" && !old.is_empty() => {
+                        let mut v = std::ffi::OsString::from(value);
+                        v.push(":");
+                        v.push(old);
+                        v
+                    }
+                    _ => value.into(),
+                };
+                std::env::set_var(name, value);
+            }
             let err = nix::unistd::execvp(&args[0], &args).unwrap_err();
             // The parent says it, in its one line of error.
             let _ = write(&err_tx, &(err as i32).to_ne_bytes());
@@ -61,11 +74,60 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
     }
 }
 
+/// The most bytes of variables the command is handed.
+const ENV_BYTES: usize = 64 << 10;
+
+/// The variables after the go byte: a u32 length, then `NAME=VALUE\0` each.
+fn read_env(rx: &std::os::fd::OwnedFd) -> Vec<(String, String)> {
+    let fill = |buf: &mut [u8]| {
+        let mut at = 0;
+        while at < buf.len() {
+            match read(rx, &mut buf[at..]) {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => at += n,
+            }
+        }
+        true
+    };
+    let mut len = [0u8; 4];
+    if !fill(&mut len) {
+        return Vec::new();
+    }
+    let len = u32::from_ne_bytes(len) as usize;
+    let mut buf = vec![0u8; len.min(ENV_BYTES)];
+    if len > ENV_BYTES || !fill(&mut buf) {
+        return Vec::new();
+    }
+    buf.split(|&b| b == 0)
+        .filter_map(|e| std::str::from_utf8(e).ok()?.split_once('='))
+        .filter(|(n, _)| !n.is_empty())
+        .map(|(n, v)| (n.to_owned(), v.to_owned()))
+        .collect()
+}
+
 impl Held {
-    /// Lets the command exec, and waits to learn whether it could.
-    pub fn release(&mut self) -> Result<()> {
+    /// Lets the command exec with `env` set (LD_PRELOAD prepended to its own), and waits to
+    /// learn whether it could.
+    pub fn release(&mut self, env: &[tracer_proto::EnvVar]) -> Result<()> {
         let fd = self.go.take().context("released twice")?;
-        write(&fd, b"g").context("releasing the command")?;
+        let mut msg = b"g".to_vec();
+        let mut vars = Vec::new();
+        for v in env {
+            if v.name.is_empty() || v.name.contains(['=', '\0']) || v.value.contains('\0') {
+                bail!("the daemon sent a malformed variable name {:?}", v.name);
+            }
+            vars.extend_from_slice(format!("{}={}\0", v.name, v.value).as_bytes());
+        }
+        if vars.len() > ENV_BYTES {
+            bail!("the daemon sent {} bytes of variables", vars.len());
+        }
+        msg.extend_from_slice(&(vars.len() as u32).to_ne_bytes());
+        msg.extend_from_slice(&vars);
+        // Into a pipe the child reads: 64 KiB at most fits its buffer, or it reads as we go.
+        let mut at = 0;
+        while at < msg.len() {
+            at += write(&fd, &msg[at..]).context("releasing the command")?;
+        }
         let mut errno = [0u8; 4];
         let n = loop {
             match read(&self.exec_error, &mut errno) {

@@ -502,7 +502,7 @@ async fn start_followed(
         report(client, session.id, &args.out).await?;
         return Ok(ExitCode::SUCCESS);
     };
-    if let Err(e) = h.release() {
+    if let Err(e) = h.release(&session.launch_env) {
         // Nothing ran: the session is no one's measurement; a shell says 127 for it.
         discard(client, &session.id).await;
         eprintln!("tracerctl: {e:#}");

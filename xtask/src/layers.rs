@@ -18,9 +18,10 @@ use std::{
 use anyhow::{bail, Result};
 
 /// The crates' source roots checked, relative to the repository.
-pub const ROOTS: [&str; 14] = [
+pub const ROOTS: [&str; 15] = [
     "daemon/src",
     "daemon/pycount/src",
+    "daemon/pystart/src",
     "daemon/cupti/src",
     "bpf/src",
     "inspect/src",
@@ -40,7 +41,7 @@ const MAX_LINES: usize = 800;
 
 /// Workspace crates by layer, lowest first. A crate missing here fails the check: a new
 /// crate is given its place.
-const CRATE_LAYERS: [(&str, u32); 13] = [
+const CRATE_LAYERS: [(&str, u32); 14] = [
     // Shared with the BPF programs, and the wire format; what tests do where something
     // they need is missing.
     ("tracer-common", 0),
@@ -53,6 +54,7 @@ const CRATE_LAYERS: [(&str, u32); 13] = [
     // Loaded into traced processes.
     ("tracer-cupti", 1),
     ("tracer-pycount", 1),
+    ("tracer-pystart", 1),
     // The kernel side's loading (knows the binaries it probes), and the naming of what it
     // sends (into the report's frames); neither knows a session.
     ("tracer-bpf", 2),

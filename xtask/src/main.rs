@@ -102,7 +102,8 @@ fn build() -> Result<()> {
 
 /// tracerd and tracerctl, and beside them the CUPTI injection library tracerctl's
 /// `--gpu-times` puts (target/release/libtracer_cupti.so) and the in-process Python counter
-/// tracerd loads into CPython 3.14+ processes (libtracer_pycount.so).
+/// tracerd loads into CPython 3.12+ processes (libtracer_pycount.so) with the loader it
+/// preloads into launched commands (libtracer_pystart.so).
 fn build_binaries() -> Result<()> {
     run(cargo().args([
         "build",
@@ -119,6 +120,8 @@ fn build_binaries() -> Result<()> {
         "tracer-cupti",
         "-p",
         "tracer-pycount",
+        "-p",
+        "tracer-pystart",
     ]))
 }
 

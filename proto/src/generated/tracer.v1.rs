@@ -247,6 +247,20 @@ pub struct SessionInfo {
     /// over TCP.
     #[prost(string, tag = "22")]
     pub started_by: ::prost::alloc::string::String,
+    /// A launched target's start only: variables the launcher sets in the command's
+    /// environment for its exec (the loader of in-process counting, which takes them out of the
+    /// environment again before a Python program can see them). LD_PRELOAD is prepended to the
+    /// command's own.
+    #[prost(message, repeated, tag = "23")]
+    pub launch_env: ::prost::alloc::vec::Vec<EnvVar>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EnvVar {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub value: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -166,7 +166,10 @@ impl Manager {
         let asked = asks(&req);
         if !ahead.python_ahead && asked.as_ref().is_some_and(|a| a.python) {
             let mut paths = ahead.python_paths.clone();
-            let launched = req.target.as_ref().is_some_and(|t| t.launched);
+            // Counted in-process, a launched program needs none (unless that fails: the
+            // start probes them then).
+            let launched = req.target.as_ref().is_some_and(|t| t.launched)
+                && super::checks::inproc_candidate(&req, &caller).is_none();
             if launched || asked.as_ref().is_some_and(|a| a.all) {
                 // As the start does: a launched program may run any of them.
                 paths.extend(self.py.known().iter().cloned());

@@ -104,21 +104,23 @@ pub(super) fn check_launched(pid: u32, caller: &Caller) -> Result<(), Error> {
     }
 }
 
-/// The pid of a start that may count its target in-process: a counting session with
-/// `--python` (not `--python-uprobes-only`) of a running process the caller may trace.
-pub(super) fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<u32> {
+/// The pid of a start that may count its target in-process, and whether it is launched: a
+/// counting session with `--python` (not `--python-uprobes-only`) of a process the caller
+/// may trace, running or held before its exec by the caller.
+pub(super) fn inproc_candidate(req: &StartSessionRequest, caller: &Caller) -> Option<(u32, bool)> {
     let options = req.counting.as_ref()?;
     let target = req.target.as_ref()?;
     let pid = match target.kind {
-        Some(target::Kind::Pid(pid)) if pid != 0 && !target.launched => pid,
+        Some(target::Kind::Pid(pid)) if pid != 0 => pid,
         _ => return None,
     };
     (req.mode == Mode::Counting as i32
         && options.python
         && !options.python_uprobes_only
         && caller.may_trace_pid(pid).is_ok()
-        && process::alive(pid))
-    .then_some(pid)
+        && process::alive(pid)
+        && (!target.launched || check_launched(pid, caller).is_ok()))
+    .then_some((pid, target.launched))
 }
 
 /// What a start asks, each option checked against its mode and the others.

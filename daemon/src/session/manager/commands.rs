@@ -137,6 +137,8 @@ pub(super) type DoneTx = mpsc::UnboundedSender<Done>;
 pub(super) struct Prepared {
     pub(super) id: String,
     pub(super) counter: Result<tracer_inspect::python::inproc::Counter, String>,
+    /// A launched target's: the variables its exec is to have (the counter's loader).
+    pub(super) env: Vec<(String, String)>,
 }
 
 /// A cheap, cloneable way to talk to the manager.

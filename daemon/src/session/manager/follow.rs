@@ -128,10 +128,15 @@ impl Manager {
         met: Met,
         found: Option<&FoundPython>,
     ) -> bool {
-        let Some(mut py) = self.running.get_mut(id).and_then(|s| s.python.take()) else {
+        let Some(s) = self.running.get_mut(id) else {
             return true;
         };
-        let done = self.check_python_process(&mut py, pid, met, found);
+        let slot = s.slot;
+        let Some(mut py) = s.python.take() else {
+            return true;
+        };
+        let done = (met == Met::AtExec && self.launched_exec(&mut py, slot, pid))
+            || self.check_python_process(&mut py, pid, met, found);
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }

@@ -13,6 +13,9 @@ use crate::{
 };
 use tracer_inspect::python::memory;
 
+/// How a launched command is counted, until it runs CPython.
+const LAUNCHED_WHY: &str = "sys.monitoring callbacks, loaded by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted";
+
 /// When a session met a process whose interpreter it probes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Met {
@@ -58,7 +61,7 @@ impl Manager {
             (Err(why), Some(c)) => {
                 c.way = "uprobes".into();
                 c.why = format!(
-                    "in-process counting could not start at the process's first safe point ({why}): counted with uprobes from when tracer learnt of it; its calls in between were not counted"
+                    "in-process counting could not start ({why}): counted with uprobes from when tracer learnt of it; its calls in between were not counted"
                 );
                 if let Some(slot) = slot {
                     if let Err(e) = self.bpf.unset_inproc(pid, slot) {
@@ -78,6 +81,49 @@ impl Manager {
         if let Some(s) = self.running.get_mut(id) {
             s.python = Some(py);
         }
+    }
+
+    /// A launched command's exec, held (EXEC_HOLD): whether the program it now runs counts
+    /// in-process (a `python3.X` executable, X >= 12: its loader starts the counter), and is
+    /// then left to it; true when so. A program on the way to one (a shell, a wrapper) leaves
+    /// the question to its next exec; anything else is counted with the probes.
+    pub(super) fn launched_exec(&mut self, py: &mut PySession, slot: Option<u8>, pid: u32) -> bool {
+        if py.launch != Some(pid) {
+            return false;
+        }
+        let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
+            return false;
+        };
+        let needed = tracer_inspect::python::discover::libpython_needed(pid, &exe);
+        let name = exe.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let minor = tracer_inspect::python::runtime::minor_from_name(&exe);
+        let why = match (minor, slot) {
+            // A build with a `t` (free-threaded) is not the counter's.
+            (Some(m), Some(slot)) if m >= 12 && name == format!("python3.{m}") => {
+                py.launch = None;
+                match self.bpf.set_inproc(pid, slot) {
+                    Ok(()) => {
+                        py.checked.insert(pid, exe_id(pid));
+                        return true;
+                    }
+                    Err(e) => format!("marking it counted in-process failed: {e}"),
+                }
+            }
+            (Some(m), _) => format!("{name} is CPython 3.{m}, which has no sys.monitoring (3.12+) or runs without the GIL"),
+            // Not Python: a program on the way to it keeps the question, unless it embeds
+            // libpython (no `cpython.run_*` event would start the counter).
+            (None, _) if needed.is_none() => return false,
+            (None, _) => format!("{name} embeds libpython rather than being python3.X"),
+        };
+        py.launch = None;
+        if let Some(c) = py.counted.iter_mut().find(|c| c.pid == pid) {
+            c.way = "uprobes".into();
+            c.why = format!("launched, counted from its first instruction: {why}");
+        }
+        for why in self.py.ensure_known(&mut self.bpf) {
+            tracing::debug!(%why, "known interpreter not probed (see capabilities)");
+        }
+        false
     }
 
     /// Probes what a Python-counting session needs before it starts counting.
@@ -134,13 +180,23 @@ impl Manager {
                 py.note_jit(pid, &self.py, &mapped.path);
                 py.checked.insert(pid, exe_id(pid));
             }
+            // Not exec'd yet, its loader prepared: whether it counts in-process is decided
+            // when it execs into CPython (`launched_exec`).
+            Some(pid) if inproc.is_ok() => {
+                if let Ok((_, counter)) = inproc {
+                    py.counted.push(way(pid, "in-process", LAUNCHED_WHY.into()));
+                    py.inproc.push(counter);
+                    py.launch = Some(pid);
+                }
+            }
             // Not exec'd yet: probe every interpreter on the machine, so the first call is counted
             // whichever it runs. One found later is probed then, with a warning (see sweep).
             Some(pid) => {
+                let why = inproc.err().unwrap_or_default();
                 py.counted.push(way(
                     pid,
                     "uprobes",
-                    "launched: counted from its first instruction, before any code could be loaded into it".into(),
+                    format!("launched, counted from its first instruction: {why}"),
                 ));
                 for why in self.py.ensure_known(&mut self.bpf) {
                     tracing::debug!(%why, "known interpreter not probed (see capabilities)");

@@ -78,7 +78,7 @@ impl Manager {
             // Waiting for the process to reach a safe point (up to INPROC_WAIT) must not
             // hold up other requests: the attempt runs on a blocking thread and the start
             // comes back as StartPrepared.
-            Some(pid) => {
+            Some((pid, launched)) => {
                 let tx = self.done.clone();
                 let id = new_id();
                 // Asked again before every request to run code in a process.
@@ -98,14 +98,19 @@ impl Manager {
                     });
                 });
                 tokio::task::spawn_blocking(move || {
-                    let counter = tracer_inspect::python::inproc::start(
-                        pid,
-                        &id,
-                        INPROC_WAIT,
-                        may_trace,
-                        late,
-                    );
-                    let prepared = Prepared { id, counter };
+                    use tracer_inspect::python::inproc;
+                    let (counter, env) = if launched {
+                        match inproc::launch(pid, &id, may_trace, late) {
+                            Ok((c, env)) => (Ok(c), env),
+                            Err(e) => (Err(e), Vec::new()),
+                        }
+                    } else {
+                        (
+                            inproc::start(pid, &id, INPROC_WAIT, may_trace, late),
+                            Vec::new(),
+                        )
+                    };
+                    let prepared = Prepared { id, counter, env };
                     let cmd = Done::StartPrepared {
                         req,
                         caller,
@@ -141,7 +146,19 @@ impl Manager {
     ) {
         let mut attached = ahead.attached.take();
         let python_ahead = ahead.python_ahead;
-        let started = self.start_with(req, caller, ahead, &mut attached, prepared);
+        let env = prepared.as_ref().map(|p| p.env.clone());
+        let started = self
+            .start_with(req, caller, ahead, &mut attached, prepared)
+            .map(|(mut info, record)| {
+                // The counter was taken: the launcher sets its loader's variables.
+                if let (Some(env), None) = (env, prepared.as_ref()) {
+                    info.launch_env = env
+                        .into_iter()
+                        .map(|(name, value)| tracer_proto::EnvVar { name, value })
+                        .collect();
+                }
+                (info, record)
+            });
         if let Some(ahead::Attached { slot, mut native }) = attached {
             // Refused before the slot was used: its probes come off, the slot after them.
             self.release_after(Some(slot), vec![native.take_probes()]);

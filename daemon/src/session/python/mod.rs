@@ -439,6 +439,9 @@ pub struct PySession {
     pub gone: std::collections::HashSet<u32>,
     /// How each process named by pid is counted, and why.
     pub counted: Vec<tracer_report::CountedWay>,
+    /// A launched command with its counter's loader, until it execs into CPython (see the
+    /// manager's `launched_exec`).
+    pub launch: Option<u32>,
 }
 
 /// Exited processes kept in [`PySession::gone`], at most.
@@ -687,7 +690,7 @@ impl PythonEnd {
                     .any(|w| w.pid == c.pid && w.way == "in-process");
             if pending {
                 warnings.push(format!(
-                    "pid {}: no thread reached a safe point while the session ran (all in native code), so it ran no Python and nothing was counted",
+                    "pid {}: its in-process counter never started (no thread reached a safe point while the session ran, or a launched command never ran a python3.X program of its own), so nothing was counted in it",
                     c.pid
                 ));
             }

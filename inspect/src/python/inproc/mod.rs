@@ -181,74 +181,14 @@ pub fn start(
 ) -> Result<Counter, String> {
     let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
     remote_exec::remote_debugging(pid).map_err(|e| e.to_string())?;
-    may_trace(pid)?;
-    let library = library()?;
-    let owner = fs_ids(pid)?;
-    let name = format!("tracer-{tag}-{pid}");
-    let target_dir = format!("/tmp/{name}");
-    let dir = Dir::make(pid, &name, owner)
-        .map_err(|e| format!("making {target_dir} in the process's root: {e}"))?;
-    journal::record(pid, &name, &dir, (0, 0));
-    let fail = |why: String| {
-        dir.remove(&name);
-        journal::forget(&name);
-        why
-    };
-    let lib =
-        fs::read(&library).map_err(|e| fail(format!("reading {}: {e}", library.display())))?;
-    let lib = dir.create(LIBRARY_AS, 0o644, &lib).map_err(fail)?;
-    let lib_id = lib
-        .metadata()
-        .map(|m| {
-            use std::os::unix::fs::MetadataExt;
-            (m.dev(), m.ino())
-        })
-        .map_err(|e| fail(e.to_string()))?;
-    journal::record(pid, &name, &dir, lib_id);
-    // Named as the counter names its children's: by the pid its own namespace knows.
-    let own = own_pid(pid).unwrap_or(pid);
-    let file_name = format!("{}{own}", inproc::FILE_PREFIX);
-    let size = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
-    let file = dir.create(&file_name, 0o600, &[]).map_err(fail)?;
-    file.set_len(size as u64)
-        .map_err(|e| fail(format!("sizing the counts file: {e}")))?;
-    // SAFETY: plain syscall on our own descriptor.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(fail(format!(
-            "locking the counts file: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    let map = Mapping::new(&file).map_err(|e| fail(format!("mapping the counts file: {e}")))?;
-    let header = Header::new(pid, state::PENDING, inproc::CAPS);
-    // SAFETY: the mapping starts with room for a header; nobody else writes it yet.
-    unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), header) };
-    let script = start_script(
-        &target_dir,
-        &format!("{target_dir}/{file_name}"),
-        &format!("{target_dir}/{LIBRARY_AS}"),
-    );
-    dir.create("start.py", 0o644, script.as_bytes())
-        .map_err(fail)?;
-    let start_path = format!("{target_dir}/start.py");
-    dir.seen_by(pid, &name).map_err(fail)?;
+    let (counter, start_path) = make(pid, tag, may_trace, None)?;
     let exe = pending::exe_of(pid);
     let mut asked = Vec::new();
-    remote_exec::request_more(&pin, &start_path, &mut asked).map_err(|e| fail(e.to_string()))?;
-    let counter = Counter {
-        pid,
-        files: Arc::new(Files {
-            pid,
-            own,
-            dir: Arc::new(dir),
-            map,
-        }),
-        name,
-        _file: file,
-        library: lib_id,
-        may_trace,
-        view: Mutex::new(None),
-    };
+    if let Err(e) = remote_exec::request_more(&pin, &start_path, &mut asked) {
+        counter.files.dir.remove(&counter.name);
+        journal::forget(&counter.name);
+        return Err(e.to_string());
+    }
     let started = Instant::now();
     let outcome = loop {
         match counter.files.map.state().load(Ordering::SeqCst) {
@@ -273,7 +213,7 @@ pub fn start(
                 // safe point, however late.
                 let watch = Watch {
                     pin,
-                    script: start_path,
+                    script: Some(start_path),
                     files: counter.files.clone(),
                     name: counter.name.clone(),
                     may_trace: counter.may_trace.clone(),
@@ -306,6 +246,130 @@ pub fn start(
             Err(why)
         }
     }
+}
+
+/// The loader a launched command is started with (`LD_PRELOAD`), beside tracerd.
+pub const PRELOAD: &str = "libtracer_pystart.so";
+/// Its name in the directory.
+const PRELOAD_AS: &str = "_tracer_pystart.so";
+
+/// Prepares in-process counting for a command tracerctl holds before its exec (`pid`, the
+/// caller's child): the directory, counter and start script as for [`start`], and the
+/// loader, which the command is to be started with: the variables to set for its exec (in
+/// words for the report on error). Nothing runs until a CPython 3.12+ program exec'd as
+/// `pid` reaches its first line (see `daemon/pystart`); `late` says what became of it, as
+/// for a request left pending. Until then the counter is [`Counter::pending`].
+pub fn launch(
+    pid: u32,
+    tag: &str,
+    may_trace: MayTrace,
+    late: Late,
+) -> Result<(Counter, Vec<(String, String)>), String> {
+    let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
+    let preload = files::beside_tracerd(PRELOAD)?;
+    let preload = fs::read(&preload).map_err(|e| format!("reading {}: {e}", preload.display()))?;
+    let (counter, start_path) = make(pid, tag, may_trace, Some(&preload))?;
+    let env = vec![
+        (
+            "LD_PRELOAD".to_owned(),
+            format!("/tmp/{}/{PRELOAD_AS}", counter.name),
+        ),
+        ("TRACER_PYSTART".to_owned(), start_path),
+    ];
+    let watch = Watch {
+        pin,
+        script: None,
+        files: counter.files.clone(),
+        name: counter.name.clone(),
+        may_trace: counter.may_trace.clone(),
+        asked: Vec::new(),
+        exe: None,
+    };
+    if let Err(e) = watch.spawn(late) {
+        counter.files.dir.remove(&counter.name);
+        journal::forget(&counter.name);
+        return Err(e);
+    }
+    Ok((counter, env))
+}
+
+/// Makes the directory in `pid`'s `/tmp` with the counter library, the locked counts file
+/// (PENDING), the start script and, for a launch, the `preload` loader: the counter, and the
+/// start script's path as the process sees it. On error nothing is left.
+fn make(
+    pid: u32,
+    tag: &str,
+    may_trace: MayTrace,
+    preload: Option<&[u8]>,
+) -> Result<(Counter, String), String> {
+    may_trace(pid)?;
+    let library = library()?;
+    let owner = fs_ids(pid)?;
+    let name = format!("tracer-{tag}-{pid}");
+    let target_dir = format!("/tmp/{name}");
+    let dir = Dir::make(pid, &name, owner)
+        .map_err(|e| format!("making {target_dir} in the process's root: {e}"))?;
+    journal::record(pid, &name, &dir, (0, 0));
+    let fail = |why: String| {
+        dir.remove(&name);
+        journal::forget(&name);
+        why
+    };
+    let lib =
+        fs::read(&library).map_err(|e| fail(format!("reading {}: {e}", library.display())))?;
+    let lib = dir.create(LIBRARY_AS, 0o644, &lib).map_err(fail)?;
+    let lib_id = lib
+        .metadata()
+        .map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        })
+        .map_err(|e| fail(e.to_string()))?;
+    journal::record(pid, &name, &dir, lib_id);
+    if let Some(preload) = preload {
+        dir.create(PRELOAD_AS, 0o644, preload).map_err(fail)?;
+    }
+    // Named as the counter names its children's: by the pid its own namespace knows.
+    let own = own_pid(pid).unwrap_or(pid);
+    let file_name = format!("{}{own}", inproc::FILE_PREFIX);
+    let size = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
+    let file = dir.create(&file_name, 0o600, &[]).map_err(fail)?;
+    file.set_len(size as u64)
+        .map_err(|e| fail(format!("sizing the counts file: {e}")))?;
+    // SAFETY: plain syscall on our own descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(fail(format!(
+            "locking the counts file: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let map = Mapping::new(&file).map_err(|e| fail(format!("mapping the counts file: {e}")))?;
+    let header = Header::new(pid, state::PENDING, inproc::CAPS);
+    // SAFETY: the mapping starts with room for a header; nobody else writes it yet.
+    unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), header) };
+    let script = start_script(
+        &target_dir,
+        &format!("{target_dir}/{file_name}"),
+        &format!("{target_dir}/{LIBRARY_AS}"),
+    );
+    dir.create("start.py", 0o644, script.as_bytes())
+        .map_err(fail)?;
+    dir.seen_by(pid, &name).map_err(fail)?;
+    let counter = Counter {
+        pid,
+        files: Arc::new(Files {
+            pid,
+            own,
+            dir: Arc::new(dir),
+            map,
+        }),
+        name,
+        _file: file,
+        library: lib_id,
+        may_trace,
+        view: Mutex::new(None),
+    };
+    Ok((counter, format!("{target_dir}/start.py")))
 }
 
 /// A counts file found in a counter's directory, mapped and checked.
@@ -618,7 +682,11 @@ impl Counter {
                 let path = format!("{target_dir}/{name}");
                 match remote_exec::request(&pin, &path) {
                     Ok(_) => scripts.push((pin, own, path)),
-                    Err(e) => tracing::debug!(pid, %e, "asking for the counter's removal"),
+                    // Before 3.14 no request can reach it: stopped, its callbacks answer
+                    // DISABLE until it exits.
+                    Err(e) => refused.push(format!(
+                        "pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {e}"
+                    )),
                 }
             }
         }

@@ -20,8 +20,9 @@ const LOOK_EVERY: Duration = Duration::from_millis(5);
 
 pub(super) struct Watch {
     pub(super) pin: Pinned,
-    /// The start script, as the process sees it.
-    pub(super) script: String,
+    /// The start script, as the process sees it, where it was requested through PEP 768
+    /// (None: a launch, whose loader runs it).
+    pub(super) script: Option<String>,
     pub(super) files: Arc<Files>,
     /// The directory's name.
     pub(super) name: String,
@@ -93,7 +94,9 @@ impl Watch {
                 _ => return,
             };
             // The threads not asked yet need not be; those that take it find it started.
-            let _ = remote_exec::withdraw(&self.pin, &self.script);
+            if let Some(script) = &self.script {
+                let _ = remote_exec::withdraw(&self.pin, script);
+            }
             late(outcome);
             return;
         }
@@ -105,6 +108,9 @@ impl Watch {
     /// file its old user could write), and it still finds the directory at the path it will
     /// open.
     fn ask_new_threads(&mut self) {
+        let Some(script) = self.script.clone() else {
+            return;
+        };
         let pid = self.pin.pid();
         let owner = self.files.dir.owner.0;
         let same_user = super::process::uids(pid).is_ok_and(|ids| ids.iter().all(|&u| u == owner));
@@ -116,7 +122,7 @@ impl Watch {
         {
             return;
         }
-        if let Err(e) = remote_exec::request_more(&self.pin, &self.script, &mut self.asked) {
+        if let Err(e) = remote_exec::request_more(&self.pin, &script, &mut self.asked) {
             tracing::debug!(pid, %e, "asking new threads to start the counter");
         }
     }

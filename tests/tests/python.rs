@@ -115,15 +115,17 @@ fn calls_and_primitive(m: &BTreeMap<String, Stats>) -> BTreeMap<String, (u64, Op
 }
 
 fn run_counted(d: &Daemon, python: &Path, script: &Path, args: &[&str]) -> Value {
-    run_counted_with(d, python, script, args, &[])
+    run_counted_with(d, python, script, args, &[], &[])
 }
 
+/// `how`: more start options (`--python-uprobes-only`).
 fn run_counted_with(
     d: &Daemon,
     python: &Path,
     script: &Path,
     args: &[&str],
     env: &[(&str, &str)],
+    how: &[&str],
 ) -> Value {
     let out_file = d.dir.path().join("py.json");
     let out = d
@@ -138,6 +140,7 @@ fn run_counted_with(
             "-o",
         ])
         .arg(&out_file)
+        .args(how)
         .arg("--")
         .arg(python)
         .arg(script)
@@ -182,14 +185,20 @@ fn ncalls_equal_cprofiles_on_every_interpreter() {
                 .is_some_and(|s| s.0 == 8361 && s.1 == Some(1)),
             "{py:?}: {truth:?}"
         );
-        let report = run_counted(&d, py, &wl, &[]);
-        check_losses(&report);
-        assert_eq!(
-            calls_and_primitive(&ours(&report, &wl)),
-            calls_and_primitive(&truth),
-            "{}",
-            py.display()
-        );
+        // In-process on 3.12+, and with the probes, which count every other way.
+        for how in [&[][..], &["--python-uprobes-only"]] {
+            if !how.is_empty() && minor_version(py) < 12 {
+                continue;
+            }
+            let report = run_counted_with(&d, py, &wl, &[], &[], how);
+            check_losses(&report);
+            assert_eq!(
+                calls_and_primitive(&ours(&report, &wl)),
+                calls_and_primitive(&truth),
+                "{} {how:?}",
+                py.display()
+            );
+        }
         println!(
             "{}: {} functions agree with cProfile",
             py.display(),
@@ -213,8 +222,23 @@ fn a_process_running_the_jit_is_told_its_counts_are_not_exact() {
     // Short: the report must say so even when the process ends before tracerd's next look.
     let wl = script("workload.py");
     let truth = calls(&ground_truth(&py, "cprofile", &wl, &["3"]));
+    // Counted in-process, the JIT leaves every call to sys.monitoring's events.
+    let report = run_counted_with(&d, &py, &wl, &["3"], &[("PYTHON_JIT", "1")], &[]);
+    assert_eq!(report["python"]["counted"][0]["way"], "in-process");
+    assert_eq!(
+        calls(&ours(&report, &wl)),
+        truth,
+        "in-process, PYTHON_JIT=1"
+    );
     for jit in ["1", "0"] {
-        let report = run_counted_with(&d, &py, &wl, &["3"], &[("PYTHON_JIT", jit)]);
+        let report = run_counted_with(
+            &d,
+            &py,
+            &wl,
+            &["3"],
+            &[("PYTHON_JIT", jit)],
+            &["--python-uprobes-only"],
+        );
         let warnings: Vec<&str> = report["python"]["warnings"]
             .as_array()
             .map(|w| w.iter().filter_map(Value::as_str).collect())

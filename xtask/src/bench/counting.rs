@@ -89,8 +89,9 @@ struct Interp {
 /// Set to 1, the shared builds of 3.14 and 3.15 run the micro-loops too (≈ 50 s each).
 const SHARED_VAR: &str = "TRACER_BENCH_SHARED";
 
-/// `python3`, then the wrappers for 3.14 and 3.15 that exist: the static ones, and the shared
-/// ones where [`SHARED_VAR`] asks for them.
+/// `python3`, pyenv's other 3.10-3.13 and the distribution's python3.11, then the wrappers
+/// for 3.14 and 3.15 that exist: the static ones, and the shared ones where [`SHARED_VAR`]
+/// asks for them.
 fn interpreters() -> Result<Vec<Interp>> {
     let host = python_executable()?;
     let mut all = vec![Interp {
@@ -98,6 +99,41 @@ fn interpreters() -> Result<Vec<Interp>> {
         python: host,
         pyperformance: true,
     }];
+    // The matrix: pyenv's other builds, and the distribution's stripped python3.11.
+    let pyenv = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pyenv")))
+        .map(|r| r.join("versions"));
+    let mut others: Vec<PathBuf> = pyenv
+        .and_then(|d| fs::read_dir(d).ok())
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|d| {
+            let name = d.file_name().to_string_lossy().into_owned();
+            let minor = (10..=13).find(|m| name.starts_with(&format!("3.{m}.")))?;
+            let exe = d.path().join(format!("bin/python3.{minor}"));
+            (!name.contains('t') && exe.exists()).then_some(exe)
+        })
+        .collect();
+    others.sort();
+    others.push("/usr/bin/python3.11".into());
+    for python in others.into_iter().filter(|p| p.exists()) {
+        let Ok(full) = version(&python) else { continue };
+        if all.iter().any(|i| i.label == full) {
+            continue;
+        }
+        let tag = if python.starts_with("/usr") {
+            " deb"
+        } else {
+            ""
+        };
+        all.push(Interp {
+            label: format!("{full}{tag}"),
+            python,
+            pyperformance: true,
+        });
+    }
     let shared = std::env::var_os(SHARED_VAR).is_some_and(|v| v == "1");
     let dir = crate::cpython::bin_dir();
     let mut missing = Vec::new();

@@ -97,7 +97,14 @@ impl Manager {
         let needed = tracer_inspect::python::discover::libpython_needed(pid, &exe);
         let name = exe.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let minor = tracer_inspect::python::runtime::minor_from_name(&exe);
+        let loader = py
+            .inproc
+            .iter()
+            .any(|c| c.pid == pid && c.launched_with_loader(pid));
         let why = match (minor, slot) {
+            (Some(_), _) if !loader => {
+                "its launcher did not start it with tracer's loader (SessionInfo.launch_env)".into()
+            }
             // A build with a `t` (free-threaded) is not the counter's.
             (Some(m), Some(slot)) if m >= 12 && name == format!("python3.{m}") => {
                 py.launch = None;

@@ -513,6 +513,33 @@ impl Counter {
         self.files.map.header().tool_id
     }
 
+    /// The start script's path, as the process sees it.
+    pub fn start_path(&self) -> String {
+        format!("/tmp/{}/start.py", self.name)
+    }
+
+    /// Whether `pid` (exec'd, held before its first instruction) has the loader of this
+    /// counter's launch in its environment: a launcher that did not set
+    /// `SessionInfo.launch_env` leaves its command to the probes.
+    pub fn launched_with_loader(&self, pid: u32) -> bool {
+        let Ok(env) = fs::read(format!("/proc/{pid}/environ")) else {
+            return false;
+        };
+        let script = format!("TRACER_PYSTART={}", self.start_path());
+        let preload = format!("/tmp/{}/{PRELOAD_AS}", self.name);
+        let mut vars = env.split(|&b| b == 0);
+        let (mut has_script, mut has_preload) = (false, false);
+        for v in &mut vars {
+            has_script |= v == script.as_bytes();
+            if let Some(list) = v.strip_prefix(b"LD_PRELOAD=") {
+                has_preload |= list
+                    .split(|&b| b == b':' || b == b' ')
+                    .any(|e| e == preload.as_bytes());
+            }
+        }
+        has_script && has_preload
+    }
+
     /// Whether its start request is still pending: no thread of the process has reached a
     /// safe point since it was made.
     pub fn pending(&self) -> bool {

@@ -3,7 +3,8 @@ prints its outcome as JSON: ["OK", response hex] or [status code, details].
 Usage: raw_request.py SOCKET METHOD REQUEST_HEX
 The request's bytes may hold the five bytes b"CHILD": they become the pid, as a five-byte varint
 (so lengths around it hold), of a child this script forks first, which sleeps 2 s and exits
-without an exec (a client's own child, held by nothing)."""
+without an exec (a client's own child, held by nothing), or after 5 s execs the JSON argv in
+RAW_CHILD_EXEC."""
 import json
 import os
 import sys
@@ -19,7 +20,13 @@ def main():
         # Before grpc starts its threads.
         child = os.fork()
         if child == 0:
-            time.sleep(2)
+            # RAW_CHILD_EXEC (a JSON argv): the child then execs it, as a launcher would,
+            # once the request surely was answered.
+            argv = os.environ.get("RAW_CHILD_EXEC")
+            time.sleep(5 if argv else 2)
+            if argv:
+                argv = json.loads(argv)
+                os.execv(argv[0], argv)
             os._exit(0)
         request = request.replace(b"CHILD", bytes([(child >> s) & 0x7F | 0x80 for s in (0, 7, 14, 21)] + [child >> 28]))
     # grpcio sends the socket path as :authority, which hyper rejects; any host name does.

@@ -9,6 +9,15 @@ use tracer_tests::{one_line_error, root_or_skip, script, ChildGuard, Daemon};
 /// One raw request (bytes as given, well-formed or not) through Python's grpcio:
 /// ("OK", response hex) or (status code name, details).
 fn raw(d: &Daemon, method: &str, request: &[u8]) -> Option<(String, String)> {
+    raw_with(d, method, request, &[])
+}
+
+fn raw_with(
+    d: &Daemon,
+    method: &str,
+    request: &[u8],
+    env: &[(&str, &str)],
+) -> Option<(String, String)> {
     let Some(py) = tracer_tests::grpc_python() else {
         tracer_testkit::skip(format_args!(
             "raw requests: no Python with grpcio (run via `cargo xtask test`)"
@@ -21,6 +30,7 @@ fn raw(d: &Daemon, method: &str, request: &[u8]) -> Option<(String, String)> {
         .arg(&d.socket)
         .arg(method)
         .arg(hex)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert!(
@@ -330,4 +340,65 @@ fn a_function_the_kernel_will_not_probe_is_skipped_and_named() {
         "{line}"
     );
     assert!(line.contains("os error"), "{line}");
+}
+
+/// A client that launches a command without the loader's variables (`SessionInfo.launch_env`)
+/// has it counted with the probes, from its first instruction, saying why.
+#[test]
+fn a_launch_without_the_loader_is_counted_with_the_probes() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = tracer_tests::interpreters().into_iter().find(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("python3."))
+            .and_then(|m| m.parse::<u32>().ok())
+            .is_some_and(|m| m >= 12)
+    }) else {
+        tracer_testkit::skip(format_args!("no CPython 3.12+ found"));
+        return;
+    };
+    let d = Daemon::start();
+    let file = d.dir.path().join("calls.py");
+    std::fs::write(
+        &file,
+        "def f(n):\n    return n\nfor i in range(1000):\n    f(i)\n",
+    )
+    .unwrap();
+    let argv = serde_json::json!([py, file]).to_string();
+    let mut target = vec![0x08];
+    target.extend(b"CHILD");
+    target.extend([0x18, 0x01]);
+    let mut req = start_counting(&target);
+    // CountingOptions { python: true }.
+    req.extend(bytes_field(4, &[0x10, 0x01]));
+    let Some((code, details)) = raw_with(&d, "StartSession", &req, &[("RAW_CHILD_EXEC", &argv)])
+    else {
+        return;
+    };
+    assert_eq!(code, "OK", "{details}");
+    let id = d.newest_session("");
+    tracer_tests::wait_until(30, "the session to end", || {
+        d.ok(&["status", &id]).contains("target exited")
+    });
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let counted = &report["python"]["counted"][0];
+    assert_eq!(counted["way"], "uprobes", "{counted}");
+    assert!(
+        counted["why"].as_str().unwrap().contains("launch_env"),
+        "{counted}"
+    );
+    let f = report["python"]["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["qualname"] == "f")
+        .cloned();
+    assert_eq!(
+        f.map(|f| f["ncalls"].clone()),
+        Some(1000.into()),
+        "{}",
+        py.display()
+    );
 }

@@ -282,6 +282,14 @@ impl CudaSession {
     /// Looks at the CUDA libraries `pid` maps: whether it maps any, and the jobs that probe
     /// those not probed yet (for [`CudaJob::run`] on another thread, back through
     /// [`Self::adopt`]). `found_by`: what made this look ("start", "mmap", "look").
+    /// A followed process just exec'd, held before its first instruction: its mappings (the
+    /// executable, the loader) are kept for the callers of its launches.
+    pub fn keep_exec(&mut self, pid: u32) {
+        if let Ok(maps) = ProcMaps::read(pid) {
+            self.callers.keep(pid, &maps);
+        }
+    }
+
     pub fn look(&mut self, pid: u32, found_by: &str) -> (bool, Vec<CudaJob>) {
         crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {

@@ -208,7 +208,7 @@ impl Manager {
             _ => None,
         };
         self.release_after(s.slot, probes);
-        if s.owner_uid != 0 {
+        if s.owner_uid != 0 || s.cuda.is_some() {
             // Its processes no longer wait at exec.
             self.update_python_masks();
         }

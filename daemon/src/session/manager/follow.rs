@@ -40,6 +40,13 @@ impl Manager {
             {
                 s.command = Some(comm());
             }
+            if ev.kind == PROC_EVENT_EXEC {
+                if let Some(c) = s.cuda.as_mut() {
+                    // Held (EXEC_HOLD): its executable's mapping is kept for the callers of
+                    // launches it may make and exit before they are read.
+                    c.keep_exec(ev.pid);
+                }
+            }
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => {
                     s.followed += 1;

@@ -88,6 +88,8 @@ struct Interp {
 
 /// Set to 1, the shared builds of 3.14 and 3.15 run the micro-loops too (≈ 50 s each).
 const SHARED_VAR: &str = "TRACER_BENCH_SHARED";
+/// Versions to run (`3.12,3.14`); all at hand when unset.
+const PYTHONS_VAR: &str = "TRACER_BENCH_PYTHONS";
 
 /// `python3`, pyenv's other 3.10-3.13 and the distribution's python3.11, then the wrappers
 /// for 3.14 and 3.15 that exist: the static ones, and the shared ones where [`SHARED_VAR`]
@@ -173,6 +175,14 @@ fn interpreters() -> Result<Vec<Interp>> {
         println!(
             "3.14/3.15's shared builds (a launcher linked to libpython) not run: {SHARED_VAR}=1 adds them to the micro-loops"
         );
+    }
+    // A shorter run: `TRACER_BENCH_PYTHONS=3.12,3.14` keeps the interpreters whose version
+    // starts so.
+    if let Some(only) = std::env::var_os(PYTHONS_VAR) {
+        let only = only.to_string_lossy().into_owned();
+        let keep: Vec<&str> = only.split(',').map(str::trim).collect();
+        all.retain(|i| keep.iter().any(|k| i.label.starts_with(&format!("{k}."))));
+        println!("{PYTHONS_VAR}={only}: {} interpreters", all.len());
     }
     Ok(all)
 }

@@ -351,6 +351,7 @@ fn make(
         &target_dir,
         &format!("{target_dir}/{file_name}"),
         &format!("{target_dir}/{LIBRARY_AS}"),
+        preload.is_some(),
     );
     dir.create("start.py", 0o644, script.as_bytes())
         .map_err(fail)?;

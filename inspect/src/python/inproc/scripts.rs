@@ -16,9 +16,13 @@ const EVENTS: &str = "(E.PY_START, module.py_start), (E.PY_RESUME, module.py_res
 /// the interpreter would print the exception on the program's stderr. When it does not
 /// count (tracerd gave up waiting, or it cannot), it deletes the directory's files itself:
 /// tracerd has withdrawn the other threads' requests by then.
-pub(super) fn start_script(dir: &str, counts: &str, library: &str) -> String {
+///
+/// `at_exit`: the counter stops when the interpreter starts to exit (atexit), as
+/// `python -m cProfile` stops once the script is done: what finalisation runs (a generator
+/// abandoned in a global, closed then) is not the program's run.
+pub(super) fn start_script(dir: &str, counts: &str, library: &str, at_exit: bool) -> String {
     format!(
-        r#"def _tracer_pycount(directory, counts, library):
+        r#"def _tracer_pycount(directory, counts, library, at_exit):
     import os, sys
     monitoring = sys.monitoring
 
@@ -81,6 +85,9 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str) -> String {
             cleanup()
             return
         started = True
+        if at_exit:
+            import atexit
+            atexit.register(module.stop)
         E = monitoring.events
         for event, callback in ({EVENTS}):
             monitoring.register_callback(tool, event, callback)
@@ -95,11 +102,12 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str) -> String {
                 monitoring.free_tool_id(tool)
         except BaseException:
             pass
-_tracer_pycount({}, {}, {})
+_tracer_pycount({}, {}, {}, {})
 "#,
         py_str(dir),
         py_str(counts),
-        py_str(library)
+        py_str(library),
+        if at_exit { "True" } else { "False" }
     )
 }
 
@@ -152,9 +160,9 @@ mod tests {
 
     #[test]
     fn scripts_are_python_with_their_paths_quoted() {
-        let s = start_script("/tmp/a b", "/tmp/a b/counts.1", "/tmp/a \"b\"/lib.so");
+        let s = start_script("/tmp/a b", "/tmp/a b/counts.1", "/tmp/a \"b\"/lib.so", true);
         assert!(s.contains(
-            r#"_tracer_pycount("/tmp/a b", "/tmp/a b/counts.1", "/tmp/a \"b\"/lib.so")"#
+            r#"_tracer_pycount("/tmp/a b", "/tmp/a b/counts.1", "/tmp/a \"b\"/lib.so", True)"#
         ));
         assert!(s.contains("monitoring.set_events(tool, E.PY_START"));
         let r = remove_script(3, "/tmp/x/counts.7");

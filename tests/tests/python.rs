@@ -75,6 +75,23 @@ fn minor_version(python: &Path) -> u32 {
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }
 
+/// `truth` (where [`ground_truth`] takes out the call a profiler adds when `main` closes
+/// the suspended generator `abandoned`, from 3.14) as an in-process count has it: the
+/// counter is such a profiler and counts that call, as cProfile does (docs/PYTHON.md).
+fn with_close_throw<V>(
+    truth: &BTreeMap<String, V>,
+    plus_one: impl Fn(&V) -> V,
+) -> BTreeMap<String, V>
+where
+    V: Clone,
+{
+    let mut t = truth.clone();
+    if let Some(v) = t.get_mut("17:abandoned") {
+        *v = plus_one(v);
+    }
+    t
+}
+
 /// tracer's numbers for the functions of `script`, keyed like the ground truth.
 fn ours(report: &Value, script: &Path) -> BTreeMap<String, Stats> {
     let mut out = BTreeMap::new();
@@ -192,12 +209,12 @@ fn ncalls_equal_cprofiles_on_every_interpreter() {
             }
             let report = run_counted_with(&d, py, &wl, &[], &[], how);
             check_losses(&report);
-            assert_eq!(
-                calls_and_primitive(&ours(&report, &wl)),
-                calls_and_primitive(&truth),
-                "{} {how:?}",
-                py.display()
-            );
+            let got = calls_and_primitive(&ours(&report, &wl));
+            let mut want = calls_and_primitive(&truth);
+            if how.is_empty() && minor_version(py) >= 14 {
+                want = with_close_throw(&want, |&(n, p)| (n + 1, p.map(|p| p + 1)));
+            }
+            assert_eq!(got, want, "{} {how:?}", py.display());
         }
         println!(
             "{}: {} functions agree with cProfile",
@@ -273,7 +290,13 @@ fn threads_are_counted_like_the_profile_hook() {
         assert_eq!(workers.map(|(_, n)| *n), Some(4), "{truth:?}");
         let report = run_counted(&d, &py, &wl, &["threads"]);
         check_losses(&report);
-        assert_eq!(calls(&ours(&report, &wl)), truth, "{}", py.display());
+        let got = calls(&ours(&report, &wl));
+        let truth = if minor_version(&py) >= 14 {
+            with_close_throw(&truth, |n| n + 1)
+        } else {
+            truth
+        };
+        assert_eq!(got, truth, "{}", py.display());
     }
 }
 

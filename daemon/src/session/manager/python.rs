@@ -88,6 +88,17 @@ impl Manager {
     /// then left to it; true when so. A program on the way to one (a shell, a wrapper) leaves
     /// the question to its next exec; anything else is counted with the probes.
     pub(super) fn launched_exec(&mut self, py: &mut PySession, slot: Option<u8>, pid: u32) -> bool {
+        // A process carrying the loader into a root without tracer's directory (a chroot, a
+        // mount namespace of its own) would have the dynamic loader print an error: the
+        // loader comes out of its environment first, and it is counted with the probes.
+        let unreachable = py
+            .inproc
+            .iter()
+            .find(|c| c.launched_with_loader(pid) && !c.seen_by(pid))
+            .map(|c| c.unload(pid));
+        if let Some(Err(e)) = &unreachable {
+            tracing::warn!(pid, %e, "taking tracer's loader out of a process's environment");
+        }
         if py.launch != Some(pid) {
             return false;
         }
@@ -102,6 +113,9 @@ impl Manager {
             .iter()
             .any(|c| c.pid == pid && c.launched_with_loader(pid));
         let why = match (minor, slot) {
+            _ if unreachable.is_some() => {
+                "its root does not hold tracer's directory (a chroot or a mount namespace of its own)".into()
+            }
             (Some(_), _) if !loader => {
                 "its launcher did not start it with tracer's loader (SessionInfo.launch_env)".into()
             }

@@ -32,7 +32,7 @@ pub fn launch(
             "LD_PRELOAD".to_owned(),
             format!("/tmp/{}/{PRELOAD_AS}", counter.name),
         ),
-        ("TRACER_PYSTART".to_owned(), start_path),
+        (SCRIPT_VAR.to_owned(), start_path),
     ];
     let watch = Watch {
         pin,
@@ -59,7 +59,7 @@ impl Counter {
         let Ok(env) = fs::read(format!("/proc/{pid}/environ")) else {
             return false;
         };
-        let script = format!("TRACER_PYSTART={}", self.start_path());
+        let script = format!("{SCRIPT_VAR}={}", self.start_path());
         let preload = format!("/tmp/{}/{PRELOAD_AS}", self.name);
         let mut vars = env.split(|&b| b == 0);
         let (mut has_script, mut has_preload) = (false, false);
@@ -74,3 +74,66 @@ impl Counter {
         has_script && has_preload
     }
 }
+
+impl Counter {
+    /// Whether `pid` finds this counter's directory at the path its loader names (a process
+    /// that chroot'ed or entered another mount namespace on the way does not).
+    pub fn seen_by(&self, pid: u32) -> bool {
+        self.files.dir.seen_by(pid, &self.name).is_ok()
+    }
+
+    /// Takes the loader out of the environment of `pid`, held at its exec before the dynamic
+    /// loader ran (EXEC_HOLD), where it could not load it: the dynamic loader would print an
+    /// error on the program's stderr. Our `LD_PRELOAD` entry becomes separators (the user's
+    /// own entries stay), and the `TRACER_PYSTART` entry an empty string, which getenv and
+    /// Python's `os.environ` skip. The strings keep their length and place.
+    pub fn unload(&self, pid: u32) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
+        let rest = stat.rsplit_once(')').ok_or("unreadable stat")?.1;
+        // Fields 50 and 51 (env_start, env_end); the fields after the name start at 3.
+        let mut f = rest.split_whitespace().skip(47);
+        let (start, end): (u64, u64) = match (f.next(), f.next()) {
+            (Some(a), Some(b)) => (
+                a.parse().map_err(|_| "env_start")?,
+                b.parse().map_err(|_| "env_end")?,
+            ),
+            _ => return Err("stat has no environment bounds".into()),
+        };
+        if end <= start || end - start > 1 << 20 {
+            return Err("the environment's bounds are not plausible".into());
+        }
+        let mem = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))
+            .map_err(|e| e.to_string())?;
+        let mut env = vec![0u8; (end - start) as usize];
+        mem.read_exact_at(&mut env, start)
+            .map_err(|e| format!("reading its environment: {e}"))?;
+        let script = format!("{SCRIPT_VAR}={}", self.start_path());
+        let preload = format!("/tmp/{}/{PRELOAD_AS}", self.name);
+        let mut at = 0usize;
+        for entry in env.split(|&b| b == 0) {
+            let here = start + at as u64;
+            if entry == script.as_bytes() {
+                mem.write_all_at(&[0], here).map_err(|e| e.to_string())?;
+            } else if let Some(list) = entry.strip_prefix(b"LD_PRELOAD=") {
+                let base = here + "LD_PRELOAD=".len() as u64;
+                let mut off = 0usize;
+                for e in list.split(|&b| b == b':' || b == b' ') {
+                    if e == preload.as_bytes() {
+                        mem.write_all_at(&vec![b':'; e.len()], base + off as u64)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    off += e.len() + 1;
+                }
+            }
+            at += entry.len() + 1;
+        }
+        Ok(())
+    }
+}
+
+/// The variable naming the start script (`daemon/pystart`).
+const SCRIPT_VAR: &str = "TRACER_PYSTART";

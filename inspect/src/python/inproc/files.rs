@@ -441,6 +441,18 @@ impl Mapping {
         self.word(std::mem::offset_of!(Header, state))
     }
 
+    /// PENDING → CANCELLED: exactly one of tracerd and the start script decides a pending
+    /// counter's fate.
+    pub(super) fn cancel(&self) -> Result<u32, u32> {
+        use std::sync::atomic::Ordering;
+        self.state().compare_exchange(
+            tracer_common::inproc::state::PENDING,
+            tracer_common::inproc::state::CANCELLED,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        )
+    }
+
     pub(super) fn busy(&self) -> &AtomicU32 {
         self.word(std::mem::offset_of!(Header, busy))
     }

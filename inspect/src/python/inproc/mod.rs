@@ -202,12 +202,7 @@ pub fn start(
             }
             _ if counter.files.dir.exists(LOAD_ERROR) => {
                 let why = counter.files.dir.read_text(LOAD_ERROR).unwrap_or_default();
-                let _ = counter.files.map.state().compare_exchange(
-                    state::PENDING,
-                    state::CANCELLED,
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                );
+                let _ = counter.files.map.cancel();
                 break Err(why);
             }
             _ if started.elapsed() >= wait => {
@@ -543,18 +538,7 @@ impl Counter {
         }
         // Exactly one of tracerd and the start script decides; a script run later finds the
         // session gone and deletes the files itself.
-        if self
-            .files
-            .map
-            .state()
-            .compare_exchange(
-                state::PENDING,
-                state::CANCELLED,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            )
-            .is_ok()
-        {
+        if self.files.map.cancel().is_ok() {
             if let Ok(pin) = Pinned::open(self.pid) {
                 let _ = remote_exec::withdraw(&pin, &format!("/tmp/{}/start.py", self.name));
             }

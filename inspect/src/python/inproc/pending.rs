@@ -66,16 +66,7 @@ impl Watch {
                 state::PENDING if self.files.dir.exists(LOAD_ERROR) => {
                     // The script ran and will not again: one of tracerd and a later run
                     // of it decides, as at the start.
-                    if map
-                        .state()
-                        .compare_exchange(
-                            state::PENDING,
-                            state::CANCELLED,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        )
-                        .is_err()
-                    {
+                    if map.cancel().is_err() {
                         continue;
                     }
                     Err(self.files.dir.read_text(LOAD_ERROR).unwrap_or_default())

@@ -205,7 +205,7 @@ pub struct PythonReport {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct CountedWay {
     pub pid: u32,
-    /// "in-process" or "uprobes".
+    /// "in-process", "uprobes", or "in-process, then uprobes" (a handover).
     pub way: String,
     /// Why that way (for uprobes: why not in-process).
     pub why: String,

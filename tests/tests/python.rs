@@ -202,11 +202,8 @@ fn ncalls_equal_cprofiles_on_every_interpreter() {
                 .is_some_and(|s| s.0 == 8361 && s.1 == Some(1)),
             "{py:?}: {truth:?}"
         );
-        // In-process on 3.12+, and with the probes, which count every other way.
+        // In-process, and with the probes, which count every other way.
         for how in [&[][..], &["--python-uprobes-only"]] {
-            if !how.is_empty() && minor_version(py) < 12 {
-                continue;
-            }
             let report = run_counted_with(&d, py, &wl, &[], &[], how);
             check_losses(&report);
             let got = calls_and_primitive(&ours(&report, &wl));
@@ -944,7 +941,8 @@ fn forked_children_are_counted_exactly() {
 
 /// The traced program profiles itself (cProfile, then a sys.setprofile hook: sys.monitoring
 /// on 3.12+, which re-instruments every code object when a tool comes or goes, and runs each
-/// stale RESUME twice): tracer's counts equal the profilers' in the same process.
+/// stale RESUME twice; before 3.12 a handover from tracer's profile function to the probes):
+/// tracer's counts equal the profilers' in the same process.
 #[test]
 fn counts_hold_while_the_program_profiles_itself() {
     if !root_or_skip() {
@@ -983,6 +981,15 @@ fn counts_hold_while_the_program_profiles_itself() {
                 "{} under {mode}",
                 py.display()
             );
+            // Before 3.12 the program's profile function takes the place of tracer's, which
+            // hands the process over to the probes.
+            let way = if minor_version(&py) < 12 {
+                "in-process, then uprobes"
+            } else {
+                "in-process"
+            };
+            let counted = &report["python"]["counted"][0];
+            assert_eq!(counted["way"], way, "{}: {counted}", py.display());
         }
     }
 }

@@ -387,12 +387,7 @@ pub fn refuse(path: &[u8], why: &str) -> Result<(), String> {
     // SAFETY: mapped and aligned; tracerd accesses `state` atomically too.
     let st = unsafe { AtomicU32::from_ptr(&raw mut (*hdr).state) };
     if st.load(Ordering::Acquire) == state::PENDING {
-        let mut buf = [0u8; 256];
-        let mut n = why.len().min(buf.len() - 1);
-        while !why.is_char_boundary(n) {
-            n -= 1;
-        }
-        buf[..n].copy_from_slice(&why.as_bytes()[..n]);
+        let buf = why_bytes(why);
         // The reason goes in first: whoever sees REFUSED sees why. Were the file cancelled
         // meanwhile, `why` of a cancelled file means nothing.
         // SAFETY: inside the mapped header.
@@ -407,6 +402,32 @@ pub fn refuse(path: &[u8], why: &str) -> Result<(), String> {
     // SAFETY: the mapping made above.
     unsafe { libc::munmap(base, inproc::HEADER_SIZE) };
     Ok(())
+}
+
+/// `why` as the header holds it: NUL-padded, cut at a character boundary.
+fn why_bytes(why: &str) -> [u8; 256] {
+    let mut buf = [0u8; 256];
+    let mut n = why.len().min(buf.len() - 1);
+    while !why.is_char_boundary(n) {
+        n -= 1;
+    }
+    buf[..n].copy_from_slice(&why.as_bytes()[..n]);
+    buf
+}
+
+impl Shared {
+    /// A counter that took its file but could not go on counting: RUNNING → REFUSED, with
+    /// the reason, which goes in first.
+    pub fn refuse_running(&self, why: &str) {
+        // SAFETY: inside the mapped header.
+        unsafe { ptr::write_volatile(&raw mut (*self.hdr).why, why_bytes(why)) };
+        let _ = self.state().compare_exchange(
+            state::RUNNING,
+            state::REFUSED,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
 }
 
 /// A forked child's own file, `<dir>/counts.<pid>`, shaped like `parent`, RUNNING.

@@ -1,12 +1,15 @@
 //! `libtracer_pycount.so`: the CPython extension module `_tracer_pycount`, which counts a
 //! process's Python calls from inside it with `sys.monitoring` (PEP 669) callbacks written in
-//! C, into the file tracerd shares with it (`tracer_common::inproc`). tracerd has the
+//! C (a C profile function on 3.10 and 3.11), into the file tracerd shares with it (`tracer_common::inproc`). tracerd has the
 //! interpreter run a script (PEP 768) that loads the module, calls `start`, registers the six
 //! callbacks below under a free tool id and turns their events on.
 //!
 //! Module functions (all positional):
 //! - `start(path, tool_id, disable) -> bool`: takes the session's file over (PENDING →
 //!   RUNNING); False when tracerd gave up on it already. `disable` is `sys.monitoring.DISABLE`.
+//! - `start_profile(path) -> bool`: as `start`, for CPython 3.10 and 3.11: a C profile
+//!   function on every thread state, later threads' too (`profile.rs`), rather than
+//!   `sys.monitoring` callbacks.
 //! - `refuse(path, why)`: PENDING → REFUSED, with the reason.
 //! - `stop() -> int`: RUNNING → STOPPED, lets go of everything; returns the tool id (-1: never
 //!   started).
@@ -21,6 +24,7 @@
 mod clock;
 mod ffi;
 mod file;
+mod profile;
 
 use std::{
     cell::UnsafeCell,
@@ -286,7 +290,10 @@ impl Counter {
         // SAFETY: GIL held; `code` is the live code object the interpreter passed.
         unsafe { Py_IncRef(code) };
         self.held.push(code);
-        let qualname = self.name(code, c"co_qualname", false);
+        // 3.10 has no co_qualname: named by co_name there, as cProfile does.
+        let qualname = self
+            .name(code, c"co_qualname", false)
+            .or_else(|| self.name(code, c"co_name", false));
         let filename = self.name(code, c"co_filename", true);
         let line = firstlineno(code);
         let sh = self.shared;
@@ -332,17 +339,23 @@ impl Counter {
         r
     }
 
-    /// tracerd holds an exclusive lock on the session's file while it lives.
-    #[cold]
-    fn check_orphan(&self) {
+    /// tracerd is gone: it holds an exclusive lock on the session's file while it lives.
+    fn orphaned(&self) -> bool {
         if self.lock_fd < 0 {
-            return;
+            return false;
         }
         // SAFETY: our own descriptor; non-blocking.
         let got = unsafe { libc::flock(self.lock_fd, libc::LOCK_SH | libc::LOCK_NB) } == 0;
         if got {
             // SAFETY: as above.
             unsafe { libc::flock(self.lock_fd, libc::LOCK_UN) };
+        }
+        got
+    }
+
+    #[cold]
+    fn check_orphan(&self) {
+        if self.orphaned() {
             let _ = self.shared.state().compare_exchange(
                 state::RUNNING,
                 state::ORPHANED,
@@ -494,66 +507,80 @@ unsafe extern "C" fn start(
             PyErr_Clear();
             return raise("start: tool_id must be an int in 0..=5");
         }
+        match take(&path, tool_id as u32, a[2]) {
+            Ok(won) => PyBool_FromLong(c_long::from(won)),
+            Err(e) => raise(&format!("start: {e}")),
+        }
+    }
+}
+
+/// Takes the session's file at `path` over (PENDING → RUNNING) and makes it this process's
+/// counter: `tool_id` goes into the file, `disable` (a borrowed reference, or null) is what
+/// callbacks answer once counting has ended. False when tracerd gave up on it already.
+///
+/// # Safety
+/// The GIL is held; `disable` is null or a live object.
+unsafe fn take(path: &[u8], tool_id: u32, disable: *mut PyObject) -> Result<bool, String> {
+    // SAFETY: the caller's promise.
+    unsafe {
         let g = counter();
         if g.live && g.shared.state().load(Ordering::Acquire) == state::RUNNING {
-            return raise("start: already counting");
+            return Err("already counting".into());
         }
         // What an ended session left (stopped by tracerd without `stop()`, or a forked
-        // child's view of its parent's) goes first.
+        // child's view of its parent's) goes first, once `g` is no longer borrowed.
         let old = if g.shared.is_mapped() {
             g.stop()
         } else {
             Vec::new()
         };
-        let opened = file::open_session(&path);
-        let result = match opened {
-            Err(e) => raise(&format!("start: {e}")),
-            Ok((fd, mut sh)) => {
-                // A request left pending may be taken long after tracerd died (it holds an
-                // exclusive lock on the file while it lives): then nobody would read the
-                // counts, and nothing starts.
-                let orphaned = libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) == 0;
-                if orphaned {
-                    libc::flock(fd, libc::LOCK_UN);
-                }
-                let won = !orphaned
-                    && sh
-                        .state()
-                        .compare_exchange(
-                            state::PENDING,
-                            state::RUNNING,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        )
-                        .is_ok();
-                if won {
-                    ptr::write_volatile(&raw mut (*sh.hdr).tool_id, tool_id as u32);
-                    ptr::write_volatile(&raw mut (*sh.hdr).pid, libc::getpid() as u32);
-                    g.shared = sh;
-                    g.fd = fd;
-                    g.lock_fd = fd;
-                    g.dir = dir_of(&path);
-                    g.tool_id = tool_id;
-                    g.live = true;
-                    g.ticks = 0;
-                    g.clock.start();
-                    g.generation += 1;
-                    g.filenames.clear();
-                    let previous = std::mem::replace(&mut g.disable, a[2]);
-                    Py_IncRef(a[2]);
-                    if !previous.is_null() {
-                        Py_DecRef(previous);
-                    }
-                    ATFORK.call_once(|| {
-                        libc::pthread_atfork(None, None, Some(forked_child));
-                    });
-                } else {
-                    sh.unmap();
-                    libc::close(fd);
-                }
-                PyBool_FromLong(c_long::from(won))
+        let result = file::open_session(path).map(|(fd, mut sh)| {
+            // A request left pending may be taken long after tracerd died (it holds an
+            // exclusive lock on the file while it lives): then nobody would read the
+            // counts, and nothing starts.
+            let orphaned = libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) == 0;
+            if orphaned {
+                libc::flock(fd, libc::LOCK_UN);
             }
-        };
+            let won = !orphaned
+                && sh
+                    .state()
+                    .compare_exchange(
+                        state::PENDING,
+                        state::RUNNING,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_ok();
+            if won {
+                ptr::write_volatile(&raw mut (*sh.hdr).tool_id, tool_id);
+                ptr::write_volatile(&raw mut (*sh.hdr).pid, libc::getpid() as u32);
+                g.shared = sh;
+                g.fd = fd;
+                g.lock_fd = fd;
+                g.dir = dir_of(path);
+                g.tool_id = c_long::from(tool_id);
+                g.live = true;
+                g.ticks = 0;
+                g.clock.start();
+                g.generation += 1;
+                g.filenames.clear();
+                let previous = std::mem::replace(&mut g.disable, disable);
+                if !disable.is_null() {
+                    Py_IncRef(disable);
+                }
+                if !previous.is_null() {
+                    Py_DecRef(previous);
+                }
+                ATFORK.call_once(|| {
+                    libc::pthread_atfork(None, None, Some(forked_child));
+                });
+            } else {
+                sh.unmap();
+                libc::close(fd);
+            }
+            won
+        });
         for o in old {
             Py_DecRef(o);
         }
@@ -643,7 +670,7 @@ callbacks! {
     py_unwind: false, false;
 }
 
-static mut METHODS: [PyMethodDef; 10] = [
+static mut METHODS: [PyMethodDef; 11] = [
     PyMethodDef::fastcall(
         c"start",
         start,
@@ -658,6 +685,11 @@ static mut METHODS: [PyMethodDef; 10] = [
         c"stop",
         stop,
         c"stop() -> int: stop counting; returns the tool id used (-1: none)",
+    ),
+    PyMethodDef::fastcall(
+        c"start_profile",
+        profile::start_profile,
+        c"start_profile(path) -> bool: as start, with a C profile function on every thread (3.10, 3.11)",
     ),
     PyMethodDef::fastcall(c"py_start", py_start, c"PY_START callback"),
     PyMethodDef::fastcall(c"py_resume", py_resume, c"PY_RESUME callback"),

@@ -1,4 +1,4 @@
-//! Loads libtracer_pycount.so into real interpreters (pyenv's 3.12 and 3.13, and Debian's
+//! Loads libtracer_pycount.so into real interpreters (pyenv's 3.10 to 3.13, and Debian's
 //! 3.14 and 3.15 through `target/cpython-bin`'s wrappers where `cargo xtask setup` made
 //! them), drives it as tracerd's script would (tests/pycount_workload.py) and checks what it
 //! wrote into the shared files against sys.setprofile's and cProfile's counts of the same
@@ -61,9 +61,27 @@ fn library() -> PathBuf {
 
 /// The interpreters to run, by name; missing ones are reported and skipped.
 fn interpreters() -> Vec<(String, PathBuf)> {
+    let mut found = pyenv(&["3.12", "3.13"]);
+    let wrappers = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/cpython-bin/static");
+    for minor in ["3.14", "3.15"] {
+        let python = wrappers.join(format!("python{minor}"));
+        if python.exists() {
+            found.push((minor.to_string(), python));
+        } else {
+            tracer_testkit::skip(format_args!(
+                "no {} (made by `cargo xtask setup`)",
+                python.display()
+            ));
+        }
+    }
+    found
+}
+
+/// pyenv's newest build of each of `minors`; missing ones are reported and skipped.
+fn pyenv(minors: &[&str]) -> Vec<(String, PathBuf)> {
     let mut found = Vec::new();
     let pyenv = std::env::var_os("HOME").map(|h| Path::new(&h).join(".pyenv/versions"));
-    for minor in ["3.12", "3.13"] {
+    for &minor in minors {
         let best = pyenv
             .as_ref()
             .and_then(|d| fs::read_dir(d).ok())
@@ -82,18 +100,6 @@ fn interpreters() -> Vec<(String, PathBuf)> {
             None => tracer_testkit::skip(format_args!(
                 "no pyenv CPython {minor} (~/.pyenv/versions/{minor}.*)"
             )),
-        }
-    }
-    let wrappers = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/cpython-bin/static");
-    for minor in ["3.14", "3.15"] {
-        let python = wrappers.join(format!("python{minor}"));
-        if python.exists() {
-            found.push((minor.to_string(), python));
-        } else {
-            tracer_testkit::skip(format_args!(
-                "no {} (made by `cargo xtask setup`)",
-                python.display()
-            ));
         }
     }
     found
@@ -426,6 +432,142 @@ fn counts_match_setprofile_across_threads_and_fork() {
             child.calls.len(),
             child.edges.len()
         );
+        drop(f);
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
+
+/// CPython 3.10 and 3.11 (no sys.monitoring): the profile function counts what
+/// sys.setprofile sees, on every thread and in a forked child. It takes sys.setprofile's
+/// place, so the ground truth comes from a second run of the same (deterministic) workload.
+#[test]
+fn profile_function_counts_match_setprofile() {
+    let so = library();
+    let mut pythons = pyenv(&["3.10", "3.11"]);
+    // Debian's: stripped, libpython linked in statically.
+    let debian = Path::new("/usr/bin/python3.11");
+    if debian.exists() {
+        pythons.push(("debian-3.11".into(), debian.into()));
+    }
+    for (version, py) in pythons {
+        let dir = workdir(&format!("profile{version}"));
+        let truth = python(&py, &[&"truth", &dir]);
+        let file = dir.join("session");
+        let f = session_file(&file, state::PENDING);
+        lock(&f);
+        let counted = python(&py, &[&"profile", &so, &file]);
+        assert_eq!(
+            String::from_utf8_lossy(&counted.stdout),
+            String::from_utf8_lossy(&truth.stdout),
+            "{version}: counting changed the program's output"
+        );
+        assert!(
+            counted.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&counted.stderr)
+        );
+        let parent = read_counts(&file);
+        assert_eq!(parent.header.state, state::STOPPED);
+        assert_eq!(parent.header.tool_id, inproc::PROFILE_FUNCTION);
+        compare(
+            &format!("{version} parent"),
+            &parent,
+            &dir.join("gt.parent"),
+            20,
+        );
+        let children: Vec<PathBuf> = fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(inproc::FILE_PREFIX))
+            })
+            .collect();
+        assert_eq!(
+            children.len(),
+            1,
+            "{version}: one forked child: {children:?}"
+        );
+        let child = read_counts(&children[0]);
+        assert_eq!(child.header.state, state::STOPPED, "the child's stop()");
+        assert_eq!(child.header.tool_id, inproc::PROFILE_FUNCTION);
+        compare(
+            &format!("{version} child"),
+            &child,
+            &dir.join("gt.child"),
+            9,
+        );
+        println!(
+            "{version}: parent {} functions, child {}: as setprofile counted",
+            parent.calls.len(),
+            child.calls.len()
+        );
+        drop(f);
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
+
+/// A program that sets a profile function of its own takes the counter's place: the counter
+/// stops, asks for the probes (HANDOVER and its file) and holds the program until tracerd
+/// answers (HANDED).
+#[test]
+fn a_program_setting_its_own_profile_function_is_handed_over() {
+    let so = library();
+    for (version, py) in pyenv(&["3.10", "3.11"]) {
+        let dir = workdir(&format!("handover{version}"));
+        let file = dir.join("session");
+        let f = session_file(&file, state::PENDING);
+        lock(&f);
+        let child = Command::new(&py)
+            .arg(WORKLOAD)
+            .args([OsStr::new("handover"), so.as_os_str(), file.as_os_str()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let asked = dir.join(format!("{}{}", inproc::HANDOVER_PREFIX, child.id()));
+        let t0 = std::time::Instant::now();
+        while !asked.exists() {
+            assert!(
+                t0.elapsed().as_secs() < 20,
+                "{version}: no {}",
+                asked.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let st = |f: &fs::File| {
+            let mut b = [0u8; 4];
+            std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 12).unwrap();
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(st(&f), state::HANDOVER);
+        // The program waits for the answer.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::os::unix::fs::FileExt::write_all_at(&f, &state::HANDED.to_le_bytes(), 12).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let held: f64 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .strip_prefix("held ")
+            .and_then(|s| s.parse().ok())
+            .expect("held SECONDS");
+        assert!(held >= 0.3, "{version}: held {held} s");
+        let counts = read_counts(&file);
+        assert_eq!(counts.header.state, state::HANDED);
+        let fib: u64 = counts
+            .calls
+            .iter()
+            .filter(|(f, _)| f.2 == "wl_fib")
+            .map(|(_, c)| c[0])
+            .sum();
+        // wl_fib(10) alone: wl_fib(8) ran after the handover.
+        assert_eq!(fib, 177, "{version}");
         drop(f);
         let _ = fs::remove_dir_all(&dir);
     }

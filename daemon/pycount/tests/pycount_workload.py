@@ -6,6 +6,13 @@ plain OUT                the workload alone (its stdout is the reference)
 count SO FILE OUT        the workload counted, with ground truth from sys.setprofile and
                          threading.setprofile (the events cProfile counts) in OUT/gt.<pid>
                          for this process and its forked child
+profile SO FILE          the workload counted by the profile function (3.10, 3.11), which
+                         takes the place of sys.setprofile: no ground truth in this run
+handover SO FILE         wl_fib(10) counted by the profile function, then the program sets
+                         a profile function of its own: the counter hands over and holds
+                         it until tracerd answers (prints how long, in seconds)
+truth OUT                the workload under the ground truth alone, into OUT/gt.parent and
+                         OUT/gt.child (to compare with a profile run)
 cprofile SO FILE OUT     the single-threaded part counted while cProfile runs too; its
                          stats in OUT/cprofile
 cancelled SO FILE        start() on a cancelled file
@@ -30,8 +37,9 @@ import warnings
 
 # The workload's threads are joined before it forks, but one may not have left the kernel yet.
 warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-MON = sys.monitoring
-EV = MON.events
+# None before 3.12: the counter is a profile function there (modes profile and truth).
+MON = getattr(sys, "monitoring", None)
+EV = MON.events if MON else None
 EVENTS = ("PY_START", "PY_RESUME", "PY_THROW", "PY_RETURN", "PY_YIELD", "PY_UNWIND")
 STATE_OFFSET = 12
 STOPPED = 3
@@ -260,7 +268,8 @@ class GroundTruth:
 
 
 def name(code):
-    return (code.co_filename, str(code.co_firstlineno), code.co_qualname)
+    # 3.10 has no co_qualname: the counter (like cProfile) names functions by co_name there.
+    return (code.co_filename, str(code.co_firstlineno), getattr(code, "co_qualname", code.co_name))
 
 
 # --- the counter, as tracerd's script drives it -------------------------------------------
@@ -326,6 +335,34 @@ class CountHooks:
         wl_fib(5)
 
 
+class ProfileHooks:
+    def __init__(self, m):
+        self.m = m
+
+    def forked(self):
+        pass
+
+    def child_done(self):
+        assert self.m.stop() == PROFILE_FUNCTION
+        # Not counted (the profile function takes itself off at its next event).
+        wl_fib(5)
+
+
+class TruthHooks:
+    def __init__(self, gt, out):
+        self.gt, self.out = gt, out
+
+    def forked(self):
+        self.gt.forked()
+
+    def child_done(self):
+        self.gt.uninstall()
+        self.gt.write(os.path.join(self.out, "gt.child"))
+
+
+PROFILE_FUNCTION = 0x100
+
+
 def main():
     mode = sys.argv[1]
     if mode == "plain":
@@ -351,6 +388,39 @@ def main():
         turn_off(m, tool)
         assert m.stop() == tool
         gt.write(os.path.join(out, f"gt.{os.getpid()}"))
+        print(result)
+    elif mode == "profile":
+        so, path = sys.argv[2:4]
+        m = load(so)
+        assert m.start_profile(path) is True
+        # Recursion from the bottom of the counter's stack (this frame began before it).
+        wl_even(6)
+        result = workload(ProfileHooks(m))
+        set_state(path, STOPPED)
+        wl_fib(10)  # after tracerd stopped the session: not counted
+        assert m.stop() == PROFILE_FUNCTION
+        print(result)
+    elif mode == "handover":
+        import time
+        so, path = sys.argv[2:4]
+        m = load(so)
+        assert m.start_profile(path) is True
+        wl_fib(10)
+        t0 = time.monotonic()
+        sys.setprofile(lambda frame, event, arg: None)
+        held = time.monotonic() - t0
+        sys.setprofile(None)
+        wl_fib(8)  # the probes' now
+        assert m.stop() == PROFILE_FUNCTION
+        print("held", held)
+    elif mode == "truth":
+        out = sys.argv[2]
+        gt = GroundTruth()
+        gt.install()
+        wl_even(6)
+        result = workload(TruthHooks(gt, out))
+        gt.uninstall()
+        gt.write(os.path.join(out, "gt.parent"))
         print(result)
     elif mode == "cprofile":
         import cProfile

@@ -9,12 +9,13 @@
 //! - in a program that is not CPython it does nothing, and leaves the variables for the
 //!   programs it execs (a shell or a chroot wrapper between tracerctl and Python);
 //! - in CPython it takes both variables out of the environment (the program never sees
-//!   them, and its children do not inherit them); in 3.12+ it then adds an audit hook (`PySys_AddAuditHook`,
-//!   allowed before the interpreter is initialised). At the first `cpython.run_*` event
-//!   (`run_file`, `run_module`, `run_command`, `run_stdin`, …: what `python` raises just
-//!   before it runs the program) the hook runs the start script in a namespace of its own,
-//!   as PEP 768 would; the script loads the counter (`_tracer_pycount`) and registers its
-//!   `sys.monitoring` callbacks. The hook then does nothing more.
+//!   them, and its children do not inherit them); in 3.10+ it then adds an audit hook
+//!   (`PySys_AddAuditHook`, allowed before the interpreter is initialised). At the first
+//!   `cpython.run_*` event (`run_file`, `run_module`, `run_command`, `run_stdin`, …: what
+//!   `python` raises just before it runs the program) the hook runs the start script in a
+//!   namespace of its own, as PEP 768 would; the script loads the counter
+//!   (`_tracer_pycount`) and registers its `sys.monitoring` callbacks (3.12+) or has it put
+//!   a C profile function on every thread (3.10, 3.11). The hook then does nothing more.
 //!
 //! Python's C API is looked up at run time (`dlsym`): the library links nothing of Python, so
 //! it loads into any program.
@@ -123,8 +124,8 @@ extern "C" fn init() {
     // SAFETY: single-threaded, before main.
     unsafe { libc::unsetenv(SCRIPT_VAR.as_ptr()) };
     unpreload();
-    if version < (3, 12) {
-        // No sys.monitoring: tracerd counts it with the probes.
+    if version < (3, 10) {
+        // tracerd counts older ones with the probes.
         return;
     }
     let _ = SCRIPT.set(script);

@@ -371,6 +371,13 @@ impl Manager {
                 pid,
                 outcome,
             } => self.inproc_settled(&session, pid, outcome),
+            Done::InprocHandover {
+                session,
+                pid,
+                reply,
+            } => {
+                let _ = reply.send(self.inproc_handover(&session, pid));
+            }
             Done::Recorded {
                 info,
                 stored,

@@ -35,7 +35,18 @@ pub mod state {
     pub const REFUSED: u32 = 4;
     /// tracerd died while the counter ran (its lock was free): as STOPPED.
     pub const ORPHANED: u32 = 5;
+    /// A profile-function counter ([`super::PROFILE_FUNCTION`]) whose program set a profile
+    /// function of its own (cProfile, `sys.setprofile`), which takes the counter's place:
+    /// it stopped counting, asked tracerd to count the process with the probes from here
+    /// (a [`super::HANDOVER_PREFIX`] file), and holds the program until tracerd answers.
+    pub const HANDOVER: u32 = 6;
+    /// tracerd answered a HANDOVER: the probes count the process now, or `why` says why not.
+    pub const HANDED: u32 = 7;
 }
+
+/// `<dir>/handover.<pid>`: a counter in [`state::HANDOVER`] creates it, for tracerd to look
+/// at its counts file (a file's creation is seen in the directory's mtime).
+pub const HANDOVER_PREFIX: &str = "handover.";
 
 /// Where each part of the file starts, and the sizes tracerd creates it with.
 pub const HEADER_SIZE: usize = 4096;
@@ -56,6 +67,11 @@ pub const fn file_size(entries: usize, edges: usize, strings: usize) -> usize {
     strings_offset(entries, edges) + strings
 }
 
+/// `Header::tool_id` of a counter that is a C profile function on every thread
+/// (`PyEval_SetProfile`, cProfile's events: CPython 3.10 and 3.11, which have no
+/// `sys.monitoring`) rather than a `sys.monitoring` tool.
+pub const PROFILE_FUNCTION: u32 = 0x100;
+
 /// The first bytes of the file. Counters are written by the process only; `state` by both
 /// (compare-and-swap); `busy` is 1 while a callback runs, so that tracerd, having stopped the
 /// counter, reads the tables only once the last callback is out.
@@ -66,7 +82,8 @@ pub struct Header {
     pub version: u32,
     pub state: u32,
     pub busy: u32,
-    /// The `sys.monitoring` tool id the counter uses (set when it starts).
+    /// The `sys.monitoring` tool id the counter uses (set when it starts), or
+    /// [`PROFILE_FUNCTION`].
     pub tool_id: u32,
     /// The process that writes this file (the child's own, after a fork).
     pub pid: u32,

@@ -119,6 +119,13 @@ pub(super) enum Done {
         pid: u32,
         outcome: Result<u32, String>,
     },
+    /// A launched process counted by a profile function (3.10, 3.11) set a profile
+    /// function of its own: the probes are to count it from now on (its program waits).
+    InprocHandover {
+        session: String,
+        pid: u32,
+        reply: std::sync::mpsc::Sender<Result<(), String>>,
+    },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {
         req: StartSessionRequest,

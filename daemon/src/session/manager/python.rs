@@ -16,6 +16,9 @@ use tracer_inspect::python::memory;
 /// How a launched command is counted, until it runs CPython.
 const LAUNCHED_WHY: &str = "sys.monitoring callbacks, loaded by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted";
 
+/// The same, before 3.12 (no `sys.monitoring`).
+const LAUNCHED_PROFILE_WHY: &str = "a C profile function on every thread (cProfile's hook and events; CPython 3.10 and 3.11 have no sys.monitoring), started by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted, nor threads started other than by threading";
+
 /// When a session met a process whose interpreter it probes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Met {
@@ -83,8 +86,61 @@ impl Manager {
         }
     }
 
+    /// A process of session `id` counted by a profile function (3.10, 3.11) set one of its
+    /// own, which took the counter's place (HANDOVER): the probes count it from now on — its
+    /// interpreter probed, its threads seeded, its in-process mark taken off — and the report
+    /// says so. Its program waits for the answer meanwhile.
+    pub(super) fn inproc_handover(&mut self, id: &str, pid: u32) -> Result<(), String> {
+        let s = self.running.get_mut(id).ok_or("its session ended")?;
+        let (Some(slot), Some(mut py)) = (s.slot, s.python.take()) else {
+            return Err("its session counts no Python".into());
+        };
+        let done = self.hand_to_probes(&mut py, slot, pid);
+        match &done {
+            Ok(()) => {
+                py.handed.insert(pid);
+                let why = "counted in-process until the program set a profile function of its own (cProfile, sys.setprofile, a profiler), which takes the place of tracer's on CPython 3.10 and 3.11; with uprobes from then on, the program held meanwhile: no call was missed or counted twice".to_owned();
+                match py.counted.iter_mut().find(|c| c.pid == pid) {
+                    Some(c) => {
+                        c.way = "in-process, then uprobes".into();
+                        c.why = why;
+                    }
+                    None => py.counted.push(tracer_report::CountedWay {
+                        pid,
+                        way: "in-process, then uprobes".into(),
+                        why,
+                    }),
+                }
+            }
+            Err(why) => py.warnings.push(format!(
+                "pid {pid}: its calls after it set a profile function of its own (which takes the place of tracer's on CPython 3.10 and 3.11) were not counted: handing it over to the probes failed: {why}"
+            )),
+        }
+        if let Some(s) = self.running.get_mut(id) {
+            s.python = Some(py);
+        }
+        done
+    }
+
+    fn hand_to_probes(&mut self, py: &mut PySession, slot: u8, pid: u32) -> Result<(), String> {
+        let targets: Vec<u32> = py.inproc.iter().map(|c| c.pid).collect();
+        if !targets.contains(&pid) && !tracer_inspect::process::descends_from(pid, &targets) {
+            return Err("it is not a process of the session".into());
+        }
+        let mapped = memory::runtime_of(pid).ok_or("it maps no CPython")?;
+        self.py
+            .ensure(&mut self.bpf, &mapped.path)
+            .map_err(|why| why.to_string())?;
+        self.py.seed_threads(&mut self.bpf, pid, &mapped)?;
+        self.bpf
+            .unset_inproc(pid, slot)
+            .map_err(|e| format!("unmarking it: {e}"))?;
+        py.checked.insert(pid, exe_id(pid));
+        Ok(())
+    }
+
     /// A launched command's exec, held (EXEC_HOLD): whether the program it now runs counts
-    /// in-process (a `python3.X` executable, X >= 12: its loader starts the counter), and is
+    /// in-process (a `python3.X` executable, X >= 10: its loader starts the counter), and is
     /// then left to it; true when so. A program on the way to one (a shell, a wrapper) leaves
     /// the question to its next exec; anything else is counted with the probes.
     pub(super) fn launched_exec(&mut self, py: &mut PySession, slot: Option<u8>, pid: u32) -> bool {
@@ -120,17 +176,22 @@ impl Manager {
                 "its launcher did not start it with tracer's loader (SessionInfo.launch_env)".into()
             }
             // A build with a `t` (free-threaded) is not the counter's.
-            (Some(m), Some(slot)) if m >= 12 && name == format!("python3.{m}") => {
+            (Some(m), Some(slot)) if m >= 10 && name == format!("python3.{m}") => {
                 py.launch = None;
                 match self.bpf.set_inproc(pid, slot) {
                     Ok(()) => {
                         py.checked.insert(pid, exe_id(pid));
+                        if m < 12 {
+                            if let Some(c) = py.counted.iter_mut().find(|c| c.pid == pid) {
+                                c.why = LAUNCHED_PROFILE_WHY.into();
+                            }
+                        }
                         return true;
                     }
                     Err(e) => format!("marking it counted in-process failed: {e}"),
                 }
             }
-            (Some(m), _) => format!("{name} is CPython 3.{m}, which has no sys.monitoring (3.12+) or runs without the GIL"),
+            (Some(m), _) => format!("{name} is CPython 3.{m}, which the counter does not support (3.10+ with the GIL)"),
             // Not Python: a program on the way to it keeps the question, unless it embeds
             // libpython (no `cpython.run_*` event would start the counter).
             (None, _) if needed.is_none() => return false,

@@ -32,6 +32,9 @@ use tracer_bpf::perf;
 use tracer_inspect::native::NativeTarget;
 use tracer_inspect::process;
 
+/// How long a handover waits for the manager (the counter holds the program 5 s at most).
+const HANDOVER_ANSWER: std::time::Duration = std::time::Duration::from_secs(4);
+
 /// Where a start's session runs, known once its slot is taken.
 #[derive(Clone, Copy)]
 struct Place {
@@ -97,10 +100,27 @@ impl Manager {
                         outcome,
                     });
                 });
+                // A launched 3.10/3.11 program that sets a profile function of its own is
+                // handed to the probes by the manager, which answers on `reply`.
+                let (handover_tx, session) = (tx.clone(), id.clone());
+                let handover: tracer_inspect::python::inproc::Handover =
+                    std::sync::Arc::new(move |pid| {
+                        let (reply, answer) = std::sync::mpsc::channel();
+                        handover_tx
+                            .send(Done::InprocHandover {
+                                session: session.clone(),
+                                pid,
+                                reply,
+                            })
+                            .map_err(|_| "tracerd is stopping".to_owned())?;
+                        answer
+                            .recv_timeout(HANDOVER_ANSWER)
+                            .unwrap_or_else(|_| Err("tracerd did not answer in time".into()))
+                    });
                 tokio::task::spawn_blocking(move || {
                     use tracer_inspect::python::inproc;
                     let (counter, env) = if launched {
-                        match inproc::launch(pid, &id, may_trace, late) {
+                        match inproc::launch(pid, &id, may_trace, late, handover) {
                             Ok((c, env)) => (Ok(c), env),
                             Err(e) => (Err(e), Vec::new()),
                         }

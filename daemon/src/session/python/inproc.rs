@@ -75,3 +75,88 @@ pub fn inproc_functions(all: &[tracer_inspect::python::inproc::Counts]) -> (Vec<
     }
     (out, unnamed)
 }
+
+/// Joins the two halves of each function of a process handed over from its in-process
+/// counter to the probes (`handed`): counted by one, then by the other, once each.
+pub fn merge_handed(functions: &mut Vec<PyFunction>, handed: &std::collections::HashSet<u32>) {
+    if handed.is_empty() {
+        return;
+    }
+    let mut at: HashMap<(u32, String, String, i32), usize> = HashMap::new();
+    let mut out: Vec<PyFunction> = Vec::with_capacity(functions.len());
+    for f in functions.drain(..) {
+        let key = (f.pid, f.qualname.clone(), f.filename.clone(), f.firstlineno);
+        let Some(&i) = handed.contains(&f.pid).then(|| at.get(&key)).flatten() else {
+            at.insert(key, out.len());
+            out.push(f);
+            continue;
+        };
+        let into = &mut out[i];
+        into.ncalls += f.ncalls;
+        into.primitive_calls += f.primitive_calls;
+        into.tottime_ns += f.tottime_ns;
+        into.cumtime_ns += f.cumtime_ns;
+        for c in f.callers {
+            match into.callers.iter_mut().find(|d| {
+                (&d.qualname, &d.filename, d.firstlineno)
+                    == (&c.qualname, &c.filename, c.firstlineno)
+            }) {
+                Some(d) => {
+                    d.ncalls += c.ncalls;
+                    d.primitive_calls += c.primitive_calls;
+                    d.tottime_ns += c.tottime_ns;
+                    d.cumtime_ns += c.cumtime_ns;
+                }
+                None => into.callers.push(c),
+            }
+        }
+    }
+    *functions = out;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(pid: u32, name: &str, ncalls: u64, callers: &[(&str, u64)]) -> PyFunction {
+        PyFunction {
+            pid,
+            qualname: name.into(),
+            filename: "a.py".into(),
+            firstlineno: 1,
+            ncalls,
+            primitive_calls: ncalls,
+            tottime_ns: ncalls,
+            cumtime_ns: ncalls,
+            callers: callers
+                .iter()
+                .map(|&(q, n)| PyCaller {
+                    qualname: q.into(),
+                    ncalls: n,
+                    ..PyCaller::default()
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn halves_of_a_handed_process_are_joined_and_others_left_alone() {
+        let mut all = vec![
+            f(1, "g", 3, &[("main", 3)]),
+            f(2, "g", 5, &[]),
+            f(1, "g", 4, &[("main", 1), ("h", 3)]),
+            f(2, "g", 6, &[]),
+        ];
+        merge_handed(&mut all, &[1].into_iter().collect());
+        assert_eq!(all.len(), 3);
+        assert_eq!((all[0].pid, all[0].ncalls, all[0].tottime_ns), (1, 7, 7));
+        let callers: Vec<_> = all[0]
+            .callers
+            .iter()
+            .map(|c| (c.qualname.as_str(), c.ncalls))
+            .collect();
+        assert_eq!(callers, [("main", 4), ("h", 3)]);
+        // Two code objects of the same name in a process not handed over stay apart.
+        assert_eq!((all[1].ncalls, all[2].ncalls), (5, 6));
+    }
+}

@@ -13,7 +13,7 @@ use tracer_common::{
 
 mod inproc;
 
-pub use inproc::{inproc_functions, late_start_why};
+pub use inproc::{inproc_functions, late_start_why, merge_handed};
 
 use super::slots::Hold;
 use tracer_bpf::bpf::Bpf;
@@ -442,6 +442,9 @@ pub struct PySession {
     /// A launched command with its counter's loader, until it execs into CPython (see the
     /// manager's `launched_exec`).
     pub launch: Option<u32>,
+    /// Processes handed over from their in-process counter to the probes (3.10, 3.11: the
+    /// program set a profile function of its own): counted by both, one after the other.
+    pub handed: std::collections::HashSet<u32>,
 }
 
 /// Exited processes kept in [`PySession::gone`], at most.
@@ -715,6 +718,7 @@ impl PythonEnd {
             ));
         }
         functions.extend(inproc);
+        merge_handed(&mut functions, &py.handed);
         tracer_report::sort_functions(&mut functions, "tottime");
         if functions.is_empty() && !seen_interpreter {
             warnings.push(

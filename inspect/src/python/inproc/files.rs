@@ -315,6 +315,12 @@ impl Dir {
         Some(text)
     }
 
+    /// When it last changed (a file made or deleted in it).
+    pub(super) fn mtime(&self) -> Option<(i64, i64)> {
+        let m = self.this.metadata().ok()?;
+        Some((m.mtime(), m.mtime_nsec()))
+    }
+
     pub(super) fn unlink(&self, name: &str) {
         let _ = as_user(self.owner, || {
             let c = c_name(name)?;
@@ -358,11 +364,16 @@ impl Dir {
     /// (pid, file name) of the counts files in it, at most `most` (the owner may make any
     /// number), and how many more there were.
     pub(super) fn counts_files(&self, most: usize) -> (Vec<(u32, String)>, usize) {
+        self.by_pid(inproc::FILE_PREFIX, most)
+    }
+
+    /// The same for the files named `prefix<pid>`.
+    pub(super) fn by_pid(&self, prefix: &str, most: usize) -> (Vec<(u32, String)>, usize) {
         let mut all: Vec<(u32, String)> = self
             .names()
             .into_iter()
             .filter_map(|name| {
-                let pid = name.strip_prefix(inproc::FILE_PREFIX)?.parse().ok()?;
+                let pid = name.strip_prefix(prefix)?.parse().ok()?;
                 Some((pid, name))
             })
             .collect();
@@ -451,6 +462,39 @@ impl Mapping {
             Ordering::SeqCst,
             Ordering::SeqCst,
         )
+    }
+
+    /// Answers a counter's HANDOVER (HANDED), with why the probes do not count it where they
+    /// do not: the reason goes in first, as the counter's own refusals do.
+    pub(super) fn hand(&self, why: Option<&str>) {
+        use std::sync::atomic::Ordering;
+        if self.state().load(Ordering::SeqCst) != tracer_common::inproc::state::HANDOVER {
+            return;
+        }
+        if let Some(why) = why {
+            let mut buf = [0u8; 256];
+            let mut n = why.len().min(buf.len() - 1);
+            while !why.is_char_boundary(n) {
+                n -= 1;
+            }
+            buf[..n].copy_from_slice(&why.as_bytes()[..n]);
+            // SAFETY: `why` is a field of the header, inside the mapping; the counter does
+            // not write it while it waits.
+            unsafe {
+                std::ptr::write_volatile(
+                    self.ptr
+                        .add(std::mem::offset_of!(Header, why))
+                        .cast::<[u8; 256]>(),
+                    buf,
+                )
+            };
+        }
+        let _ = self.state().compare_exchange(
+            tracer_common::inproc::state::HANDOVER,
+            tracer_common::inproc::state::HANDED,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 
     pub(super) fn busy(&self) -> &AtomicU32 {

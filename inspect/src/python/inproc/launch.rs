@@ -3,7 +3,7 @@
 
 use std::fs;
 
-use super::{files, journal, make, pending::Watch, Counter, Late, MayTrace};
+use super::{files, handover, journal, make, pending::Watch, Counter, Handover, Late, MayTrace};
 use crate::pinned::Pinned;
 
 /// The loader a launched command is started with (`LD_PRELOAD`), beside tracerd.
@@ -14,14 +14,17 @@ pub(super) const PRELOAD_AS: &str = "_tracer_pystart.so";
 /// Prepares in-process counting for a command tracerctl holds before its exec (`pid`, the
 /// caller's child): the directory, counter and start script as for [`start`], and the
 /// loader, which the command is to be started with: the variables to set for its exec (in
-/// words for the report on error). Nothing runs until a CPython 3.12+ program exec'd as
+/// words for the report on error). Nothing runs until a CPython 3.10+ program exec'd as
 /// `pid` reaches its first line (see `daemon/pystart`); `late` says what became of it, as
-/// for a request left pending. Until then the counter is [`Counter::pending`].
+/// for a request left pending. Until then the counter is [`Counter::pending`]. On 3.10 and
+/// 3.11, `handover` has the probes take a process over whose program set a profile function
+/// of its own (see `handover.rs`).
 pub fn launch(
     pid: u32,
     tag: &str,
     may_trace: MayTrace,
     late: Late,
+    handover: Handover,
 ) -> Result<(Counter, Vec<(String, String)>), String> {
     let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
     let preload = files::beside_tracerd(PRELOAD)?;
@@ -43,7 +46,14 @@ pub fn launch(
         asked: Vec::new(),
         exe: None,
     };
-    if let Err(e) = watch.spawn(late) {
+    let handovers = handover::Watch {
+        files: counter.files.clone(),
+        ended: counter.ended.clone(),
+    };
+    if let Err(e) = watch.spawn(late).and_then(|()| handovers.spawn(handover)) {
+        counter
+            .ended
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         counter.files.dir.remove(&counter.name);
         journal::forget(&counter.name);
         return Err(e);

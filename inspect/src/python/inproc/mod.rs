@@ -18,6 +18,7 @@
 //! reading is bounded ([`Budget`]). docs/SECURITY.md has the threat model.
 
 mod files;
+mod handover;
 mod journal;
 mod launch;
 mod pending;
@@ -27,6 +28,7 @@ mod scripts;
 mod sigbus;
 mod view;
 
+pub use handover::Handover;
 pub use journal::{set_journal, sweep};
 pub use launch::{launch, PRELOAD};
 pub use pending::ASK_EVERY;
@@ -35,7 +37,7 @@ use std::{
     fs,
     os::fd::AsRawFd,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
+    sync::atomic::{AtomicBool, AtomicU32, Ordering},
     time::{Duration, Instant},
 };
 
@@ -117,6 +119,8 @@ pub struct Counter {
     may_trace: MayTrace,
     /// The live view (Prometheus), once asked for.
     view: Mutex<Option<Arc<View>>>,
+    /// Set as the session's end reads the counters (a handover watch stops).
+    ended: Arc<AtomicBool>,
 }
 
 /// What reading a counter needs: the process, its directory and its own counts file.
@@ -322,6 +326,7 @@ fn make(
         library: lib_id,
         may_trace,
         view: Mutex::new(None),
+        ended: Arc::new(AtomicBool::new(false)),
     };
     Ok((counter, format!("{target_dir}/start.py")))
 }
@@ -527,6 +532,7 @@ impl Counter {
     /// the files waits for the removal scripts on a thread of its own. Not for the manager's
     /// task: it may take up to [`READ_TIME`] and [`BUSY_WAIT`].
     pub fn finish(self, followed: &dyn Fn(u32) -> bool) -> Finished {
+        self.ended.store(true, Ordering::SeqCst);
         let mut refused = Vec::new();
         if let Some(view) = self
             .view
@@ -563,6 +569,8 @@ impl Counter {
                     Ordering::SeqCst,
                     Ordering::SeqCst,
                 );
+                // A program held for a handover goes on.
+                map.hand(Some(handover::ENDED));
             }
         }
         // One wait for all: the last callbacks leave within microseconds of the stop.
@@ -596,8 +604,12 @@ impl Counter {
                 if host != self.pid {
                     pids.push(host);
                 }
-                if counts.state == state::RUNNING || counts.state == state::STOPPED {
-                    removals.push((host, f.own, map.header().tool_id));
+                let tool = map.header().tool_id;
+                // A profile function takes itself off at its thread's next event.
+                if (counts.state == state::RUNNING || counts.state == state::STOPPED)
+                    && tool != inproc::PROFILE_FUNCTION
+                {
+                    removals.push((host, f.own, tool));
                 }
             }
             out.push(counts);

@@ -1,5 +1,6 @@
 //! The Python the interpreter runs for tracer: the start script, which loads the counter
-//! library and registers its callbacks, and the removal script, which takes them away.
+//! library and registers its callbacks (or, before 3.12, has it put a C profile function on
+//! every thread), and the removal script, which takes them away.
 
 use tracer_common::inproc::state;
 
@@ -24,7 +25,8 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str, at_exit: bool
     format!(
         r#"def _tracer_pycount(directory, counts, library, at_exit):
     import os, sys
-    monitoring = sys.monitoring
+    # None before 3.12: a C profile function counts there (launched commands only).
+    monitoring = getattr(sys, "monitoring", None)
 
     def cleanup():
         for name in os.listdir(directory):
@@ -66,6 +68,19 @@ pub(super) fn start_script(dir: &str, counts: &str, library: &str, at_exit: bool
                 f.write(f"loading the counter library: {{e!r}}")
         except BaseException:
             pass
+        return
+    if monitoring is None:
+        try:
+            if at_exit:
+                import atexit
+                atexit.register(module.stop)
+            if not module.start_profile(counts):
+                cleanup()
+        except BaseException as e:
+            try:
+                module.refuse(counts, f"starting the counter: {{e!r}}")
+            except BaseException:
+                pass
         return
     tool = None
     started = False

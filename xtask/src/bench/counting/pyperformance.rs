@@ -147,7 +147,7 @@ pub(super) fn pyperformance(
     println!(
         "   each benchmark's core function run {RUNS} times in one process, fastest run; untraced,"
     );
-    println!("   under cProfile, under tracer launching it (`tracerctl start … -- CMD`: uprobes), and under");
+    println!("   under cProfile, under tracer launching it (`tracerctl start … -- CMD`: in-process on 3.10+), and under");
     println!(
         "   tracer attached by pid while it waits in native code before its work (`--pid`: in-process on 3.14+)"
     );
@@ -246,7 +246,7 @@ pub(super) fn pyperformance(
                 ticks as f64 * 1000.0 / clock_ticks()
             );
             ratios.push((
-                format!("{} {way}", interp.label),
+                format!("{} (--pid: {way})", interp.label),
                 cprof.seconds / base,
                 t / base,
                 pid_t / base,
@@ -255,7 +255,15 @@ pub(super) fn pyperformance(
                 .join(format!("bm_{name}"))
                 .join("run_benchmark.py");
             println!("           {what}");
-            println!("           launched: {}", compare(&report, &file, &cprof));
+            let launched_way = report["python"]["counted"]
+                .as_array()
+                .and_then(|c| c.first())
+                .and_then(|c| c["way"].as_str())
+                .unwrap_or("?");
+            println!(
+                "           launched ({launched_way}): {}",
+                compare(&report, &file, &cprof)
+            );
             println!(
                 "           --pid ({way}): {}",
                 compare(&pid_report, &file, &cprof)
@@ -264,7 +272,10 @@ pub(super) fn pyperformance(
     }
     // Geometric means of the slowdowns, per interpreter and way of counting.
     println!();
-    println!("geomean slowdown (×)      cProfile  launched  --pid");
+    println!(
+        "{:<34} {:>8} {:>9} {:>6}",
+        "geomean slowdown (×)", "cProfile", "launched", "--pid"
+    );
     let mut labels: Vec<&String> = ratios.iter().map(|r| &r.0).collect();
     labels.dedup();
     for label in labels {
@@ -273,7 +284,7 @@ pub(super) fn pyperformance(
             (rows.iter().map(|r| f(r).ln()).sum::<f64>() / rows.len() as f64).exp()
         };
         println!(
-            "  {:<24} {:>8.2} {:>9.2} {:>6.2}",
+            "  {:<32} {:>8.2} {:>9.2} {:>6.2}",
             label,
             g(|r| r.1),
             g(|r| r.2),

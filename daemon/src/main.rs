@@ -1,9 +1,11 @@
 //! tracerd: the tracer daemon. One per machine; clients (tracerctl, any gRPC client) start
 //! sessions over its Unix socket.
 
-use std::path::PathBuf;
+mod settings;
 
-use clap::Parser;
+use std::{ffi::OsString, path::PathBuf};
+
+use clap::{parser::ValueSource, CommandFactory, FromArgMatches, Parser};
 use tracer_daemon::{
     conn::Limits,
     daemon::{self, Config},
@@ -13,8 +15,15 @@ use tracer_inspect::native::ProbeLimits;
 
 /// The tracer daemon: serves profiling sessions over gRPC.
 #[derive(Parser)]
-#[command(version)]
+#[command(version, args_override_self = true)]
 struct Args {
+    /// Settings file (TOML): every flag below as `name = value`, in snake case; flags given
+    /// here win over it. Default: /etc/tracer/tracerd.toml, if it exists.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Check the settings (file and flags), print them as in effect, and exit.
+    #[arg(long)]
+    check_config: bool,
     /// Unix socket to serve on (mode 0660: root and --group may connect).
     #[arg(long, default_value = daemon::DEFAULT_SOCKET)]
     socket: PathBuf,
@@ -97,7 +106,7 @@ fn main() {
         }
     }
     fixed_malloc_thresholds();
-    let args = Args::parse();
+    let args = args();
     if let Some(path) = &args.show_python_probes {
         match tracer_inspect::python::runtime::Runtime::inspect(path) {
             Ok(rt) => {
@@ -156,6 +165,57 @@ fn main() {
         eprintln!("tracerd: {e}");
         std::process::exit(1);
     }
+}
+
+/// The flags, with the settings file's before them; `--check-config` ends here.
+fn args() -> Args {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let first = Args::parse_from(&argv);
+    let merged = match settings::merged::<Args>(argv, first.config.as_deref()) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("tracerd: {e}");
+            std::process::exit(1);
+        }
+    };
+    let matches = Args::command()
+        .try_get_matches_from(&merged.argv)
+        .unwrap_or_else(|e| match merged.explain(&e) {
+            Some(line) => {
+                eprintln!("tracerd: {line}");
+                std::process::exit(1);
+            }
+            None => e.exit(),
+        });
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if args.check_config {
+        let from = merged.file.map_or_else(
+            || "no settings file".to_owned(),
+            |f| f.display().to_string(),
+        );
+        println!("# tracerd settings in effect ({from}; flags win)");
+        for arg in Args::command().get_arguments() {
+            let id = arg.get_id().as_str();
+            if ["config", "check_config", "show_python_probes"].contains(&id) {
+                continue;
+            }
+            let Some(raw) = matches.get_raw(id) else {
+                continue;
+            };
+            let v: Vec<_> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
+            let shown = match (arg.get_action().takes_values(), v.last()) {
+                (false, _) => {
+                    (matches.value_source(id) == Some(ValueSource::CommandLine)).to_string()
+                }
+                (true, Some(v)) if v.parse::<i64>().is_ok() => v.clone(),
+                (true, Some(v)) => toml::Value::String(v.clone()).to_string(),
+                (true, None) => continue,
+            };
+            println!("{id} = {shown}");
+        }
+        std::process::exit(0);
+    }
+    args
 }
 
 async fn shutdown_signal() {

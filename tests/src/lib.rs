@@ -112,6 +112,8 @@ pub struct DaemonOptions {
     pub env: Vec<(String, String)>,
     /// A file tracerd's stderr (its log) is appended to, for tests that read what it said.
     pub log: Option<PathBuf>,
+    /// A command tracerd is run under (`setpriv …`), which execs it.
+    pub wrapper: Vec<String>,
 }
 
 /// A running tracerd; SIGTERM and reaped on drop.
@@ -123,6 +125,7 @@ pub struct Daemon {
     args: Vec<String>,
     env: Vec<(String, String)>,
     log: Option<PathBuf>,
+    wrapper: Vec<String>,
 }
 
 impl Daemon {
@@ -144,13 +147,21 @@ impl Daemon {
             args: opts.args,
             env: opts.env,
             log: opts.log,
+            wrapper: opts.wrapper,
         };
         d.spawn(opts.group.as_deref());
         d
     }
 
     fn spawn(&mut self, group: Option<&str>) {
-        let mut cmd = Command::new(bin("tracerd"));
+        let mut cmd = match self.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin("tracerd"));
+                c
+            }
+            None => Command::new(bin("tracerd")),
+        };
         cmd.arg("--socket")
             .arg(&self.socket)
             .arg("--state-dir")

@@ -93,6 +93,8 @@ fn launched_commands_count_in_process_like_cprofile() {
         );
         let counted = &report["python"]["counted"][0];
         assert_eq!(counted["way"], "in-process", "{}: {counted}", py.display());
+        let why = counted["why"].as_str().unwrap();
+        assert!(why.contains("tracer's loader"), "{}: {why}", py.display());
         assert_eq!(ours(&report, &wl), cprofile(&py, &wl), "{}", py.display());
         let (stdout, _) = launched(&d, &py, &[env.to_str().unwrap()]);
         assert_eq!(stdout, "[]\n", "{}", py.display());

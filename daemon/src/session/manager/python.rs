@@ -60,7 +60,12 @@ impl Manager {
             .iter_mut()
             .find(|c| c.pid == pid && c.way == "in-process");
         match (outcome, entry) {
-            (Ok(tool), Some(c)) => c.why = crate::session::python::late_start_why(Some(tool)),
+            // A launch's reason (set at its exec) stands; an attach's pending one is told
+            // the tool id.
+            (Ok(tool), Some(c)) if c.why == crate::session::python::late_start_why(None) => {
+                c.why = crate::session::python::late_start_why(Some(tool))
+            }
+            (Ok(_), Some(_)) => {}
             (Err(why), Some(c)) => {
                 c.way = "uprobes".into();
                 c.why = format!(

@@ -70,6 +70,11 @@ enum Command {
     Capabilities,
     /// Print a running tracing session's events as they are recorded, until it ends.
     Watch { id: String },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Write tracerctl's man pages (tracerctl.1 and one per command) into DIR.
+    #[command(hide = true)]
+    Manual { dir: PathBuf },
 }
 
 #[derive(Args)]
@@ -254,6 +259,25 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // What needs no daemon.
+    match &cli.command {
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(*shell, &mut cmd, "tracerctl", &mut std::io::stdout());
+            return ExitCode::SUCCESS;
+        }
+        Command::Manual { dir } => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            return match clap_mangen::generate_to(cmd, dir) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&anyhow::anyhow!(
+                    "writing man pages into {}: {e}",
+                    dir.display()
+                )),
+            };
+        }
+        _ => {}
+    }
     // `-- CMD` is forked before any thread exists (tokio's included).
     if let Command::Start(a) = &cli.command {
         if a.gpu_times {
@@ -400,6 +424,7 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Completions { .. } | Command::Manual { .. } => Ok(ExitCode::SUCCESS),
         Command::Capabilities => {
             let c = client
                 .get_capabilities(GetCapabilitiesRequest {})

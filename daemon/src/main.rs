@@ -24,6 +24,9 @@ struct Args {
     /// Check the settings (file and flags), print them as in effect, and exit.
     #[arg(long)]
     check_config: bool,
+    /// Write tracerd's man page (tracerd.8) into DIR and exit.
+    #[arg(long, value_name = "DIR", hide = true)]
+    generate_man: Option<PathBuf>,
     /// Unix socket to serve on (mode 0660: root and --group may connect).
     #[arg(long, default_value = daemon::DEFAULT_SOCKET)]
     socket: PathBuf,
@@ -107,6 +110,18 @@ fn main() {
     }
     fixed_malloc_thresholds();
     let args = args();
+    if let Some(dir) = &args.generate_man {
+        let man = clap_mangen::Man::new(Args::command()).section("8");
+        let mut page = Vec::new();
+        if let Err(e) = man
+            .render(&mut page)
+            .and_then(|()| std::fs::write(dir.join("tracerd.8"), page))
+        {
+            eprintln!("tracerd: writing {}: {e}", dir.join("tracerd.8").display());
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Some(path) = &args.show_python_probes {
         match tracer_inspect::python::runtime::Runtime::inspect(path) {
             Ok(rt) => {
@@ -196,7 +211,14 @@ fn args() -> Args {
         println!("# tracerd settings in effect ({from}; flags win)");
         for arg in Args::command().get_arguments() {
             let id = arg.get_id().as_str();
-            if ["config", "check_config", "show_python_probes"].contains(&id) {
+            if [
+                "config",
+                "check_config",
+                "show_python_probes",
+                "generate_man",
+            ]
+            .contains(&id)
+            {
                 continue;
             }
             let Some(raw) = matches.get_raw(id) else {

@@ -248,3 +248,113 @@ fn settings_come_from_the_file_and_flags_win() {
         assert!(err.contains(file.to_str().unwrap()), "{err}");
     }
 }
+
+/// The package (`cargo xtask package`; `cargo xtask test` makes it and names it in
+/// TRACER_TEST_DEB) installs into an empty root with dpkg, owns every file it puts there,
+/// keeps only the settings file after removal, and leaves nothing after a purge, the state
+/// directory tracerd filled included.
+#[test]
+fn the_package_installs_and_leaves_nothing_behind() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(deb) = std::env::var_os("TRACER_TEST_DEB") else {
+        tracer_testkit::skip(format_args!(
+            "TRACER_TEST_DEB is not set (cargo xtask test makes the package)"
+        ));
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let admin = r.join("var/lib/dpkg");
+    for d in ["info", "updates"] {
+        std::fs::create_dir_all(admin.join(d)).unwrap();
+    }
+    std::fs::write(admin.join("status"), "").unwrap();
+    std::fs::write(admin.join("available"), "").unwrap();
+    let dpkg = |args: &[&str]| {
+        let out = Command::new("dpkg")
+            .arg(format!("--root={}", r.display()))
+            // Maintainer scripts run here with DPKG_ROOT set: they leave the host alone.
+            .arg("--force-script-chrootless")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "dpkg {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // adduser is the host's (the chrootless postinst does not run it).
+    dpkg(&["--force-depends", "-i", deb.to_str().unwrap()]);
+    let files = |r: &Path| {
+        let mut all = Vec::new();
+        let mut stack = vec![r.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.starts_with(r.join("var/lib/dpkg")) {
+                    continue;
+                }
+                if e.file_type().unwrap().is_dir() {
+                    stack.push(p.clone());
+                }
+                all.push(format!("/{}", p.strip_prefix(r).unwrap().display()));
+            }
+        }
+        all.sort();
+        all
+    };
+    let owned: Vec<String> = dpkg(&["-L", "tracer"]).lines().map(str::to_owned).collect();
+    let unowned: Vec<_> = files(r)
+        .into_iter()
+        .filter(|f| !owned.contains(f) && f != "/var" && f != "/var/lib")
+        .collect();
+    assert!(unowned.is_empty(), "not the package's: {unowned:?}");
+    for f in [
+        "/usr/bin/tracerd",
+        "/usr/bin/tracerctl",
+        "/usr/lib/tracer/libtracer_pycount.so",
+        "/usr/lib/tracer/libtracer_pystart.so",
+        "/usr/lib/tracer/libtracer_cupti.so",
+        "/usr/lib/systemd/system/tracerd.service",
+        "/etc/tracer/tracerd.toml",
+        "/usr/share/man/man8/tracerd.8.gz",
+        "/usr/share/man/man1/tracerctl-start.1.gz",
+        "/usr/share/bash-completion/completions/tracerctl",
+    ] {
+        assert!(owned.iter().any(|o| o == f), "{f} not in the package");
+    }
+    // The installed tracerd reads the installed settings file.
+    let out = Command::new(r.join("usr/bin/tracerd"))
+        .arg("--config")
+        .arg(r.join("etc/tracer/tracerd.toml"))
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What tracerd kept, then a removal: the settings file and the state stay.
+    std::fs::create_dir_all(r.join("var/lib/tracer")).unwrap();
+    std::fs::write(r.join("var/lib/tracer/sessions.redb"), "x").unwrap();
+    dpkg(&["-r", "tracer"]);
+    assert_eq!(
+        files(r),
+        [
+            "/etc",
+            "/etc/tracer",
+            "/etc/tracer/tracerd.toml",
+            "/var",
+            "/var/lib",
+            "/var/lib/tracer",
+            "/var/lib/tracer/sessions.redb"
+        ]
+    );
+    dpkg(&["-P", "tracer"]);
+    assert_eq!(files(r), ["/var", "/var/lib"]);
+}

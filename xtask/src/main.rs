@@ -3,6 +3,7 @@
 mod bench;
 mod cpython;
 mod layers;
+mod package;
 mod proto;
 mod suite;
 mod toolchain;
@@ -44,6 +45,12 @@ enum Task {
     Test,
     /// Only the layout checks `test` starts with: crate layers, import circles, file sizes.
     Layers,
+    /// Build, then a Debian package (tracerd, tracerctl, their libraries, the systemd unit,
+    /// /etc/tracer/tracerd.toml, man pages, completions) in target/package/ or --out.
+    Package {
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Benchmarks that print ratios measured side by side in one run (needs root and perf).
     Bench {
         #[arg(value_enum)]
@@ -60,6 +67,10 @@ fn main() -> Result<()> {
         Task::PyLayouts => py_layouts(),
         Task::Test => test(),
         Task::Layers => layers::check(&root()),
+        Task::Package { out } => {
+            build()?;
+            package::main(out)
+        }
         Task::Bench { which } => {
             build()?;
             bench::run(which)
@@ -268,6 +279,10 @@ fn test() -> Result<()> {
     let torch = toolchain::torch_test_env()?;
     toolchain::ensure_test_tools()?;
     build_binaries()?;
+    // The package the service tests install (tests/tests/service.rs).
+    let package_dir = root().join("target/package");
+    std::fs::create_dir_all(&package_dir)?;
+    let deb = package::package(&bin_dir(), &package_dir)?;
     let mut test = cargo();
     test.args([
         "test",
@@ -279,7 +294,8 @@ fn test() -> Result<()> {
     ])
     .env("TRACER_BIN_DIR", bin_dir())
     .env("TRACER_TEST_PYTHON", venv.join("bin/python3"))
-    .env("TRACER_TEST_TORCH_PYTHON", torch.join("bin/python3"));
+    .env("TRACER_TEST_TORCH_PYTHON", torch.join("bin/python3"))
+    .env("TRACER_TEST_DEB", &deb);
     if let Some(dir) = cpython::installed_bin_dir() {
         test.env("TRACER_TEST_CPYTHON_BIN", dir);
     }

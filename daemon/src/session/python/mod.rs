@@ -697,6 +697,12 @@ impl PythonEnd {
                     c.pid
                 ));
             }
+            if c.state == tracer_common::inproc::state::HANDOVER {
+                warnings.push(format!(
+                    "pid {}: its program set a profile function of its own, which took the place of tracer's (CPython 3.10, 3.11), and tracer did not take it over with the probes: its calls after that were not counted",
+                    c.pid
+                ));
+            }
             if c.namespace_pid {
                 warnings.push(format!(
                     "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",

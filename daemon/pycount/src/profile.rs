@@ -41,8 +41,9 @@ const PY_TRACE_CALL: c_int = 0;
 const PY_TRACE_RETURN: c_int = 3;
 const PY_TRACE_C_RETURN: c_int = 6;
 
-/// How long a handover holds the program at most (tracerd attaches the probes meanwhile).
-const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+/// How long a handover holds the program at most while tracerd lives (it attaches the
+/// probes meanwhile, which may wait for an earlier session's to be released).
+const HANDOVER_WAIT: Duration = Duration::from_secs(30);
 
 struct Api {
     /// `_PyEval_SetProfile(tstate, func, obj)`: 0, or -1 with an exception (an audit hook

@@ -32,8 +32,8 @@ use tracer_bpf::perf;
 use tracer_inspect::native::NativeTarget;
 use tracer_inspect::process;
 
-/// How long a handover waits for the manager (the counter holds the program 5 s at most).
-const HANDOVER_ANSWER: std::time::Duration = std::time::Duration::from_secs(4);
+/// How long a handover waits for the manager (the counter holds the program 30 s at most).
+const HANDOVER_ANSWER: std::time::Duration = std::time::Duration::from_secs(25);
 
 /// Where a start's session runs, known once its slot is taken.
 #[derive(Clone, Copy)]

@@ -703,6 +703,12 @@ impl PythonEnd {
                     c.pid
                 ));
             }
+            if let Some(why) = &c.handover_failed {
+                warnings.push(format!(
+                    "pid {}: its program set a profile function of its own, which took the place of tracer's (CPython 3.10, 3.11), and its calls after that may not have been counted: {why}",
+                    c.pid
+                ));
+            }
             if c.namespace_pid {
                 warnings.push(format!(
                     "pid {} is a forked child's pid in its own pid namespace: it exited before tracer could tell its pid here",

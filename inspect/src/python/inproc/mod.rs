@@ -97,6 +97,8 @@ pub struct Counts {
     /// `pid` is the process's pid in its own pid namespace: it exited, in another namespace
     /// than tracerd's, before it could be told by its pid here.
     pub namespace_pid: bool,
+    /// Handed over to the probes (HANDED) without them: why.
+    pub handover_failed: Option<String>,
 }
 
 /// Whether the session that counts may trace a pid now (the ptrace rule for its owner, and

@@ -170,6 +170,13 @@ pub(super) fn read_counts(map: &Mapping, edges: bool, budget: &mut Budget) -> Co
         lost_names: h.lost_names.saturating_add(names.lost),
         state: h.state,
         namespace_pid: false,
+        handover_failed: (h.state == tracer_common::inproc::state::HANDED)
+            .then(|| {
+                let len = h.why.iter().position(|&b| b == 0).unwrap_or(h.why.len());
+                String::from_utf8_lossy(&h.why[..len]).into_owned()
+            })
+            // The session ending first is no loss: nothing ran uncounted within it.
+            .filter(|why| !why.is_empty() && why != super::handover::ENDED),
     }
 }
 

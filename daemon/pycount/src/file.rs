@@ -7,7 +7,7 @@ use std::{
     sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
 };
 
-use tracer_common::inproc::{self, state, Edge, Entry, Header, StrRef};
+use tracer_common::inproc::{self, state, why_bytes, Edge, Entry, Header, StrRef};
 
 /// Inserts stop at 7/8 of a table: a lookup then always meets an empty slot soon, even when
 /// the table counts as full.
@@ -402,17 +402,6 @@ pub fn refuse(path: &[u8], why: &str) -> Result<(), String> {
     // SAFETY: the mapping made above.
     unsafe { libc::munmap(base, inproc::HEADER_SIZE) };
     Ok(())
-}
-
-/// `why` as the header holds it: NUL-padded, cut at a character boundary.
-fn why_bytes(why: &str) -> [u8; 256] {
-    let mut buf = [0u8; 256];
-    let mut n = why.len().min(buf.len() - 1);
-    while !why.is_char_boundary(n) {
-        n -= 1;
-    }
-    buf[..n].copy_from_slice(&why.as_bytes()[..n]);
-    buf
 }
 
 impl Shared {

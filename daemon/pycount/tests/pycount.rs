@@ -119,6 +119,20 @@ fn workdir(what: &str) -> PathBuf {
     dir
 }
 
+/// The counts files in `dir` (a forked child's, named by its pid).
+fn counts_files(dir: &Path) -> Vec<PathBuf> {
+    fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(inproc::FILE_PREFIX))
+        })
+        .collect()
+}
+
 /// A session's file as tracerd creates it.
 fn session_file(path: &Path, st: u32) -> fs::File {
     let h = Header::new(0, st, inproc::CAPS);
@@ -391,16 +405,7 @@ fn counts_match_setprofile_across_threads_and_fork() {
             .unwrap();
         assert!(fib[0] > 28_000 && fib[1] < fib[0] && fib[3] > 0, "{fib:?}");
 
-        let children: Vec<PathBuf> = fs::read_dir(&dir)
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(inproc::FILE_PREFIX))
-            })
-            .collect();
+        let children = counts_files(&dir);
         assert_eq!(
             children.len(),
             1,
@@ -475,16 +480,7 @@ fn profile_function_counts_match_setprofile() {
             &dir.join("gt.parent"),
             20,
         );
-        let children: Vec<PathBuf> = fs::read_dir(&dir)
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(inproc::FILE_PREFIX))
-            })
-            .collect();
+        let children = counts_files(&dir);
         assert_eq!(
             children.len(),
             1,

@@ -105,7 +105,32 @@ pub struct Header {
     pub why: [u8; 256],
 }
 
+/// `why` as [`Header::why`] holds it: UTF-8 cut at a character boundary, NUL-padded.
+pub fn why_bytes(why: &str) -> [u8; 256] {
+    let mut buf = [0u8; 256];
+    let mut n = if why.len() < buf.len() {
+        why.len()
+    } else {
+        buf.len() - 1
+    };
+    while !why.is_char_boundary(n) {
+        n -= 1;
+    }
+    buf[..n].copy_from_slice(&why.as_bytes()[..n]);
+    buf
+}
+
 impl Header {
+    /// The bytes of `why` before its NUL padding.
+    pub fn why_text(&self) -> &[u8] {
+        let len = self
+            .why
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(self.why.len());
+        &self.why[..len]
+    }
+
     /// A header with nothing counted yet: `(entries, edges, strings)` capacities.
     pub const fn new(pid: u32, state: u32, caps: (u32, u32, u32)) -> Self {
         Self {

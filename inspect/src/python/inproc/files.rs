@@ -472,12 +472,7 @@ impl Mapping {
             return;
         }
         if let Some(why) = why {
-            let mut buf = [0u8; 256];
-            let mut n = why.len().min(buf.len() - 1);
-            while !why.is_char_boundary(n) {
-                n -= 1;
-            }
-            buf[..n].copy_from_slice(&why.as_bytes()[..n]);
+            let buf = inproc::why_bytes(why);
             // SAFETY: `why` is a field of the header, inside the mapping; the counter does
             // not write it while it waits.
             unsafe {

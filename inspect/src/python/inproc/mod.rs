@@ -202,9 +202,9 @@ pub fn start(
         match counter.files.map.state().load(Ordering::SeqCst) {
             state::RUNNING => break Ok(()),
             state::REFUSED => {
-                let why = counter.files.map.header().why;
-                let len = why.iter().position(|&b| b == 0).unwrap_or(why.len());
-                break Err(String::from_utf8_lossy(&why[..len]).into_owned());
+                break Err(
+                    String::from_utf8_lossy(counter.files.map.header().why_text()).into_owned(),
+                );
             }
             _ if counter.files.dir.exists(LOAD_ERROR) => {
                 let why = counter.files.dir.read_text(LOAD_ERROR).unwrap_or_default();

@@ -59,9 +59,7 @@ impl Watch {
             let outcome = match map.state().load(Ordering::SeqCst) {
                 state::RUNNING => Ok(map.header().tool_id),
                 state::REFUSED => {
-                    let why = map.header().why;
-                    let len = why.iter().position(|&b| b == 0).unwrap_or(why.len());
-                    Err(String::from_utf8_lossy(&why[..len]).into_owned())
+                    Err(String::from_utf8_lossy(map.header().why_text()).into_owned())
                 }
                 state::PENDING if self.files.dir.exists(LOAD_ERROR) => {
                     // The script ran and will not again: one of tracerd and a later run

@@ -171,10 +171,7 @@ pub(super) fn read_counts(map: &Mapping, edges: bool, budget: &mut Budget) -> Co
         state: h.state,
         namespace_pid: false,
         handover_failed: (h.state == tracer_common::inproc::state::HANDED)
-            .then(|| {
-                let len = h.why.iter().position(|&b| b == 0).unwrap_or(h.why.len());
-                String::from_utf8_lossy(&h.why[..len]).into_owned()
-            })
+            .then(|| String::from_utf8_lossy(h.why_text()).into_owned())
             // The session ending first is no loss: nothing ran uncounted within it.
             .filter(|why| !why.is_empty() && why != super::handover::ENDED),
     }

@@ -5,6 +5,7 @@
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
 mod maps;
+mod offcpu;
 mod programs;
 mod tracepoints;
 mod uprobes;
@@ -29,8 +30,8 @@ use aya::{
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
     globals, loss, CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey, GpuKernelStats,
-    NativeCallKey, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey, PyLayout, PySampleProc, PyStack,
-    SessionMask,
+    NativeCallKey, OffCpuConfig, OffCpuThread, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey,
+    PyLayout, PySampleProc, PyStack, SessionMask,
 };
 
 use tracer_inspect::python::{
@@ -143,6 +144,10 @@ pub struct Bpf {
     exec_hold: Array<MapData, SessionMask>,
     /// Processes stopped at exec, until continued (see `guardian`).
     held: HashMap<MapData, u32, u64>,
+    offcpu_sessions: Array<MapData, OffCpuConfig>,
+    offcpu_threads: HashMap<MapData, u32, OffCpuThread>,
+    /// Sessions recording off-CPU time, and their programs.
+    off_cpu: offcpu::OffCpu,
     /// The uprobe and sampling programs, loaded and attached by tracer itself.
     programs: programs::Programs,
     /// Why uprobes are attached one by one, when they are.
@@ -174,6 +179,9 @@ impl Bpf {
         let pid_off = newtask.offset("pid").unwrap_or(8);
         let flags_off = newtask.offset("clone_flags").unwrap_or(32);
         let group_dead_off = exit.offset("group_dead").unwrap_or(u32::MAX);
+        let switch = TracepointFormat::read("sched", "sched_switch");
+        let prev_state_off = switch.offset("prev_state").unwrap_or(32);
+        let next_pid_off = switch.offset("next_pid").unwrap_or(56);
         let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
             Ok(off) => (off, None),
             Err(e) => (u32::MAX, Some(e.to_string())),
@@ -192,6 +200,8 @@ impl Bpf {
             .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
             .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
             .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
+            .override_global(globals::SWITCH_PREV_STATE_OFFSET, &prev_state_off, true)
+            .override_global(globals::SWITCH_NEXT_PID_OFFSET, &next_pid_off, true)
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         let multi_missing = if per_probe {
@@ -261,6 +271,9 @@ impl Bpf {
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             held: take(&mut ebpf, "HELD")?,
+            offcpu_sessions: take(&mut ebpf, "OFFCPU_SESSIONS")?,
+            offcpu_threads: take(&mut ebpf, "OFFCPU_THREADS")?,
+            off_cpu: offcpu::OffCpu::default(),
             programs,
             multi_missing: multi_missing.map(str::to_owned),
             fsbase_error,

@@ -23,6 +23,33 @@ pub fn parse_ms(s: &str) -> Result<u64, String> {
     Ok((n * scale).round() as u64)
 }
 
+/// A duration in microseconds: `500us`, or anything [`parse_ms`] takes (`1ms`, `0.5ms`).
+pub fn parse_us(s: &str) -> Result<u64, String> {
+    match s.trim().strip_suffix("us") {
+        Some(n) => n
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|n| n.is_finite() && *n >= 0.0)
+            .map(|n| n.round() as u64)
+            .ok_or_else(|| format!("invalid duration '{s}' (examples: 500us, 2ms)")),
+        None => {
+            let s = s.trim();
+            // Fractions of a millisecond: parse_ms rounds to whole ones.
+            let split = s
+                .find(|c: char| !c.is_ascii_digit() && c != '.')
+                .unwrap_or(s.len());
+            if &s[split..] == "ms" {
+                let n: f64 = s[..split]
+                    .parse()
+                    .map_err(|_| format!("invalid duration '{s}' (examples: 500us, 2ms)"))?;
+                return Ok((n * 1e3).round() as u64);
+            }
+            parse_ms(s).map(|ms| ms.saturating_mul(1000))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_ms;

@@ -114,6 +114,15 @@ struct StartArgs {
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = parse_frequency)]
     frequency: Option<u64>,
+    /// Sampling, wall-clock: also the time threads spend off the CPU (sleeping, blocked on
+    /// I/O, a lock, the GIL, a CUDA synchronization, or preempted), with their stacks where
+    /// they left and why, beside the CPU samples, in time units.
+    #[arg(long)]
+    off_cpu: bool,
+    /// With --off-cpu: a thread's time away goes in as a stack once it adds up to this much
+    /// (default 5ms; 100us to 1s); shorter periods are carried into its next one.
+    #[arg(long, value_name = "DURATION", value_parser = duration::parse_us, requires = "off_cpu")]
+    off_cpu_min: Option<u64>,
     /// Always-on low-rate profiling: sampling at 19 Hz (unless --frequency says otherwise)
     /// until stopped, each window pushed to --push.
     #[arg(long, requires = "push")]
@@ -489,14 +498,22 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
             cuda_stacks: args.cuda_stacks,
             cuda_driver_only: args.cuda_driver_only,
         }),
-        sampling: (args.frequency.is_some() || args.push.is_some()).then(|| SamplingOptions {
-            frequency_hz: args
-                .frequency
-                .unwrap_or(if args.continuous { CONTINUOUS_HZ } else { 0 }),
-            push_url: args.push.clone().unwrap_or_default(),
-            push_period_ms: args
-                .push_period
-                .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
+        sampling: (args.frequency.is_some() || args.push.is_some() || args.off_cpu).then(|| {
+            SamplingOptions {
+                frequency_hz: args.frequency.unwrap_or(if args.continuous {
+                    CONTINUOUS_HZ
+                } else {
+                    0
+                }),
+                push_url: args.push.clone().unwrap_or_default(),
+                push_period_ms: args
+                    .push_period
+                    .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
+                off_cpu: args.off_cpu,
+                off_cpu_min_us: args
+                    .off_cpu_min
+                    .map_or(0, |us| u32::try_from(us.max(1)).unwrap_or(u32::MAX)),
+            }
         }),
         tracing: (args.buffer_mb.is_some()
             || args.max_file_mb.is_some()

@@ -35,6 +35,7 @@ const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
+const BPF_PROG_TYPE_TRACEPOINT: u32 = 5;
 const BPF_PROG_TYPE_PERF_EVENT: u32 = 7;
 const BPF_PERF_EVENT: u32 = 41;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
@@ -130,8 +131,8 @@ fn sys_bpf<T>(cmd: libc::c_long, attr: &T) -> io::Result<OwnedFd> {
 /// hands it functions (`bpf_loop` callbacks).
 struct Code<'a> {
     name: &'a str,
-    /// A perf-event program (sampling) rather than a uprobe.
-    perf_event: bool,
+    /// `BPF_PROG_TYPE_*`: a uprobe or kprobe, a perf-event program (sampling), a tracepoint.
+    prog_type: u32,
     /// A uprobe for multi-uprobe links, rather than for one perf event each.
     multi: bool,
     insns: &'a [bpf_insn],
@@ -145,11 +146,7 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
         *d = s;
     }
     let mut attr = ProgLoadAttr {
-        prog_type: if code.perf_event {
-            BPF_PROG_TYPE_PERF_EVENT
-        } else {
-            BPF_PROG_TYPE_KPROBE
-        },
+        prog_type: code.prog_type,
         insn_cnt: u32::try_from(code.insns.len()).unwrap_or(u32::MAX),
         insns: code.insns.as_ptr() as u64,
         license: code.license.as_ptr() as u64,
@@ -332,7 +329,7 @@ pub fn supported() -> bool {
     let license = CString::new("GPL").expect("no NUL");
     let code = Code {
         name: "tracer_probe",
-        perf_event: false,
+        prog_type: BPF_PROG_TYPE_KPROBE,
         multi: true,
         insns: &insns,
         license: &license,
@@ -472,11 +469,17 @@ impl Programs {
             .functions
             .get(&program.function_key())
             .ok_or_else(|| ProgramsError::NoProgram(name.into()))?;
-        let perf_event = matches!(program.section, aya_obj::ProgramSection::PerfEvent);
+        use aya_obj::ProgramSection as S;
+        let prog_type = match program.section {
+            S::PerfEvent => BPF_PROG_TYPE_PERF_EVENT,
+            S::TracePoint => BPF_PROG_TYPE_TRACEPOINT,
+            _ => BPF_PROG_TYPE_KPROBE,
+        };
         let code = Code {
             name,
-            perf_event,
-            multi: !perf_event && self.multi(),
+            prog_type,
+            multi: matches!(program.section, S::UProbe { .. } | S::URetProbe { .. })
+                && self.multi(),
             insns: &function.instructions,
             license: &program.license,
             btf: self.0.btf.as_ref().map(|fd| (fd.as_fd(), function)),

@@ -118,6 +118,9 @@ pub mod globals {
     /// `task_struct.thread.fsbase`, from the kernel's BTF: `pthread_self()` of the sampled
     /// thread, which CPython stores as its thread state's `thread_id`.
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
+    /// `sched:sched_switch`'s `prev_state`, from its tracefs format.
+    pub const SWITCH_PREV_STATE_OFFSET: &str = "SWITCH_PREV_STATE_OFFSET";
+    pub const SWITCH_NEXT_PID_OFFSET: &str = "SWITCH_NEXT_PID_OFFSET";
 }
 
 #[cfg(feature = "user")]
@@ -132,6 +135,8 @@ mod pod {
     unsafe impl aya::Pod for super::NativeCallKey {}
     unsafe impl aya::Pod for super::PyEdgeKey {}
     unsafe impl aya::Pod for super::PySampleProc {}
+    unsafe impl aya::Pod for super::OffCpuThread {}
+    unsafe impl aya::Pod for super::OffCpuConfig {}
     unsafe impl aya::Pod for super::TraceEvent {}
     unsafe impl aya::Pod for super::PyStack {}
     unsafe impl aya::Pod for super::PyStackEntry {}
@@ -149,7 +154,13 @@ mod tests {
         assert_eq!(core::mem::size_of::<super::PyLayout>(), 25 * 4);
         assert_eq!(
             core::mem::size_of::<super::SampleEvent>(),
-            4 * 4 + 8 * 6 + 4 * 4 + 16 + 24 * super::SAMPLE_PY_DEPTH + super::SAMPLE_STACK_BYTES
+            4 * 4
+                + 8 * 6
+                + 4 * 4
+                + 8 * 3
+                + 16
+                + 24 * super::SAMPLE_PY_DEPTH
+                + super::SAMPLE_STACK_BYTES
         );
         assert_eq!(
             core::mem::size_of::<super::PyStack>(),

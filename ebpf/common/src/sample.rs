@@ -47,6 +47,13 @@ pub mod sample_flag {
     pub const PY_UNKNOWN_PROCESS: u32 = 16;
     /// The sample interrupted kernel code.
     pub const KERNEL_MODE: u32 = 32;
+    /// Off-CPU time (`--off-cpu`), not a timer's sample: the thread just came back to a CPU
+    /// after `SampleEvent::weight_ns` away; its stacks are where it left.
+    pub const OFF_CPU: u32 = 64;
+    /// Off-CPU: it left the CPU runnable (preempted), not blocked.
+    pub const PREEMPTED: u32 = 128;
+    /// Off-CPU: it left in uninterruptible sleep (`D`: disk I/O, page faults, some locks).
+    pub const UNINTERRUPTIBLE: u32 = 256;
 }
 
 /// One stack sample, sent on the `SAMPLES` ring buffer up to the stack bytes copied. Kernel
@@ -73,6 +80,12 @@ pub struct SampleEvent {
     pub flags: u32,
     pub py_depth: u32,
     pub _pad: u32,
+    /// Off-CPU records: every session they are for (`slot` is the lowest of them).
+    pub slots: u64,
+    /// Off-CPU records: the nanoseconds they stand for: the period that just ended and the
+    /// thread's shorter ones before it that no record stood for yet (`own_ns`: the last).
+    pub weight_ns: u64,
+    pub own_ns: u64,
     pub comm: [u8; 16],
     /// Innermost first.
     pub py: [PySampleFrame; SAMPLE_PY_DEPTH],
@@ -104,4 +117,38 @@ pub mod sample_cookie {
     pub const fn make(slot: u8, all: bool) -> u64 {
         slot as u64 | if all { ALL } else { 0 }
     }
+}
+
+/// One thread's off-CPU bookkeeping (`OFFCPU_THREADS`): the period under way, the time of
+/// its earlier short periods that no record carried yet, and a record due: the thread is
+/// back, and the record goes out in its own context (where its user stack can be read) at
+/// its next syscall exit or switch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuThread {
+    /// `bpf_ktime_get_ns` when it left; 0 while it runs.
+    pub since_ns: u64,
+    pub carry_ns: u64,
+    /// Kernel stack id where it left (`SAMPLE_KSTACKS`), or negative.
+    pub kernel_stack: i64,
+    /// `sample_flag::PREEMPTED`/`UNINTERRUPTIBLE` of the period under way.
+    pub flags: u32,
+    pub due_flags: u32,
+    /// The record due: nanoseconds (0: none), of which its own period's, and where it left.
+    pub due_ns: u64,
+    pub due_own_ns: u64,
+    pub due_kernel_stack: i64,
+}
+
+/// `OFFCPU_SESSIONS`' one value: which sessions record off-CPU time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuConfig {
+    /// Sessions following processes (their threads, by `TRACKED`).
+    pub slots: u64,
+    /// Sessions of every process.
+    pub all: u64,
+    /// A thread's off-CPU time goes out as a record once it adds up to this much; shorter
+    /// periods are carried into its next record.
+    pub min_ns: u64,
 }

@@ -7,6 +7,7 @@
 
 mod cuda;
 mod native;
+mod offcpu;
 mod proc;
 mod python;
 pub(crate) mod sample;

@@ -42,7 +42,7 @@ static SAMPLE_SCRATCH: Array<SampleEvent> = Array::with_max_entries(1, 0);
 
 /// Kernel stacks, deduplicated by the kernel itself.
 #[map]
-static SAMPLE_KSTACKS: StackTrace = StackTrace::with_max_entries(16_384, 0);
+pub(crate) static SAMPLE_KSTACKS: StackTrace = StackTrace::with_max_entries(16_384, 0);
 
 /// Process id → how to read its Python stacks (or that it runs no known CPython). Filled
 /// by the daemon when a process is first sampled; removed at exec and exit.
@@ -111,7 +111,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
 }
 
 /// This CPU's record to fill (`SAMPLE_SCRATCH`).
-fn scratch() -> Option<*mut SampleEvent> {
+pub(crate) fn scratch() -> Option<*mut SampleEvent> {
     // SAFETY: plain helper call.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     let ev = SAMPLE_SCRATCH.get_ptr_mut(cpu);
@@ -123,7 +123,7 @@ fn scratch() -> Option<*mut SampleEvent> {
 }
 
 /// Puts the record on the ring, up to the stack bytes copied.
-unsafe fn send(ev: *mut SampleEvent) {
+pub(crate) unsafe fn send(ev: *mut SampleEvent) {
     // SAFETY: `ev` is this CPU's filled record.
     let copied = unsafe { (*ev).stack_len } as usize;
     // Masked, then capped: a bound the verifier can follow to the scratch entry's size.
@@ -152,7 +152,7 @@ pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
 }
 
 /// The record's fixed fields.
-unsafe fn header(ev: *mut SampleEvent, slot: u32, pid: u32, tid: u32) {
+pub(crate) unsafe fn header(ev: *mut SampleEvent, slot: u32, pid: u32, tid: u32) {
     // SAFETY: `ev` is this CPU's record.
     unsafe {
         (*ev).slot = slot;
@@ -164,13 +164,16 @@ unsafe fn header(ev: *mut SampleEvent, slot: u32, pid: u32, tid: u32) {
         (*ev).flags = 0;
         (*ev).py_depth = 0;
         (*ev)._pad = 0;
+        (*ev).slots = 1u64 << (slot & 63);
+        (*ev).weight_ns = 0;
+        (*ev).own_ns = 0;
     }
 }
 
 /// The thread's user registers (saved at its entry to the kernel, whatever the interrupt
 /// hit; at a uprobe, the probed instruction's) and the stack pages from the one holding its
 /// stack pointer up.
-unsafe fn user_stack(ev: *mut SampleEvent) {
+pub(crate) unsafe fn user_stack(ev: *mut SampleEvent) {
     // SAFETY (whole body): reads go through probe-read helpers, which fail cleanly.
     unsafe {
         let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;
@@ -248,7 +251,7 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 }
 
 /// The Python frames of the sampled thread, if its process runs a known CPython.
-unsafe fn python(ev: *mut SampleEvent, pid: u32) {
+pub(crate) unsafe fn python(ev: *mut SampleEvent, pid: u32) {
     let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l) => (t, l),
         PyThread::UnknownProcess => {

@@ -137,6 +137,17 @@ pub struct SamplingOptions {
     pub push_url: ::prost::alloc::string::String,
     #[prost(uint32, tag = "3")]
     pub push_period_ms: u32,
+    /// Off-CPU time too (wall-clock profiling): each time a followed thread is back on a CPU,
+    /// the time it was away, with its stacks where it left and why (sleep, lock, pipe, socket,
+    /// poll, disk, page fault, preempted, the GIL, CUDA synchronization), in the profile beside
+    /// the CPU samples, in time units.
+    #[prost(bool, tag = "4")]
+    pub off_cpu: bool,
+    /// Off-CPU: a thread's time away goes in as a stack once it adds up to this many
+    /// microseconds; shorter periods are carried into its next one (none is dropped).
+    /// 0: 5000 (5 ms); 100 to 1,000,000.
+    #[prost(uint32, tag = "5")]
+    pub off_cpu_min_us: u32,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

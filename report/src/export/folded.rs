@@ -1,5 +1,6 @@
 //! Brendan Gregg's folded stacks, as `stackcollapse-*.pl` write them and `flamegraph.pl`,
-//! inferno and speedscope read them: `root;…;leaf COUNT`, one line per distinct stack.
+//! inferno and speedscope read them: `root;…;leaf COUNT`, one line per distinct stack. In a
+//! wall-clock profile COUNT is microseconds (on the CPU and off it), as `offcputime -f` writes.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -13,10 +14,10 @@ pub fn folded(p: &Profile) -> String {
     for s in p
         .stacks
         .iter()
-        .filter(|s| s.count > 0 && !s.frames.is_empty())
+        .filter(|s| p.flame_value(s) > 0 && !s.frames.is_empty())
     {
         let stack: Vec<String> = s.frames.iter().map(label).collect();
-        *lines.entry(stack.join(";")).or_default() += s.count;
+        *lines.entry(stack.join(";")).or_default() += p.flame_value(s);
     }
     let mut out = String::new();
     for (stack, count) in lines {
@@ -80,6 +81,7 @@ pub(crate) mod tests {
             comm: comm.into(),
             frames,
             count,
+            off_cpu_ns: 0,
         }
     }
 
@@ -94,6 +96,7 @@ pub(crate) mod tests {
             period_ns: 10_000_000,
             start_unix_ns: 1_700_000_000_000_000_000,
             duration_ns: 2_000_000_000,
+            off_cpu: None,
             stacks: vec![
                 stack(
                     100,
@@ -170,5 +173,55 @@ pub(crate) mod tests {
     #[test]
     fn empty_profile_is_empty() {
         assert_eq!(folded(&Profile::default()), "");
+    }
+
+    /// `example()` as a wall-clock profile: thread 100 also slept 250 ms.
+    pub(crate) fn wall_example() -> Profile {
+        let mut p = example();
+        p.off_cpu = Some(crate::profile::OffCpu {
+            min_ns: 5_000_000,
+            total_ns: 250_000_000,
+            records: 3,
+            ..Default::default()
+        });
+        let mut away = stack(
+            100,
+            100,
+            "python3",
+            vec![
+                frame(FrameKind::Process, "python3 (pid 100)"),
+                py("<module>", 10),
+                kernel("do_nanosleep", 0),
+                frame(FrameKind::OffCpu, "sleep"),
+            ],
+            0,
+        );
+        away.off_cpu_ns = 250_000_000;
+        p.stacks.push(away);
+        p
+    }
+
+    /// Off-CPU time beside the samples: µs in flame graphs, ms in the table with each
+    /// thread's time on and off the CPU.
+    #[test]
+    fn wall_clock_profiles_weigh_stacks_by_time() {
+        let p = wall_example();
+        let text = folded(&p);
+        assert!(
+            text.contains("<module> (/srv/app.py:10);do_nanosleep_[k];[off-CPU: sleep] 250000\n"),
+            "{text}"
+        );
+        // 5 samples at 10 ms: 50 ms, in µs.
+        assert!(text.contains("do_syscall_64_[k] 50000\n"), "{text}");
+        let mut table = String::new();
+        p.table(&mut table, 0);
+        assert!(table.contains("Wall-clock: 120.0 ms on the CPU"), "{table}");
+        assert!(table.contains("250.0 ms off it"), "{table}");
+        assert!(table.contains("[off-CPU: sleep]"), "{table}");
+        // Thread 100: 50 ms on, 250 ms off.
+        assert!(
+            table.contains("50.0 ms  16.7%   250.0 ms  83.3%  sleep 83%"),
+            "{table}"
+        );
     }
 }

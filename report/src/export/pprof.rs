@@ -24,7 +24,15 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
     let mut b = Builder::new(p.mappings.len());
     // Launch stacks (`--cuda-stacks`) count launches and stand for no time.
     let timed = p.period_ns > 0;
-    let sample_type = if timed {
+    let wall = p.off_cpu.is_some();
+    let sample_type = if timed && wall {
+        vec![
+            b.value_type("samples", "count"),
+            b.value_type("cpu", "nanoseconds"),
+            b.value_type("off_cpu", "nanoseconds"),
+            b.value_type("wall", "nanoseconds"),
+        ]
+    } else if timed {
         vec![
             b.value_type("samples", "count"),
             b.value_type("cpu", "nanoseconds"),
@@ -53,10 +61,18 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
     let sample = p
         .stacks
         .iter()
-        .filter(|s| s.count > 0)
+        .filter(|s| p.weight(s) > 0)
         .map(|s| pb::Sample {
             location_id: s.frames.iter().rev().map(|f| b.location(f)).collect(),
-            value: if timed {
+            value: if timed && wall {
+                let cpu = s.count.saturating_mul(p.period_ns);
+                vec![
+                    int(s.count),
+                    int(cpu),
+                    int(s.off_cpu_ns),
+                    int(cpu.saturating_add(s.off_cpu_ns)),
+                ]
+            } else if timed {
                 vec![int(s.count), int(s.count.saturating_mul(p.period_ns))]
             } else {
                 vec![int(s.count)]
@@ -184,9 +200,14 @@ impl<'a> Builder<'a> {
         }
         let file = match f.kind {
             FrameKind::Kernel => "[kernel]",
+            FrameKind::OffCpu => "[off-CPU]",
             _ => f.file.as_deref().unwrap_or(""),
         };
-        let function_id = self.function(&f.name, file, f.kind == FrameKind::Native);
+        let name = match f.kind {
+            FrameKind::OffCpu => std::borrow::Cow::Owned(f.label()),
+            _ => std::borrow::Cow::Borrowed(f.name.as_str()),
+        };
+        let function_id = self.function(&name, file, f.kind == FrameKind::Native);
         // Only native frames lie in a binary; an index past the table would make the
         // whole file invalid, so such a frame goes without mapping.
         let mapping_id = match (f.kind, f.mapping) {

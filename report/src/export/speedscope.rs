@@ -22,11 +22,16 @@ pub fn speedscope(p: &Profile, name: &str) -> String {
     let mut frames: Vec<Value> = Vec::new();
     let mut index: HashMap<Key, usize> = HashMap::new();
     let mut processes: BTreeMap<u32, Vec<&Stack>> = BTreeMap::new();
-    for s in p.stacks.iter().filter(|s| s.count > 0) {
+    for s in p.stacks.iter().filter(|s| p.weight(s) > 0) {
         processes.entry(s.pid).or_default().push(s);
     }
     let mut processes: Vec<_> = processes.into_iter().collect();
-    let total = |stacks: &[&Stack]| stacks.iter().map(|s| s.count).sum::<u64>();
+    let stack_weight = |s: &Stack| match p.off_cpu {
+        // Wall-clock: nanoseconds on the CPU and off it.
+        Some(_) => p.weight(s),
+        None => s.count.saturating_mul(weight),
+    };
+    let total = |stacks: &[&Stack]| stacks.iter().map(|s| stack_weight(s)).sum::<u64>();
     processes.sort_by_key(|(pid, stacks)| (std::cmp::Reverse(total(stacks)), *pid));
 
     let profiles: Vec<Value> = processes
@@ -45,10 +50,7 @@ pub fn speedscope(p: &Profile, name: &str) -> String {
                     .collect()
                 })
                 .collect();
-            let weights: Vec<u64> = stacks
-                .iter()
-                .map(|s| s.count.saturating_mul(weight))
-                .collect();
+            let weights: Vec<u64> = stacks.iter().map(|s| stack_weight(s)).collect();
             let process = stacks[0]
                 .frames
                 .first()
@@ -86,6 +88,7 @@ fn key(p: &Profile, f: &Frame) -> Key {
             (f.name.clone(), f.file.clone().or(binary.cloned()), f.line)
         }
         FrameKind::Kernel => (f.label(), Some("[kernel]".into()), None),
+        FrameKind::OffCpu => (f.label(), None, None),
     }
 }
 
@@ -192,5 +195,15 @@ mod tests {
         let doc: Value = serde_json::from_str(&speedscope(&p, "app")).unwrap();
         assert_eq!(doc["profiles"][0]["unit"], "none");
         assert_eq!(doc["profiles"][0]["endValue"], 9);
+    }
+
+    #[test]
+    fn wall_clock_weights_are_nanoseconds_on_and_off_the_cpu() {
+        let p = crate::export::folded::tests::wall_example();
+        let doc: Value = serde_json::from_str(&speedscope(&p, "app")).unwrap();
+        let weights = doc["profiles"][0]["weights"].as_array().unwrap();
+        assert!(weights.iter().any(|w| w == 250_000_000), "{weights:?}");
+        // 5 samples at 10 ms.
+        assert!(weights.iter().any(|w| w == 50_000_000), "{weights:?}");
     }
 }

@@ -41,8 +41,10 @@ pub fn svg(p: &Profile, title: &str) -> String {
         name: "all".into(),
         ..Node::default()
     };
+    let unit = p.flame_unit();
     for s in &p.stacks {
-        root.count += s.count;
+        let value = p.flame_value(s);
+        root.count += value;
         let mut node = &mut root;
         for f in &s.frames {
             node = node.children.entry(f.label()).or_insert_with(|| Node {
@@ -50,7 +52,7 @@ pub fn svg(p: &Profile, title: &str) -> String {
                 name: f.name.clone(),
                 ..Node::default()
             });
-            node.count += s.count;
+            node.count += value;
         }
     }
     let min = (root.count as f64 * MIN_SHARE).max(f64::MIN_POSITIVE);
@@ -75,6 +77,7 @@ pub fn svg(p: &Profile, title: &str) -> String {
         );
     } else {
         let mut ctx = Ctx {
+            unit,
             out: &mut out,
             total: root.count as f64,
             min,
@@ -95,6 +98,8 @@ struct Ctx<'a> {
     total: f64,
     min: f64,
     height: f64,
+    /// What `Node::count` counts.
+    unit: &'static str,
 }
 
 impl Ctx<'_> {
@@ -107,9 +112,10 @@ impl Ctx<'_> {
         let (r, g, b) = colour(node.kind, &node.name);
         let _ = writeln!(
             self.out,
-            r#"<g class="f" data-x="{fx}" data-w="{fw}"><title>{} ({} samples, {:.2}%)</title><rect x="{x:.2}" y="{y}" width="{w:.2}" height="{}" rx="2" fill="rgb({r},{g},{b})"/><text x="{:.2}" y="{}">{}</text></g>"#,
+            r#"<g class="f" data-x="{fx}" data-w="{fw}"><title>{} ({} {}, {:.2}%)</title><rect x="{x:.2}" y="{y}" width="{w:.2}" height="{}" rx="2" fill="rgb({r},{g},{b})"/><text x="{:.2}" y="{}">{}</text></g>"#,
             escape(label),
             node.count,
+            self.unit,
             fw * 100.0,
             FRAME_H - 1.0,
             x + 3.0,
@@ -154,6 +160,7 @@ fn colour(kind: FrameKind, name: &str) -> (u8, u8, u8) {
         FrameKind::Python => (190.0 + 40.0 * v1, 0.6),
         FrameKind::Native => (0.0 + 30.0 * v1, 0.7),
         FrameKind::Kernel => (32.0 + 20.0 * v1, 0.8),
+        FrameKind::OffCpu => (270.0 + 20.0 * v1, 0.35),
         FrameKind::Process => (0.0, 0.0),
     };
     hsl(hue, sat, 0.62 + 0.12 * v2)

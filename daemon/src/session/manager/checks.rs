@@ -21,6 +21,36 @@ use tracer_inspect::process;
 /// rate, so that sampling does not beat in step with periodic work.
 const DEFAULT_FREQUENCY: u64 = 99;
 
+/// A wall-clock session's shortest off-CPU record unless asked otherwise.
+const DEFAULT_OFF_CPU_MIN_US: u32 = 5_000;
+
+/// Off-CPU time's shortest record in ns, for sampling sessions that ask for it (`--off-cpu`).
+fn off_cpu_min(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
+    let Some(o) = req.sampling.as_ref() else {
+        return Ok(None);
+    };
+    if !o.off_cpu {
+        if o.off_cpu_min_us != 0 {
+            return Err(Error::InvalidArgument(
+                "an off-CPU minimum is for off-CPU time: it needs --off-cpu".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    if !sampling {
+        return Err(Error::InvalidArgument(
+            "off-CPU time (--off-cpu) is for sampling sessions (--mode=sampling)".into(),
+        ));
+    }
+    match o.off_cpu_min_us {
+        0 => Ok(Some(u64::from(DEFAULT_OFF_CPU_MIN_US) * 1000)),
+        us if !(100..=1_000_000).contains(&us) => Err(Error::InvalidArgument(
+            "the off-CPU minimum must be from 100us to 1s".into(),
+        )),
+        us => Ok(Some(u64::from(us) * 1000)),
+    }
+}
+
 /// Continuous profiling's endpoint and period, for sampling sessions that ask for it.
 fn continuous_options(
     req: &StartSessionRequest,
@@ -128,6 +158,8 @@ pub(super) struct Asked {
     pub(super) mode: Mode,
     /// Sampling: samples per second on each CPU.
     pub(super) frequency: Option<u64>,
+    /// Wall-clock sampling: the shortest off-CPU record, in ns.
+    pub(super) off_cpu: Option<u64>,
     /// Continuous profiling's endpoint and period.
     pub(super) push: Option<(crate::continuous::Endpoint, Duration)>,
     /// Tracing: the trace's limits and its counters' period.
@@ -158,6 +190,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     let sampling = mode == Mode::Sampling;
     let trace_mode = mode == Mode::Tracing;
     let frequency = sampling_frequency(sampling, &req)?;
+    let off_cpu = off_cpu_min(sampling, &req)?;
     let push = continuous_options(&req)?;
     let trace_limits = match (&req.tracing, trace_mode) {
             (Some(o), false) if *o != Default::default() => {
@@ -219,6 +252,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     Ok(Asked {
         mode,
         frequency,
+        off_cpu,
         push,
         trace_limits,
         duration_ms,

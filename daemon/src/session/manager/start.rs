@@ -389,6 +389,7 @@ impl Manager {
                 &opening(slot),
                 hz,
                 asked.push.clone(),
+                asked.off_cpu,
             )?),
             _ => None,
         };
@@ -400,6 +401,7 @@ impl Manager {
                 cuda::LAUNCH_STACKS,
                 pid.into_iter().collect(),
                 process::kernel_addresses_for(owner_uid),
+                None,
             );
         }
         // In-process counting replaces the probes only where they would count calls alone.

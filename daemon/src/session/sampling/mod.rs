@@ -5,6 +5,7 @@ use std::{os::fd::AsFd, sync::atomic::Ordering, time::Duration};
 
 use tracer_proto::{Mode, SessionInfo};
 
+mod reason;
 mod worker;
 
 pub use worker::{Ending, Sampling, Windows};
@@ -23,6 +24,9 @@ pub struct SamplingSession {
     slot: u8,
     /// Windows pushed to an endpoint (`--push`).
     continuous: Option<Running>,
+    /// Wall-clock sessions (`--off-cpu`): the target whose threads' unfinished off-CPU
+    /// time is told at the end (None: every process, or no off-CPU time).
+    off_cpu: Option<Option<u32>>,
 }
 
 impl SamplingSession {
@@ -34,6 +38,7 @@ impl SamplingSession {
         at: &Opening<'_>,
         hz: u64,
         push: Option<(Endpoint, Duration)>,
+        off_cpu_min_ns: Option<u64>,
     ) -> Result<Self, Error> {
         let program = bpf.sample_program()?;
         let sampler = Sampler::start(program.as_fd(), at.slot, at.pid.is_none(), hz)?;
@@ -43,7 +48,19 @@ impl SamplingSession {
             sampler.event,
             at.pid.map_or_else(process::pids, |p| vec![p]),
             process::kernel_addresses_for(at.owner_uid),
+            off_cpu_min_ns,
         );
+        if let Some(min_ns) = off_cpu_min_ns {
+            if let Err(e) = bpf.off_cpu_add(at.slot, at.pid.is_none(), min_ns) {
+                // The histogram goes with the refusal.
+                drop(sampling.end(at.slot));
+                return Err(e.into());
+            }
+            if let Some(pid) = at.pid {
+                // Threads blocked since before the start count from the start.
+                bpf.off_cpu_begin(&process::threads(pid).unwrap_or_default());
+            }
+        }
         let continuous = push.map(|(endpoint, period)| {
             let (windows, slot) = (sampling.windows(), at.slot);
             Running::start(
@@ -57,6 +74,7 @@ impl SamplingSession {
             sampler,
             slot: at.slot,
             continuous,
+            off_cpu: off_cpu_min_ns.map(|_| at.pid),
         })
     }
 }
@@ -87,7 +105,16 @@ impl Measurement for SamplingSession {
             sampler,
             slot,
             continuous,
+            off_cpu,
         } = *self;
+        if let Some(target) = off_cpu {
+            if let Some(pid) = target {
+                let tids = process::threads(pid).unwrap_or_default();
+                end.sampling
+                    .off_cpu_unfinished(slot, &end.bpf.off_cpu_unfinished(&tids));
+            }
+            end.bpf.off_cpu_remove(slot);
+        }
         // The histogram ends once its perf events are closed.
         drop(sampler);
         Finished {

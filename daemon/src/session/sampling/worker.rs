@@ -23,7 +23,7 @@ use tracer_inspect::python::{
     runtime::{Runtime, RuntimeError},
 };
 use tracer_inspect::unwind::End;
-use tracer_report::profile::{Frame, FrameKind, Mapping, Profile, Stack, Unwinding};
+use tracer_report::profile::{Frame, FrameKind, Mapping, OffCpu, Profile, Stack, Unwinding};
 use tracer_symbolize::stacks::{Naming, RawStack, Resolver};
 use tracer_symbolize::symbolize::Symbolizer;
 
@@ -35,6 +35,8 @@ const MAX_RUNTIMES: usize = 64;
 use super::super::ring::{lock, RingWorker};
 use tracer_bpf::bpf::SamplingMaps;
 
+type Key = (u32, u32, u32, RawStack, u8);
+
 /// One session's histogram.
 struct Histogram {
     frequency_hz: u64,
@@ -43,8 +45,11 @@ struct Histogram {
     kernel_addresses: bool,
     started: Instant,
     start_unix_ns: u64,
-    /// (pid, tid, process frame, stack as captured) → samples.
-    stacks: HashMap<(u32, u32, u32, RawStack), u64>,
+    /// (pid, tid, process frame, stack as captured, state) → samples (state 0) or off-CPU
+    /// nanoseconds (1 preempted, 2 blocked, 3 uninterruptible).
+    stacks: HashMap<Key, u64>,
+    /// Wall-clock sessions: their off-CPU tally.
+    off_cpu: Option<OffCpu>,
     comms: HashMap<u32, String>,
     unwinding: Unwinding,
     failed: BTreeMap<String, u64>,
@@ -120,7 +125,8 @@ impl Windows {
             let mut st = lock(&self.0);
             st.drain();
             let h = st.sessions.get_mut(&u32::from(slot))?;
-            let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses);
+            let min_ns = h.off_cpu.as_ref().map(|o| o.min_ns);
+            let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses, min_ns);
             let window = std::mem::replace(h, fresh);
             st.ending(window, &self.0)
         };
@@ -129,7 +135,12 @@ impl Windows {
 }
 
 impl Histogram {
-    fn new(frequency_hz: u64, event: &'static str, kernel_addresses: bool) -> Self {
+    fn new(
+        frequency_hz: u64,
+        event: &'static str,
+        kernel_addresses: bool,
+        off_cpu_min_ns: Option<u64>,
+    ) -> Self {
         Histogram {
             frequency_hz,
             event,
@@ -137,6 +148,10 @@ impl Histogram {
             started: Instant::now(),
             start_unix_ns: crate::clock::unix_ns(),
             stacks: HashMap::new(),
+            off_cpu: off_cpu_min_ns.map(|min_ns| OffCpu {
+                min_ns,
+                ..OffCpu::default()
+            }),
             comms: HashMap::new(),
             unwinding: Unwinding::default(),
             failed: BTreeMap::new(),
@@ -194,7 +209,8 @@ impl Sampling {
     /// on a thread of their own, one at a time (reading 1,500 processes' mappings takes
     /// ~70 ms), those not known yet. Samples of a process not looked at yet are looked at as
     /// they come. `kernel_addresses`: whether its owner may see them
-    /// (`process::kernel_addresses_for`).
+    /// (`process::kernel_addresses_for`). `off_cpu_min_ns`: wall-clock sessions' shortest
+    /// off-CPU record.
     pub fn add(
         &self,
         slot: u8,
@@ -202,6 +218,7 @@ impl Sampling {
         event: &'static str,
         pids: Vec<u32>,
         kernel_addresses: bool,
+        off_cpu_min_ns: Option<u64>,
     ) {
         let mut st = lock(&self.state);
         if let [pid] = pids[..] {
@@ -209,7 +226,7 @@ impl Sampling {
         }
         st.sessions.insert(
             u32::from(slot),
-            Histogram::new(frequency_hz, event, kernel_addresses),
+            Histogram::new(frequency_hz, event, kernel_addresses, off_cpu_min_ns),
         );
         drop(st);
         if pids.len() > 1 {
@@ -240,6 +257,19 @@ impl Sampling {
             st.forget_kernel_stacks();
         }
         Some(st.ending(h, &self.state))
+    }
+
+    /// Off-CPU time of `slot`'s threads that no record stands for at its end (`(tid, ns)`).
+    pub fn off_cpu_unfinished(&self, slot: u8, threads: &[(u32, u64)]) {
+        let mut st = lock(&self.state);
+        if let Some(o) = st
+            .sessions
+            .get_mut(&u32::from(slot))
+            .and_then(|h| h.off_cpu.as_mut())
+        {
+            o.unfinished_threads += threads.len() as u64;
+            o.unfinished_ns += threads.iter().map(|t| t.1).sum::<u64>();
+        }
     }
 
     /// A process exited: what was per process goes (its samples are already counted).
@@ -297,7 +327,17 @@ impl State {
     }
 
     fn count(&mut self, ev: &SampleEvent) {
-        if !self.sessions.contains_key(&ev.slot) {
+        let off = ev.flags & sample_flag::OFF_CPU != 0;
+        // Off-CPU records are for every session in their mask; a timer's sample, for one.
+        let slots: Vec<u32> = (0..64u32)
+            .filter(|&b| ev.slots & (1u64 << b) != 0)
+            .filter(|b| {
+                self.sessions
+                    .get(b)
+                    .is_some_and(|h| !off || h.off_cpu.is_some())
+            })
+            .collect();
+        if slots.is_empty() {
             // A sample of a session that just ended.
             return;
         }
@@ -308,7 +348,7 @@ impl State {
         let version = self.version(ev.pid);
         let outcome = self.resolver.capture(ev, kernel, version);
         let comm = {
-            let h = &self.sessions[&ev.slot];
+            let h = &self.sessions[&slots[0]];
             h.comms.get(&ev.pid).cloned()
         }
         .unwrap_or_else(|| {
@@ -317,22 +357,36 @@ impl State {
             process_comm(ev.pid, &ev.comm)
         });
         let root = self.resolver.process_frame(&comm, ev.pid);
-        let h = self.sessions.get_mut(&ev.slot).expect("checked above");
-        h.notes.append(&mut self.resolver.notes);
-        h.comms.entry(ev.pid).or_insert(comm);
-        *h.stacks
-            .entry((ev.pid, ev.tid, root, outcome.raw))
-            .or_default() += 1;
-        h.unwinding.samples += 1;
-        match outcome.end {
-            End::Root => h.unwinding.reached_root += 1,
-            other => *h.failed.entry(end_reason(&other)).or_default() += 1,
-        }
-        if outcome.python {
-            h.unwinding.python_samples += 1;
-        }
-        if outcome.python_complete {
-            h.unwinding.python_complete += 1;
+        let notes = std::mem::take(&mut self.resolver.notes);
+        let (state, value) = match off {
+            false => (0, 1),
+            true if ev.flags & sample_flag::PREEMPTED != 0 => (1, ev.weight_ns),
+            true if ev.flags & sample_flag::UNINTERRUPTIBLE != 0 => (3, ev.weight_ns),
+            true => (2, ev.weight_ns),
+        };
+        for slot in slots {
+            let h = self.sessions.get_mut(&slot).expect("checked above");
+            h.notes.extend(notes.iter().cloned());
+            h.comms.entry(ev.pid).or_insert_with(|| comm.clone());
+            *h.stacks
+                .entry((ev.pid, ev.tid, root, outcome.raw.clone(), state))
+                .or_default() += value;
+            if let (true, Some(o)) = (off, h.off_cpu.as_mut()) {
+                o.total_ns += ev.weight_ns;
+                o.records += 1;
+                o.carried_ns += ev.weight_ns.saturating_sub(ev.own_ns);
+            }
+            h.unwinding.samples += 1;
+            match &outcome.end {
+                End::Root => h.unwinding.reached_root += 1,
+                other => *h.failed.entry(end_reason(other)).or_default() += 1,
+            }
+            if outcome.python {
+                h.unwinding.python_samples += 1;
+            }
+            if outcome.python_complete {
+                h.unwinding.python_complete += 1;
+            }
         }
     }
 
@@ -379,12 +433,14 @@ impl State {
         let live = self
             .sessions
             .values()
-            .flat_map(|h| h.stacks.keys().map(|(_, _, root, raw)| (*root, raw)));
+            .flat_map(|h| h.stacks.keys().map(|(_, _, root, raw, _)| (*root, raw)));
         let map = self.resolver.compact(live);
         for h in self.sessions.values_mut() {
             h.stacks = std::mem::take(&mut h.stacks)
                 .into_iter()
-                .map(|((pid, tid, root, raw), n)| ((pid, tid, map.frame(root), map.stack(raw)), n))
+                .map(|((pid, tid, root, raw, state), n)| {
+                    ((pid, tid, map.frame(root), map.stack(raw), state), n)
+                })
                 .collect();
         }
         if self.runtimes.len() > MAX_RUNTIMES {
@@ -493,19 +549,19 @@ impl State {
 
     /// The profile of `h`, whose addresses are named.
     fn named_profile(&mut self, h: Histogram) -> Profile {
-        let mut named: HashMap<(u32, u32, Vec<u32>), u64> = HashMap::new();
-        for ((pid, tid, root, raw), count) in &h.stacks {
+        let mut named: HashMap<(u32, u32, Vec<u32>, u8), u64> = HashMap::new();
+        for ((pid, tid, root, raw, state), count) in &h.stacks {
             let mut ids = vec![*root];
             ids.extend(self.resolver.frames(raw));
-            *named.entry((*pid, *tid, ids)).or_default() += count;
+            *named.entry((*pid, *tid, ids, *state)).or_default() += count;
         }
         // Only the binaries this profile's frames point into, renumbered.
         let mut mappings: Vec<Mapping> = Vec::new();
         let mut renumber: HashMap<usize, usize> = HashMap::new();
         let mut stacks: Vec<Stack> = named
             .into_iter()
-            .map(|((pid, tid, ids), count)| {
-                let frames = ids
+            .map(|((pid, tid, ids, state), count)| {
+                let mut frames: Vec<Frame> = ids
                     .iter()
                     .map(|&id| {
                         let mut f: Frame = self.resolver.frame(id).clone();
@@ -522,18 +578,34 @@ impl State {
                         f
                     })
                     .collect();
+                if state != 0 {
+                    super::reason::trim(&mut frames);
+                    let why = super::reason::reason(&frames, state);
+                    frames.push(Frame {
+                        kind: FrameKind::OffCpu,
+                        name: why.into(),
+                        ..Frame::default()
+                    });
+                }
+                let (count, off_cpu_ns) = if state == 0 { (count, 0) } else { (0, count) };
                 Stack {
                     pid,
                     tid,
                     comm: h.comms.get(&pid).cloned().unwrap_or_default(),
                     frames,
                     count,
+                    off_cpu_ns,
                 }
             })
             .collect();
+        let period = match h.frequency_hz {
+            0 => 0,
+            hz => 1_000_000_000 / hz,
+        };
+        let weight = |s: &Stack| s.count.saturating_mul(period.max(1)) + s.off_cpu_ns;
         stacks.sort_by(|a, b| {
-            b.count
-                .cmp(&a.count)
+            weight(b)
+                .cmp(&weight(a))
                 .then_with(|| a.frames.len().cmp(&b.frames.len()))
         });
         let mut unwinding = h.unwinding;
@@ -553,6 +625,7 @@ impl State {
             stacks,
             mappings,
             unwinding,
+            off_cpu: h.off_cpu,
         }
     }
 }

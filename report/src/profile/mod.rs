@@ -2,6 +2,8 @@
 //! root to the leaf, Python, native and kernel frames side by side. Every flame graph format
 //! (`export::{folded, pprof, speedscope, svg}`) is written from this one structure.
 
+mod wall;
+
 use serde::{Deserialize, Serialize};
 
 use crate::escape_controls;
@@ -21,6 +23,27 @@ pub struct Profile {
     /// Binaries that native frames point into; `Frame::mapping` indexes this.
     pub mappings: Vec<Mapping>,
     pub unwinding: Unwinding,
+    /// Wall-clock profiles (`--off-cpu`): the time threads spent off the CPU, in
+    /// `Stack::off_cpu_ns` beside the CPU samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub off_cpu: Option<OffCpu>,
+}
+
+/// What a wall-clock profile's off-CPU part holds.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OffCpu {
+    /// A thread's time away went in as a stack once it added up to this much.
+    pub min_ns: u64,
+    /// Off-CPU time in the stacks, and how many records brought it.
+    pub total_ns: u64,
+    pub records: u64,
+    /// Of `total_ns`, periods shorter than `min_ns` carried into the thread's next record
+    /// (and counted under that record's stack).
+    pub carried_ns: u64,
+    /// Time away still running, or carried, at the end (no record stands for it): not in
+    /// the stacks.
+    pub unfinished_ns: u64,
+    pub unfinished_threads: u64,
 }
 
 /// One distinct stack and how many samples hit it.
@@ -32,7 +55,15 @@ pub struct Stack {
     pub comm: String,
     /// Root first: the process frame, then the thread's outermost frame … the leaf.
     pub frames: Vec<Frame>,
+    /// CPU samples (launches, for launch stacks).
     pub count: u64,
+    /// Off-CPU time in wall-clock profiles; its leaf frame says why.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub off_cpu_ns: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
@@ -47,6 +78,8 @@ pub enum FrameKind {
     Native,
     /// A kernel function.
     Kernel,
+    /// Wall-clock profiles: the leaf of off-CPU time, naming why the thread was away.
+    OffCpu,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
@@ -77,6 +110,7 @@ impl Frame {
                 _ => self.name.clone(),
             },
             FrameKind::Kernel => format!("{}_[k]", self.name),
+            FrameKind::OffCpu => format!("[off-CPU: {}]", self.name),
             FrameKind::Process | FrameKind::Native => self.name.clone(),
         }
     }
@@ -113,6 +147,40 @@ impl Profile {
         self.stacks.iter().map(|s| s.count).sum()
     }
 
+    /// What a stack weighs: samples, or nanoseconds in a wall-clock profile (samples at the
+    /// period, plus off-CPU time).
+    pub fn weight(&self, s: &Stack) -> u64 {
+        match self.off_cpu {
+            None => s.count,
+            Some(_) => s
+                .count
+                .saturating_mul(self.period_ns)
+                .saturating_add(s.off_cpu_ns),
+        }
+    }
+
+    /// What flame graphs (folded stacks, SVG) weigh a stack by: samples, or microseconds
+    /// in a wall-clock profile.
+    pub fn flame_value(&self, s: &Stack) -> u64 {
+        match self.off_cpu {
+            None => s.count,
+            Some(_) => self.weight(s) / 1000,
+        }
+    }
+
+    /// What a flame graph's values count.
+    pub fn flame_unit(&self) -> &'static str {
+        match self.off_cpu {
+            None => "samples",
+            Some(_) => "µs",
+        }
+    }
+
+    /// The sum of the stacks' weights.
+    pub fn total_weight(&self) -> u64 {
+        self.stacks.iter().map(|s| self.weight(s)).sum()
+    }
+
     /// Keeps the stacks of these processes, threads and process name (empty: any).
     pub fn retain(&mut self, pids: &[u32], tids: &[u32], comm: &str) {
         self.stacks.retain(|s| {
@@ -122,13 +190,16 @@ impl Profile {
         });
     }
 
-    /// The terminal report: functions by samples in themselves (leaf) and in their
-    /// subtree, like `perf report --children`; then how well stacks were unwound.
+    /// The terminal report: functions by samples (by time, in a wall-clock profile) in
+    /// themselves (leaf) and in their subtree, like `perf report --children`; then how well
+    /// stacks were unwound.
     pub fn table(&self, out: &mut String, limit: usize) {
         use std::{collections::HashMap, fmt::Write as _};
         let total = self.total();
+        let weight_total = self.total_weight();
         let mut by: HashMap<String, (u64, u64)> = HashMap::new();
         for s in &self.stacks {
+            let w = self.weight(s);
             let mut seen = std::collections::HashSet::new();
             for (i, f) in s.frames.iter().enumerate() {
                 if f.kind == FrameKind::Process {
@@ -137,11 +208,11 @@ impl Profile {
                 let label = f.label();
                 let e = by.entry(label.clone()).or_default();
                 if i + 1 == s.frames.len() {
-                    e.0 += s.count;
+                    e.0 += w;
                 }
                 // Recursion: a function counts once per stack in its total.
                 if seen.insert(label) {
-                    e.1 += s.count;
+                    e.1 += w;
                 }
             }
         }
@@ -152,13 +223,22 @@ impl Profile {
                 .then(b.1 .1.cmp(&a.1 .1))
                 .then(a.0.cmp(&b.0))
         });
-        let pct = |n: u64| 100.0 * n as f64 / total.max(1) as f64;
+        let pct = |n: u64| 100.0 * n as f64 / weight_total.max(1) as f64;
+        let wall = self.off_cpu.is_some();
         let _ = match self.frequency_hz {
             // Launch stacks: one a launch.
             0 => writeln!(
                 out,
                 "\n Stacks of {total} {}es, {} distinct (self: launched from there; total: from there or below)\n",
                 escape_controls(&self.event),
+                self.stacks.len()
+            ),
+            hz if wall => writeln!(
+                out,
+                "\n Wall-clock: {} on the CPU ({total} samples at {hz} Hz, {}) and {} off it, {} distinct stacks (times in ms)\n",
+                wall::ms(total.saturating_mul(self.period_ns)),
+                escape_controls(&self.event),
+                wall::ms(weight_total.saturating_sub(total.saturating_mul(self.period_ns))),
                 self.stacks.len()
             ),
             hz => writeln!(
@@ -174,13 +254,22 @@ impl Profile {
             "self", "self%", "total", "total%"
         );
         let shown = if limit == 0 { 25 } else { limit };
+        let value = |n: u64| {
+            if wall {
+                format!("{:.1}", n as f64 / 1e6)
+            } else {
+                n.to_string()
+            }
+        };
         for (label, (own, all)) in rows.iter().take(shown) {
             // Escaped here, not in `Frame::label`: folded stacks and the other exports keep
             // names as data.
             let _ = writeln!(
                 out,
-                "{own:>8} {:>6.1}% {all:>8} {:>6.1}%  {}",
+                "{:>8} {:>6.1}% {:>8} {:>6.1}%  {}",
+                value(*own),
                 pct(*own),
+                value(*all),
                 pct(*all),
                 escape_controls(label)
             );
@@ -192,6 +281,9 @@ impl Profile {
                 "",
                 rows.len() - shown
             );
+        }
+        if wall {
+            wall::threads(self, out);
         }
         let u = &self.unwinding;
         let _ = writeln!(

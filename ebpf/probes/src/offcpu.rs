@@ -1,0 +1,182 @@
+//! Off-CPU time (`--off-cpu`), from two tracepoints and no kprobe (kernels may have none, and
+//! the scheduler's functions take no fentry):
+//!
+//! - `sched:sched_switch` runs as the leaving thread: a followed thread's time away starts,
+//!   with the kernel stack where it waits. The same event names the thread coming back: its
+//!   time away ends and, once it adds up to the sessions' minimum, a record is due (shorter
+//!   periods are carried into its next one, so none of its time is dropped).
+//! - The due record goes out in the returning thread's own context, where its user stack
+//!   and Python frames can be read, as a timer's sample reads them: at its syscall's exit
+//!   (`raw_syscalls:sys_exit`: a blocked thread waited in one), or else at its next switch
+//!   (a thread preempted, or blocked on a page fault: its stacks then, not where it left).
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    macros::{map, tracepoint},
+    maps::{Array, LruHashMap},
+    programs::{tracing::StackIdContext, TracePointContext},
+};
+use tracer_common::{sample_flag, OffCpuConfig, OffCpuThread};
+
+use crate::{
+    sample::{header, python, scratch, send, user_stack, SAMPLE_KSTACKS},
+    shared::{global, TRACKED},
+};
+
+/// Which sessions record off-CPU time; written by the daemon.
+#[map]
+static OFFCPU_SESSIONS: Array<OffCpuConfig> = Array::with_max_entries(1, 0);
+
+/// Thread id → its off-CPU bookkeeping. LRU: exited threads' entries go by themselves.
+#[map]
+static OFFCPU_THREADS: LruHashMap<u32, OffCpuThread> = LruHashMap::with_max_entries(65_536, 0);
+
+/// `sched:sched_switch`'s `prev_state` and `next_pid` offsets, from its tracefs format.
+#[no_mangle]
+static SWITCH_PREV_STATE_OFFSET: u32 = 32;
+#[no_mangle]
+static SWITCH_NEXT_PID_OFFSET: u32 = 56;
+
+/// `TASK_UNINTERRUPTIBLE` in `prev_state`; 0 is `TASK_RUNNING` (preempted).
+const TASK_UNINTERRUPTIBLE: i64 = 2;
+
+/// The sessions that record `pid`'s off-CPU time, with the minimum record.
+fn sessions(pid: u32) -> Option<(u64, u64)> {
+    let cfg = OFFCPU_SESSIONS.get(0)?;
+    // SAFETY: map values are valid for the duration of the program.
+    let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
+    let mask = cfg.all | (followed & cfg.slots);
+    (mask != 0).then_some((mask, cfg.min_ns))
+}
+
+#[tracepoint]
+pub fn tracer_offcpu_switch(ctx: TracePointContext) -> u32 {
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    leaves(&ctx, now);
+    // SAFETY: the offset comes from this kernel's tracepoint format; a bounded probe read.
+    if let Ok(next) = unsafe { ctx.read_at::<i32>(global(&SWITCH_NEXT_PID_OFFSET) as usize) } {
+        back(next as u32, now);
+    }
+    0
+}
+
+/// The current thread leaves the CPU.
+fn leaves(ctx: &TracePointContext, now: u64) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    if pid == 0 || sessions(pid).is_none() {
+        return;
+    }
+    // A record due since it came back goes now, while its stacks are still its own.
+    emit_due(tid, pid);
+    // SAFETY: as above.
+    let state: i64 =
+        unsafe { ctx.read_at(global(&SWITCH_PREV_STATE_OFFSET) as usize) }.unwrap_or(1);
+    let flags = match state & 0xff {
+        0 => sample_flag::PREEMPTED,
+        s if s & TASK_UNINTERRUPTIBLE != 0 => sample_flag::UNINTERRUPTIBLE,
+        _ => 0,
+    };
+    let kernel_stack = ctx
+        .get_stackid(&SAMPLE_KSTACKS, 0)
+        .map(|id| id as i64)
+        .unwrap_or_else(|e| e as i64);
+    match OFFCPU_THREADS.get_ptr_mut(&tid) {
+        // SAFETY: the entry is this thread's, written as it leaves or comes back.
+        Some(t) => unsafe {
+            (*t).since_ns = now;
+            (*t).flags = flags;
+            (*t).kernel_stack = kernel_stack;
+        },
+        None => {
+            let t = OffCpuThread {
+                since_ns: now,
+                kernel_stack,
+                flags,
+                ..OffCpuThread::default()
+            };
+            let _ = OFFCPU_THREADS.insert(&tid, &t, 0);
+        }
+    }
+}
+
+/// Thread `tid` gets a CPU: its time away ends, and a record is due once it adds up.
+fn back(tid: u32, now: u64) {
+    if tid == 0 {
+        return;
+    }
+    let Some(t) = OFFCPU_THREADS.get_ptr_mut(&tid) else {
+        return;
+    };
+    let Some(cfg) = OFFCPU_SESSIONS.get(0) else {
+        return;
+    };
+    // SAFETY: as above.
+    unsafe {
+        let since = (*t).since_ns;
+        if since == 0 {
+            return;
+        }
+        (*t).since_ns = 0;
+        let away = now.saturating_sub(since);
+        let total = (*t).carry_ns + away;
+        if total < cfg.min_ns || (*t).due_ns != 0 {
+            // Short, or a record still waits to go: carried into the next.
+            (*t).carry_ns = total;
+            return;
+        }
+        (*t).carry_ns = 0;
+        (*t).due_ns = total;
+        (*t).due_own_ns = away;
+        (*t).due_flags = (*t).flags;
+        (*t).due_kernel_stack = (*t).kernel_stack;
+    }
+}
+
+#[tracepoint]
+pub fn tracer_offcpu_sys_exit(_ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    emit_due(pid_tgid as u32, (pid_tgid >> 32) as u32);
+    0
+}
+
+/// Sends the current thread's due record, with its stacks now.
+fn emit_due(tid: u32, pid: u32) {
+    let Some(t) = OFFCPU_THREADS.get_ptr_mut(&tid) else {
+        return;
+    };
+    // SAFETY: as above.
+    let (due, own, flags, kernel_stack) = unsafe {
+        let due = (
+            (*t).due_ns,
+            (*t).due_own_ns,
+            (*t).due_flags,
+            (*t).due_kernel_stack,
+        );
+        (*t).due_ns = 0;
+        due
+    };
+    if due == 0 || pid == 0 {
+        return;
+    }
+    // A session that ended meanwhile: its time goes with it.
+    let Some((mask, _)) = sessions(pid) else {
+        return;
+    };
+    let Some(ev) = scratch() else {
+        return;
+    };
+    // SAFETY: `ev` is this CPU's record, ours until sent.
+    unsafe {
+        header(ev, mask.trailing_zeros(), pid, tid);
+        (*ev).flags = sample_flag::OFF_CPU | flags;
+        (*ev).slots = mask;
+        (*ev).weight_ns = due;
+        (*ev).own_ns = own;
+        (*ev).kernel_stack = kernel_stack;
+        user_stack(ev);
+        python(ev, pid);
+        send(ev);
+    }
+}

@@ -1,0 +1,215 @@
+//! Wall-clock sampling (`--off-cpu`), end to end: a program that computes, sleeps, reads a
+//! pipe and waits on a lock for times it measures itself; tracer's shares of its main
+//! thread's wall time against that accounting and against `py-spy record --idle`, the reason
+//! named for each wait, and time away that no record stands for at the end.
+
+use std::{collections::BTreeMap, path::PathBuf, process::Command};
+
+use tracer_tests::{one_line_error, root_or_skip, script, ChildGuard, Daemon};
+
+/// The phases of `off_cpu_workload.py`: its own name, the Python function, the reason tracer
+/// must give for its time away (None: it computes).
+const PHASES: [(&str, &str, Option<&str>); 4] = [
+    ("compute", "compute", None),
+    ("sleep", "sleep_phase", Some("sleep")),
+    ("pipe", "pipe_phase", Some("pipe")),
+    ("lock", "lock_phase", Some("futex: a lock or condition")),
+];
+
+fn venv_python() -> PathBuf {
+    std::env::var_os("TRACER_TEST_PYTHON")
+        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
+        .into()
+}
+
+/// Folded lines: (frames, value).
+fn folded(text: &str) -> Vec<(Vec<String>, u64)> {
+    text.lines()
+        .filter_map(|l| {
+            let (stack, n) = l.rsplit_once(' ')?;
+            Some((
+                stack.split(';').map(str::to_owned).collect(),
+                n.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// Each phase's share (%) of the main thread's stacks (those under `<module>`), by the
+/// Python function in them.
+fn shares(lines: &[(Vec<String>, u64)]) -> BTreeMap<&'static str, f64> {
+    let main: Vec<&(Vec<String>, u64)> = lines
+        .iter()
+        .filter(|(f, _)| f.iter().any(|f| f.starts_with("<module> (")))
+        .collect();
+    let total: u64 = main.iter().map(|l| l.1).sum();
+    PHASES
+        .iter()
+        .map(|&(phase, function, _)| {
+            let prefix = format!("{function} (");
+            let n: u64 = main
+                .iter()
+                .filter(|(f, _)| f.iter().any(|f| f.starts_with(&prefix)))
+                .map(|l| l.1)
+                .sum();
+            (phase, 100.0 * n as f64 / total.max(1) as f64)
+        })
+        .collect()
+}
+
+#[test]
+fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = venv_python();
+    let workload = script("off_cpu_workload.py");
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let printed = d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--off-cpu",
+        "--format",
+        "folded",
+        "-o",
+        out.path().to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        workload.to_str().unwrap(),
+        "0.4",
+        "3",
+    ]);
+    let took: BTreeMap<String, f64> = serde_json::from_str(
+        printed
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no timing printed: {printed}")),
+    )
+    .unwrap();
+    let all: f64 = took.values().sum();
+    let truth: BTreeMap<&str, f64> = PHASES
+        .iter()
+        .map(|(p, _, _)| (*p, 100.0 * took[*p] / all))
+        .collect();
+    let ours = folded(&std::fs::read_to_string(out.path()).unwrap());
+    let tracer = shares(&ours);
+
+    let raw = tempfile::NamedTempFile::new().unwrap();
+    let spy = Command::new(python.with_file_name("py-spy"))
+        .args([
+            "record",
+            "--idle",
+            "--rate",
+            "100",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "-o",
+        ])
+        .arg(raw.path())
+        .arg("--")
+        .arg(&python)
+        .arg(&workload)
+        .args(["0.4", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        spy.status.success(),
+        "py-spy: {}",
+        String::from_utf8_lossy(&spy.stderr)
+    );
+    let theirs = shares(&folded(&std::fs::read_to_string(raw.path()).unwrap()));
+    println!("truth {truth:.1?}\ntracer {tracer:.1?}\npy-spy {theirs:.1?}");
+    for (phase, _, _) in PHASES {
+        let (t, a, b) = (truth[phase], tracer[phase], theirs[phase]);
+        assert!(
+            (a - t).abs() <= 5.0,
+            "{phase}: tracer {a:.1}%, the program's own timing {t:.1}%"
+        );
+        assert!(
+            (a - b).abs() <= 5.0,
+            "{phase}: tracer {a:.1}%, py-spy --idle {b:.1}%"
+        );
+    }
+    // Each wait's time is named for what it waited on.
+    for (phase, function, why) in PHASES {
+        let Some(why) = why else { continue };
+        let prefix = format!("{function} (");
+        let mut by: BTreeMap<&str, u64> = BTreeMap::new();
+        for (frames, n) in ours
+            .iter()
+            .filter(|(f, _)| f.iter().any(|f| f.starts_with(&prefix)))
+        {
+            let leaf = frames.last().map_or("", String::as_str);
+            *by.entry(leaf).or_default() += n;
+        }
+        let want = format!("[off-CPU: {why}]");
+        let total: u64 = by.values().sum();
+        let named = by.get(want.as_str()).copied().unwrap_or(0);
+        assert!(
+            named as f64 >= 0.9 * total as f64,
+            "{phase}: {named} of {total} µs under {want}: {by:?}"
+        );
+    }
+}
+
+#[test]
+fn time_away_at_the_end_is_reported_and_bad_requests_are_refused() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let sleeper =
+        ChildGuard::spawn(Command::new(venv_python()).args(["-c", "import time; time.sleep(60)"]));
+    let pid = sleeper.0.id().to_string();
+    // Let it reach its sleep: it is away from before the session to after its end.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let out = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--off-cpu",
+        "--pid",
+        &pid,
+        "--duration",
+        "1s",
+        "--wait",
+        "--format",
+        "json",
+        "-o",
+        out.path().to_str().unwrap(),
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path()).unwrap()).unwrap();
+    let o = &report["profile"]["off_cpu"];
+    let elapsed_ns = report["session"]["elapsed_ms"].as_u64().unwrap() * 1_000_000;
+    let unfinished = o["unfinished_ns"].as_u64().unwrap();
+    assert_eq!(o["unfinished_threads"], 1, "{o}");
+    // Counted from the session's start, not from when the thread began to sleep.
+    assert!(
+        unfinished >= 900_000_000 && unfinished <= elapsed_ns + 200_000_000,
+        "{unfinished} ns away at the end, in a session of {elapsed_ns} ns"
+    );
+
+    let refused = |args: &[&str], want: &str| {
+        let e = one_line_error(&d.run(args));
+        assert!(e.contains(want), "{args:?}: {e}");
+    };
+    refused(
+        &["start", "--mode=counting", "--off-cpu", "--pid", &pid],
+        "off-CPU time (--off-cpu) is for sampling sessions",
+    );
+    refused(
+        &[
+            "start",
+            "--mode=sampling",
+            "--off-cpu",
+            "--off-cpu-min",
+            "10us",
+            "--pid",
+            &pid,
+        ],
+        "the off-CPU minimum must be from 100us to 1s",
+    );
+}

@@ -456,21 +456,24 @@ impl Bpf {
     }
 
     /// The programs that sessions counting `python`, `cuda` launches or `native` calls, or
-    /// `sampling`, need and that are not loaded yet, as work for another thread: the verifier
-    /// takes seconds over the Python and CUDA ones, a quarter of one over the sampling one,
-    /// and the thread that asks serves every client. `None` when all are loaded.
+    /// `sampling` (with `off_cpu` time), need and that are not loaded yet, as work for
+    /// another thread: the verifier takes seconds over the Python and CUDA ones, a quarter
+    /// of one over the sampling one, and the thread that asks serves every client. `None`
+    /// when all are loaded.
     pub fn to_load(
         &self,
         python: bool,
         cuda: bool,
         native: bool,
         sampling: bool,
+        off_cpu: bool,
     ) -> Option<Loading> {
-        let groups: [(bool, &[&'static str]); 4] = [
+        let groups: [(bool, &[&'static str]); 5] = [
             (python, &PY_PROGRAMS),
             (cuda, &CUDA_PROGRAMS),
             (native, &NATIVE_PROGRAMS),
             (sampling, &SAMPLE_PROGRAMS),
+            (off_cpu, &offcpu::PROGRAMS),
         ];
         let names: Vec<&'static str> = groups
             .into_iter()

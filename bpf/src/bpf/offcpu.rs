@@ -1,18 +1,29 @@
 //! Off-CPU time's programs (`ebpf/probes/src/offcpu.rs`), on `sched:sched_switch` and
-//! `raw_syscalls:sys_exit`: loaded at first use, attached while a session records off-CPU
-//! time (the second runs at every syscall's exit on the machine).
+//! `raw_syscalls:sys_exit`: attached while a session records off-CPU time (the second runs
+//! at every syscall's exit on the machine), each on one tracepoint perf event: a program on
+//! a tracepoint runs wherever the tracepoint fires, whatever CPU its event was opened on.
 
-use aya::programs::{trace_point::TracePointLink, ProgramError, TracePoint};
+use std::{
+    io,
+    os::fd::{AsFd, FromRawFd, OwnedFd},
+    path::Path,
+};
+
+use perf_event_open_sys as sys;
 use tracer_common::{OffCpuConfig, OffCpuThread};
 
-use super::{map_err, Bpf, BpfError};
+use super::{map_err, programs::perf_link, Bpf, BpfError, TRACEFS};
 
 const SWITCH: &str = "tracer_offcpu_switch";
 const SYS_EXIT: &str = "tracer_offcpu_sys_exit";
+/// Loaded ahead by starts that ask for off-CPU time.
+pub(super) const PROGRAMS: [&str; 2] = [SWITCH, SYS_EXIT];
 
-/// The two programs' links; dropping them detaches both.
+/// The two programs' links and their events; dropping them detaches both.
 pub(super) struct Attached {
-    _links: Vec<TracePointLink>,
+    // Links before events: closing a link detaches the program.
+    links: Vec<OwnedFd>,
+    events: Vec<OwnedFd>,
 }
 
 /// The sessions recording off-CPU time, and the programs while any does.
@@ -67,30 +78,30 @@ impl Bpf {
             .map_err(map_err("OFFCPU_SESSIONS"))
     }
 
-    /// Loads both programs at their first use and attaches them.
+    /// Attaches both programs, loaded at once where a start loaded them ahead
+    /// ([`Bpf::to_load`]): the verifier's time is not the caller's.
     fn attach_off_cpu(&mut self) -> Result<Attached, BpfError> {
-        let mut links = Vec::new();
+        self.load_programs(&PROGRAMS)?;
+        let mut attached = Attached {
+            links: Vec::new(),
+            events: Vec::new(),
+        };
         for (name, category, event) in [
             (SWITCH, "sched", "sched_switch"),
             (SYS_EXIT, "raw_syscalls", "sys_exit"),
         ] {
-            let err = |e: ProgramError| BpfError::Program {
+            let err = |e: io::Error| BpfError::Program {
                 name,
                 source: Box::new(e),
             };
-            let tp: &mut TracePoint = self
-                .ebpf
-                .program_mut(name)
-                .expect("program in object")
-                .try_into()
-                .map_err(err)?;
-            if tp.fd().is_err() {
-                tp.load().map_err(err)?;
-            }
-            let link = tp.attach(category, event).map_err(err)?;
-            links.push(tp.take_link(link).map_err(err)?);
+            let prog = self.programs.fd(name).map_err(err)?;
+            let fd = tracepoint(category, event).map_err(err)?;
+            attached
+                .links
+                .push(perf_link(prog.as_fd(), fd.as_fd(), 0).map_err(err)?);
+            attached.events.push(fd);
         }
-        Ok(Attached { _links: links })
+        Ok(attached)
     }
 
     /// Threads of a session's target start their off-CPU clock now where they have none
@@ -137,4 +148,35 @@ fn monotonic_ns() -> u64 {
     // SAFETY: a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A perf event on tracepoint `category:name`, for a program to be linked to.
+fn tracepoint(category: &str, name: &str) -> io::Result<OwnedFd> {
+    let id = std::fs::read_to_string(
+        Path::new(TRACEFS)
+            .join("events")
+            .join(category)
+            .join(name)
+            .join("id"),
+    )?;
+    let mut attr = sys::bindings::perf_event_attr::default();
+    attr.type_ = sys::bindings::PERF_TYPE_TRACEPOINT;
+    attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
+    attr.config = id.trim().parse().map_err(io::Error::other)?;
+    attr.__bindgen_anon_1.sample_period = 1;
+    // SAFETY: a valid attr; pid -1 on CPU 0, as libbpf opens a tracepoint's event.
+    let fd = unsafe {
+        sys::perf_event_open(
+            &mut attr,
+            -1,
+            0,
+            -1,
+            sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

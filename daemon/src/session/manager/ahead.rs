@@ -84,9 +84,10 @@ impl Manager {
     ) {
         let asks = asks(&req);
         // The probe programs it needs that are not loaded yet (see [`Bpf::to_load`]).
-        let loading = asks
-            .as_ref()
-            .and_then(|a| self.bpf.to_load(a.python, a.cuda, a.native, a.sampling));
+        let loading = asks.as_ref().and_then(|a| {
+            self.bpf
+                .to_load(a.python, a.cuda, a.native, a.sampling, a.off_cpu)
+        });
         let resolving = natives_to_resolve(&req, &caller);
         let scanning = asks.as_ref().is_some_and(|a| a.all && a.cuda);
         let python_all = asks.as_ref().is_some_and(|a| a.all && a.python);
@@ -386,6 +387,8 @@ struct Asks {
     cuda: bool,
     native: bool,
     sampling: bool,
+    /// Off-CPU time too (`--off-cpu`).
+    off_cpu: bool,
     /// Of every process.
     all: bool,
 }
@@ -399,6 +402,7 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
         cuda: options.cuda,
         native: !options.uprobes.is_empty(),
         sampling: mode == Mode::Sampling,
+        off_cpu: mode == Mode::Sampling && req.sampling.as_ref().is_some_and(|s| s.off_cpu),
         all: req
             .target
             .as_ref()

@@ -154,6 +154,45 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
     }
 }
 
+/// The same program in a pid namespace of its own, as in a container, attached by its pid
+/// here: the kernel's thread ids are not the program's.
+#[test]
+fn wall_clock_shares_in_a_pid_namespace() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let workload = script("off_cpu_workload.py");
+    // Rounds of 1 s, each phase 0.25 s: an 8 s window holds 8 of each, give or take the
+    // period still under way at the end (not in the stacks), 3 points at most.
+    let (_guard, pid) = tracer_tests::spawn_python_in_pid_namespace(
+        &venv_python(),
+        &[workload.as_os_str(), "0.25".as_ref(), "14".as_ref()],
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let lines = folded(&d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--off-cpu",
+        "--pid",
+        &pid.to_string(),
+        "--duration",
+        "8s",
+        "--wait",
+        "--format",
+        "folded",
+    ]));
+    let tracer = shares(&lines);
+    println!("tracer {tracer:.1?}");
+    for (phase, _, _) in PHASES {
+        let a = tracer[phase];
+        assert!(
+            (a - 25.0).abs() <= 5.0,
+            "{phase}: {a:.1}% of the main thread's wall time, not 25%"
+        );
+    }
+}
+
 #[test]
 fn time_away_at_the_end_is_reported_and_bad_requests_are_refused() {
     if !root_or_skip() {

@@ -56,6 +56,11 @@ impl Bpf {
         }
         if self.off_cpu.sessions.is_empty() {
             self.off_cpu.attached = None;
+            // What threads carried goes with the last session, not into the next one.
+            let tids: Vec<u32> = self.offcpu_threads.keys().filter_map(Result::ok).collect();
+            for tid in tids {
+                let _ = self.offcpu_threads.remove(&tid);
+            }
         }
     }
 
@@ -104,18 +109,16 @@ impl Bpf {
         Ok(attached)
     }
 
-    /// Threads of a session's target start their off-CPU clock now where they have none
-    /// running: a thread blocked since before the session is counted from its start.
+    /// Threads of a session's target start their off-CPU clock now, afresh: a thread
+    /// blocked since before the session counts from its start, and nothing an earlier
+    /// session left (time carried, a record due) comes in.
     pub fn off_cpu_begin(&mut self, tids: &[u32]) {
         let now = monotonic_ns();
         for &tid in tids {
-            let running = self.offcpu_threads.get(&tid, 0).ok();
-            if running.is_some_and(|t| t.since_ns != 0) {
-                continue;
-            }
             let t = OffCpuThread {
                 since_ns: now,
-                ..running.unwrap_or_default()
+                kernel_stack: -1,
+                ..OffCpuThread::default()
             };
             let _ = self.offcpu_threads.insert(tid, t, 0);
         }

@@ -4,7 +4,9 @@
 //! - `counting` (counting.rs): the cost of counting Python calls, against cProfile and bare
 //!   uprobes;
 //! - `sampling` (sampling.rs): the slowdown of a program sampled at 99 and 999 Hz, against
-//!   py-spy and perf;
+//!   py-spy and perf; then `off-cpu`;
+//! - `off-cpu` (offcpu.rs): what recording off-CPU time costs at ~100,000 context switches
+//!   a second, next to `perf sched record`;
 //! - `tracing` (tracing.rs): the highest event rate tracerd drains with no loss, and the
 //!   slowdown of a traced Python program next to counting mode's;
 //! - `fleet` (fleet.rs): fan-out latency and merge time over 1, 4, 16 and 64 daemons;
@@ -27,6 +29,7 @@ mod ending;
 mod fleet;
 mod interpreters;
 mod longevity;
+mod offcpu;
 mod probes;
 mod sampling;
 mod tracing;
@@ -52,6 +55,7 @@ pub enum Which {
     Probes,
     Ending,
     Interpreters,
+    OffCpu,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -65,6 +69,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Probes => probes::run(),
         Which::Ending => ending::run(),
         Which::Interpreters => interpreters::run(),
+        Which::OffCpu => offcpu::run(),
     }
 }
 

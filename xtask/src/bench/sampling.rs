@@ -260,7 +260,9 @@ pub(super) fn run() -> Result<()> {
         println!("        {what}");
     }
     println!("load average at the end: {}", load_average());
-    Ok(())
+    drop(bench);
+    println!();
+    super::offcpu::run()
 }
 
 /// The 1, 5 and 15 minute load averages: how busy the machine was besides the bench.

@@ -115,12 +115,15 @@ fn run_one(daemon: &Daemon, dir: &std::path::Path, c: Condition) -> Result<(f64,
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
     let stop = |id: &str| -> Result<u64> {
+        let stopped = tracerctl(daemon).args(["stop", id]).output()?;
         let out = tracerctl(daemon)
-            .args(["stop", id, "--format", "json", "-o"])
+            .args(["report", id, "--format", "json", "-o"])
             .arg(&report)
             .output()?;
-        if !out.status.success() {
-            bail!("tracerctl stop: {}", String::from_utf8_lossy(&out.stderr));
+        for (what, o) in [("stop", &stopped), ("report", &out)] {
+            if !o.status.success() {
+                bail!("tracerctl {what}: {}", String::from_utf8_lossy(&o.stderr));
+            }
         }
         Ok(losses(&serde_json::from_str(&fs::read_to_string(
             &report,

@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use tracer_tests::{one_line_error, root_or_skip, script, ChildGuard, Daemon};
+use tracer_tests::{interpreters, one_line_error, root_or_skip, script, ChildGuard, Daemon};
 
 /// The phases of `off_cpu_workload.py`: its own name, the Python function, the reason tracer
 /// must give for its time away (None: it computes).
@@ -150,6 +150,58 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
         assert!(
             named as f64 >= 0.9 * total as f64,
             "{phase}: {named} of {total} µs under {want}: {by:?}"
+        );
+    }
+}
+
+/// Threads of pure Python wait for the GIL, named as such from the interpreter's own
+/// `take_gil` (pyenv's builds keep their symbols; Debian's stripped ones show a futex).
+#[test]
+fn waiting_for_the_gil_is_named_on_every_interpreter() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let workload = script("gil_contention.py");
+    for python in interpreters() {
+        let lines = folded(&d.ok(&[
+            "start",
+            "--mode=sampling",
+            "--off-cpu",
+            "--format",
+            "folded",
+            "--",
+            python.to_str().unwrap(),
+            workload.to_str().unwrap(),
+        ]));
+        let mut by: BTreeMap<String, u64> = BTreeMap::new();
+        for (frames, n) in lines
+            .iter()
+            .filter(|(f, _)| f.iter().any(|f| f.starts_with("spin (")))
+        {
+            if let Some(why) = frames.last().and_then(|l| l.strip_prefix("[off-CPU: ")) {
+                *by.entry(why.trim_end_matches(']').to_owned()).or_default() += n;
+            }
+        }
+        println!("{}: {by:?}", python.display());
+        // Preempted time depends on the machine's load; of the rest, the GIL is most.
+        let waited: u64 = by
+            .iter()
+            .filter(|(why, _)| !why.starts_with("preempted"))
+            .map(|(_, n)| n)
+            .sum();
+        // Debian's stripped builds (3.11, 3.14, 3.15) have no `take_gil` to name: their
+        // waits stay futex waits.
+        let want = if python.to_string_lossy().contains("/.pyenv/") {
+            "waiting for the GIL"
+        } else {
+            "futex: a lock or condition"
+        };
+        let named = by.get(want).copied().unwrap_or(0);
+        assert!(
+            waited > 0 && named * 10 >= waited * 6,
+            "{}: {named} of {waited} µs waiting named {want}: {by:?}",
+            python.display()
         );
     }
 }

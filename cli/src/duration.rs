@@ -52,7 +52,7 @@ pub fn parse_us(s: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_ms;
+    use super::{parse_ms, parse_us};
 
     #[test]
     fn durations_parse() {
@@ -64,5 +64,15 @@ mod tests {
         assert_eq!(parse_ms("0"), Ok(0));
         assert!(parse_ms("ten").is_err());
         assert!(parse_ms("5d").is_err());
+    }
+
+    #[test]
+    fn microseconds_parse() {
+        assert_eq!(parse_us("500us"), Ok(500));
+        assert_eq!(parse_us("0.5ms"), Ok(500));
+        assert_eq!(parse_us("2ms"), Ok(2000));
+        assert_eq!(parse_us("1s"), Ok(1_000_000));
+        assert!(parse_us("fast").is_err());
+        assert!(parse_us("-5us").is_err());
     }
 }

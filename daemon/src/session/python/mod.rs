@@ -314,6 +314,14 @@ impl Probes {
     pub fn adopt(&mut self, attached: AttachedPython) {
         for p in attached.0 {
             self.attaching.remove(&p.id);
+            let failed = matches!(p.links, Some(Err(_))) || matches!(p.inspected, Some(Err(_)));
+            if failed && !p.path.exists() {
+                // The path went with its process (`/proc/PID/root/…` of one that exited
+                // meanwhile): nothing is known of the binary, and the next process that
+                // maps it tries again with its own path.
+                tracing::debug!(path = %p.path.display(), "interpreter's path gone before its probes");
+                continue;
+            }
             if let Some(found) = p.inspected {
                 self.learn(p.build, &found);
                 self.inspected.insert(p.id, found);

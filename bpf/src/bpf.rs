@@ -310,6 +310,12 @@ impl Bpf {
             .map_err(map_err("PY_INPROC"))
     }
 
+    /// The slots that count `pid` in-process (marked by the daemon, or by the kernel as its
+    /// counted parent forked it).
+    pub fn inproc_of(&self, pid: u32) -> SessionMask {
+        self.py_inproc.get(&pid, 0).unwrap_or(0)
+    }
+
     /// Unmarks `pid` for `slot` (its counter could not start: the probes count it now).
     pub fn unset_inproc(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
         let mask = self.py_inproc.get(&pid, 0).unwrap_or(0) & !(1 << slot);

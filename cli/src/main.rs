@@ -89,7 +89,7 @@ struct StartArgs {
     #[arg(long)]
     python: bool,
     /// With --python: count with uprobes only, loading no code into any process (by default a
-    /// running CPython 3.14+ named by --pid is counted in-process, through sys.monitoring).
+    /// running CPython 3.10+ named by --pid, and a command run under tracer, count in-process).
     #[arg(long, requires = "python")]
     python_uprobes_only: bool,
     /// Count CUDA kernel launches, copies and allocations (libcudart and libcuda, probed as

@@ -622,7 +622,7 @@ fn a_members_report_holds_only_its_own_losses() {
     };
     let member = |args: &[&str]| d.run_as(m_uid, gid, args, &ctl);
     // Root's process recurses deeper than the probes' stacks: calls past their depth are
-    // losses.
+    // losses (the probes', so both count with them rather than in-process).
     let busy = "import sys\nsys.setrecursionlimit(5000)\ndef r(n): return r(n - 1) if n else 0\nprint('ready', flush=True)\nwhile True: r(400)";
     let root_busy = ChildGuard::spawn_ready(Command::new("/usr/bin/python3").args(["-c", busy]));
     let mut cmd = Command::new("/usr/bin/python3");
@@ -636,6 +636,7 @@ fn a_members_report_holds_only_its_own_losses() {
             "--python",
             "--pid",
             &root_busy.pid().to_string(),
+            "--python-uprobes-only",
             "--duration",
             "3s",
         ])
@@ -659,6 +660,10 @@ fn a_members_report_holds_only_its_own_losses() {
         String::from_utf8_lossy(&out.stderr)
     );
     let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // A member's own running 3.11 is loaded into with ptrace, as its ptrace rule allows.
+    let way = &theirs["python"]["counted"][0];
+    assert_eq!(way["way"], "in-process", "{way}");
+    assert!(way["why"].as_str().unwrap().contains("ptrace"), "{way}");
     d.ok(&["stop", &root_id]);
     let ours: serde_json::Value =
         serde_json::from_str(&d.ok(&["report", &root_id, "--format", "json"])).unwrap();
@@ -683,6 +688,7 @@ fn a_members_report_holds_only_its_own_losses() {
         "--python",
         "--pid",
         &deep.pid().to_string(),
+        "--python-uprobes-only",
         "--duration",
         "1s",
         "--wait",

@@ -622,7 +622,8 @@ fn python_in_a_pivot_root_container() {
 
 /// Counting by pid, attached to a host Python in a pid namespace of its own: threads already
 /// inside a function when the session starts never pass the eval loop's entry again, so the
-/// daemon finds their thread states, which know them by their tids in the namespace.
+/// daemon finds their thread states, which know them by their tids in the namespace. Both
+/// ways: in-process (the default) and with the probes.
 #[test]
 fn python_in_its_own_pid_namespace_counts_running_threads() {
     if !root_or_skip() {
@@ -635,7 +636,11 @@ fn python_in_its_own_pid_namespace_counts_running_threads() {
             pythons.push(p);
         }
     }
-    for python in pythons {
+    let ways: [&[&str]; 2] = [&[], &["--python-uprobes-only"]];
+    for (python, way) in pythons
+        .into_iter()
+        .flat_map(|py| ways.map(|w| (py.clone(), w)))
+    {
         let dir = d.dir.path();
         for f in ["go", "ready-main", "ready-thread"] {
             let _ = std::fs::remove_file(dir.join(f));
@@ -659,16 +664,10 @@ fn python_in_its_own_pid_namespace_counts_running_threads() {
         wait_until(20, "both threads to wait", || {
             dir.join("ready-main").exists() && dir.join("ready-thread").exists()
         });
-        let id = d
-            .ok(&[
-                "start",
-                "--mode=counting",
-                "--python",
-                "--pid",
-                &pid.to_string(),
-            ])
-            .trim()
-            .to_owned();
+        let pid_s = pid.to_string();
+        let mut args = vec!["start", "--mode=counting", "--python", "--pid", &pid_s];
+        args.extend_from_slice(way);
+        let id = d.ok(&args).trim().to_owned();
         std::fs::write(dir.join("go"), b"").unwrap();
         assert!(guard.0.wait().unwrap().success(), "{}", python.display());
         wait_until(20, "the session to end", || {
@@ -689,7 +688,7 @@ fn python_in_its_own_pid_namespace_counts_running_threads() {
         assert_eq!(
             calls("fib"),
             2 * 1973,
-            "{}: {functions:?}; warnings: {}; losses: {}",
+            "{} {way:?}: {functions:?}; warnings: {}; losses: {}",
             python.display(),
             report["python"]["warnings"],
             report["losses"]

@@ -365,13 +365,19 @@ fn tottime_and_cumtime_agree_with_cprofile() {
     }
 }
 
+/// Both ways: in-process (the default) and with the probes, which find the threads already
+/// inside the eval loop.
 #[test]
 fn attaches_to_a_running_interpreter() {
     if !root_or_skip() {
         return;
     }
     let d = Daemon::start();
-    for py in interpreters() {
+    let ways: [&[&str]; 2] = [&[], &["--python-uprobes-only"]];
+    for (py, way) in interpreters()
+        .into_iter()
+        .flat_map(|py| ways.map(|w| (py.clone(), w)))
+    {
         // The script waits (inside the eval loop) until a file appears, then works and exits.
         let go = d.dir.path().join("go");
         let _ = std::fs::remove_file(&go);
@@ -385,16 +391,10 @@ fn attaches_to_a_running_interpreter() {
         std::fs::write(&file, code).unwrap();
         let child = ChildGuard::spawn(Command::new(&py).arg(&file));
         std::thread::sleep(std::time::Duration::from_millis(300));
-        let id = d
-            .ok(&[
-                "start",
-                "--mode=counting",
-                "--python",
-                "--pid",
-                &child.pid().to_string(),
-            ])
-            .trim()
-            .to_owned();
+        let pid = child.pid().to_string();
+        let mut args = vec!["start", "--mode=counting", "--python", "--pid", &pid];
+        args.extend_from_slice(way);
+        let id = d.ok(&args).trim().to_owned();
         std::fs::write(&go, b"").unwrap();
         wait_until(20, "the target to exit", || {
             d.ok(&["status", &id]).contains("target exited")
@@ -407,10 +407,15 @@ fn attaches_to_a_running_interpreter() {
         assert_eq!(
             counts.get("2:fib"),
             Some(&1973),
-            "{}: {counts:?}",
+            "{} {way:?}: {counts:?}",
             py.display()
         );
-        assert_eq!(counts.get("4:wait"), None, "{}: {counts:?}", py.display());
+        assert_eq!(
+            counts.get("4:wait"),
+            None,
+            "{} {way:?}: {counts:?}",
+            py.display()
+        );
     }
 }
 

@@ -17,6 +17,14 @@
 //!   (`_tracer_pycount`) and registers its `sys.monitoring` callbacks (3.12+) or has it put
 //!   a C profile function on every thread (3.10, 3.11). The hook then does nothing more.
 //!
+//! tracerd also loads it into a running CPython 3.10–3.13 process (`--pid`), with ptrace
+//! (`tracer_inspect::process::inject`): the interpreter is initialised by then and no variable
+//! is set. It then runs the script beside itself of its own name (`start.so` runs
+//! `start.py`, `remove.7.so` runs `remove.7.py`) on a thread of its own, which takes the GIL
+//! (`PyGILState_Ensure`) the moment the program lets go of it: at once where every thread
+//! waits in native code, within the switch interval (5 ms) where one runs Python. The
+//! thread that loaded it goes back to the program as soon as the thread is made.
+//!
 //! Python's C API is looked up at run time (`dlsym`): the library links nothing of Python, so
 //! it loads into any program.
 
@@ -113,6 +121,7 @@ extern "C" fn init() {
     // SAFETY: getenv before main, single-threaded.
     let v = unsafe { libc::getenv(SCRIPT_VAR.as_ptr()) };
     if v.is_null() {
+        attach();
         return;
     }
     let Some(version) = python_version() else {
@@ -137,6 +146,75 @@ extern "C" fn init() {
         // SAFETY: as above; the hook lives as long as the process.
         unsafe { add(hook, std::ptr::null_mut()) };
     }
+}
+
+/// `int Py_IsInitialized(void)`.
+fn initialised() -> bool {
+    // SAFETY: a plain query, callable at any time.
+    let f: Option<unsafe extern "C" fn() -> c_int> = unsafe { sym(c"Py_IsInitialized") };
+    f.is_some_and(|f| unsafe { f() } != 0)
+}
+
+/// Whether the interpreter is exiting: a thread taking the GIL then would be ended by it
+/// (`_Py_IsFinalizing` before 3.13, `Py_IsFinalizing` since).
+fn finalizing() -> bool {
+    // SAFETY: plain queries, callable at any time.
+    let f: Option<unsafe extern "C" fn() -> c_int> =
+        unsafe { sym(c"Py_IsFinalizing").or_else(|| sym(c"_Py_IsFinalizing")) };
+    f.is_some_and(|f| unsafe { f() } != 0)
+}
+
+/// Loaded into a running interpreter: runs the script of its own name (`X.so` → `X.py`) on a
+/// thread of its own.
+fn attach() {
+    if !initialised() || python_version().is_none_or(|v| v < (3, 10)) {
+        return;
+    }
+    let Some(me) = own_path() else { return };
+    let Some(stem) = me.strip_suffix(b".so") else {
+        return;
+    };
+    let Ok(script) = CString::new([stem, b".py"].concat()) else {
+        return;
+    };
+    if SCRIPT.set(script).is_err() {
+        return;
+    }
+    // SAFETY: a detached thread running `loader`, which takes no argument.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_attr_init(&mut attr) != 0 {
+            return;
+        }
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut thread: libc::pthread_t = 0;
+        // The loader is C-unwind (CPython may end a thread taking the GIL while exiting,
+        // by unwinding it): the same calling convention as what pthread_create takes.
+        let start: extern "C" fn(*mut c_void) -> *mut c_void =
+            std::mem::transmute(loader as extern "C-unwind" fn(*mut c_void) -> *mut c_void);
+        libc::pthread_create(&mut thread, &attr, start, std::ptr::null_mut());
+        libc::pthread_attr_destroy(&mut attr);
+    }
+}
+
+/// The thread of [`attach`]: takes the GIL and runs the start script once.
+extern "C-unwind" fn loader(_: *mut c_void) -> *mut c_void {
+    // SAFETY: `PyGILState_STATE PyGILState_Ensure(void)` and its release, from a thread
+    // Python did not make, the interpreter initialised and not exiting.
+    unsafe {
+        let ensure: Option<unsafe extern "C-unwind" fn() -> c_int> = sym(c"PyGILState_Ensure");
+        let release: Option<unsafe extern "C" fn(c_int)> = sym(c"PyGILState_Release");
+        let (Some(ensure), Some(release), Some(script)) = (ensure, release, SCRIPT.get()) else {
+            return std::ptr::null_mut();
+        };
+        if finalizing() || RAN.swap(true, Ordering::SeqCst) {
+            return std::ptr::null_mut();
+        }
+        let g = ensure();
+        run(script);
+        release(g);
+    }
+    std::ptr::null_mut()
 }
 
 /// Runs the start script at the first `cpython.run_*` event. Called with the GIL held; must

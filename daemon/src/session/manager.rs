@@ -121,6 +121,8 @@ struct Scans {
     /// Processes whose interpreter's probes are being attached, to check again then (those
     /// held at exec go on after; `LateProbed`).
     late: Vec<python::LateCheck>,
+    /// Handovers to the probes waiting for theirs likewise (answered then).
+    handovers: Vec<python::WaitingHandover>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -375,9 +377,7 @@ impl Manager {
                 session,
                 pid,
                 reply,
-            } => {
-                let _ = reply.send(self.inproc_handover(&session, pid));
-            }
+            } => self.inproc_handover(session, pid, reply),
             Done::Recorded {
                 info,
                 stored,

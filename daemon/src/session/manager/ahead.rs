@@ -270,6 +270,7 @@ impl Manager {
             self.ready(w.req, w.caller, w.reply, w.ahead);
         }
         self.recheck_late();
+        self.handovers_probed();
     }
 
     /// The start goes on with its probes attached, or fails with why they were not.

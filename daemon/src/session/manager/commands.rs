@@ -124,7 +124,7 @@ pub(super) enum Done {
     InprocHandover {
         session: String,
         pid: u32,
-        reply: std::sync::mpsc::Sender<Result<(), String>>,
+        reply: super::python::HandoverReply,
     },
     /// A start whose target was asked to count in-process, off the manager's task.
     StartPrepared {

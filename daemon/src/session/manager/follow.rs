@@ -139,6 +139,13 @@ impl Manager {
             return true;
         };
         let slot = s.slot;
+        // Forked by a process counted in-process, it counts so too (the kernel marked it):
+        // its interpreter is probed if a handover hands it to the probes, not now, when the
+        // report would say that its calls so far went uncounted.
+        let inproc = slot.is_some_and(|slot| self.bpf.inproc_of(pid) & 1 << slot != 0);
+        if inproc && matches!(met, Met::Late | Met::Unprobed) {
+            return true;
+        }
         let Some(mut py) = s.python.take() else {
             return true;
         };

@@ -35,6 +35,16 @@ pub(super) enum Met {
     Unprobed,
 }
 
+/// Where a handover's answer goes (`Done::InprocHandover`).
+pub(super) type HandoverReply = std::sync::mpsc::Sender<Result<(), String>>;
+
+/// A handover waiting for its process's interpreter's probes, being attached off this task.
+pub(super) struct WaitingHandover {
+    session: String,
+    pid: u32,
+    reply: HandoverReply,
+}
+
 /// A process whose check waits for its interpreter's probes (`Done::LateProbed`).
 #[derive(Clone, Debug)]
 pub(super) struct LateCheck {
@@ -94,8 +104,35 @@ impl Manager {
     /// A process of session `id` counted by a profile function (3.10, 3.11) set one of its
     /// own, which took the counter's place (HANDOVER): the probes count it from now on — its
     /// interpreter probed, its threads seeded, its in-process mark taken off — and the report
-    /// says so. Its program waits for the answer meanwhile.
-    pub(super) fn inproc_handover(&mut self, id: &str, pid: u32) -> Result<(), String> {
+    /// says so. Its program waits for the answer meanwhile: when its interpreter's probes are
+    /// being attached off this task (a sweep met a forked sibling first, say), until they are
+    /// in (`handovers_probed`), for the probes must count it once it goes on.
+    pub(super) fn inproc_handover(&mut self, id: String, pid: u32, reply: HandoverReply) {
+        let counts_python = self.running.get(&id).is_some_and(|s| s.python.is_some());
+        if counts_python {
+            if let Some(mapped) = memory::runtime_of(pid) {
+                if !self.probed_now(&mapped.path) {
+                    self.scans.handovers.push(WaitingHandover {
+                        session: id,
+                        pid,
+                        reply,
+                    });
+                    return;
+                }
+            }
+        }
+        let _ = reply.send(self.hand_over(&id, pid));
+    }
+
+    /// Answers the handovers that waited for their interpreters' probes, now in (or failed
+    /// off this task: then `hand_to_probes` tries in place, and says why it could not).
+    pub(super) fn handovers_probed(&mut self) {
+        for w in std::mem::take(&mut self.scans.handovers) {
+            self.inproc_handover(w.session, w.pid, w.reply);
+        }
+    }
+
+    fn hand_over(&mut self, id: &str, pid: u32) -> Result<(), String> {
         let s = self.running.get_mut(id).ok_or("its session ended")?;
         let (Some(slot), Some(mut py)) = (s.slot, s.python.take()) else {
             return Err("its session counts no Python".into());
@@ -246,10 +283,7 @@ impl Manager {
                         let why = if counter.pending() {
                             crate::session::python::late_start_why(None)
                         } else {
-                            format!(
-                                "sys.monitoring callbacks (tool id {}), loaded through remote execution",
-                                counter.tool_id()
-                            )
+                            counter.how()
                         };
                         py.counted.push(way(pid, "in-process", why));
                         py.inproc.push(counter);

@@ -126,7 +126,7 @@ impl Manager {
                         }
                     } else {
                         (
-                            inproc::start(pid, &id, INPROC_WAIT, may_trace, late),
+                            inproc::start(pid, &id, INPROC_WAIT, may_trace, late, handover),
                             Vec::new(),
                         )
                     };

@@ -6,11 +6,17 @@ use std::collections::HashMap;
 use tracer_report::{PyCaller, PyFunction};
 
 /// Why a process whose in-process start was left pending is counted so: with the counter's
-/// tool id once it started.
+/// tool id once it started (a profile function's id on 3.10 and 3.11).
 pub fn late_start_why(tool: Option<u32>) -> String {
-    let tool = tool.map(|t| format!(" (tool id {t})")).unwrap_or_default();
+    let how = match tool {
+        Some(tracer_common::inproc::PROFILE_FUNCTION) => {
+            "a C profile function on every thread (cProfile's hook)".to_owned()
+        }
+        Some(t) => format!("sys.monitoring callbacks (tool id {t})"),
+        None => "tracer's counter".to_owned(),
+    };
     format!(
-        "sys.monitoring callbacks{tool}, loaded through remote execution at the process's first safe point after the start (every thread was in native code then; it ran no Python before)"
+        "{how}, started at the process's first chance after the session's start (until then every thread was in native code, or one held the GIL there; no Python ran before)"
     )
 }
 

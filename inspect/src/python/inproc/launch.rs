@@ -29,7 +29,7 @@ pub fn launch(
     let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
     let preload = files::beside_tracerd(PRELOAD)?;
     let preload = fs::read(&preload).map_err(|e| format!("reading {}: {e}", preload.display()))?;
-    let (counter, start_path) = make(pid, tag, may_trace, Some(&preload))?;
+    let (counter, start_path) = make(pid, tag, may_trace, Some(&preload), true)?;
     let env = vec![
         (
             "LD_PRELOAD".to_owned(),

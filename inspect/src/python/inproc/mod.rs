@@ -17,6 +17,8 @@
 //! trusted: a process is asked to run a file only after [`Counter::may_run`]'s checks, and
 //! reading is bounded ([`Budget`]). docs/SECURITY.md has the threat model.
 
+mod attach;
+mod cleanup;
 mod files;
 mod handover;
 mod journal;
@@ -28,6 +30,7 @@ mod scripts;
 mod sigbus;
 mod view;
 
+pub use cleanup::wait_cleanups;
 pub use handover::Handover;
 pub use journal::{set_journal, sweep};
 pub use launch::{launch, PRELOAD};
@@ -36,8 +39,8 @@ pub use pending::ASK_EVERY;
 use std::{
     fs,
     os::fd::AsRawFd,
-    path::{Path, PathBuf},
-    sync::atomic::{AtomicBool, AtomicU32, Ordering},
+    path::PathBuf,
+    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
@@ -46,6 +49,7 @@ use std::{
     sync::{Arc, Mutex, PoisonError},
 };
 
+use cleanup::cleanup_later;
 use view::View;
 
 use tracer_common::inproc::{self, state, Edge, Header};
@@ -123,6 +127,19 @@ pub struct Counter {
     view: Mutex<Option<Arc<View>>>,
     /// Set as the session's end reads the counters (a handover watch stops).
     ended: Arc<AtomicBool>,
+    /// How the counter got into the process.
+    loaded: Loaded,
+}
+
+/// How a counter got into its process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loaded {
+    /// PEP 768 remote execution (3.14+).
+    RemoteExec,
+    /// Tracer's loader, loaded with ptrace (3.10–3.13).
+    Ptrace,
+    /// Tracer's loader, preloaded into a launched command.
+    Launch,
 }
 
 /// What reading a counter needs: the process, its directory and its own counts file.
@@ -141,17 +158,6 @@ struct Files {
 pub struct Finished {
     pub counts: Vec<Counts>,
     pub refused: Vec<String>,
-}
-
-/// Cleanups still waiting for removal scripts.
-static CLEANUPS: AtomicU32 = AtomicU32::new(0);
-
-/// Waits up to `limit` for the cleanups of ended sessions (tracerd is exiting).
-pub fn wait_cleanups(limit: Duration) {
-    let started = Instant::now();
-    while CLEANUPS.load(Ordering::SeqCst) > 0 && started.elapsed() < limit {
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// How long the counters of an ended session may take to leave the last callback, all of
@@ -180,16 +186,36 @@ pub type Late = Box<dyn FnOnce(Result<u32, String>) + Send>;
 /// asked too, and `late` says what became of it. Until then no thread has run Python since
 /// the request reached it, so nothing is missed but what a thread started meanwhile runs
 /// before it is asked (within [`ASK_EVERY`]).
+///
+/// CPython 3.10–3.13 have no remote execution: tracer's loader is loaded with ptrace there
+/// ([`attach`]), and on 3.10 and 3.11 `handover` takes over a program that sets a profile
+/// function of its own.
 pub fn start(
     pid: u32,
     tag: &str,
     wait: Duration,
     may_trace: MayTrace,
     late: Late,
+    handover: Handover,
 ) -> Result<Counter, String> {
     let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
-    remote_exec::remote_debugging(pid).map_err(|e| e.to_string())?;
-    let (counter, start_path) = make(pid, tag, may_trace, None)?;
+    match remote_exec::remote_debugging(pid) {
+        Ok(()) => {}
+        // "3.12", or "3.13.0" from 3.13's debug offsets.
+        Err(remote_exec::RemoteExecError::Unsupported { version, .. })
+            if version.strip_prefix("3.").is_some_and(|v| {
+                v.split('.')
+                    .next()
+                    .and_then(|m| m.parse().ok())
+                    .is_some_and(|m: u32| (10..=13).contains(&m))
+            }) =>
+        {
+            drop(pin);
+            return attach::start_loaded(pid, tag, wait, may_trace, late, handover);
+        }
+        Err(e) => return Err(e.to_string()),
+    }
+    let (counter, start_path) = make(pid, tag, may_trace, None, false)?;
     let exe = pending::exe_of(pid);
     let mut asked = Vec::new();
     if let Err(e) = remote_exec::request_more(&pin, &start_path, &mut asked) {
@@ -197,36 +223,23 @@ pub fn start(
         journal::forget(&counter.name);
         return Err(e.to_string());
     }
-    let started = Instant::now();
-    let outcome = loop {
-        match counter.files.map.state().load(Ordering::SeqCst) {
-            state::RUNNING => break Ok(()),
-            state::REFUSED => {
-                break Err(
-                    String::from_utf8_lossy(counter.files.map.header().why_text()).into_owned(),
-                );
-            }
-            _ if counter.files.dir.exists(LOAD_ERROR) => {
-                let why = counter.files.dir.read_text(LOAD_ERROR).unwrap_or_default();
-                let _ = counter.files.map.cancel();
-                break Err(why);
-            }
-            _ if started.elapsed() >= wait => {
-                // Left pending: the session starts now, the process counts from its first
-                // safe point, however late.
-                let watch = Watch {
-                    pin,
-                    script: Some(start_path),
-                    files: counter.files.clone(),
-                    name: counter.name.clone(),
-                    may_trace: counter.may_trace.clone(),
-                    asked,
-                    exe,
-                };
-                watch.spawn(late)?;
-                return Ok(counter);
-            }
-            _ => std::thread::sleep(Duration::from_millis(1)),
+    let outcome = match settle(&counter, wait) {
+        Settled::Running => Ok(()),
+        Settled::Failed(why) => Err(why),
+        Settled::Waiting => {
+            // Left pending: the session starts now, the process counts from its first
+            // safe point, however late.
+            let watch = Watch {
+                pin,
+                script: Some(start_path),
+                files: counter.files.clone(),
+                name: counter.name.clone(),
+                may_trace: counter.may_trace.clone(),
+                asked,
+                exe,
+            };
+            watch.spawn(late)?;
+            return Ok(counter);
         }
     };
     // Threads that have not taken the request yet need not.
@@ -251,14 +264,47 @@ pub fn start(
     }
 }
 
+/// How a start request stood once [`settle`] stopped waiting.
+enum Settled {
+    Running,
+    /// Refused, or the library did not load: why.
+    Failed(String),
+    /// Not started within the wait.
+    Waiting,
+}
+
+/// Waits up to `wait` for the counter to start or to fail to.
+fn settle(counter: &Counter, wait: Duration) -> Settled {
+    let started = Instant::now();
+    loop {
+        match counter.files.map.state().load(Ordering::SeqCst) {
+            state::RUNNING => return Settled::Running,
+            state::REFUSED => {
+                return Settled::Failed(
+                    String::from_utf8_lossy(counter.files.map.header().why_text()).into_owned(),
+                );
+            }
+            _ if counter.files.dir.exists(LOAD_ERROR) => {
+                let why = counter.files.dir.read_text(LOAD_ERROR).unwrap_or_default();
+                let _ = counter.files.map.cancel();
+                return Settled::Failed(why);
+            }
+            _ if started.elapsed() >= wait => return Settled::Waiting,
+            _ => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
 /// Makes the directory in `pid`'s `/tmp` with the counter library, the locked counts file
-/// (PENDING), the start script and, for a launch, the `preload` loader: the counter, and the
-/// start script's path as the process sees it. On error nothing is left.
+/// (PENDING), the start script and, for a launch or a ptrace load, the `preload` loader: the
+/// counter, and the start script's path as the process sees it. On error nothing is left.
+/// `at_exit`: the counter stops as the interpreter starts to exit (a launch).
 fn make(
     pid: u32,
     tag: &str,
     may_trace: MayTrace,
     preload: Option<&[u8]>,
+    at_exit: bool,
 ) -> Result<(Counter, String), String> {
     may_trace(pid)?;
     let library = library()?;
@@ -310,7 +356,7 @@ fn make(
         &target_dir,
         &format!("{target_dir}/{file_name}"),
         &format!("{target_dir}/{LIBRARY_AS}"),
-        preload.is_some(),
+        at_exit,
     );
     dir.create("start.py", 0o644, script.as_bytes())
         .map_err(fail)?;
@@ -329,6 +375,11 @@ fn make(
         may_trace,
         view: Mutex::new(None),
         ended: Arc::new(AtomicBool::new(false)),
+        loaded: if at_exit {
+            Loaded::Launch
+        } else {
+            Loaded::RemoteExec
+        },
     };
     Ok((counter, format!("{target_dir}/start.py")))
 }
@@ -472,6 +523,24 @@ impl Counter {
     /// The tool id the counter took.
     pub fn tool_id(&self) -> u32 {
         self.files.map.header().tool_id
+    }
+
+    /// How it counts and how it got into the process, in words for the report (once
+    /// started).
+    pub fn how(&self) -> String {
+        let tool = self.tool_id();
+        let counts = if tool == inproc::PROFILE_FUNCTION {
+            "a C profile function on every thread (cProfile's hook)".to_owned()
+        } else {
+            format!("sys.monitoring callbacks (tool id {tool})")
+        };
+        match self.loaded {
+            Loaded::RemoteExec => format!("{counts}, loaded through remote execution"),
+            Loaded::Ptrace => format!(
+                "{counts}, loaded with ptrace (one of its threads made to dlopen tracer's loader, which started the counter from a thread of its own)"
+            ),
+            Loaded::Launch => format!("{counts}, started with the program"),
+        }
     }
 
     /// The start script's path, as the process sees it.
@@ -642,18 +711,28 @@ impl Counter {
             let script = remove_script(tool, &counts);
             if files.dir.create(&name, 0o644, script.as_bytes()).is_ok() {
                 let path = format!("{target_dir}/{name}");
-                match remote_exec::request(&pin, &path) {
-                    Ok(_) => scripts.push((pin, own, path)),
-                    // Before 3.14 no request can reach it: stopped, its callbacks answer
-                    // DISABLE until it exits.
-                    Err(e) => refused.push(format!(
-                        "pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {e}"
-                    )),
+                let asked = match remote_exec::request(&pin, &path) {
+                    Err(remote_exec::RemoteExecError::Unsupported { .. })
+                        if self.loaded != Loaded::RemoteExec =>
+                    {
+                        // Before 3.14: tracer's loader runs it, loaded as the start's was.
+                        let stem = format!("remove.{own}");
+                        attach::run_with_loader(&files.dir, &self.name, pid, &stem)
+                            .map_err(|why| format!("pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {why}"))
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(format!("pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {e}")),
+                };
+                match asked {
+                    Ok(()) => scripts.push((pin, own, path)),
+                    Err(why) => refused.push(why),
                 }
             }
         }
         // The library is loaded where it will be; the start script has run or been withdrawn.
         files.dir.unlink(LIBRARY_AS);
+        files.dir.unlink(launch::PRELOAD_AS);
+        files.dir.unlink("start.so");
         files.dir.unlink("start.py");
         cleanup_later(files.dir.clone(), self.name.clone(), scripts, pids);
         Finished {
@@ -663,76 +742,11 @@ impl Counter {
     }
 }
 
-/// Deletes the session's files once nothing can still run them: a removal script once the
-/// counts file it deletes is gone (it ran) or its process is; everything once the processes
-/// are. After [`CLEANUP_WAIT`] the requests not taken are withdrawn, and what is left stays
-/// for the next sweep ([`journal`]).
-/// `pids`: the processes (pids here) that could still run something in the directory.
-fn cleanup_later(dir: Arc<Dir>, name: String, scripts: Vec<(Pinned, u32, String)>, pids: Vec<u32>) {
-    CLEANUPS.fetch_add(1, Ordering::SeqCst);
-    let spawned = std::thread::Builder::new()
-        .name("pycount-cleanup".into())
-        .spawn(move || {
-            struct Done;
-            impl Drop for Done {
-                fn drop(&mut self) {
-                    CLEANUPS.fetch_sub(1, Ordering::SeqCst);
-                }
-            }
-            let _done = Done;
-            let started = Instant::now();
-            let mut pending = scripts;
-            loop {
-                pending.retain(|(pin, own, path)| {
-                    let counts = format!("{}{own}", inproc::FILE_PREFIX);
-                    if pin.alive() && dir.exists(&counts) {
-                        return true;
-                    }
-                    if pin.alive() {
-                        // Ran in one thread: the others' requests go, then the file.
-                        let _ = remote_exec::withdraw(pin, path);
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    let file = Path::new(path).file_name().and_then(|n| n.to_str());
-                    dir.unlink(file.unwrap_or(""));
-                    false
-                });
-                // Once every process that could run something here is gone, nothing is
-                // needed; while one lives, only an empty directory goes.
-                if !pids.iter().any(|&p| alive(p)) {
-                    dir.remove(&name);
-                    journal::forget(&name);
-                    break;
-                }
-                if pending.is_empty() && dir.remove_if_empty(&name) {
-                    journal::forget(&name);
-                    break;
-                }
-                if started.elapsed() > CLEANUP_WAIT {
-                    // A request nobody took must not be taken later, from files left here.
-                    for (pin, _, path) in &pending {
-                        if remote_exec::withdraw(pin, path).is_ok() {
-                            let file = Path::new(path).file_name().and_then(|n| n.to_str());
-                            dir.unlink(file.unwrap_or(""));
-                        }
-                    }
-                    tracing::warn!(dir = %name, "in-process counter files left after {} s; the next start of tracerd sweeps them", CLEANUP_WAIT.as_secs());
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        });
-    if let Err(e) = spawned {
-        CLEANUPS.fetch_sub(1, Ordering::SeqCst);
-        tracing::warn!(%e, "starting the in-process counter's cleanup");
-    }
-}
-
 /// What `capabilities` says about in-process counting.
 pub fn describe() -> String {
     match library() {
         Ok(lib) => format!(
-            "running CPython 3.14+ processes named by pid are counted in-process (sys.monitoring, {} loaded through PEP 768 remote execution, removed at the session's end); --python-uprobes-only counts them with uprobes",
+            "running CPython 3.14+ processes named by pid are counted in-process (sys.monitoring, {} loaded through PEP 768 remote execution, removed at the session's end), 3.10-3.13 ones too (tracer's loader loaded with ptrace; sys.monitoring on 3.12+, removed the same way at the end; a C profile function before); --python-uprobes-only counts them with uprobes",
             lib.file_name().unwrap_or_default().to_string_lossy()
         ),
         Err(why) => format!("unavailable: {why}; every process is counted with uprobes"),

@@ -149,7 +149,7 @@ pub(super) fn pyperformance(
     );
     println!("   under cProfile, under tracer launching it (`tracerctl start … -- CMD`: in-process on 3.10+), and under");
     println!(
-        "   tracer attached by pid while it waits in native code before its work (`--pid`: in-process on 3.14+)"
+        "   tracer attached by pid while it waits in native code before its work (`--pid`: in-process: PEP 768 on 3.14+, ptrace before)"
     );
     println!(
         "columns: seconds and slowdown (×); Python calls a run (cProfile's count, C functions"

@@ -1,0 +1,339 @@
+//! Loading a shared library into a running process the way debuggers do: one thread is
+//! stopped with ptrace at a point where the C library holds no lock of its own, made to call
+//! `dlopen` on a path, and put back exactly as it was: its registers (general, FPU, SSE,
+//! AVX), and a system call it was blocked in restarted as if nothing had happened (the
+//! program sees no `EINTR`).
+//!
+//! The library's constructor does the rest, on a thread of its own. The thread stopped is
+//! chosen among those blocked in a system call first (they hold no lock the loader needs);
+//! a running one is taken only where it was stopped outside the C library, the dynamic
+//! loader and the C++ runtime (their code may hold the locks `dlopen` and `malloc` take).
+//!
+//! If tracerd dies while the thread is stopped, the kernel lets it go as it was; if it dies
+//! during the call itself (the milliseconds `dlopen` takes), the thread returns to address 0
+//! and the process faults: the one window this way of loading has.
+
+mod dlopen;
+mod thread;
+
+use std::{
+    fs,
+    time::{Duration, Instant},
+};
+
+use thread::{Stop, Thread};
+
+use super::ProcMaps;
+use crate::pinned::Pinned;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("loading a library with ptrace is done on x86-64 only")]
+    Architecture,
+    #[error("kernel.yama.ptrace_scope is 3: no process may be traced on this machine")]
+    YamaForbids,
+    #[error("it is already traced by pid {tracer} ({comm}): a debugger or strace holds it")]
+    Traced { tracer: u32, comm: String },
+    #[error("it is stopped (job control): a stopped process is not loaded into")]
+    Stopped,
+    #[error("it exited")]
+    Gone,
+    #[error("{0}")]
+    NoDlopen(String),
+    #[error("library path {0:?} is empty, too long or holds a NUL byte")]
+    BadPath(String),
+    #[error("no thread stopped where loading is safe within {0} ms (every one was in the C library or the dynamic loader)")]
+    NoSafePoint(u128),
+    #[error("ptrace {what} thread {tid}: {source}")]
+    Ptrace {
+        what: &'static str,
+        tid: u32,
+        source: std::io::Error,
+    },
+    #[error("thread {tid}: {what}")]
+    Call { tid: u32, what: String },
+}
+
+/// How long a thread may take to reach the stop asked of it.
+const STOP_WAIT: Duration = Duration::from_millis(100);
+/// How long `dlopen` may take: it waits only for locks other threads hold briefly.
+const CALL_WAIT: Duration = Duration::from_secs(30);
+/// Bytes skipped below the thread's stack pointer: the x86-64 red zone and a margin.
+const RED_ZONE: u64 = 256;
+/// `RTLD_NOW`.
+const RTLD_NOW: u64 = 2;
+/// The kernel's restart codes (`-ERESTARTSYS` …): a system call interrupted by the stop,
+/// restarted when the thread resumes with these registers.
+const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
+/// Basenames of code that may hold the locks `dlopen` takes (the loader's, malloc's) or run
+/// under them (unwinding's `dl_iterate_phdr` callbacks).
+const LOCKING_CODE: [&str; 6] = [
+    "libc.so",
+    "libc-",
+    "ld-linux",
+    "libdl",
+    "libpthread",
+    "libgcc_s",
+];
+
+/// Loads the library at `path` (as the process sees it) into `pid`, waiting up to `limit`
+/// for a thread to stop where that is safe.
+pub fn load_library(pid: u32, path: &str, limit: Duration) -> Result<(), LoadError> {
+    load_on(pid, None, path, limit)
+}
+
+/// [`load_library`], on thread `only` where given.
+fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(), LoadError> {
+    if !cfg!(target_arch = "x86_64") {
+        return Err(LoadError::Architecture);
+    }
+    if fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3") {
+        return Err(LoadError::YamaForbids);
+    }
+    if path.is_empty() || path.len() >= 4096 || path.contains('\0') {
+        return Err(LoadError::BadPath(path.to_owned()));
+    }
+    check_status(pid)?;
+    let pin = Pinned::open(pid).map_err(|_| LoadError::Gone)?;
+    let maps = ProcMaps::read(pid).map_err(|_| LoadError::Gone)?;
+    let dlopen = dlopen::find(pid, &maps).map_err(LoadError::NoDlopen)?;
+    let started = Instant::now();
+    loop {
+        let tids = match only {
+            Some(tid) => vec![tid],
+            None => candidates(pid),
+        };
+        for tid in tids {
+            let Some((t, regs)) = stop(pid, tid)? else {
+                continue;
+            };
+            let Some(saved) = resumable(&pin, &maps, &regs) else {
+                t.detach(0).map_err(|source| LoadError::Ptrace {
+                    what: "detaching",
+                    tid,
+                    source,
+                })?;
+                continue;
+            };
+            return call(&pin, t, saved, regs, dlopen, path);
+        }
+        if !pin.alive() {
+            return Err(LoadError::Gone);
+        }
+        if started.elapsed() >= limit {
+            return Err(LoadError::NoSafePoint(limit.as_millis()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Refuses a process already traced or stopped.
+fn check_status(pid: u32) -> Result<(), LoadError> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).map_err(|_| LoadError::Gone)?;
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(str::trim)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let tracer: u32 = field("TracerPid:").parse().unwrap_or(0);
+    if tracer != 0 {
+        // TracerPid names the tracing thread.
+        let tracer = super::tgid(tracer).unwrap_or(tracer);
+        let comm = super::comm(tracer).unwrap_or_else(|| "?".into());
+        return Err(LoadError::Traced { tracer, comm });
+    }
+    if field("State:").starts_with('T') || field("State:").starts_with('t') {
+        return Err(LoadError::Stopped);
+    }
+    Ok(())
+}
+
+/// The threads to try, best first: sleeping ones (in a system call, holding no lock of the
+/// loader's) before running ones, the main thread first of each; none in uninterruptible
+/// sleep (it could not stop in time).
+fn candidates(pid: u32) -> Vec<u32> {
+    let mut out: Vec<(u8, bool, u32)> = super::threads(pid)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|tid| {
+            let stat = fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_owned();
+            let rank = match state.as_str() {
+                "S" => 0,
+                "R" => 1,
+                _ => return None,
+            };
+            Some((rank, tid != pid, tid))
+        })
+        .collect();
+    out.sort_unstable();
+    out.into_iter().take(64).map(|(_, _, tid)| tid).collect()
+}
+
+/// Seizes and stops `tid`; None if it went meanwhile.
+fn stop(pid: u32, tid: u32) -> Result<Option<(Thread, libc::user_regs_struct)>, LoadError> {
+    let t = match Thread::seize(tid) {
+        Ok(t) => t,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+        Err(source) => {
+            check_status(pid)?;
+            return Err(LoadError::Ptrace {
+                what: "seizing",
+                tid,
+                source,
+            });
+        }
+    };
+    let err = |what, source| LoadError::Ptrace { what, tid, source };
+    t.interrupt().map_err(|e| err("interrupting", e))?;
+    // Signals that arrive first go on to the program; the stop asked for follows them.
+    for _ in 0..64 {
+        match t.wait(STOP_WAIT).map_err(|e| err("waiting for", e))? {
+            Some(Stop::Interrupted) => {
+                let regs = t.regs().map_err(|e| err("reading the registers of", e))?;
+                return Ok(Some((t, regs)));
+            }
+            Some(Stop::Signal(sig)) => t.resume(sig).map_err(|e| err("resuming", e))?,
+            Some(Stop::Group) => {
+                t.detach(0).map_err(|e| err("detaching", e))?;
+                return Err(LoadError::Stopped);
+            }
+            Some(Stop::Exited) => return Ok(None),
+            // Dropped: detached once it stops.
+            None => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// The registers the thread is to resume with, if it stopped where loading is safe: in a
+/// system call (rewound to restart where the kernel would not restart it itself, so that
+/// the program sees no `EINTR`), or outside code that may hold the loader's locks.
+fn resumable(
+    pin: &Pinned,
+    maps: &ProcMaps,
+    regs: &libc::user_regs_struct,
+) -> Option<libc::user_regs_struct> {
+    let in_syscall = regs.orig_rax as i64 >= 0;
+    let rax = regs.rax as i64;
+    if in_syscall && RESTART_CODES.contains(&rax) {
+        return Some(*regs);
+    }
+    if in_syscall && rax == -(libc::EINTR as i64) && after_syscall(pin, regs.rip) {
+        // epoll_wait, sigtimedwait and a few others return EINTR to a stop, handler or not.
+        let mut r = *regs;
+        r.rax = r.orig_rax;
+        r.rip -= 2;
+        return Some(r);
+    }
+    let locking = maps.find(regs.rip).is_some_and(|e| {
+        let base = e.path.rsplit('/').next().unwrap_or_default();
+        LOCKING_CODE.iter().any(|l| base.starts_with(l))
+    });
+    (!locking).then_some(*regs)
+}
+
+/// Whether the two bytes before `rip` are a `syscall` instruction.
+fn after_syscall(pin: &Pinned, rip: u64) -> bool {
+    let mut b = [0u8; 2];
+    rip >= 2 && pin.read(rip - 2, &mut b).is_ok() && b == [0x0f, 0x05]
+}
+
+/// Has the stopped thread call `dlopen(path, RTLD_NOW)` on its own stack, below its red zone,
+/// returning to address 0 (the fault that follows is tracer's cue, never delivered); then
+/// puts back `saved` and the extended state and lets it go.
+fn call(
+    pin: &Pinned,
+    t: Thread,
+    saved: libc::user_regs_struct,
+    regs: libc::user_regs_struct,
+    dlopen: u64,
+    path: &str,
+) -> Result<(), LoadError> {
+    let tid = t.tid();
+    let err = |what, source| LoadError::Ptrace { what, tid, source };
+    let xstate = t
+        .xstate()
+        .map_err(|e| err("reading the extended registers of", e))?;
+    let mut bytes = path.as_bytes().to_vec();
+    bytes.push(0);
+    let mut sp = (regs.rsp - RED_ZONE) & !15;
+    sp -= (bytes.len() as u64 + 15) & !15;
+    let path_at = sp;
+    // At a function's entry the stack pointer is 8 past a 16-byte boundary.
+    sp -= 8;
+    let write = |at, b: &[u8]| {
+        pin.write(at, b).map_err(|e| LoadError::Call {
+            tid,
+            what: format!("writing its stack: {e}"),
+        })
+    };
+    write(path_at, &bytes)?;
+    write(sp, &0u64.to_le_bytes())?;
+    let mut c = regs;
+    c.rip = dlopen;
+    c.rdi = path_at;
+    c.rsi = RTLD_NOW;
+    c.rax = 0;
+    c.rsp = sp;
+    // No system call to restart while the call runs.
+    c.orig_rax = u64::MAX;
+    t.set_regs(&c)
+        .map_err(|e| err("setting the registers of", e))?;
+    t.resume(0).map_err(|e| err("resuming", e))?;
+    let started = Instant::now();
+    let mut warned = false;
+    let outcome = loop {
+        match t
+            .wait(Duration::from_secs(1))
+            .map_err(|e| err("waiting for", e))?
+        {
+            Some(Stop::Signal(libc::SIGSEGV)) => {
+                let r = t.regs().map_err(|e| err("reading the registers of", e))?;
+                if r.rip == 0 {
+                    break if r.rax == 0 {
+                        Err("dlopen returned NULL: the library did not load".to_owned())
+                    } else {
+                        Ok(())
+                    };
+                }
+                break Err(format!("dlopen faulted at {:#x}", r.rip));
+            }
+            Some(Stop::Signal(sig @ (libc::SIGBUS | libc::SIGILL | libc::SIGFPE))) => {
+                break Err(format!("dlopen raised signal {sig}"));
+            }
+            // The program's own signals: their handlers run over the call and return to it.
+            Some(Stop::Signal(sig)) => t.resume(sig).map_err(|e| err("resuming", e))?,
+            Some(Stop::Interrupted | Stop::Group) => t.resume(0).map_err(|e| err("resuming", e))?,
+            Some(Stop::Exited) => return Err(LoadError::Gone),
+            None => {
+                // Detaching now would let it return to address 0: it stays, and tracer waits.
+                if !warned && started.elapsed() >= CALL_WAIT {
+                    warned = true;
+                    tracing::warn!(
+                        tid,
+                        "dlopen has not returned after {} s",
+                        CALL_WAIT.as_secs()
+                    );
+                }
+            }
+        }
+    };
+    t.set_regs(&saved)
+        .map_err(|e| err("restoring the registers of", e))?;
+    t.set_xstate(&xstate)
+        .map_err(|e| err("restoring the extended registers of", e))?;
+    t.detach(0).map_err(|e| err("detaching", e))?;
+    outcome.map_err(|what| LoadError::Call { tid, what })
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,7 +5,8 @@
 //! program sees no `EINTR`).
 //!
 //! The library's constructor does the rest, on a thread of its own. The thread stopped is
-//! chosen among those blocked in a system call first (they hold no lock the loader needs);
+//! chosen among those blocked in a system call first (they hold no lock the loader needs,
+//! unless blocked in the loader's own calls, which are passed over);
 //! a running one is taken only where it was stopped outside the C library, the dynamic
 //! loader and the C++ runtime (their code may hold the locks `dlopen` and `malloc` take).
 //!
@@ -67,10 +68,11 @@ const RTLD_NOW: u64 = 2;
 const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
 /// Basenames of code that may hold the locks `dlopen` takes (the loader's, malloc's) or run
 /// under them (unwinding's `dl_iterate_phdr` callbacks).
-const LOCKING_CODE: [&str; 6] = [
+const LOCKING_CODE: [&str; 7] = [
     "libc.so",
     "libc-",
     "ld-linux",
+    "ld-2.",
     "libdl",
     "libpthread",
     "libgcc_s",
@@ -222,6 +224,16 @@ fn resumable(
     maps: &ProcMaps,
     regs: &libc::user_regs_struct,
 ) -> Option<libc::user_regs_struct> {
+    // The basename of the file whose code it stopped in.
+    let here = maps
+        .find(regs.rip)
+        .and_then(|e| e.path.rsplit('/').next())
+        .unwrap_or_default();
+    // The dynamic loader makes its own system calls (reading a library it maps): blocked
+    // there, the thread holds the loader's lock, which a nested dlopen would re-enter.
+    if here.starts_with("ld-linux") || here.starts_with("ld-2.") {
+        return None;
+    }
     let in_syscall = regs.orig_rax as i64 >= 0;
     let rax = regs.rax as i64;
     if in_syscall && RESTART_CODES.contains(&rax) {
@@ -234,11 +246,7 @@ fn resumable(
         r.rip -= 2;
         return Some(r);
     }
-    let locking = maps.find(regs.rip).is_some_and(|e| {
-        let base = e.path.rsplit('/').next().unwrap_or_default();
-        LOCKING_CODE.iter().any(|l| base.starts_with(l))
-    });
-    (!locking).then_some(*regs)
+    (!LOCKING_CODE.iter().any(|l| here.starts_with(l))).then_some(*regs)
 }
 
 /// Whether the two bytes before `rip` are a `syscall` instruction.

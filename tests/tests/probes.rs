@@ -149,11 +149,17 @@ fn a_killed_daemon_leaves_no_breakpoint_behind() {
         let py_pid = python.pid().to_string();
         let spec = format!("{bin}:{pattern}");
         // Every mode at once: counting and tracing with the native probes, Python counting
-        // (probes on every interpreter), and sampling.
+        // (with the probes: by default a running interpreter counts in-process), and sampling.
         for args in [
             &["--mode=counting", "--pid", &pid, "--uprobe", &spec][..],
             &["--mode=tracing", "--pid", &pid, "--uprobe", &spec][..],
-            &["--mode=counting", "--python", "--pid", &py_pid][..],
+            &[
+                "--mode=counting",
+                "--python",
+                "--python-uprobes-only",
+                "--pid",
+                &py_pid,
+            ][..],
             &["--mode=sampling", "--pid", &pid][..],
         ] {
             let mut start = vec!["start"];

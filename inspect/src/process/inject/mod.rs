@@ -10,11 +10,15 @@
 //! a running one is taken only where it was stopped outside the C library, the dynamic
 //! loader and the C++ runtime (their code may hold the locks `dlopen` and `malloc` take).
 //!
-//! If tracerd dies while the thread is stopped, the kernel lets it go as it was; if it dies
-//! during the call itself (the milliseconds `dlopen` takes), the thread returns to address 0
-//! and the process faults: the one window this way of loading has.
+//! `dlopen` returns through a signal frame written on the thread's stack (`frame.rs`), so the
+//! thread puts itself back: tracerd only watches the call's system calls, sees the
+//! `rt_sigreturn` that ends it, and lets go. If tracerd dies while the thread is stopped, the
+//! kernel lets it go as it was; if it dies during the call, the call ends the same way
+//! without it.
 
+mod call;
 mod dlopen;
+mod frame;
 mod thread;
 
 use std::{
@@ -22,7 +26,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use thread::{Stop, Thread};
+use call::Call;
+use frame::RESTART_CODES;
+use thread::{Stop, SyscallStop, Thread};
 
 use super::ProcMaps;
 use crate::pinned::Pinned;
@@ -37,6 +43,13 @@ pub enum LoadError {
     Traced { tracer: u32, comm: String },
     #[error("it is stopped (job control): a stopped process is not loaded into")]
     Stopped,
+    #[error("it runs with x86 shadow stacks (CET), which a call made for it would break")]
+    ShadowStack,
+    #[error("library {path}: {source}")]
+    Library {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("it exited")]
     Gone,
     #[error("{0}")]
@@ -61,11 +74,6 @@ const STOP_WAIT: Duration = Duration::from_millis(100);
 const CALL_WAIT: Duration = Duration::from_secs(30);
 /// Bytes skipped below the thread's stack pointer: the x86-64 red zone and a margin.
 const RED_ZONE: u64 = 256;
-/// `RTLD_NOW`.
-const RTLD_NOW: u64 = 2;
-/// The kernel's restart codes (`-ERESTARTSYS` …): a system call interrupted by the stop,
-/// restarted when the thread resumes with these registers.
-const RESTART_CODES: [i64; 4] = [-512, -513, -514, -516];
 /// Basenames of code that may hold the locks `dlopen` takes (the loader's, malloc's) or run
 /// under them (unwinding's `dl_iterate_phdr` callbacks).
 const LOCKING_CODE: [&str; 7] = [
@@ -98,7 +106,13 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
     check_status(pid)?;
     let pin = Pinned::open(pid).map_err(|_| LoadError::Gone)?;
     let maps = ProcMaps::read(pid).map_err(|_| LoadError::Gone)?;
-    let dlopen = dlopen::find(pid, &maps).map_err(LoadError::NoDlopen)?;
+    let calls = dlopen::find(pid, &maps).map_err(LoadError::NoDlopen)?;
+    // The file as the process sees it, to know it loaded.
+    let lib =
+        fs::metadata(format!("/proc/{pid}/root{path}")).map_err(|source| LoadError::Library {
+            path: path.to_owned(),
+            source,
+        })?;
     let started = Instant::now();
     loop {
         let tids = match only {
@@ -117,7 +131,12 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
                 })?;
                 continue;
             };
-            return call(&pin, t, saved, regs, dlopen, path);
+            let call = Call {
+                calls: &calls,
+                path,
+                lib: &lib,
+            };
+            return call.make(&pin, t, saved);
         }
         if !pin.alive() {
             return Err(LoadError::Gone);
@@ -149,6 +168,12 @@ fn check_status(pid: u32) -> Result<(), LoadError> {
     }
     if field("State:").starts_with('T') || field("State:").starts_with('t') {
         return Err(LoadError::Stopped);
+    }
+    if field("x86_Thread_features:")
+        .split_whitespace()
+        .any(|f| f == "shstk")
+    {
+        return Err(LoadError::ShadowStack);
     }
     Ok(())
 }
@@ -204,6 +229,7 @@ fn stop(pid: u32, tid: u32) -> Result<Option<(Thread, libc::user_regs_struct)>, 
                 return Ok(Some((t, regs)));
             }
             Some(Stop::Signal(sig)) => t.resume(sig).map_err(|e| err("resuming", e))?,
+            Some(Stop::Syscall) => t.resume(0).map_err(|e| err("resuming", e))?,
             Some(Stop::Group) => {
                 t.detach(0).map_err(|e| err("detaching", e))?;
                 return Err(LoadError::Stopped);
@@ -253,94 +279,6 @@ fn resumable(
 fn after_syscall(pin: &Pinned, rip: u64) -> bool {
     let mut b = [0u8; 2];
     rip >= 2 && pin.read(rip - 2, &mut b).is_ok() && b == [0x0f, 0x05]
-}
-
-/// Has the stopped thread call `dlopen(path, RTLD_NOW)` on its own stack, below its red zone,
-/// returning to address 0 (the fault that follows is tracer's cue, never delivered); then
-/// puts back `saved` and the extended state and lets it go.
-fn call(
-    pin: &Pinned,
-    t: Thread,
-    saved: libc::user_regs_struct,
-    regs: libc::user_regs_struct,
-    dlopen: u64,
-    path: &str,
-) -> Result<(), LoadError> {
-    let tid = t.tid();
-    let err = |what, source| LoadError::Ptrace { what, tid, source };
-    let xstate = t
-        .xstate()
-        .map_err(|e| err("reading the extended registers of", e))?;
-    let mut bytes = path.as_bytes().to_vec();
-    bytes.push(0);
-    let mut sp = (regs.rsp - RED_ZONE) & !15;
-    sp -= (bytes.len() as u64 + 15) & !15;
-    let path_at = sp;
-    // At a function's entry the stack pointer is 8 past a 16-byte boundary.
-    sp -= 8;
-    let write = |at, b: &[u8]| {
-        pin.write(at, b).map_err(|e| LoadError::Call {
-            tid,
-            what: format!("writing its stack: {e}"),
-        })
-    };
-    write(path_at, &bytes)?;
-    write(sp, &0u64.to_le_bytes())?;
-    let mut c = regs;
-    c.rip = dlopen;
-    c.rdi = path_at;
-    c.rsi = RTLD_NOW;
-    c.rax = 0;
-    c.rsp = sp;
-    // No system call to restart while the call runs.
-    c.orig_rax = u64::MAX;
-    t.set_regs(&c)
-        .map_err(|e| err("setting the registers of", e))?;
-    t.resume(0).map_err(|e| err("resuming", e))?;
-    let started = Instant::now();
-    let mut warned = false;
-    let outcome = loop {
-        match t
-            .wait(Duration::from_secs(1))
-            .map_err(|e| err("waiting for", e))?
-        {
-            Some(Stop::Signal(libc::SIGSEGV)) => {
-                let r = t.regs().map_err(|e| err("reading the registers of", e))?;
-                if r.rip == 0 {
-                    break if r.rax == 0 {
-                        Err("dlopen returned NULL: the library did not load".to_owned())
-                    } else {
-                        Ok(())
-                    };
-                }
-                break Err(format!("dlopen faulted at {:#x}", r.rip));
-            }
-            Some(Stop::Signal(sig @ (libc::SIGBUS | libc::SIGILL | libc::SIGFPE))) => {
-                break Err(format!("dlopen raised signal {sig}"));
-            }
-            // The program's own signals: their handlers run over the call and return to it.
-            Some(Stop::Signal(sig)) => t.resume(sig).map_err(|e| err("resuming", e))?,
-            Some(Stop::Interrupted | Stop::Group) => t.resume(0).map_err(|e| err("resuming", e))?,
-            Some(Stop::Exited) => return Err(LoadError::Gone),
-            None => {
-                // Detaching now would let it return to address 0: it stays, and tracer waits.
-                if !warned && started.elapsed() >= CALL_WAIT {
-                    warned = true;
-                    tracing::warn!(
-                        tid,
-                        "dlopen has not returned after {} s",
-                        CALL_WAIT.as_secs()
-                    );
-                }
-            }
-        }
-    };
-    t.set_regs(&saved)
-        .map_err(|e| err("restoring the registers of", e))?;
-    t.set_xstate(&xstate)
-        .map_err(|e| err("restoring the extended registers of", e))?;
-    t.detach(0).map_err(|e| err("detaching", e))?;
-    outcome.map_err(|what| LoadError::Call { tid, what })
 }
 
 #[cfg(test)]

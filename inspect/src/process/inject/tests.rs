@@ -177,12 +177,23 @@ fn a_traced_process_is_refused() {
 }
 
 #[test]
-fn a_missing_library_is_an_error_and_the_process_goes_on() {
+fn a_missing_library_is_refused_before_the_process_is_touched() {
+    let child = Reaped(Command::new("sleep").arg("5").spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let r = load_library(child.0.id(), "/nonexistent/lib.so", Duration::from_secs(1));
+    assert!(matches!(&r, Err(LoadError::Library { .. })), "{r:?}");
+}
+
+#[test]
+fn a_file_that_is_no_library_is_an_error_and_the_process_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_elf = dir.path().join("not.so");
+    fs::write(&not_elf, "not a library\n").unwrap();
     let mut child = Reaped(Command::new("sleep").arg("1").spawn().unwrap());
     let pid = child.0.id();
     std::thread::sleep(Duration::from_millis(100));
-    match load_library(pid, "/nonexistent/lib.so", Duration::from_secs(1)) {
-        Err(LoadError::Call { what, .. }) => assert!(what.contains("NULL"), "{what}"),
+    match load_library(pid, not_elf.to_str().unwrap(), Duration::from_secs(1)) {
+        Err(LoadError::Call { what, .. }) => assert!(what.contains("did not load"), "{what}"),
         Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
             eprintln!("ptrace not permitted: skipped");
         }
@@ -191,4 +202,132 @@ fn a_missing_library_is_an_error_and_the_process_goes_on() {
     let started = std::time::Instant::now();
     assert!(child.0.wait().unwrap().success());
     assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// A library whose constructor takes `ms`, built with the C compiler; None without one.
+fn slow_library(dir: &std::path::Path, ms: u32) -> Option<String> {
+    let src = dir.join("slow.c");
+    let lib = dir.join("libslow.so");
+    fs::write(
+        &src,
+        format!(
+            "#include <time.h>\n__attribute__((constructor)) static void slow(void) {{\n\
+             struct timespec t = {{ {}, {} }}; nanosleep(&t, 0); }}\n",
+            ms / 1000,
+            (ms % 1000) * 1_000_000
+        ),
+    )
+    .ok()?;
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .ok()?;
+    built.success().then(|| lib.to_str().unwrap().to_owned())
+}
+
+/// Run by [`a_loader_killed_mid_call_leaves_the_thread_whole`] in a process of its own, which
+/// it kills while the library's constructor runs.
+#[test]
+#[ignore = "run by a_loader_killed_mid_call_leaves_the_thread_whole"]
+fn load_for_a_parent() {
+    let Ok(arg) = std::env::var("TRACER_TEST_LOAD") else {
+        return;
+    };
+    let mut it = arg.splitn(3, ':');
+    let (pid, tid, lib) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    let r = load_on(
+        pid.parse().unwrap(),
+        Some(tid.parse().unwrap()),
+        lib,
+        Duration::from_secs(2),
+    );
+    println!("loaded: {r:?}");
+}
+
+#[test]
+fn a_loader_killed_mid_call_leaves_the_thread_whole() {
+    let Some(python) = python() else {
+        eprintln!("no python3: skipped");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = slow_library(dir.path(), 700) else {
+        eprintln!("no C compiler: skipped");
+        return;
+    };
+    let mut child = Reaped(
+        Command::new(python)
+            .args(["-c", TARGET])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id();
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let tid = blocked_in(pid, &[0]).expect("no thread in read");
+    let mut loader = Reaped(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "process::inject::tests::load_for_a_parent",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("TRACER_TEST_LOAD", format!("{pid}:{tid}:{lib}"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Mapped: the constructor runs now, for 700 ms. The loader dies there.
+    let started = std::time::Instant::now();
+    while !fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .contains(&lib)
+    {
+        if let Some(status) = loader.0.try_wait().unwrap() {
+            let mut said = String::new();
+            loader
+                .0
+                .stdout
+                .take()
+                .unwrap()
+                .read_to_string(&mut said)
+                .unwrap();
+            if said.contains("EPERM") || said.contains("not permitted") {
+                eprintln!("ptrace not permitted: skipped");
+                return;
+            }
+            panic!("the loader ended ({status}) before the library was mapped: {said}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "never mapped");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        loader.0.try_wait().unwrap().is_none(),
+        "the call ended before the kill"
+    );
+    loader.0.kill().unwrap();
+    loader.0.wait().unwrap();
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status}: {rest}");
+    let results: Vec<&str> = rest.lines().collect();
+    assert_eq!(
+        results,
+        [
+            "epoll_wait 0 0",
+            "futex -1 110",
+            "nanosleep 0 0 True",
+            "read 1 0"
+        ],
+        "a call saw the load"
+    );
 }

@@ -21,7 +21,26 @@ pub(super) enum Stop {
     Group,
     /// A signal about to be delivered.
     Signal(i32),
+    /// Entering or leaving a system call (after [`Thread::resume_syscalls`]).
+    Syscall,
     Exited,
+}
+
+/// What a [`Stop::Syscall`] stopped at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SyscallStop {
+    /// Entering system call `nr`, from the instruction before `ip`, with stack pointer `sp`.
+    Entry {
+        nr: u64,
+        ip: u64,
+        sp: u64,
+    },
+    /// Leaving one, with `rval` (a negated errno where `error`).
+    Exit {
+        rval: i64,
+        error: bool,
+    },
+    Other,
 }
 
 pub(super) struct Thread {
@@ -43,7 +62,13 @@ impl Thread {
     /// Seizes `tid` without stopping it.
     pub(super) fn seize(tid: u32) -> io::Result<Self> {
         let tid = tid as pid_t;
-        ptrace(libc::PTRACE_SEIZE, tid, 0, 0)?;
+        // TRACESYSGOOD: system-call stops are told apart from a real SIGTRAP.
+        ptrace(
+            libc::PTRACE_SEIZE,
+            tid,
+            0,
+            libc::PTRACE_O_TRACESYSGOOD as usize,
+        )?;
         Ok(Self {
             tid,
             attached: true,
@@ -86,6 +111,8 @@ impl Thread {
                         } else {
                             Stop::Group
                         }
+                    } else if sig == libc::SIGTRAP | 0x80 {
+                        Stop::Syscall
                     } else {
                         Stop::Signal(sig)
                     }));
@@ -102,6 +129,49 @@ impl Thread {
     /// Resumes it, delivering `signal` (0: none).
     pub(super) fn resume(&self, signal: i32) -> io::Result<()> {
         ptrace(libc::PTRACE_CONT, self.tid, 0, signal as usize).map(drop)
+    }
+
+    /// Resumes it up to its next system-call entry or exit, delivering `signal` (0: none).
+    pub(super) fn resume_syscalls(&self, signal: i32) -> io::Result<()> {
+        ptrace(libc::PTRACE_SYSCALL, self.tid, 0, signal as usize).map(drop)
+    }
+
+    /// At a [`Stop::Syscall`]: which one, and where.
+    pub(super) fn syscall(&self) -> io::Result<SyscallStop> {
+        // struct ptrace_syscall_info: op, pad, arch, ip, sp, then entry {nr, args}
+        // or exit {rval, is_error}.
+        let mut info = [0u64; 11];
+        ptrace(
+            libc::PTRACE_GET_SYSCALL_INFO,
+            self.tid,
+            std::mem::size_of_val(&info),
+            info.as_mut_ptr() as usize,
+        )?;
+        let (ip, sp) = (info[1], info[2]);
+        Ok(match info[0] & 0xff {
+            1 => SyscallStop::Entry {
+                nr: info[3],
+                ip,
+                sp,
+            },
+            2 => SyscallStop::Exit {
+                rval: info[3] as i64,
+                error: info[4] & 0xff != 0,
+            },
+            _ => SyscallStop::Other,
+        })
+    }
+
+    /// The signals it blocks.
+    pub(super) fn sigmask(&self) -> io::Result<u64> {
+        let mut mask = 0u64;
+        ptrace(
+            libc::PTRACE_GETSIGMASK,
+            self.tid,
+            std::mem::size_of::<u64>(),
+            &mut mask as *mut u64 as usize,
+        )?;
+        Ok(mask)
     }
 
     pub(super) fn regs(&self) -> io::Result<user_regs_struct> {

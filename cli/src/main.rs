@@ -127,9 +127,10 @@ struct StartArgs {
     /// until stopped, each window pushed to --push.
     #[arg(long, requires = "push")]
     continuous: bool,
-    /// Sampling, continuously: push each window of samples as pprof to this endpoint:
-    /// http://HOST:PORT (Pyroscope's push.v1 API: Grafana Pyroscope, Alloy) or
-    /// parca://HOST:PORT (Parca's gRPC WriteRaw).
+    /// Sampling, continuously: push each window of samples to this endpoint:
+    /// http://HOST:PORT (pprof to Pyroscope's push.v1 API: Grafana Pyroscope, Alloy),
+    /// parca://HOST:PORT (pprof to Parca's gRPC WriteRaw) or otlp://HOST:PORT
+    /// (OpenTelemetry profiles to an OTLP gRPC receiver).
     #[arg(long, value_name = "URL")]
     push: Option<String>,
     /// With --push: the window length, e.g. 10s (default 15s).
@@ -231,6 +232,8 @@ enum FormatArg {
     Folded,
     /// Sampling: gzipped pprof protobuf (go tool pprof, Pyroscope, Parca); use with -o.
     Pprof,
+    /// Sampling: OpenTelemetry profiles (one ExportProfilesServiceRequest, protobuf); use with -o.
+    Otlp,
     /// Sampling: speedscope JSON.
     Speedscope,
     /// Sampling: an SVG flame graph.
@@ -650,6 +653,7 @@ async fn report(client: &mut client::Client, id: String, out: &Output) -> Result
         FormatArg::Pstats => ReportFormat::Pstats,
         FormatArg::Folded => ReportFormat::Folded,
         FormatArg::Pprof => ReportFormat::Pprof,
+        FormatArg::Otlp => ReportFormat::Otlp,
         FormatArg::Speedscope => ReportFormat::Speedscope,
         FormatArg::Svg => ReportFormat::Svg,
         FormatArg::Chrome => ReportFormat::Chrome,

@@ -21,3 +21,11 @@ pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<ProcessOrigin> {
         })
         .collect()
 }
+
+/// This machine's name, as tracerd's own UTS namespace has it (a DaemonSet's pod shares the
+/// node's with `hostNetwork`): pushed windows' `node` label, OTLP's `host.name`.
+pub fn host_name() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.nodename().to_string_lossy().into_owned())
+        .unwrap_or_default()
+}

@@ -232,11 +232,12 @@ impl Tracer for Service {
             },
             ReportFormat::Folded
             | ReportFormat::Pprof
+            | ReportFormat::Otlp
             | ReportFormat::Speedscope
             | ReportFormat::Svg => {
                 let Some(p) = &report.profile else {
                     return Err(Status::failed_precondition(
-                        "folded, pprof, speedscope and svg are for sampling sessions; this one has no stack samples",
+                        "folded, pprof, otlp, speedscope and svg are for sampling sessions; this one has no stack samples",
                     ));
                 };
                 let title = format!("tracer {} ({})", report.session.id, report.session.target);
@@ -245,6 +246,11 @@ impl Tracer for Service {
                     ReportFormat::Pprof => {
                         tracer_report::export::pprof::pprof(p, &report.processes.containers)
                     }
+                    ReportFormat::Otlp => tracer_report::export::otlp::otlp(
+                        p,
+                        &report.processes.containers,
+                        &crate::container::host_name(),
+                    ),
                     ReportFormat::Speedscope => {
                         tracer_report::export::speedscope::speedscope(p, &title).into_bytes()
                     }

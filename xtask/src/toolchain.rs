@@ -77,7 +77,7 @@ fn ensure_package(command: &str, args: &[&str], package: &str) -> Result<()> {
 }
 
 /// A virtualenv under target/ with the third-party Python tools the tests use as ground truth
-/// (gRPC clients, snakeviz, py-spy).
+/// (gRPC clients, snakeviz, py-spy, OpenTelemetry's protobuf classes).
 pub fn python_test_env() -> Result<std::path::PathBuf> {
     let venv = crate::root().join("target").join("test-venv");
     let python = venv.join("bin/python3");
@@ -86,6 +86,7 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
         "grpcio-reflection",
         "grpcio-health-checking",
         "protobuf",
+        "opentelemetry-proto",
         "snakeviz",
         "py-spy",
     ];
@@ -94,7 +95,10 @@ pub fn python_test_env() -> Result<std::path::PathBuf> {
     }
     let ok = venv.join("bin/py-spy").exists()
         && Command::new(&python)
-            .args(["-c", "import grpc, grpc_reflection, grpc_health, snakeviz"])
+            .args([
+                "-c",
+                "import grpc, grpc_reflection, grpc_health, snakeviz, opentelemetry.proto",
+            ])
             .status()
             .is_ok_and(|s| s.success());
     if !ok {

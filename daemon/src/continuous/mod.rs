@@ -1,6 +1,7 @@
 //! Continuous profiling: a sampling session that, every period, takes the window of samples
 //! that just ended, names it, and pushes it as pprof to a Pyroscope or Parca endpoint
-//! (`sinks.rs`), one series per process group: command, container and pod, as labels.
+//! (`sinks.rs`), one series per process group: command, container and pod, as labels; or as
+//! OpenTelemetry profiles to an OTLP receiver, one resource per process.
 //!
 //! Pushing runs on its own task behind a bounded queue: an endpoint that is slow or down
 //! costs windows (counted as dropped, oldest first) and retries, never samples.
@@ -227,9 +228,14 @@ pub fn window(endpoint: &Endpoint, profile: &Profile, session: &str) -> Option<V
         return None;
     }
     let containers = crate::container::attribute(profile.stacks.iter().map(|s| s.pid));
-    let node = nix::sys::utsname::uname()
-        .map(|u| u.nodename().to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let node = crate::container::host_name();
+    if let Endpoint::Otlp { .. } = endpoint {
+        return Some(tracer_report::export::otlp::otlp(
+            profile,
+            &containers,
+            &node,
+        ));
+    }
     let id = format!("{session}-{}", profile.start_unix_ns);
     Some(endpoint.encode(series(profile, &containers, &node, &id)))
 }

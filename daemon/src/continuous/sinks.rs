@@ -1,17 +1,23 @@
 //! Where continuous profiles go, and how each kind of endpoint is spoken to:
 //! - `http://HOST:PORT[/PREFIX]`: Pyroscope's `push.v1.PusherService/Push` Connect API
 //!   (Grafana Pyroscope, Alloy's `pyroscope.receive_http`), protobuf over HTTP/1.1;
-//! - `parca://HOST:PORT`: Parca's `ProfileStoreService/WriteRaw`, gRPC without TLS.
+//! - `parca://HOST:PORT`: Parca's `ProfileStoreService/WriteRaw`, gRPC without TLS;
+//! - `otlp://HOST:PORT`: OpenTelemetry's `ProfilesService/Export` (an OTLP collector, or any
+//!   receiver of the profiles signal), gRPC without TLS.
 //!
-//! Both take a set of series, each a label set and a gzipped pprof.
+//! Pyroscope and Parca take a set of series, each a label set and a gzipped pprof; OTLP one
+//! request whose resources are the processes (`tracer_report::export::otlp`).
 
 use std::time::Duration;
 
+use opentelemetry_proto::tonic::collector::profiles::v1development as otlp;
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 const PARCA_WRITE_RAW: &str = "/parca.profilestore.v1alpha1.ProfileStoreService/WriteRaw";
+const OTLP_EXPORT: &str =
+    "/opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export";
 
 /// The endpoints' messages, with prost's derive: Pyroscope's push/v1 and types/v1, Parca's
 /// profilestore/v1alpha1 (only the fields tracer fills).
@@ -89,6 +95,7 @@ pub struct Series {
 pub enum Endpoint {
     Pyroscope { authority: String, path: String },
     Parca { authority: String },
+    Otlp { authority: String },
 }
 
 fn authority_of<'a>(rest: &'a str, url: &str) -> Result<(&'a str, &'a str), String> {
@@ -106,19 +113,26 @@ impl Endpoint {
         if url.starts_with("https://") {
             return Err("push endpoints over https are not supported yet: push to a local Alloy or a plain-HTTP Pyroscope".into());
         }
-        if let Some(rest) = url.strip_prefix("parca://") {
+        for (scheme, make) in [
+            (
+                "parca://",
+                (|authority| Endpoint::Parca { authority }) as fn(String) -> Endpoint,
+            ),
+            ("otlp://", |authority| Endpoint::Otlp { authority }),
+        ] {
+            let Some(rest) = url.strip_prefix(scheme) else {
+                continue;
+            };
             let (authority, path) = authority_of(rest, url)?;
             if !path.is_empty() {
                 return Err(format!(
-                    "a parca:// endpoint is HOST:PORT only, got '{url}'"
+                    "a {scheme} endpoint is HOST:PORT only, got '{url}'"
                 ));
             }
-            return Ok(Endpoint::Parca {
-                authority: authority.to_owned(),
-            });
+            return Ok(make(authority.to_owned()));
         }
         let rest = url.strip_prefix("http://").ok_or_else(|| {
-            format!("the push endpoint must be http://HOST:PORT (Pyroscope) or parca://HOST:PORT, got '{url}'")
+            format!("the push endpoint must be http://HOST:PORT (Pyroscope), parca://HOST:PORT or otlp://HOST:PORT, got '{url}'")
         })?;
         let (authority, prefix) = authority_of(rest, url)?;
         let prefix = prefix.trim_end_matches('/');
@@ -132,7 +146,8 @@ impl Endpoint {
         })
     }
 
-    /// The request body for these series.
+    /// The request body for these series (Pyroscope and Parca; OTLP's is made whole by
+    /// `tracer_report::export::otlp`).
     pub fn encode(&self, series: Vec<Series>) -> Vec<u8> {
         let labels = |l: Vec<(String, String)>| {
             l.into_iter()
@@ -153,7 +168,7 @@ impl Endpoint {
                     .collect(),
             }
             .encode_to_vec(),
-            Endpoint::Parca { .. } => pb::WriteRawRequest {
+            Endpoint::Parca { .. } | Endpoint::Otlp { .. } => pb::WriteRawRequest {
                 series: series
                     .into_iter()
                     .map(|s| pb::ParcaSeries {
@@ -182,6 +197,7 @@ impl Endpoint {
                     >,
             ),
             Endpoint::Parca { authority } => (authority, Box::pin(write_raw(authority, body)) as _),
+            Endpoint::Otlp { authority } => (authority, Box::pin(export(authority, body)) as _),
         };
         tokio::time::timeout(TIMEOUT, attempt)
             .await
@@ -192,6 +208,33 @@ impl Endpoint {
 async fn write_raw(authority: &str, body: &[u8]) -> Result<(), String> {
     let req =
         pb::WriteRawRequest::decode(body).map_err(|e| format!("re-reading a request: {e}"))?;
+    unary::<_, pb::WriteRawResponse>(authority, PARCA_WRITE_RAW, req)
+        .await
+        .map(drop)
+}
+
+/// OTLP's export; a receiver that takes the request but rejects profiles in it says so in
+/// its answer (`partial_success`), which counts as a failed push.
+async fn export(authority: &str, body: &[u8]) -> Result<(), String> {
+    let req = otlp::ExportProfilesServiceRequest::decode(body)
+        .map_err(|e| format!("re-reading a request: {e}"))?;
+    let answer =
+        unary::<_, otlp::ExportProfilesServiceResponse>(authority, OTLP_EXPORT, req).await?;
+    match answer.partial_success {
+        Some(p) if p.rejected_profiles > 0 || !p.error_message.is_empty() => Err(format!(
+            "{authority} rejected {} profiles: {}",
+            p.rejected_profiles, p.error_message
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// One unary gRPC call to `path` at `authority`, without TLS.
+async fn unary<Req, Resp>(authority: &str, path: &'static str, req: Req) -> Result<Resp, String>
+where
+    Req: Message + Send + Sync + 'static,
+    Resp: Message + Default + Send + Sync + 'static,
+{
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{authority}"))
         .map_err(|e| format!("{authority}: {e}"))?
         .connect()
@@ -201,14 +244,13 @@ async fn write_raw(authority: &str, body: &[u8]) -> Result<(), String> {
     grpc.ready()
         .await
         .map_err(|e| format!("connecting to {authority}: {e}"))?;
-    let codec = tonic_prost::ProstCodec::<pb::WriteRawRequest, pb::WriteRawResponse>::default();
     grpc.unary(
         tonic::Request::new(req),
-        tonic::codegen::http::uri::PathAndQuery::from_static(PARCA_WRITE_RAW),
-        codec,
+        tonic::codegen::http::uri::PathAndQuery::from_static(path),
+        tonic_prost::ProstCodec::<Req, Resp>::default(),
     )
     .await
-    .map(|_| ())
+    .map(tonic::Response::into_inner)
     .map_err(|s| format!("{authority} answered {:?}: {}", s.code(), s.message()))
 }
 
@@ -272,5 +314,12 @@ mod tests {
         assert!(Endpoint::parse("h:1").is_err());
         assert!(Endpoint::parse("http://h").is_err());
         assert!(Endpoint::parse("parca://h:1/x").is_err());
+        assert_eq!(
+            Endpoint::parse("otlp://c:4317").unwrap(),
+            Endpoint::Otlp {
+                authority: "c:4317".into()
+            }
+        );
+        assert!(Endpoint::parse("otlp://c").is_err());
     }
 }

@@ -664,6 +664,9 @@ pub enum ReportFormat {
     Perfetto = 9,
     /// Sessions with --cuda: the table of kernel launches (PyProf's kernel table).
     Kernels = 10,
+    /// Sampling sessions: OpenTelemetry's profiles signal, one ExportProfilesServiceRequest
+    /// (opentelemetry.proto.collector.profiles.v1development), as an OTLP receiver takes it.
+    Otlp = 11,
 }
 impl ReportFormat {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -683,6 +686,7 @@ impl ReportFormat {
             Self::Chrome => "REPORT_FORMAT_CHROME",
             Self::Perfetto => "REPORT_FORMAT_PERFETTO",
             Self::Kernels => "REPORT_FORMAT_KERNELS",
+            Self::Otlp => "REPORT_FORMAT_OTLP",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -699,6 +703,7 @@ impl ReportFormat {
             "REPORT_FORMAT_CHROME" => Some(Self::Chrome),
             "REPORT_FORMAT_PERFETTO" => Some(Self::Perfetto),
             "REPORT_FORMAT_KERNELS" => Some(Self::Kernels),
+            "REPORT_FORMAT_OTLP" => Some(Self::Otlp),
             _ => None,
         }
     }

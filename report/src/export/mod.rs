@@ -2,6 +2,7 @@
 
 pub mod chrome;
 pub mod folded;
+pub mod otlp;
 pub mod perfetto;
 pub mod pprof;
 pub mod pstats;

@@ -169,6 +169,44 @@ fn counted(report: &Value, pid: &str) -> (String, String) {
     )
 }
 
+/// `wl` (py_workload.py) run by `py`, attached to by pid while it runs: whole functions,
+/// recursion, generators, exceptions, coroutines counted in-process with cProfile's numbers,
+/// the output unchanged, nothing lost. The report's reason for the way.
+fn busy_counted_like_cprofile(d: &Daemon, py: &Path, wl: &Path) -> String {
+    let truth = truth_calls(&ground_truth(py, "cprofile", wl, &[]), true);
+    let expected_out = untraced(py, wl, &[]);
+    let g = Gated::spawn(d, py, &[], wl, &[], &[]);
+    let pid = g.pid();
+    let id = start(d, &pid, &[]);
+    let (out, ok) = g.finish();
+    assert!(ok, "{}: the program failed", py.display());
+    assert_eq!(out, expected_out, "{}: output changed", py.display());
+    let report = ended_report(d, &id);
+    let (way, why) = counted(&report, &pid);
+    assert_eq!(way, "in-process", "{}: {why}", py.display());
+    assert_eq!(ours(&report, wl), truth, "{}", py.display());
+    assert_eq!(report["losses"], serde_json::json!([]));
+    why
+}
+
+/// Threads `wl` starts after the attach: every call counted in-process, as the profile hook
+/// in each thread sees it.
+fn threads_counted_like_the_hook(d: &Daemon, py: &Path, wl: &Path) {
+    let truth = truth_calls(&ground_truth(py, "hook", wl, &["threads"]), false);
+    let g = Gated::spawn(d, py, &[], wl, &["threads"], &[]);
+    let pid = g.pid();
+    let id = start(d, &pid, &[]);
+    let (_, ok) = g.finish();
+    assert!(ok, "{} threads: the program failed", py.display());
+    let report = ended_report(d, &id);
+    assert_eq!(counted(&report, &pid).0, "in-process", "{}", py.display());
+    let got: BTreeMap<String, (u64, u64)> = ours(&report, wl)
+        .into_iter()
+        .map(|(k, (n, _))| (k, (n, 0)))
+        .collect();
+    assert_eq!(got, truth, "{} threads", py.display());
+}
+
 #[test]
 fn running_314_processes_are_counted_in_process_like_cprofile() {
     if !root_or_skip() {
@@ -181,35 +219,8 @@ fn running_314_processes_are_counted_in_process_like_cprofile() {
     let d = Daemon::start();
     let wl = script("py_workload.py");
     for py in &pythons {
-        // Whole functions, recursion, generators, exceptions, coroutines: cProfile's numbers.
-        let truth = truth_calls(&ground_truth(py, "cprofile", &wl, &[]), true);
-        let expected_out = untraced(py, &wl, &[]);
-        let g = Gated::spawn(&d, py, &[], &wl, &[], &[]);
-        let pid = g.pid();
-        let id = start(&d, &pid, &[]);
-        let (out, ok) = g.finish();
-        assert!(ok, "{}: the program failed", py.display());
-        assert_eq!(out, expected_out, "{}: output changed", py.display());
-        let report = ended_report(&d, &id);
-        let (way, why) = counted(&report, &pid);
-        assert_eq!(way, "in-process", "{}: {why}", py.display());
-        assert_eq!(ours(&report, &wl), truth, "{}", py.display());
-        assert_eq!(report["losses"], serde_json::json!([]));
-
-        // Threads started after the attach: every call, as the profile hook in each thread.
-        let truth = truth_calls(&ground_truth(py, "hook", &wl, &["threads"]), false);
-        let g = Gated::spawn(&d, py, &[], &wl, &["threads"], &[]);
-        let pid = g.pid();
-        let id = start(&d, &pid, &[]);
-        let (_, ok) = g.finish();
-        assert!(ok);
-        let report = ended_report(&d, &id);
-        assert_eq!(counted(&report, &pid).0, "in-process");
-        let got: BTreeMap<String, (u64, u64)> = ours(&report, &wl)
-            .into_iter()
-            .map(|(k, (n, _))| (k, (n, 0)))
-            .collect();
-        assert_eq!(got, truth, "{} threads", py.display());
+        busy_counted_like_cprofile(&d, py, &wl);
+        threads_counted_like_the_hook(&d, py, &wl);
         println!(
             "{}: counted in-process, equal to cProfile and the hook",
             py.display()
@@ -234,35 +245,9 @@ fn running_310_to_313_processes_are_counted_in_process_with_ptrace() {
     let d = Daemon::start();
     let wl = script("py_workload.py");
     for py in &pythons {
-        let truth = truth_calls(&ground_truth(py, "cprofile", &wl, &[]), true);
-        let expected_out = untraced(py, &wl, &[]);
-        let g = Gated::spawn(&d, py, &[], &wl, &[], &[]);
-        let pid = g.pid();
-        let id = start(&d, &pid, &[]);
-        let (out, ok) = g.finish();
-        assert!(ok, "{}: the program failed", py.display());
-        assert_eq!(out, expected_out, "{}: output changed", py.display());
-        let report = ended_report(&d, &id);
-        let (way, why) = counted(&report, &pid);
-        assert_eq!(way, "in-process", "{}: {why}", py.display());
+        let why = busy_counted_like_cprofile(&d, py, &wl);
         assert!(why.contains("ptrace"), "{why}");
-        assert_eq!(ours(&report, &wl), truth, "{}", py.display());
-        assert_eq!(report["losses"], serde_json::json!([]));
-
-        // Threads started after the attach: every call, as the profile hook in each thread.
-        let truth = truth_calls(&ground_truth(py, "hook", &wl, &["threads"]), false);
-        let g = Gated::spawn(&d, py, &[], &wl, &["threads"], &[]);
-        let pid = g.pid();
-        let id = start(&d, &pid, &[]);
-        let (_, ok) = g.finish();
-        assert!(ok);
-        let report = ended_report(&d, &id);
-        assert_eq!(counted(&report, &pid).0, "in-process");
-        let got: BTreeMap<String, (u64, u64)> = ours(&report, &wl)
-            .into_iter()
-            .map(|(k, (n, _))| (k, (n, 0)))
-            .collect();
-        assert_eq!(got, truth, "{} threads", py.display());
+        threads_counted_like_the_hook(&d, py, &wl);
 
         // Blocked: the loader's thread takes the free GIL at once; nothing is pending.
         let (mut child, pid, id) = start_blocked(&d, py, &[]);
@@ -332,6 +317,64 @@ fn a_traced_process_is_counted_with_uprobes_saying_by_whom() {
     assert_eq!(way, "uprobes", "{why}");
     assert!(why.contains("already traced by pid"), "{why}");
     assert_eq!(ours(&report, &wl).get("5:fib").map(|c| c.0), Some(truth));
+}
+
+/// A 3.10-3.13 process stopped by job control (SIGSTOP) is not loaded into, and the start
+/// does not wait for it: counted with uprobes, the report saying why, and once continued it
+/// runs as before.
+#[test]
+fn a_stopped_process_is_counted_with_uprobes_saying_so() {
+    if !root_or_skip() {
+        return;
+    }
+    let chrooted = chroot_interpreters();
+    let pythons: Vec<PathBuf> = interpreters()
+        .into_iter()
+        .filter(|p| !chrooted.contains(p))
+        .collect();
+    // 3.12 where pyenv has it (sys.monitoring once loaded); any 3.10-3.13 else.
+    let Some(py) = pythons
+        .iter()
+        .find(|p| p.ends_with("python3.12"))
+        .or(pythons.first())
+        .cloned()
+    else {
+        return;
+    };
+    let d = Daemon::start();
+    let wl = script("workload.py");
+    let truth = ground_truth(&py, "cprofile", &wl, &["1"])["5:fib"][0]
+        .as_u64()
+        .unwrap();
+    let expected_out = untraced(&py, &wl, &["1"]);
+    let g = Gated::spawn(&d, &py, &[], &wl, &["1"], &[]);
+    let pid = g.pid();
+    let target = nix::unistd::Pid::from_raw(g.child.pid() as i32);
+    nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let status = format!("/proc/{pid}/status");
+    wait_until(10, "the program to stop", || {
+        std::fs::read_to_string(&status).is_ok_and(|s| s.contains("State:\tT"))
+    });
+    let started = std::time::Instant::now();
+    let id = start(&d, &pid, &[]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "the start took {:?}",
+        started.elapsed()
+    );
+    nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let (out, ok) = g.finish();
+    assert!(ok, "{}: the program failed", py.display());
+    assert_eq!(out, expected_out, "{}: output changed", py.display());
+    let report = ended_report(&d, &id);
+    let (way, why) = counted(&report, &pid);
+    assert_eq!(way, "uprobes", "{why}");
+    assert!(
+        why.contains("it is stopped (job control): a stopped process is not loaded into"),
+        "{why}"
+    );
+    assert_eq!(ours(&report, &wl).get("5:fib").map(|c| c.0), Some(truth));
+    println!("{}: counted with uprobes ({why})", py.display());
 }
 
 /// Removed at the end, through PEP 768 on 3.14+ and tracer's loader loaded with ptrace on

@@ -74,17 +74,19 @@ const STOP_WAIT: Duration = Duration::from_millis(100);
 const CALL_WAIT: Duration = Duration::from_secs(30);
 /// Bytes skipped below the thread's stack pointer: the x86-64 red zone and a margin.
 const RED_ZONE: u64 = 256;
-/// Basenames of code that may hold the locks `dlopen` takes (the loader's, malloc's) or run
-/// under them (unwinding's `dl_iterate_phdr` callbacks).
-const LOCKING_CODE: [&str; 7] = [
-    "libc.so",
-    "libc-",
-    "ld-linux",
-    "ld-2.",
-    "libdl",
-    "libpthread",
-    "libgcc_s",
-];
+/// Basenames of code besides the dynamic loader's ([`is_loader`]) that may hold the locks
+/// `dlopen` takes (malloc's) or run under them (unwinding's `dl_iterate_phdr` callbacks).
+const LOCKING_CODE: [&str; 5] = ["libc.so", "libc-", "libdl", "libpthread", "libgcc_s"];
+
+/// Whether `base` is the dynamic loader's basename: `ld-linux-*.so`, or old glibc's `ld-2.X.so`.
+fn is_loader(base: &str) -> bool {
+    base.starts_with("ld-linux") || base.starts_with("ld-2.")
+}
+
+/// Whether code of the file named `base` may hold the locks `dlopen` takes or run under them.
+fn may_hold_locks(base: &str) -> bool {
+    is_loader(base) || LOCKING_CODE.iter().any(|l| base.starts_with(l))
+}
 
 /// Loads the library at `path` (as the process sees it) into `pid`, waiting up to `limit`
 /// for a thread to stop where that is safe.
@@ -257,7 +259,7 @@ fn resumable(
         .unwrap_or_default();
     // The dynamic loader makes its own system calls (reading a library it maps): blocked
     // there, the thread holds the loader's lock, which a nested dlopen would re-enter.
-    if here.starts_with("ld-linux") || here.starts_with("ld-2.") {
+    if is_loader(here) {
         return None;
     }
     let in_syscall = regs.orig_rax as i64 >= 0;
@@ -272,7 +274,7 @@ fn resumable(
         r.rip -= 2;
         return Some(r);
     }
-    (!LOCKING_CODE.iter().any(|l| here.starts_with(l))).then_some(*regs)
+    (!may_hold_locks(here)).then_some(*regs)
 }
 
 /// Whether the two bytes before `rip` are a `syscall` instruction.

@@ -331,3 +331,12 @@ fn a_loader_killed_mid_call_leaves_the_thread_whole() {
         "a call saw the load"
     );
 }
+
+#[test]
+fn the_dynamic_loader_is_locking_code() {
+    for base in ["ld-linux-x86-64.so.2", "ld-2.31.so"] {
+        assert!(is_loader(base) && may_hold_locks(base), "{base}");
+    }
+    assert!(!is_loader("libc.so.6") && may_hold_locks("libc.so.6"));
+    assert!(!may_hold_locks("libpython3.12.so.1.0") && !may_hold_locks("ldconfig"));
+}

@@ -3,71 +3,52 @@
 //! process with ptrace ([`crate::process::inject`]), and runs the start script on a thread of
 //! its own as soon as it can take the GIL: at once where every thread waits in native code.
 
-use std::{fs, sync::atomic::Ordering, time::Duration};
+use std::{fs, time::Duration};
 
 use super::{
     files::{self, Dir},
-    handover, journal, make,
-    pending::Watch,
-    settle, Counter, Handover, Late, Loaded, MayTrace, Settled,
+    make, settle, Counter, Handover, Late, Loaded, MayTrace, Settled,
 };
 use crate::{pinned::Pinned, process::inject};
 
 /// How long a thread may take to stop where loading is safe.
 const LOAD_WAIT: Duration = Duration::from_secs(1);
 
-/// [`super::start`] for 3.10–3.13 (`minor`); 3.10 and 3.11 count with a profile function,
-/// which `handover` takes over from where the program sets one of its own.
+/// [`super::start`] for 3.10–3.13 (`minor`), on the process it pinned; 3.10 and 3.11 count
+/// with a profile function, which `handover` takes over from where the program sets one of
+/// its own.
 pub(super) fn start_loaded(
-    pid: u32,
+    pin: Pinned,
     tag: &str,
     wait: Duration,
     may_trace: MayTrace,
     late: Late,
     handover: Handover,
 ) -> Result<Counter, String> {
-    let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
+    let pid = pin.pid();
     let (mut counter, _) = make(pid, tag, may_trace, None, false)?;
     counter.loaded = Loaded::Ptrace;
-    let fail = |counter: Counter, why: String| {
-        counter.ended.store(true, Ordering::SeqCst);
-        counter.files.dir.remove(&counter.name);
-        journal::forget(&counter.name);
-        why
-    };
     // Asked again just before: the process may have changed hands since `make` checked.
-    if let Err(why) = (counter.may_trace)(pid) {
-        return Err(fail(counter, why));
-    }
-    if let Err(why) = run_with_loader(&counter.files.dir, &counter.name, pid, "start") {
-        return Err(fail(counter, why));
-    }
-    let handovers = handover::Watch {
-        files: counter.files.clone(),
-        ended: counter.ended.clone(),
-    };
-    if let Err(e) = handovers.spawn(handover) {
-        return Err(fail(counter, e));
+    let loaded = (counter.may_trace)(pid)
+        .and_then(|()| run_with_loader(&counter.files.dir, &counter.name, pid, "start"))
+        .and_then(|()| counter.watch_handovers(handover));
+    if let Err(why) = loaded {
+        counter.discard();
+        return Err(why);
     }
     match settle(&counter, wait) {
         Settled::Running => Ok(counter),
         Settled::Failed(why) => {
             // The loader ran the script, which runs once: nothing opens these files again.
             std::thread::sleep(Duration::from_millis(50));
-            Err(fail(counter, why))
+            counter.discard();
+            Err(why)
         }
         Settled::Waiting => {
             // A thread holds the GIL in native code: the loader's thread takes it when let.
-            let watch = Watch {
-                pin,
-                script: None,
-                files: counter.files.clone(),
-                name: counter.name.clone(),
-                may_trace: counter.may_trace.clone(),
-                asked: Vec::new(),
-                exe: None,
-            };
-            watch.spawn(late).map_err(|e| fail_pending(&counter, e))?;
+            counter
+                .watch_loader_start(pin, late)
+                .map_err(|e| fail_pending(&counter, e))?;
             Ok(counter)
         }
     }

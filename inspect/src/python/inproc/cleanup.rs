@@ -12,7 +12,7 @@ use std::{
 
 use tracer_common::inproc;
 
-use super::{files::Dir, journal, process::alive, remote_exec, CLEANUP_WAIT};
+use super::{files::Dir, journal, process::alive, remote_exec, Counter, CLEANUP_WAIT};
 use crate::pinned::Pinned;
 
 /// Cleanups still waiting for removal scripts.
@@ -23,6 +23,16 @@ pub fn wait_cleanups(limit: Duration) {
     let started = Instant::now();
     while CLEANUPS.load(Ordering::SeqCst) > 0 && started.elapsed() < limit {
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Counter {
+    /// Gives up a counter whose files nothing will open again: its watches stop, and its
+    /// directory and journal entry go now.
+    pub(super) fn discard(self) {
+        self.ended.store(true, Ordering::SeqCst);
+        self.files.dir.remove(&self.name);
+        journal::forget(&self.name);
     }
 }
 

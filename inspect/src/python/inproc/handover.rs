@@ -16,7 +16,7 @@ use std::{
 
 use tracer_common::inproc::{state, HANDOVER_PREFIX};
 
-use super::{files::MAX_NAMES, Files};
+use super::{files::MAX_NAMES, Counter, Files};
 
 /// Has the probes count a process (by its pid here) from now on; blocks until they do, or
 /// says why they do not.
@@ -28,14 +28,26 @@ pub(super) const ENDED: &str = "the session ended first";
 /// How often the directory is looked at (its mtime: a stat).
 const LOOK_EVERY: Duration = Duration::from_millis(5);
 
-pub(super) struct Watch {
-    pub(super) files: Arc<Files>,
+struct Watch {
+    files: Arc<Files>,
     /// Set when the session's end reads the counters: nothing is handed over after.
-    pub(super) ended: Arc<AtomicBool>,
+    ended: Arc<AtomicBool>,
+}
+
+impl Counter {
+    /// Watches the counter's directory for handovers, on a thread of its own, until the
+    /// session's end reads the counters.
+    pub(super) fn watch_handovers(&self, handover: Handover) -> Result<(), String> {
+        let watch = Watch {
+            files: self.files.clone(),
+            ended: self.ended.clone(),
+        };
+        watch.spawn(handover)
+    }
 }
 
 impl Watch {
-    pub(super) fn spawn(self, handover: Handover) -> Result<(), String> {
+    fn spawn(self, handover: Handover) -> Result<(), String> {
         std::thread::Builder::new()
             .name("pycount-handover".into())
             .spawn(move || self.run(&handover))

@@ -3,8 +3,7 @@
 
 use std::fs;
 
-use super::{files, handover, journal, make, pending::Watch, Counter, Handover, Late, MayTrace};
-use crate::pinned::Pinned;
+use super::{files, make, pin, Counter, Handover, Late, MayTrace};
 
 /// The loader a launched command is started with (`LD_PRELOAD`), beside tracerd.
 pub const PRELOAD: &str = "libtracer_pystart.so";
@@ -26,7 +25,7 @@ pub fn launch(
     late: Late,
     handover: Handover,
 ) -> Result<(Counter, Vec<(String, String)>), String> {
-    let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
+    let pin = pin(pid)?;
     let preload = files::beside_tracerd(PRELOAD)?;
     let preload = fs::read(&preload).map_err(|e| format!("reading {}: {e}", preload.display()))?;
     let (counter, start_path) = make(pid, tag, may_trace, Some(&preload), true)?;
@@ -37,25 +36,11 @@ pub fn launch(
         ),
         (SCRIPT_VAR.to_owned(), start_path),
     ];
-    let watch = Watch {
-        pin,
-        script: None,
-        files: counter.files.clone(),
-        name: counter.name.clone(),
-        may_trace: counter.may_trace.clone(),
-        asked: Vec::new(),
-        exe: None,
-    };
-    let handovers = handover::Watch {
-        files: counter.files.clone(),
-        ended: counter.ended.clone(),
-    };
-    if let Err(e) = watch.spawn(late).and_then(|()| handovers.spawn(handover)) {
-        counter
-            .ended
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        counter.files.dir.remove(&counter.name);
-        journal::forget(&counter.name);
+    let watched = counter
+        .watch_loader_start(pin, late)
+        .and_then(|()| counter.watch_handovers(handover));
+    if let Err(e) = watched {
+        counter.discard();
         return Err(e);
     }
     Ok((counter, env))

@@ -198,7 +198,7 @@ pub fn start(
     late: Late,
     handover: Handover,
 ) -> Result<Counter, String> {
-    let pin = Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))?;
+    let pin = pin(pid)?;
     match remote_exec::remote_debugging(pid) {
         Ok(()) => {}
         // "3.12", or "3.13.0" from 3.13's debug offsets.
@@ -210,8 +210,7 @@ pub fn start(
                     .is_some_and(|m: u32| (10..=13).contains(&m))
             }) =>
         {
-            drop(pin);
-            return attach::start_loaded(pid, tag, wait, may_trace, late, handover);
+            return attach::start_loaded(pin, tag, wait, may_trace, late, handover);
         }
         Err(e) => return Err(e.to_string()),
     }
@@ -219,8 +218,7 @@ pub fn start(
     let exe = pending::exe_of(pid);
     let mut asked = Vec::new();
     if let Err(e) = remote_exec::request_more(&pin, &start_path, &mut asked) {
-        counter.files.dir.remove(&counter.name);
-        journal::forget(&counter.name);
+        counter.discard();
         return Err(e.to_string());
     }
     let outcome = match settle(&counter, wait) {
@@ -256,12 +254,16 @@ pub fn start(
             } else {
                 // The script ran: nothing will open these files again.
                 std::thread::sleep(Duration::from_millis(50));
-                counter.files.dir.remove(&counter.name);
-                journal::forget(&counter.name);
+                counter.discard();
             }
             Err(why)
         }
     }
+}
+
+/// Pins `pid`, the process a start is for.
+fn pin(pid: u32) -> Result<Pinned, String> {
+    Pinned::open(pid).map_err(|e| format!("pinning the process: {e}"))
 }
 
 /// How a start request stood once [`settle`] stopped waiting.
@@ -700,9 +702,8 @@ impl Counter {
             let pin = match self.may_run(pid) {
                 Ok(pin) => pin,
                 Err(why) => {
-                    refused.push(format!(
-                        "pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken): it was not asked to run tracer's removal script, as {why}"
-                    ));
+                    let why = format!("it was not asked to run tracer's removal script, as {why}");
+                    refused.push(not_removed(pid, tool, false, &why));
                     continue;
                 }
             };
@@ -718,14 +719,13 @@ impl Counter {
                         // Before 3.14: tracer's loader runs it, loaded as the start's was.
                         let stem = format!("remove.{own}");
                         attach::run_with_loader(&files.dir, &self.name, pid, &stem)
-                            .map_err(|why| format!("pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {why}"))
                     }
                     Ok(_) => Ok(()),
-                    Err(e) => Err(format!("pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken until it exits): {e}")),
+                    Err(e) => Err(e.to_string()),
                 };
                 match asked {
                     Ok(()) => scripts.push((pin, own, path)),
-                    Err(why) => refused.push(why),
+                    Err(why) => refused.push(not_removed(pid, tool, true, &why)),
                 }
             }
         }
@@ -740,6 +740,13 @@ impl Counter {
             refused,
         }
     }
+}
+
+/// Why pid `pid`'s counter was stopped but not removed, its tool id `tool` left taken (for
+/// the rest of the process's life, `until_exit` says), in words for the report.
+fn not_removed(pid: u32, tool: u32, until_exit: bool, why: &str) -> String {
+    let until = if until_exit { " until it exits" } else { "" };
+    format!("pid {pid}'s counter was stopped, not removed (its sys.monitoring tool id {tool} stays taken{until}): {why}")
 }
 
 /// What `capabilities` says about in-process counting.

@@ -10,7 +10,7 @@ use std::{
 
 use tracer_common::inproc::state;
 
-use super::{remote_exec, Files, Late, MayTrace, LOAD_ERROR};
+use super::{remote_exec, Counter, Files, Late, MayTrace, LOAD_ERROR};
 use crate::pinned::Pinned;
 
 /// How often the process's thread states are read for new ones.
@@ -39,6 +39,23 @@ pub(super) fn exe_of(pid: u32) -> Option<(u64, u64)> {
     std::fs::metadata(format!("/proc/{pid}/exe"))
         .ok()
         .map(|m| (m.dev(), m.ino()))
+}
+
+impl Counter {
+    /// Waits, on a thread of its own, for the start script that tracer's loader runs in the
+    /// process (a launch, a ptrace load): there is no request to ask new threads with.
+    pub(super) fn watch_loader_start(&self, pin: Pinned, late: Late) -> Result<(), String> {
+        let watch = Watch {
+            pin,
+            script: None,
+            files: self.files.clone(),
+            name: self.name.clone(),
+            may_trace: self.may_trace.clone(),
+            asked: Vec::new(),
+            exe: None,
+        };
+        watch.spawn(late)
+    }
 }
 
 impl Watch {

@@ -19,8 +19,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use tokio_stream::StreamExt;
 use tracer_proto::{
     target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode,
-    ReportFormat, SamplingOptions, SessionInfo, SessionRef, SessionState, StartSessionRequest,
-    StreamEventsRequest, Target, TracingOptions, WatchSessionRequest,
+    PushTls, ReportFormat, SamplingOptions, SessionInfo, SessionRef, SessionState,
+    StartSessionRequest, StreamEventsRequest, Target, TracingOptions, WatchSessionRequest,
 };
 
 /// Control tracerd: start profiling sessions, follow them, fetch their reports.
@@ -130,9 +130,21 @@ struct StartArgs {
     /// Sampling, continuously: push each window of samples to this endpoint:
     /// http://HOST:PORT (pprof to Pyroscope's push.v1 API: Grafana Pyroscope, Alloy),
     /// parca://HOST:PORT (pprof to Parca's gRPC WriteRaw) or otlp://HOST:PORT
-    /// (OpenTelemetry profiles to an OTLP gRPC receiver).
+    /// (OpenTelemetry profiles to an OTLP gRPC receiver); https://, parcas:// and otlps://
+    /// over TLS.
     #[arg(long, value_name = "URL")]
     push: Option<String>,
+    /// With an https://, parcas:// or otlps:// --push: the CA the endpoint's certificate must
+    /// chain to (PEM; default: the system's roots).
+    #[arg(long, value_name = "PEM", requires = "push")]
+    push_ca: Option<PathBuf>,
+    /// With a TLS --push: a client certificate (PEM) for endpoints that ask for one; with
+    /// --push-key.
+    #[arg(long, value_name = "PEM", requires = "push_key")]
+    push_cert: Option<PathBuf>,
+    /// The key of --push-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "push_cert")]
+    push_key: Option<PathBuf>,
     /// With --push: the window length, e.g. 10s (default 15s).
     #[arg(long, value_parser = duration::parse_ms, requires = "push")]
     push_period: Option<u64>,
@@ -462,7 +474,7 @@ async fn start(
         (None, None, true) => target::Kind::All(true),
         (None, None, false) => bail!("a target is required: --pid PID, --all, or -- CMD ARGS…"),
     };
-    let req = start_request(&args, kind, held.is_some());
+    let req = start_request(&args, kind, held.is_some())?;
     let session = match client.start_session(req).await {
         Ok(s) => s.into_inner(),
         Err(e) => {
@@ -475,13 +487,35 @@ async fn start(
     start_followed(client, args, held, session).await
 }
 
-fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartSessionRequest {
+/// The TLS files of a push, read as the user running tracerctl.
+fn push_tls(args: &StartArgs) -> Result<Option<PushTls>> {
+    let read = |p: &Option<PathBuf>| -> Result<Vec<u8>> {
+        p.as_deref().map_or(Ok(Vec::new()), |p| {
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+        })
+    };
+    if args.push_ca.is_none() && args.push_cert.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(PushTls {
+        ca_pem: read(&args.push_ca)?,
+        cert_pem: read(&args.push_cert)?,
+        key_pem: read(&args.push_key)?,
+    }))
+}
+
+fn start_request(
+    args: &StartArgs,
+    kind: target::Kind,
+    launched: bool,
+) -> Result<StartSessionRequest> {
+    let push_tls = push_tls(args)?;
     let mode = match args.mode {
         ModeArg::Counting => Mode::Counting,
         ModeArg::Sampling => Mode::Sampling,
         ModeArg::Tracing => Mode::Tracing,
     };
-    StartSessionRequest {
+    Ok(StartSessionRequest {
         mode: mode.into(),
         target: Some(Target {
             kind: Some(kind),
@@ -516,6 +550,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
                 off_cpu_min_us: args
                     .off_cpu_min
                     .map_or(0, |us| u32::try_from(us.max(1)).unwrap_or(u32::MAX)),
+                push_tls,
             }
         }),
         tracing: (args.buffer_mb.is_some()
@@ -529,7 +564,7 @@ fn start_request(args: &StartArgs, kind: target::Kind, launched: bool) -> StartS
                 .map_or(0, |ms| u32::try_from(ms).unwrap_or(u32::MAX)),
         }),
         start_at_unix_ms: 0,
-    }
+    })
 }
 
 async fn start_followed(

@@ -6,6 +6,7 @@ usage: otlp_receiver.py decode FILE   -- prints the request in FILE as JSON rows
                                          prints its port, appends each request to OUT as a
                                          4-byte big-endian length and the request
        otlp_receiver.py reject OUT    -- the same, answering that it rejected every profile
+       ... serve OUT CERT KEY CA       -- over TLS, asking for a client certificate of CA
 
 A row is [pid, tid, stack leaf first as "name:line", the sample's value in each profile]."""
 
@@ -92,7 +93,14 @@ def main():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     receiver = Receiver(sys.argv[2], sys.argv[1] == "reject")
     service_grpc.add_ProfilesServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if len(sys.argv) > 3:
+        cert, key, ca = (open(p, "rb").read() for p in sys.argv[3:6])
+        creds = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=True
+        )
+        port = server.add_secure_port("127.0.0.1:0", creds)
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(port, flush=True)
     server.wait_for_termination()

@@ -46,7 +46,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                 limit: args.out.limit as usize,
                 output: args.out.output.clone(),
             };
-            let req = start_request(&args, kind, false);
+            let req = start_request(&args, kind, false)?;
             super::start(&hosts, &cli.remote, req, fetch).await
         }
         Command::Capabilities => super::capabilities(&hosts, &cli.remote).await,

@@ -16,8 +16,9 @@ use std::{
 };
 
 pub mod sinks;
+mod tls;
 
-pub use sinks::{Endpoint, Series};
+pub use sinks::{Endpoint, Kind, Series};
 
 use tracer_report::profile::Profile;
 use tracer_report::ProcessOrigin;
@@ -229,7 +230,7 @@ pub fn window(endpoint: &Endpoint, profile: &Profile, session: &str) -> Option<V
     }
     let containers = crate::container::attribute(profile.stacks.iter().map(|s| s.pid));
     let node = crate::container::host_name();
-    if let Endpoint::Otlp { .. } = endpoint {
+    if endpoint.kind == Kind::Otlp {
         return Some(tracer_report::export::otlp::otlp(
             profile,
             &containers,

@@ -91,12 +91,27 @@ pub struct Series {
     pub id: String,
 }
 
+/// Where pushes go: the kind of endpoint, its `HOST:PORT`, and TLS where the scheme asks.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    Pyroscope { authority: String, path: String },
-    Parca { authority: String },
-    Otlp { authority: String },
+pub struct Endpoint {
+    pub kind: Kind,
+    pub authority: String,
+    pub tls: Option<super::tls::Tls>,
 }
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Pyroscope { path: String },
+    Parca,
+    Otlp,
+}
+
+/// The schemes, plaintext and TLS.
+const SCHEMES: [(&str, &str); 3] = [
+    ("http://", "https://"),
+    ("parca://", "parcas://"),
+    ("otlp://", "otlps://"),
+];
 
 fn authority_of<'a>(rest: &'a str, url: &str) -> Result<(&'a str, &'a str), String> {
     let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
@@ -109,41 +124,52 @@ fn authority_of<'a>(rest: &'a str, url: &str) -> Result<(&'a str, &'a str), Stri
 }
 
 impl Endpoint {
-    pub fn parse(url: &str) -> Result<Self, String> {
-        if url.starts_with("https://") {
-            return Err("push endpoints over https are not supported yet: push to a local Alloy or a plain-HTTP Pyroscope".into());
-        }
-        for (scheme, make) in [
-            (
-                "parca://",
-                (|authority| Endpoint::Parca { authority }) as fn(String) -> Endpoint,
-            ),
-            ("otlp://", |authority| Endpoint::Otlp { authority }),
-        ] {
-            let Some(rest) = url.strip_prefix(scheme) else {
-                continue;
+    /// `url`, with the TLS settings the session gave (`tls`: CA, client certificate and key
+    /// PEMs; all empty: none given).
+    pub fn parse(url: &str, tls: [&[u8]; 3]) -> Result<Self, String> {
+        let given = tls.iter().any(|t| !t.is_empty());
+        for (n, (plain, with_tls)) in SCHEMES.into_iter().enumerate() {
+            let (rest, secure) = match (url.strip_prefix(plain), url.strip_prefix(with_tls)) {
+                (Some(rest), _) => (rest, false),
+                (_, Some(rest)) => (rest, true),
+                _ => continue,
             };
             let (authority, path) = authority_of(rest, url)?;
-            if !path.is_empty() {
+            let kind = match n {
+                0 => {
+                    let prefix = path.trim_end_matches('/');
+                    Kind::Pyroscope {
+                        path: if prefix.is_empty() {
+                            "/push.v1.PusherService/Push".into()
+                        } else {
+                            format!("/{prefix}/push.v1.PusherService/Push")
+                        },
+                    }
+                }
+                _ if !path.is_empty() => {
+                    return Err(format!(
+                        "a {plain} or {with_tls} endpoint is HOST:PORT only, got '{url}'"
+                    ))
+                }
+                1 => Kind::Parca,
+                _ => Kind::Otlp,
+            };
+            if given && !secure {
                 return Err(format!(
-                    "a {scheme} endpoint is HOST:PORT only, got '{url}'"
+                    "--push-ca, --push-cert and --push-key are for TLS endpoints ({with_tls}), got '{url}'"
                 ));
             }
-            return Ok(make(authority.to_owned()));
+            let tls = match secure {
+                true => Some(super::tls::Tls::new(tls[0], tls[1], tls[2])?),
+                false => None,
+            };
+            return Ok(Endpoint {
+                kind,
+                authority: authority.to_owned(),
+                tls,
+            });
         }
-        let rest = url.strip_prefix("http://").ok_or_else(|| {
-            format!("the push endpoint must be http://HOST:PORT (Pyroscope), parca://HOST:PORT or otlp://HOST:PORT, got '{url}'")
-        })?;
-        let (authority, prefix) = authority_of(rest, url)?;
-        let prefix = prefix.trim_end_matches('/');
-        Ok(Endpoint::Pyroscope {
-            authority: authority.to_owned(),
-            path: if prefix.is_empty() {
-                "/push.v1.PusherService/Push".into()
-            } else {
-                format!("/{prefix}/push.v1.PusherService/Push")
-            },
-        })
+        Err(format!("the push endpoint must be http[s]://HOST:PORT (Pyroscope), parca[s]://HOST:PORT or otlp[s]://HOST:PORT, got '{url}'"))
     }
 
     /// The request body for these series (Pyroscope and Parca; OTLP's is made whole by
@@ -154,8 +180,8 @@ impl Endpoint {
                 .map(|(name, value)| pb::LabelPair { name, value })
                 .collect()
         };
-        match self {
-            Endpoint::Pyroscope { .. } => pb::PushRequest {
+        match self.kind {
+            Kind::Pyroscope { .. } => pb::PushRequest {
                 series: series
                     .into_iter()
                     .map(|s| pb::RawProfileSeries {
@@ -168,7 +194,7 @@ impl Endpoint {
                     .collect(),
             }
             .encode_to_vec(),
-            Endpoint::Parca { .. } | Endpoint::Otlp { .. } => pb::WriteRawRequest {
+            Kind::Parca | Kind::Otlp => pb::WriteRawRequest {
                 series: series
                     .into_iter()
                     .map(|s| pb::ParcaSeries {
@@ -188,76 +214,110 @@ impl Endpoint {
 
     /// Sends one encoded request; Err says why it was not taken.
     pub async fn post(&self, body: &[u8]) -> Result<(), String> {
-        let (authority, attempt) = match self {
-            Endpoint::Pyroscope { authority, path } => (
-                authority,
-                Box::pin(post_http(authority, path, body))
-                    as std::pin::Pin<
-                        Box<dyn std::future::Future<Output = Result<(), String>> + Send + '_>,
-                    >,
-            ),
-            Endpoint::Parca { authority } => (authority, Box::pin(write_raw(authority, body)) as _),
-            Endpoint::Otlp { authority } => (authority, Box::pin(export(authority, body)) as _),
+        let attempt = async {
+            match &self.kind {
+                Kind::Pyroscope { path } => self.post_http(path, body).await,
+                Kind::Parca => {
+                    let req = pb::WriteRawRequest::decode(body)
+                        .map_err(|e| format!("re-reading a request: {e}"))?;
+                    self.unary::<_, pb::WriteRawResponse>(PARCA_WRITE_RAW, req)
+                        .await
+                        .map(drop)
+                }
+                Kind::Otlp => self.export(body).await,
+            }
         };
+        let authority = &self.authority;
         tokio::time::timeout(TIMEOUT, attempt)
             .await
             .unwrap_or_else(|_| Err(format!("{authority} did not answer within {TIMEOUT:?}")))
     }
-}
 
-async fn write_raw(authority: &str, body: &[u8]) -> Result<(), String> {
-    let req =
-        pb::WriteRawRequest::decode(body).map_err(|e| format!("re-reading a request: {e}"))?;
-    unary::<_, pb::WriteRawResponse>(authority, PARCA_WRITE_RAW, req)
+    /// OTLP's export; a receiver that takes the request but rejects profiles in it says so
+    /// in its answer (`partial_success`), which counts as a failed push.
+    async fn export(&self, body: &[u8]) -> Result<(), String> {
+        let req = otlp::ExportProfilesServiceRequest::decode(body)
+            .map_err(|e| format!("re-reading a request: {e}"))?;
+        let answer = self
+            .unary::<_, otlp::ExportProfilesServiceResponse>(OTLP_EXPORT, req)
+            .await?;
+        match answer.partial_success {
+            Some(p) if p.rejected_profiles > 0 || !p.error_message.is_empty() => Err(format!(
+                "{} rejected {} profiles: {}",
+                self.authority, p.rejected_profiles, p.error_message
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// One unary gRPC call to `path`.
+    async fn unary<Req, Resp>(&self, path: &'static str, req: Req) -> Result<Resp, String>
+    where
+        Req: Message + Send + Sync + 'static,
+        Resp: Message + Default + Send + Sync + 'static,
+    {
+        let authority = &self.authority;
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint =
+            tonic::transport::Endpoint::from_shared(format!("{scheme}://{authority}"))
+                .map_err(|e| format!("{authority}: {e}"))?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint
+                .tls_config(tls.grpc(super::tls::host_of(authority)))
+                .map_err(|e| format!("TLS for {authority}: {e}"))?;
+        }
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| format!("connecting to {authority}: {}", chain(&e)))?;
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready()
+            .await
+            .map_err(|e| format!("connecting to {authority}: {e}"))?;
+        grpc.unary(
+            tonic::Request::new(req),
+            tonic::codegen::http::uri::PathAndQuery::from_static(path),
+            tonic_prost::ProstCodec::<Req, Resp>::default(),
+        )
         .await
-        .map(drop)
-}
+        .map(tonic::Response::into_inner)
+        .map_err(|s| format!("{authority} answered {:?}: {}", s.code(), s.message()))
+    }
 
-/// OTLP's export; a receiver that takes the request but rejects profiles in it says so in
-/// its answer (`partial_success`), which counts as a failed push.
-async fn export(authority: &str, body: &[u8]) -> Result<(), String> {
-    let req = otlp::ExportProfilesServiceRequest::decode(body)
-        .map_err(|e| format!("re-reading a request: {e}"))?;
-    let answer =
-        unary::<_, otlp::ExportProfilesServiceResponse>(authority, OTLP_EXPORT, req).await?;
-    match answer.partial_success {
-        Some(p) if p.rejected_profiles > 0 || !p.error_message.is_empty() => Err(format!(
-            "{authority} rejected {} profiles: {}",
-            p.rejected_profiles, p.error_message
-        )),
-        _ => Ok(()),
+    /// Pyroscope's Connect API: one HTTP/1.1 POST, over TLS where asked.
+    async fn post_http(&self, path: &str, body: &[u8]) -> Result<(), String> {
+        let authority = &self.authority;
+        let tcp = tokio::net::TcpStream::connect(authority)
+            .await
+            .map_err(|e| format!("connecting to {authority}: {e}"))?;
+        match &self.tls {
+            Some(tls) => {
+                let conn = tls.connect(super::tls::host_of(authority), tcp).await?;
+                post_on(conn, authority, path, body).await
+            }
+            None => post_on(tcp, authority, path, body).await,
+        }
     }
 }
 
-/// One unary gRPC call to `path` at `authority`, without TLS.
-async fn unary<Req, Resp>(authority: &str, path: &'static str, req: Req) -> Result<Resp, String>
-where
-    Req: Message + Send + Sync + 'static,
-    Resp: Message + Default + Send + Sync + 'static,
-{
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{authority}"))
-        .map_err(|e| format!("{authority}: {e}"))?
-        .connect()
-        .await
-        .map_err(|e| format!("connecting to {authority}: {e}"))?;
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready()
-        .await
-        .map_err(|e| format!("connecting to {authority}: {e}"))?;
-    grpc.unary(
-        tonic::Request::new(req),
-        tonic::codegen::http::uri::PathAndQuery::from_static(path),
-        tonic_prost::ProstCodec::<Req, Resp>::default(),
-    )
-    .await
-    .map(tonic::Response::into_inner)
-    .map_err(|s| format!("{authority} answered {:?}: {}", s.code(), s.message()))
+/// An error with its causes (a TLS refusal sits under "transport error").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
-async fn post_http(authority: &str, path: &str, body: &[u8]) -> Result<(), String> {
-    let mut conn = tokio::net::TcpStream::connect(authority)
-        .await
-        .map_err(|e| format!("connecting to {authority}: {e}"))?;
+async fn post_on(
+    mut conn: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    authority: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<(), String> {
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/proto\r\nConnect-Protocol-Version: 1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
@@ -287,39 +347,49 @@ async fn post_http(authority: &str, path: &str, body: &[u8]) -> Result<(), Strin
 mod tests {
     use super::*;
 
+    const NONE: [&[u8]; 3] = [b"", b"", b""];
+
     #[test]
     fn endpoints_parse() {
-        let e = Endpoint::parse("http://pyroscope:4040").unwrap();
+        let e = Endpoint::parse("http://pyroscope:4040", NONE).unwrap();
+        assert_eq!(e.authority, "pyroscope:4040");
         assert_eq!(
-            e,
-            Endpoint::Pyroscope {
-                authority: "pyroscope:4040".into(),
+            e.kind,
+            Kind::Pyroscope {
                 path: "/push.v1.PusherService/Push".into()
             }
         );
-        let Endpoint::Pyroscope { path, .. } = Endpoint::parse("http://h:1/prefix/").unwrap()
-        else {
-            panic!()
-        };
-        assert_eq!(path, "/prefix/push.v1.PusherService/Push");
+        assert!(e.tls.is_none());
+        let e = Endpoint::parse("http://h:1/prefix/", NONE).unwrap();
         assert_eq!(
-            Endpoint::parse("parca://p:7070").unwrap(),
-            Endpoint::Parca {
-                authority: "p:7070".into()
+            e.kind,
+            Kind::Pyroscope {
+                path: "/prefix/push.v1.PusherService/Push".into()
             }
         );
-        assert!(Endpoint::parse("https://h:1")
-            .unwrap_err()
-            .contains("https"));
-        assert!(Endpoint::parse("h:1").is_err());
-        assert!(Endpoint::parse("http://h").is_err());
-        assert!(Endpoint::parse("parca://h:1/x").is_err());
         assert_eq!(
-            Endpoint::parse("otlp://c:4317").unwrap(),
-            Endpoint::Otlp {
-                authority: "c:4317".into()
-            }
+            Endpoint::parse("parca://p:7070", NONE).unwrap().kind,
+            Kind::Parca
         );
-        assert!(Endpoint::parse("otlp://c").is_err());
+        assert_eq!(
+            Endpoint::parse("otlp://c:4317", NONE).unwrap().kind,
+            Kind::Otlp
+        );
+        assert!(Endpoint::parse("h:1", NONE).is_err());
+        assert!(Endpoint::parse("http://h", NONE).is_err());
+        assert!(Endpoint::parse("parca://h:1/x", NONE).is_err());
+        assert!(Endpoint::parse("otlp://c", NONE).is_err());
+    }
+
+    #[test]
+    fn tls_is_for_tls_schemes_and_checks_its_pems() {
+        let e = Endpoint::parse("http://h:1", [b"x", b"", b""]).unwrap_err();
+        assert!(e.contains("https://"), "{e}");
+        let e = Endpoint::parse("otlps://c:4317", [b"not pem", b"", b""]).unwrap_err();
+        assert!(e.contains("push CA"), "{e}");
+        let e = Endpoint::parse("parcas://c:1", [b"", b"cert", b""]).unwrap_err();
+        assert!(e.contains("--push-key"), "{e}");
+        assert_eq!(super::super::tls::host_of("[::1]:4317"), "::1");
+        assert_eq!(super::super::tls::host_of("collector:4317"), "collector");
     }
 }

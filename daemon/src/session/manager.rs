@@ -309,7 +309,7 @@ impl Manager {
     /// A client's request: answered now, or once the work it starts comes back.
     fn on_request(&mut self, request: Request) {
         match request {
-            Request::Start { req, caller, reply } => self.prepare(req, caller, reply),
+            Request::Start { req, caller, reply } => self.prepare(*req, caller, reply),
             Request::Stop { id, caller, reply } => match self.stop(&id, caller) {
                 Ok(None) => {
                     if let Some(c) = self.ending.closing.get_mut(&id) {

@@ -128,11 +128,12 @@ pub struct SamplingOptions {
     #[prost(uint64, tag = "1")]
     pub frequency_hz: u64,
     /// Continuous profiling: every `push_period_ms` (0: 15 s; 1 s to 1 h), the window of
-    /// samples just ended is pushed as pprof to this endpoint, a series per command, container
-    /// and pod: <http://HOST:PORT\[/PREFIX\]> (the push.v1.PusherService/Push Connect API of
-    /// Grafana Pyroscope and Alloy) or parca://HOST:PORT (Parca's gRPC
-    /// ProfileStoreService/WriteRaw, without TLS). The session's report
-    /// then holds the last window.
+    /// samples just ended is pushed to this endpoint: as pprof, a series per command, container
+    /// and pod, to http\[s\]://HOST:PORT\[/PREFIX\] (the push.v1.PusherService/Push Connect API of
+    /// Grafana Pyroscope and Alloy) or parca\[s\]://HOST:PORT (Parca's gRPC
+    /// ProfileStoreService/WriteRaw); as OpenTelemetry profiles to otlp\[s\]://HOST:PORT (an OTLP
+    /// receiver's gRPC ProfilesService/Export). The schemes ending in s speak TLS (push_tls).
+    /// The session's report then holds the last window.
     #[prost(string, tag = "2")]
     pub push_url: ::prost::alloc::string::String,
     #[prost(uint32, tag = "3")]
@@ -148,6 +149,22 @@ pub struct SamplingOptions {
     /// 0: 5000 (5 ms); 100 to 1,000,000.
     #[prost(uint32, tag = "5")]
     pub off_cpu_min_us: u32,
+    /// TLS for <https://,> parcas:// and otlps:// endpoints.
+    #[prost(message, optional, tag = "6")]
+    pub push_tls: ::core::option::Option<PushTls>,
+}
+/// PEM text, read by the client (tracerd opens no file a caller names).
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct PushTls {
+    /// The CA the endpoint's certificate must chain to; empty: the system's roots.
+    #[prost(bytes = "vec", tag = "1")]
+    pub ca_pem: ::prost::alloc::vec::Vec<u8>,
+    /// A client certificate and its key, for endpoints that ask for one (both or neither).
+    #[prost(bytes = "vec", tag = "2")]
+    pub cert_pem: ::prost::alloc::vec::Vec<u8>,
+    #[prost(bytes = "vec", tag = "3")]
+    pub key_pem: ::prost::alloc::vec::Vec<u8>,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

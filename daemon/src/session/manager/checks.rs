@@ -68,8 +68,13 @@ fn continuous_options(
             "pushing profiles (--push) is for sampling sessions".into(),
         ));
     }
-    let endpoint =
-        crate::continuous::Endpoint::parse(&o.push_url).map_err(Error::InvalidArgument)?;
+    let endpoint = crate::continuous::Endpoint::parse(
+        &o.push_url,
+        o.push_tls.as_ref().map_or([&[][..]; 3], |t| {
+            [&t.ca_pem[..], &t.cert_pem[..], &t.key_pem[..]]
+        }),
+    )
+    .map_err(Error::InvalidArgument)?;
     let period = match o.push_period_ms {
         0 => Duration::from_secs(15),
         ms if !(1000..=3_600_000).contains(&ms) => {

@@ -17,7 +17,8 @@ pub(super) type Reply<T> = oneshot::Sender<Result<T, Error>>;
 /// A client's request, from a [`Handle`]: answered through its `reply`.
 pub(super) enum Request {
     Start {
-        req: StartSessionRequest,
+        // Boxed: the request is far larger than any other kind's.
+        req: Box<StartSessionRequest>,
         caller: Caller,
         reply: Reply<SessionInfo>,
     },
@@ -169,8 +170,12 @@ impl Handle {
         req: StartSessionRequest,
         caller: Caller,
     ) -> Result<SessionInfo, Error> {
-        self.call(|reply| Request::Start { req, caller, reply })
-            .await
+        self.call(|reply| Request::Start {
+            req: Box::new(req),
+            caller,
+            reply,
+        })
+        .await
     }
     /// The Prometheus exposition text.
     pub async fn metrics(&self) -> String {

@@ -304,11 +304,21 @@ fn bad_push_requests_are_refused() {
     let d = Daemon::start();
     let start =
         |args: &[&str]| tracer_tests::one_line_error(&d.run(&[&["start", "--all"], args].concat()));
-    let line = start(&["--mode=sampling", "--push", "https://pyroscope:4040"]);
-    assert!(line.contains("https are not supported yet"), "{line}");
+    let not_pem = d.dir.path().join("not.pem");
+    std::fs::write(&not_pem, "not a certificate\n").unwrap();
+    let line = start(&[
+        "--mode=sampling",
+        "--push",
+        "https://pyroscope:4040",
+        "--push-ca",
+        not_pem.to_str().unwrap(),
+    ]);
+    assert!(line.contains("push CA"), "{line}");
     let line = start(&["--mode=sampling", "--push", "pyroscope:4040"]);
     assert!(
-        line.contains("must be http://HOST:PORT (Pyroscope) or parca://HOST:PORT"),
+        line.contains(
+            "must be http[s]://HOST:PORT (Pyroscope), parca[s]://HOST:PORT or otlp[s]://HOST:PORT"
+        ),
         "{line}"
     );
     let line = start(&["--mode=sampling", "--push", "http://pyroscope"]);

@@ -285,6 +285,24 @@ impl Daemon {
 
     /// The id of the session `tracerctl list` shows first (the newest), or of the newest
     /// one whose row contains `filter`.
+    /// Starts continuous sampling of every process at 49 Hz, pushing 1 s windows to `url`
+    /// (with `extra` arguments): the session's id.
+    pub fn start_pushing(&self, url: &str, extra: &[&str]) -> String {
+        let args = [
+            "start",
+            "--mode=sampling",
+            "--all",
+            "--continuous",
+            "--frequency",
+            "49",
+            "--push",
+            url,
+            "--push-period",
+            "1s",
+        ];
+        self.ok(&[&args[..], extra].concat()).trim().to_owned()
+    }
+
     pub fn newest_session(&self, filter: &str) -> String {
         let list = self.ok(&["list"]);
         list.lines()
@@ -471,6 +489,23 @@ pub fn grpc_python() -> Option<PathBuf> {
         .status()
         .is_ok_and(|s| s.success());
     ok.then_some(py)
+}
+
+/// The requests a test endpoint wrote to `path`: each a 4-byte big-endian length and the
+/// request (a last one still being written is left out).
+pub fn length_prefixed(path: &Path) -> Vec<Vec<u8>> {
+    let data = std::fs::read(path).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 4 <= data.len() {
+        let n = u32::from_be_bytes(data[at..at + 4].try_into().unwrap()) as usize;
+        if at + 4 + n > data.len() {
+            break;
+        }
+        out.push(data[at + 4..at + 4 + n].to_vec());
+        at += 4 + n;
+    }
+    out
 }
 
 /// A loopback address with a port nothing listens on now (for a server a test starts).

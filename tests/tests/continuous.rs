@@ -122,7 +122,7 @@ fn windows_are_pushed_with_process_labels_and_refusals_retried() {
     let d = Daemon::start();
     let (addr, got) = recorder(2);
     let _busy = busy();
-    let id = start_pushing(&d, &format!("http://{addr}"));
+    let id = d.start_pushing(&format!("http://{addr}"), &[]);
     let id = id.trim();
     tracer_tests::wait_until(30, "four pushes, two of them taken", || {
         got.lock().unwrap().iter().filter(|r| r.3 == 200).count() >= 2
@@ -202,22 +202,6 @@ fn assert_busy(d: &Daemon, profile: &[u8]) {
     assert!(text.contains("busy_window_loop"), "{text}");
 }
 
-/// A continuous sampling session of the whole machine, pushing a window every second to `url`.
-fn start_pushing(d: &Daemon, url: &str) -> String {
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--all",
-        "--continuous",
-        "--frequency",
-        "49",
-        "--push",
-        url,
-        "--push-period",
-        "1s",
-    ])
-}
-
 fn busy() -> tracer_tests::ChildGuard {
     tracer_tests::ChildGuard::spawn(Command::new(tracer_tests::python()).args([
         "-c",
@@ -249,16 +233,17 @@ fn windows_reach_parca_over_grpc() {
         .read_line(&mut port)
         .unwrap();
     let _busy = busy();
-    let id = start_pushing(&d, &format!("parca://127.0.0.1:{}", port.trim()));
+    let id = d.start_pushing(&format!("parca://127.0.0.1:{}", port.trim()), &[]);
     let id = id.trim();
     tracer_tests::wait_until(30, "two windows at the Parca sink", || {
-        std::fs::metadata(&out).is_ok_and(|m| m.len() > 0) && requests(&out).len() >= 2
+        std::fs::metadata(&out).is_ok_and(|m| m.len() > 0)
+            && tracer_tests::length_prefixed(&out).len() >= 2
     });
     let status = d.ok(&["status", id]);
     d.ok(&["stop", id]);
     assert!(status.contains("pushed:"), "{status}");
     let mut found = None;
-    for body in requests(&out) {
+    for body in tracer_tests::length_prefixed(&out) {
         let req = WriteRawRequest::decode(body.as_slice()).unwrap();
         for s in &req.series {
             let labels = &s.labels.as_ref().unwrap().labels;
@@ -278,22 +263,6 @@ fn windows_reach_parca_over_grpc() {
         }
     }
     assert_busy(&d, &found.expect("no series of the Python process"));
-}
-
-/// The sink's file: length-prefixed requests.
-fn requests(path: &std::path::Path) -> Vec<Vec<u8>> {
-    let data = std::fs::read(path).unwrap_or_default();
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at + 4 <= data.len() {
-        let n = u32::from_be_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        if at + 4 + n > data.len() {
-            break;
-        }
-        out.push(data[at + 4..at + 4 + n].to_vec());
-        at += 4 + n;
-    }
-    out
 }
 
 #[test]

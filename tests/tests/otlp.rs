@@ -192,22 +192,6 @@ fn a_report_as_otlp_equals_its_pprof_sample_by_sample() {
     assert!(!out.status.success() && e.contains("sampling"), "{e}");
 }
 
-/// The requests a receiver wrote: each a 4-byte big-endian length and the request.
-fn requests(path: &std::path::Path) -> Vec<Vec<u8>> {
-    let data = std::fs::read(path).unwrap_or_default();
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at + 4 <= data.len() {
-        let n = u32::from_be_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        if at + 4 + n > data.len() {
-            break;
-        }
-        out.push(data[at + 4..at + 4 + n].to_vec());
-        at += 4 + n;
-    }
-    out
-}
-
 /// An OTLP receiver made of the OpenTelemetry classes (`mode`: serve or reject), and where
 /// it writes what it is sent.
 fn receiver(
@@ -246,23 +230,6 @@ fn otlp_python() -> Option<std::path::PathBuf> {
     p
 }
 
-fn start_pushing(d: &Daemon, url: &str) -> String {
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--all",
-        "--continuous",
-        "--frequency",
-        "49",
-        "--push",
-        url,
-        "--push-period",
-        "1s",
-    ])
-    .trim()
-    .to_owned()
-}
-
 #[test]
 fn windows_reach_an_otlp_receiver() {
     if !root_or_skip() {
@@ -277,15 +244,15 @@ fn windows_reach_an_otlp_receiver() {
         "-c",
         "def busy_otlp_loop():\n    while True:\n        sum(range(1000))\nbusy_otlp_loop()\n",
     ]));
-    let id = start_pushing(&d, &url);
+    let id = d.start_pushing(&url, &[]);
     tracer_tests::wait_until(30, "two windows at the OTLP receiver", || {
-        requests(&out).len() >= 2
+        tracer_tests::length_prefixed(&out).len() >= 2
     });
     let status = d.ok(&["status", &id]);
     d.ok(&["stop", &id]);
     assert!(status.contains("pushed:"), "{status}");
     let mut seen = false;
-    for (n, body) in requests(&out).iter().enumerate() {
+    for (n, body) in tracer_tests::length_prefixed(&out).iter().enumerate() {
         let f = d.dir.path().join(format!("request-{n}.bin"));
         std::fs::write(&f, body).unwrap();
         let o = read_otlp(&python, &f);
@@ -329,9 +296,9 @@ fn a_receiver_that_rejects_profiles_is_a_failed_push() {
     let _busy = ChildGuard::spawn(
         Command::new(tracer_tests::python()).args(["-c", "while True: sum(range(1000))"]),
     );
-    let id = start_pushing(&d, &url);
+    let id = d.start_pushing(&url, &[]);
     tracer_tests::wait_until(30, "a window at the rejecting receiver", || {
-        !requests(&out).is_empty()
+        !tracer_tests::length_prefixed(&out).is_empty()
     });
     let mut status = String::new();
     tracer_tests::wait_until(15, "the rejection in the status", || {

@@ -11,21 +11,6 @@ use std::{
 
 use tracer_tests::{fleet::Pki, grpc_python, root_or_skip, script, ChildGuard, Daemon};
 
-/// The requests an endpoint wrote: each a 4-byte big-endian length and the request.
-fn requests(path: &Path) -> usize {
-    let data = std::fs::read(path).unwrap_or_default();
-    let (mut at, mut n) = (0, 0);
-    while at + 4 <= data.len() {
-        let len = u32::from_be_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        if at + 4 + len > data.len() {
-            break;
-        }
-        at += 4 + len;
-        n += 1;
-    }
-    n
-}
-
 /// A TLS endpoint (`program args…`, printing its port), with the server certificate of
 /// `pki` for 127.0.0.1 and asking for client certificates of `pki`.
 fn endpoint(
@@ -54,24 +39,17 @@ fn endpoint(
 /// `ca`'s PKI.
 fn push(d: &Daemon, url: &str, ca: &Path, client: &(PathBuf, PathBuf)) -> String {
     let s = |p: &Path| p.to_str().unwrap().to_owned();
-    d.ok(&[
-        "start",
-        "--mode=sampling",
-        "--all",
-        "--continuous",
-        "--push",
+    d.start_pushing(
         url,
-        "--push-period",
-        "1s",
-        "--push-ca",
-        &s(ca),
-        "--push-cert",
-        &s(&client.0),
-        "--push-key",
-        &s(&client.1),
-    ])
-    .trim()
-    .to_owned()
+        &[
+            "--push-ca",
+            &s(ca),
+            "--push-cert",
+            &s(&client.0),
+            "--push-key",
+            &s(&client.1),
+        ],
+    )
 }
 
 fn busy() -> ChildGuard {
@@ -119,7 +97,7 @@ fn windows_reach_tls_endpoints_with_a_client_certificate() {
         tracer_tests::wait_until(
             30,
             &format!("a window at the {name} endpoint over TLS"),
-            || requests(&out) >= 1,
+            || !tracer_tests::length_prefixed(&out).is_empty(),
         );
         let status = d.ok(&["status", &id]);
         d.ok(&["stop", &id]);
@@ -153,7 +131,7 @@ fn an_endpoint_of_another_ca_is_refused_saying_why() {
         status.to_lowercase().contains("certificate")
     });
     d.ok(&["stop", &id]);
-    assert_eq!(requests(&out), 0, "{status}");
+    assert_eq!(tracer_tests::length_prefixed(&out).len(), 0, "{status}");
     // TLS files with a plaintext endpoint are a mistake, said at once.
     let e = d.run(&[
         "start",

@@ -263,15 +263,7 @@ impl<'a> Dictionary<'a> {
         if let Some(&id) = self.location_ids.get(f) {
             return id;
         }
-        let file = match f.kind {
-            FrameKind::Kernel => "[kernel]",
-            FrameKind::OffCpu => "[off-CPU]",
-            _ => f.file.as_deref().unwrap_or(""),
-        };
-        let name = match f.kind {
-            FrameKind::OffCpu => f.label(),
-            _ => f.name.clone(),
-        };
+        let (name, file) = super::pprof::function_of(f);
         let function_index = self.function(&name, file, f.kind == FrameKind::Native);
         // Only native frames lie in a binary; mapping 0 is "none".
         let mapping_index = match (f.kind, f.mapping) {

@@ -198,15 +198,7 @@ impl<'a> Builder<'a> {
         if let Some(&id) = self.location_ids.get(f) {
             return id;
         }
-        let file = match f.kind {
-            FrameKind::Kernel => "[kernel]",
-            FrameKind::OffCpu => "[off-CPU]",
-            _ => f.file.as_deref().unwrap_or(""),
-        };
-        let name = match f.kind {
-            FrameKind::OffCpu => std::borrow::Cow::Owned(f.label()),
-            _ => std::borrow::Cow::Borrowed(f.name.as_str()),
-        };
+        let (name, file) = function_of(f);
         let function_id = self.function(&name, file, f.kind == FrameKind::Native);
         // Only native frames lie in a binary; an index past the table would make the
         // whole file invalid, so such a frame goes without mapping.
@@ -245,6 +237,21 @@ impl<'a> Builder<'a> {
         self.function_ids.insert(key, id);
         id
     }
+}
+
+/// A frame's function name and file, as the pprof and OTLP exports name them: kernel and
+/// off-CPU frames get a pseudo-file, off-CPU ones their reason as the name.
+pub(super) fn function_of(f: &Frame) -> (std::borrow::Cow<'_, str>, &str) {
+    let file = match f.kind {
+        FrameKind::Kernel => "[kernel]",
+        FrameKind::OffCpu => "[off-CPU]",
+        _ => f.file.as_deref().unwrap_or(""),
+    };
+    let name = match f.kind {
+        FrameKind::OffCpu => std::borrow::Cow::Owned(f.label()),
+        _ => std::borrow::Cow::Borrowed(f.name.as_str()),
+    };
+    (name, file)
 }
 
 #[cfg(test)]

@@ -93,12 +93,8 @@ fn python() -> Option<&'static str> {
         .find(|p| std::path::Path::new(p).exists())
 }
 
-#[test]
-fn blocked_threads_load_a_library_and_see_nothing() {
-    let Some(python) = python() else {
-        eprintln!("no python3: skipped");
-        return;
-    };
+/// TARGET, started and ready, its threads blocked in their calls.
+fn target(python: &str) -> (Reaped, BufReader<std::process::ChildStdout>) {
     let mut child = Reaped(
         Command::new(python)
             .args(["-c", TARGET])
@@ -106,12 +102,44 @@ fn blocked_threads_load_a_library_and_see_nothing() {
             .spawn()
             .unwrap(),
     );
-    let pid = child.0.id();
     let mut out = BufReader::new(child.0.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "ready");
     std::thread::sleep(Duration::from_millis(300));
+    (child, out)
+}
+
+/// Signals still reach TARGET's handler, it exits 0, and every call ended as it would have
+/// untouched.
+fn ends_untouched(mut child: Reaped, mut out: BufReader<std::process::ChildStdout>) {
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGUSR1) };
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "{status}: {rest}");
+    let results: Vec<&str> = rest.lines().collect();
+    assert_eq!(
+        results,
+        [
+            "epoll_wait 0 0",
+            "futex -1 110",
+            "nanosleep 0 0 True",
+            "read 1 0"
+        ],
+        "a call saw the load"
+    );
+}
+
+#[test]
+fn blocked_threads_load_a_library_and_see_nothing() {
+    let Some(python) = python() else {
+        eprintln!("no python3: skipped");
+        return;
+    };
+    let (child, out) = target(python);
+    let pid = child.0.id();
     let Some(lib) = some_library(pid) else {
         eprintln!("no library to load: skipped");
         return;
@@ -130,23 +158,7 @@ fn blocked_threads_load_a_library_and_see_nothing() {
     assert!(fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap()
         .contains(&lib));
-    // Signals still reach the program's handler.
-    // SAFETY: a signal to our own child.
-    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
-    let mut rest = String::new();
-    out.read_to_string(&mut rest).unwrap();
-    assert!(child.0.wait().unwrap().success(), "{rest}");
-    let results: Vec<&str> = rest.lines().collect();
-    assert_eq!(
-        results,
-        [
-            "epoll_wait 0 0",
-            "futex -1 110",
-            "nanosleep 0 0 True",
-            "read 1 0"
-        ],
-        "a call saw the load"
-    );
+    ends_untouched(child, out);
 }
 
 #[test]
@@ -257,18 +269,8 @@ fn a_loader_killed_mid_call_leaves_the_thread_whole() {
         eprintln!("no C compiler: skipped");
         return;
     };
-    let mut child = Reaped(
-        Command::new(python)
-            .args(["-c", TARGET])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let (child, out) = target(python);
     let pid = child.0.id();
-    let mut out = BufReader::new(child.0.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
     let tid = blocked_in(pid, &[0]).expect("no thread in read");
     let mut loader = Reaped(
         Command::new(std::env::current_exe().unwrap())
@@ -313,23 +315,7 @@ fn a_loader_killed_mid_call_leaves_the_thread_whole() {
     );
     loader.0.kill().unwrap();
     loader.0.wait().unwrap();
-    // SAFETY: a signal to our own child.
-    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
-    let mut rest = String::new();
-    out.read_to_string(&mut rest).unwrap();
-    let status = child.0.wait().unwrap();
-    assert!(status.success(), "{status}: {rest}");
-    let results: Vec<&str> = rest.lines().collect();
-    assert_eq!(
-        results,
-        [
-            "epoll_wait 0 0",
-            "futex -1 110",
-            "nanosleep 0 0 True",
-            "read 1 0"
-        ],
-        "a call saw the load"
-    );
+    ends_untouched(child, out);
 }
 
 #[test]

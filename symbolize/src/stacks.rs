@@ -435,7 +435,8 @@ impl Resolver {
             None => return (Vec::new(), End::UnmappedAddress(ev.ip)),
         };
         if let End::UnmappedAddress(_) = unwound.end {
-            // The map may be stale (a library loaded since): read it again once.
+            // The map may be stale (a library loaded, or being loaded, since): read it again
+            // once.
             self.maps.remove(&pid);
             if let Some(u) = self.unwind(pid, regs, stack) {
                 unwound = u;
@@ -472,10 +473,11 @@ impl Resolver {
     }
 
     fn maps_of(&mut self, pid: u32, addr: u64) -> Option<&ProcMaps> {
-        let fresh = self
-            .maps
-            .get(&pid)
-            .is_some_and(|(m, at)| m.find(addr).is_some() || at.elapsed() < MAPS_TTL);
+        let fresh = self.maps.get(&pid).is_some_and(|(m, at)| {
+            // Not code in the snapshot: it may predate the mapping (a library being
+            // loaded shows as one read-only span first), read again.
+            m.find(addr).is_some_and(|e| e.executable) || at.elapsed() < MAPS_TTL
+        });
         if !fresh {
             let maps = ProcMaps::read(pid).ok()?;
             self.maps.insert(pid, (maps, Instant::now()));

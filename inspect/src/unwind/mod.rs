@@ -52,7 +52,7 @@ pub enum End {
     NoUnwindInfo(String),
     /// No executable mapping holds this code address (a stale maps snapshot, or garbage).
     UnmappedAddress(u64),
-    /// The CFI could not be applied (unsupported rule, sp not increasing, non-code address).
+    /// The CFI could not be applied (unsupported rule, sp not increasing).
     BadFrame,
     /// `max_frames` frames were produced and more remained.
     MaxFrames,
@@ -223,7 +223,9 @@ impl Unwinder {
         };
         let entry = maps.find(lookup).ok_or(End::UnmappedAddress(f.ip))?;
         if !entry.executable {
-            return Err(End::BadFrame);
+            // Also what a snapshot taken while ld.so mapped a library shows: its whole span
+            // mapped read-only first, its code mapped over it a moment later.
+            return Err(End::UnmappedAddress(f.ip));
         }
         let no_info = || End::NoUnwindInfo(entry.path.clone());
         let binary = self.binary(pid, entry).ok_or_else(no_info)?;

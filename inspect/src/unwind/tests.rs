@@ -342,7 +342,7 @@ fn anonymous_code_and_non_code() {
     let u = unwinder.unwind(1, &maps, regs(0x1800), &[0; 64], 16);
     assert_eq!(u.end, End::NoUnwindInfo(String::new()));
     let u = unwinder.unwind(1, &maps, regs(0x3800), &[0; 64], 16);
-    assert_eq!(u.end, End::BadFrame);
+    assert_eq!(u.end, End::UnmappedAddress(0x3800));
 }
 
 #[test]

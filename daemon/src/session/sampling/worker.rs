@@ -655,7 +655,7 @@ fn end_reason(end: &End) -> String {
                 .into()
         }
         End::NoUnwindInfo(path) => format!("code without unwind entries in {path}"),
-        End::UnmappedAddress(_) => "an address outside any mapping".into(),
+        End::UnmappedAddress(_) => "an address outside any code mapping".into(),
         End::BadFrame => "an unwind rule not supported, or a corrupt frame".into(),
         End::MaxFrames => "more frames than tracer unwinds".into(),
     }

@@ -571,3 +571,17 @@ pub fn pstats_callers(python: &Path, prof: &Path, script: &Path) -> serde_json::
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
+
+/// Folded stacks (`frame;frame;… value` lines, as tracer and py-spy write them): (frames
+/// root first, value).
+pub fn parse_folded(text: &str) -> Vec<(Vec<String>, u64)> {
+    text.lines()
+        .filter_map(|l| {
+            let (stack, n) = l.rsplit_once(' ')?;
+            Some((
+                stack.split(';').map(str::to_owned).collect(),
+                n.parse().ok()?,
+            ))
+        })
+        .collect()
+}

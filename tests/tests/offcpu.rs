@@ -5,7 +5,9 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use tracer_tests::{interpreters, one_line_error, root_or_skip, script, ChildGuard, Daemon};
+use tracer_tests::{
+    interpreters, one_line_error, parse_folded, root_or_skip, script, ChildGuard, Daemon,
+};
 
 /// The phases of `off_cpu_workload.py`: its own name, the Python function, the reason tracer
 /// must give for its time away (None: it computes).
@@ -20,19 +22,6 @@ fn venv_python() -> PathBuf {
     std::env::var_os("TRACER_TEST_PYTHON")
         .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
         .into()
-}
-
-/// Folded lines: (frames, value).
-fn folded(text: &str) -> Vec<(Vec<String>, u64)> {
-    text.lines()
-        .filter_map(|l| {
-            let (stack, n) = l.rsplit_once(' ')?;
-            Some((
-                stack.split(';').map(str::to_owned).collect(),
-                n.parse().ok()?,
-            ))
-        })
-        .collect()
 }
 
 /// Each phase's share (%) of the main thread's stacks (those under `<module>`), by the
@@ -92,7 +81,7 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
         .iter()
         .map(|(p, _, _)| (*p, 100.0 * took[*p] / all))
         .collect();
-    let ours = folded(&std::fs::read_to_string(out.path()).unwrap());
+    let ours = parse_folded(&std::fs::read_to_string(out.path()).unwrap());
     let tracer = shares(&ours);
 
     let raw = tempfile::NamedTempFile::new().unwrap();
@@ -119,7 +108,7 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
         "py-spy: {}",
         String::from_utf8_lossy(&spy.stderr)
     );
-    let theirs = shares(&folded(&std::fs::read_to_string(raw.path()).unwrap()));
+    let theirs = shares(&parse_folded(&std::fs::read_to_string(raw.path()).unwrap()));
     println!("truth {truth:.1?}\ntracer {tracer:.1?}\npy-spy {theirs:.1?}");
     for (phase, _, _) in PHASES {
         let (t, a, b) = (truth[phase], tracer[phase], theirs[phase]);
@@ -164,7 +153,7 @@ fn waiting_for_the_gil_is_named_on_every_interpreter() {
     let d = Daemon::start();
     let workload = script("gil_contention.py");
     for python in interpreters() {
-        let lines = folded(&d.ok(&[
+        let lines = parse_folded(&d.ok(&[
             "start",
             "--mode=sampling",
             "--off-cpu",
@@ -222,7 +211,7 @@ fn wall_clock_shares_in_a_pid_namespace() {
         &[workload.as_os_str(), "0.25".as_ref(), "14".as_ref()],
     );
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let lines = folded(&d.ok(&[
+    let lines = parse_folded(&d.ok(&[
         "start",
         "--mode=sampling",
         "--off-cpu",

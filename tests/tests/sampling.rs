@@ -4,22 +4,12 @@
 
 use std::{collections::BTreeMap, path::Path, path::PathBuf, process::Command};
 
-use tracer_tests::{interpreters, one_line_error, root_or_skip, script, ChildGuard, Daemon};
+use tracer_tests::{
+    interpreters, one_line_error, parse_folded, root_or_skip, script, ChildGuard, Daemon,
+};
 
 /// Folded stacks: (frames root first, count).
 type Folded = Vec<(Vec<String>, u64)>;
-
-fn parse_folded(text: &str) -> Folded {
-    text.lines()
-        .filter_map(|l| {
-            let (stack, n) = l.rsplit_once(' ')?;
-            Some((
-                stack.split(';').map(str::to_owned).collect(),
-                n.parse().ok()?,
-            ))
-        })
-        .collect()
-}
 
 /// A Python frame's function name: `qualname (file:line)` → `qualname`.
 fn function(frame: &str) -> &str {
@@ -811,5 +801,31 @@ fn forked_children_keep_their_python_frames() {
                 python.display()
             );
         }
+    }
+}
+
+/// A loop in step with the sampling period (two functions taking turns for half a period
+/// each, on an absolute schedule): samples at an exact period would land in one of them
+/// nearly every time (0% or 100%, seen before the timers were jittered); the truth is 50%.
+#[test]
+fn samples_do_not_fall_in_step_with_a_loop() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = interpreters().into_iter().next().expect("an interpreter");
+    let workload = script("in_step.py");
+    // 250 Hz: a 4 ms period, the loop's.
+    for _ in 0..2 {
+        let f = tracer_folded(&d, &python, &workload, &["4", "3"], "250");
+        let (first, second) = (samples_in(&f, "first"), samples_in(&f, "second"));
+        let share = 100.0 * first as f64 / (first + second).max(1) as f64;
+        println!("first {first}, second {second}: {share:.1}%");
+        assert!(first + second >= 300, "too few samples: {f:?}");
+        assert!(
+            (38.0..=62.0).contains(&share),
+            "first: {share:.1}% of {}",
+            first + second
+        );
     }
 }

@@ -593,7 +593,7 @@ fn unwinds_python_process() {
         .into_iter()
         .find(|p| fs::metadata(p).is_ok())
     else {
-        eprintln!("no python3: skipped");
+        tracer_testkit::skip("no python3");
         return;
     };
     let mut child = std::process::Command::new(python)
@@ -616,7 +616,7 @@ fn unwinds_python_process() {
     child.kill().unwrap();
     child.wait().unwrap();
     let Some(samples) = result else {
-        eprintln!("ptrace not permitted: skipped");
+        tracer_testkit::skip("ptrace not permitted");
         return;
     };
     let mut failures = Vec::new();

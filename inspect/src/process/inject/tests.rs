@@ -135,13 +135,13 @@ fn ends_untouched(mut child: Reaped, mut out: BufReader<std::process::ChildStdou
 #[test]
 fn blocked_threads_load_a_library_and_see_nothing() {
     let Some(python) = python() else {
-        eprintln!("no python3: skipped");
+        tracer_testkit::skip("no python3");
         return;
     };
     let (child, out) = target(python);
     let pid = child.0.id();
     let Some(lib) = some_library(pid) else {
-        eprintln!("no library to load: skipped");
+        tracer_testkit::skip("no library to load");
         return;
     };
     // read, nanosleep / clock_nanosleep, futex, epoll_wait / epoll_pwait.
@@ -149,7 +149,7 @@ fn blocked_threads_load_a_library_and_see_nothing() {
         let tid = blocked_in(pid, nr).unwrap_or_else(|| panic!("no thread in syscall {nr:?}"));
         match load_on(pid, Some(tid), &lib, Duration::from_secs(2)) {
             Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
-                eprintln!("ptrace not permitted: skipped");
+                tracer_testkit::skip("ptrace not permitted");
                 return;
             }
             r => r.unwrap_or_else(|e| panic!("syscall {nr:?}: {e}")),
@@ -175,7 +175,7 @@ fn a_traced_process_is_refused() {
         drop(t);
     });
     if !rx.recv().unwrap() {
-        eprintln!("ptrace not permitted: skipped");
+        tracer_testkit::skip("ptrace not permitted");
         return;
     }
     let r = load_library(pid, "/nonexistent.so", Duration::from_millis(200));
@@ -207,7 +207,7 @@ fn a_file_that_is_no_library_is_an_error_and_the_process_goes_on() {
     match load_library(pid, not_elf.to_str().unwrap(), Duration::from_secs(1)) {
         Err(LoadError::Call { what, .. }) => assert!(what.contains("did not load"), "{what}"),
         Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
-            eprintln!("ptrace not permitted: skipped");
+            tracer_testkit::skip("ptrace not permitted");
         }
         r => panic!("{r:?}"),
     }
@@ -261,12 +261,12 @@ fn load_for_a_parent() {
 #[test]
 fn a_loader_killed_mid_call_leaves_the_thread_whole() {
     let Some(python) = python() else {
-        eprintln!("no python3: skipped");
+        tracer_testkit::skip("no python3");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
     let Some(lib) = slow_library(dir.path(), 700) else {
-        eprintln!("no C compiler: skipped");
+        tracer_testkit::skip("no C compiler");
         return;
     };
     let (child, out) = target(python);
@@ -301,7 +301,7 @@ fn a_loader_killed_mid_call_leaves_the_thread_whole() {
                 .read_to_string(&mut said)
                 .unwrap();
             if said.contains("EPERM") || said.contains("not permitted") {
-                eprintln!("ptrace not permitted: skipped");
+                tracer_testkit::skip("ptrace not permitted");
                 return;
             }
             panic!("the loader ended ({status}) before the library was mapped: {said}");

@@ -4,7 +4,8 @@ pub use tracer_inspect::container::{forget_exited, note, of};
 
 use tracer_report::{Origin, ProcessOrigin};
 
-/// The processes among `pids` that ran in a container or pod, and where.
+/// The processes among `pids` that ran in a container or pod, and where, or that named
+/// their service.
 pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<ProcessOrigin> {
     tracer_inspect::container::attribute(pids)
         .into_iter()
@@ -17,6 +18,7 @@ pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<ProcessOrigin> {
                 pod_uid: o.pod_uid,
                 qos: o.qos,
                 hostname: o.hostname,
+                service_name: o.service_name,
             },
         })
         .collect()

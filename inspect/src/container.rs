@@ -2,6 +2,10 @@
 //! runtimes and the kubelet name their cgroups (systemd and cgroupfs drivers), and its
 //! hostname (in Kubernetes, the pod's name unless the pod sets another).
 //!
+//! A process may also name the service it is, as OpenTelemetry's SDKs read it from their
+//! environment (`OTEL_SERVICE_NAME`, or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`): its
+//! initial environment tells.
+//!
 //! Processes are noted while they live (first event, first sample, fork); reports attribute
 //! every pid they name from these notes, so processes that exited are attributed too.
 
@@ -23,12 +27,89 @@ pub struct Origin {
     pub qos: Option<String>,
     /// The container's /etc/hostname (a pod's name by default).
     pub hostname: Option<String>,
+    /// The OpenTelemetry service name the process's environment gives.
+    pub service_name: Option<String>,
 }
 
 impl Origin {
     pub fn in_container(&self) -> bool {
         self.container_id.is_some() || self.pod_uid.is_some()
     }
+
+    /// Whether reports attribute the process: in a container, or naming its service.
+    pub fn attributed(&self) -> bool {
+        self.in_container() || self.service_name.is_some()
+    }
+}
+
+/// The environment read at most: `ARG_MAX`'s usual share for it, far more than any
+/// service's; a process choosing a larger one is only read so far.
+const MAX_ENVIRON: u64 = 1 << 20;
+/// A service name's longest: the process chooses it, the report carries it.
+const MAX_SERVICE_NAME: usize = 256;
+
+/// The service name a process's initial environment (`/proc/PID/environ`) declares.
+pub fn service_name(pid: u32) -> Option<String> {
+    use std::io::Read;
+    let mut env = Vec::new();
+    std::fs::File::open(format!("/proc/{pid}/environ"))
+        .ok()?
+        .take(MAX_ENVIRON)
+        .read_to_end(&mut env)
+        .ok()?;
+    service_in(&env)
+}
+
+/// `OTEL_SERVICE_NAME`, else `service.name` in `OTEL_RESOURCE_ATTRIBUTES` (comma-separated
+/// `key=value`, values percent-encoded), as OpenTelemetry's SDKs choose; control characters
+/// dropped, at most [`MAX_SERVICE_NAME`] characters.
+pub fn service_in(environ: &[u8]) -> Option<String> {
+    let var = |name: &str| {
+        environ
+            .split(|&b| b == 0)
+            .filter_map(|kv| kv.strip_prefix(name.as_bytes())?.strip_prefix(b"="))
+            .next_back()
+            .map(String::from_utf8_lossy)
+    };
+    let clean = |v: &str| {
+        let v: String = v
+            .trim()
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(MAX_SERVICE_NAME)
+            .collect();
+        (!v.is_empty()).then_some(v)
+    };
+    if let Some(name) = var("OTEL_SERVICE_NAME").and_then(|v| clean(&v)) {
+        return Some(name);
+    }
+    let attrs = var("OTEL_RESOURCE_ATTRIBUTES")?;
+    attrs
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| k.trim() == "service.name")
+        .filter_map(|(_, v)| clean(&percent_decoded(v.trim())))
+        .next_back()
+}
+
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |j: usize| b.get(j).and_then(|&c| (c as char).to_digit(16));
+        match (b[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, ..) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn is_id(s: &str) -> bool {
@@ -121,6 +202,7 @@ pub fn of(pid: u32) -> Option<Origin> {
             .map(|h| h.trim().to_owned())
             .filter(|h| !h.is_empty());
     }
+    origin.service_name = service_name(pid);
     Some(origin)
 }
 
@@ -144,7 +226,7 @@ pub fn note(pid: u32, refresh: bool) {
 }
 
 /// Origins of these pids (read now for live ones: a process may have moved since it was
-/// noted; noted for those gone), those in containers only.
+/// noted; noted for those gone), those in containers or naming their service only.
 pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<(u32, Origin)> {
     let n = notes().lock().unwrap_or_else(|e| e.into_inner());
     // In pid order, each once.
@@ -152,7 +234,7 @@ pub fn attribute(pids: impl IntoIterator<Item = u32>) -> Vec<(u32, Origin)> {
         .collect::<std::collections::BTreeSet<u32>>()
         .into_iter()
         .filter_map(|pid| Some((pid, of(pid).or_else(|| n.get(&pid).cloned())?)))
-        .filter(|(_, o)| o.in_container())
+        .filter(|(_, o)| o.attributed())
         .collect()
 }
 
@@ -209,5 +291,37 @@ mod tests {
         assert_eq!(p.runtime.as_deref(), Some("podman"));
         assert!(!parse("/user.slice/user-1000.slice/session-3.scope").in_container());
         assert!(!parse("/").in_container());
+    }
+
+    #[test]
+    fn service_names_as_opentelemetry_sdks_read_them() {
+        let env = |vars: &[&str]| vars.join("\0").into_bytes();
+        assert_eq!(service_in(&env(&["PATH=/bin", "HOME=/"])), None);
+        assert_eq!(
+            service_in(&env(&["OTEL_SERVICE_NAME=checkout", "X=1"])).as_deref(),
+            Some("checkout")
+        );
+        // The dedicated variable wins over the attribute; an empty one does not count.
+        let both = [
+            "OTEL_RESOURCE_ATTRIBUTES=service.name=cart",
+            "OTEL_SERVICE_NAME=checkout",
+        ];
+        assert_eq!(service_in(&env(&both)).as_deref(), Some("checkout"));
+        let attrs = [
+            "OTEL_SERVICE_NAME=",
+            "OTEL_RESOURCE_ATTRIBUTES=deployment.environment=prod, service.name = cart%2Cv2 ,x=y",
+        ];
+        assert_eq!(service_in(&env(&attrs)).as_deref(), Some("cart,v2"));
+        // Names that are not names: control characters go, length is bounded.
+        let hostile = format!("OTEL_SERVICE_NAME=a\x1b[2Jb\n{}", "x".repeat(10_000));
+        let got = service_in(&env(&[&hostile])).unwrap();
+        assert!(got.starts_with("a[2Jb") && got.chars().count() == MAX_SERVICE_NAME);
+        assert_eq!(
+            service_in(&env(&["OTEL_RESOURCE_ATTRIBUTES=service.name=%"])).as_deref(),
+            Some("%")
+        );
+        assert_eq!(service_in(&env(&["OTEL_SERVICE_NAME=\x01\x02"])), None);
+        // A process's own environment is read.
+        assert_eq!(service_name(u32::MAX), None);
     }
 }

@@ -333,6 +333,9 @@ pub struct Origin {
     /// The container's /etc/hostname (a pod's name by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// The OpenTelemetry service name the process's environment declares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_name: Option<String>,
 }
 
 impl Origin {
@@ -514,11 +517,11 @@ impl Report {
             let _ = writeln!(out, " losses: {}", list.join(", "));
         }
         if !self.processes.containers.is_empty() {
-            let _ = writeln!(out, "\n Containers:\n");
+            let _ = writeln!(out, "\n Containers: (and services the processes name)\n");
             let _ = writeln!(
                 out,
-                "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  hostname",
-                "pid", "runtime", "container", "pod uid", "qos"
+                "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  {:<20}  service",
+                "pid", "runtime", "container", "pod uid", "qos", "hostname"
             );
             for c in &self.processes.containers {
                 let o = &c.origin;
@@ -531,13 +534,14 @@ impl Report {
                 });
                 let _ = writeln!(
                     out,
-                    "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  {}",
+                    "{:>8}  {:<12}  {:<12}  {:<36}  {:<10}  {:<20}  {}",
                     c.pid,
                     dash(&o.runtime),
                     escape_controls(id),
                     dash(&o.pod_uid),
                     dash(&o.qos),
-                    dash(&o.hostname)
+                    dash(&o.hostname),
+                    dash(&o.service_name)
                 );
             }
         }

@@ -131,7 +131,10 @@ fn a_report_as_otlp_equals_its_pprof_sample_by_sample() {
     let target = ChildGuard::spawn(
         Command::new(tracer_tests::python())
             .arg(script("sample_workload.py"))
-            .arg("30"),
+            .arg("30")
+            // As an OpenTelemetry SDK would read it; the attribute loses to the variable.
+            .env("OTEL_RESOURCE_ATTRIBUTES", "service.name=cart,team=x")
+            .env("OTEL_SERVICE_NAME", "checkout\u{1b}[2J"),
     );
     let pid = target.pid().to_string();
     d.ok(&[
@@ -172,6 +175,7 @@ fn a_report_as_otlp_equals_its_pprof_sample_by_sample() {
     assert_eq!(r["process.pid"].as_i64().unwrap().to_string(), pid);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     assert_eq!(r["host.name"], host.trim());
+    assert_eq!(r["service.name"], "checkout[2J", "{r:?}");
     // Counting sessions have no stacks to give.
     d.ok(&[
         "start",

@@ -62,7 +62,11 @@ pub fn series(
                         labels.push((k.to_owned(), v.clone()));
                     }
                 }
-                o.hostname.clone().unwrap_or_else(|| s.comm.clone())
+                // What the process calls itself, else its pod's name, else its command.
+                o.service_name
+                    .clone()
+                    .or_else(|| o.hostname.clone())
+                    .unwrap_or_else(|| s.comm.clone())
             }
             None => s.comm.clone(),
         };

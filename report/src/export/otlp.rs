@@ -142,6 +142,9 @@ fn resource(pid: u32, host: &str, origin: Option<&Origin>) -> Vec<KeyValue> {
         if let (Some(_), Some(h)) = (&o.pod_uid, &o.hostname) {
             out.push(kv("k8s.pod.name", Value::StringValue(h.clone())));
         }
+        if let Some(name) = &o.service_name {
+            out.push(kv("service.name", Value::StringValue(name.clone())));
+        }
     }
     out
 }

@@ -88,6 +88,7 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
                         ("container_id", &o.container_id),
                         ("pod_uid", &o.pod_uid),
                         ("hostname", &o.hostname),
+                        ("service_name", &o.service_name),
                     ] {
                         if let Some(v) = v {
                             l.push(b.str_label(key, v));

@@ -777,3 +777,50 @@ fn a_session_that_ends_before_any_safe_point_leaves_nothing() {
     let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
     wait_until(10, "the session's files to go", || !dir.exists());
 }
+
+/// A program that sets its own profile function (taking the place of tracer's counter, on
+/// 3.10) while tracerd cannot answer the handover (stopped, here): after 30 s the counter
+/// lets it go on, and says so in its file, so that the answer tracerd makes once it runs
+/// again does not hide the calls nobody counted in between.
+#[test]
+fn an_unanswered_handover_is_reported_as_a_loss() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = interpreters()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("/versions/3.10."))
+    else {
+        tracer_testkit::skip("no pyenv CPython 3.10");
+        return;
+    };
+    let mut d = Daemon::start();
+    let file = d.dir.path().join("gives_up.py");
+    let code = "import sys\ndef f(): pass\nprint('ready', flush=True)\nsys.stdin.readline()\n\
+                f()\nsys.setprofile(lambda *a: None)\nfor _ in range(100): f()\n";
+    std::fs::write(&file, code).unwrap();
+    let mut child = ChildGuard::spawn_ready(Command::new(&py).arg(&file).stdin(Stdio::piped()));
+    let pid = child.pid().to_string();
+    let id = start(&d, &pid, &[]);
+    let stopped = d.pid().to_string();
+    let signal = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &stopped])
+            .status()
+            .unwrap()
+            .success())
+    };
+    signal("-STOP");
+    go(&mut child);
+    // The counter holds the program for 30 s, then lets it go.
+    std::thread::sleep(std::time::Duration::from_secs(33));
+    signal("-CONT");
+    assert!(child.0.wait().unwrap().success());
+    let report = ended_report(&d, &id);
+    let warnings = report["python"]["warnings"].to_string();
+    assert!(
+        warnings.contains("did not answer its handover within 30 s"),
+        "{warnings}"
+    );
+    d.stop();
+}

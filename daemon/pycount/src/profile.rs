@@ -340,5 +340,15 @@ impl Counter {
         {
             std::thread::sleep(Duration::from_millis(1));
         }
+        if !self.orphaned() {
+            // Unanswered: the loss is ours to record (an answer after this finds no
+            // HANDOVER to answer).
+            let _ = self.shared.state().compare_exchange(
+                state::HANDOVER,
+                state::GAVE_UP,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
     }
 }

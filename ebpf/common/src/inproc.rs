@@ -42,6 +42,10 @@ pub mod state {
     pub const HANDOVER: u32 = 6;
     /// tracerd answered a HANDOVER: the probes count the process now, or `why` says why not.
     pub const HANDED: u32 = 7;
+    /// A HANDOVER nobody answered while the counter held the program (30 s): the program
+    /// went on, counted by nobody from then on. Set by the counter, so that an answer
+    /// made later (as the session ends) does not hide the loss.
+    pub const GAVE_UP: u32 = 8;
 }
 
 /// `<dir>/handover.<pid>`: a counter in [`state::HANDOVER`] creates it, for tracerd to look

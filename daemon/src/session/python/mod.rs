@@ -711,6 +711,12 @@ impl PythonEnd {
                     c.pid
                 ));
             }
+            if c.state == tracer_common::inproc::state::GAVE_UP {
+                warnings.push(format!(
+                    "pid {}: its program set a profile function of its own, which took the place of tracer's (CPython 3.10, 3.11), and tracer did not answer its handover within 30 s: its calls after that were not counted",
+                    c.pid
+                ));
+            }
             if let Some(why) = &c.handover_failed {
                 warnings.push(format!(
                     "pid {}: its program set a profile function of its own, which took the place of tracer's (CPython 3.10, 3.11), and its calls after that may not have been counted: {why}",

@@ -28,6 +28,11 @@ pub(super) const ENDED: &str = "the session ended first";
 /// How often the directory is looked at (its mtime: a stat).
 const LOOK_EVERY: Duration = Duration::from_millis(5);
 
+/// How long after its mtime last changed the directory is listed at every look all the
+/// same: before Linux 6.13 a directory's mtime is a clock tick's (up to 10 ms), so a file made
+/// in the tick of a listing leaves the mtime that listing saw.
+const RELIST_FOR: Duration = Duration::from_millis(50);
+
 struct Watch {
     files: Arc<Files>,
     /// Set when the session's end reads the counters: nothing is handed over after.
@@ -57,6 +62,7 @@ impl Watch {
 
     fn run(self, handover: &Handover) {
         let mut seen_mtime = None;
+        let mut changed = std::time::Instant::now();
         // Each request is answered once: the process's owner may make any number of them.
         let mut answered = HashSet::new();
         while !self.ended.load(Ordering::SeqCst) {
@@ -65,7 +71,9 @@ impl Watch {
             if mtime.is_none() {
                 return;
             }
-            if mtime == seen_mtime {
+            if mtime != seen_mtime {
+                changed = std::time::Instant::now();
+            } else if changed.elapsed() > RELIST_FOR {
                 continue;
             }
             seen_mtime = mtime;

@@ -5,6 +5,7 @@
 
 pub mod binary;
 pub mod container;
+pub mod creds;
 pub mod cuda;
 pub mod native;
 pub mod pinned;

@@ -32,11 +32,26 @@ impl Pinned {
         }
         // SAFETY: a fresh descriptor nobody else owns.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let mem = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(format!("/proc/{pid}/mem"))?;
+        let path = format!("/proc/{pid}/mem");
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)
+        };
+        let mem = match open() {
+            // Another user's process whose file mode lets its owner alone write: tracerd
+            // without CAP_DAC_OVERRIDE (the service unit, the DaemonSet) opens it as that
+            // user (the kernel's ptrace check is then the owner's, with tracerd's
+            // CAP_SYS_PTRACE).
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                use std::os::unix::fs::MetadataExt;
+                let owner = std::fs::metadata(format!("/proc/{pid}"))?;
+                crate::creds::as_user((owner.uid(), owner.gid()), open)?
+            }
+            r => r?,
+        };
         let p = Self { pid, pidfd, mem };
         if !p.alive() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));

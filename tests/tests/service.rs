@@ -12,6 +12,27 @@ const UNIT: &str = concat!(
     "/../deploy/systemd/tracerd.service"
 );
 
+const DAEMONSET: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/kubernetes/daemonset.yaml"
+);
+
+/// The capabilities the DaemonSet's container adds (after dropping all), as setpriv names
+/// them: the `- NAME` items of `capabilities.add`, comments between them skipped.
+fn daemonset_caps() -> Vec<String> {
+    let yaml = std::fs::read_to_string(DAEMONSET).unwrap();
+    let mut lines = yaml.lines().map(str::trim);
+    lines
+        .by_ref()
+        .find(|l| *l == "add:")
+        .expect("capabilities.add");
+    lines
+        .filter(|l| !l.starts_with('#'))
+        .map_while(|l| l.strip_prefix("- "))
+        .map(str::to_lowercase)
+        .collect()
+}
+
 /// The capabilities the unit keeps, as setpriv names them (`bpf`, `sys_ptrace`, …).
 fn unit_caps() -> Vec<String> {
     let unit = std::fs::read_to_string(UNIT).unwrap();
@@ -69,7 +90,23 @@ fn tracerd_works_with_exactly_the_units_capabilities() {
     if !root_or_skip() {
         return;
     }
-    let caps = unit_caps();
+    works_with_exactly(&unit_caps());
+}
+
+/// The Kubernetes DaemonSet's container, as far as capabilities go (root's uid, all
+/// dropped, these added).
+#[test]
+fn tracerd_works_with_exactly_the_daemonsets_capabilities() {
+    if !root_or_skip() {
+        return;
+    }
+    let caps = daemonset_caps();
+    assert!(caps.len() >= 5 && caps.contains(&"bpf".into()), "{caps:?}");
+    works_with_exactly(&caps);
+}
+
+/// tracerd run with exactly `caps` counts in-process, samples and traces.
+fn works_with_exactly(caps: &[String]) {
     let set: Vec<String> = caps.iter().map(|c| format!("+{c}")).collect();
     let d = Daemon::start_with(DaemonOptions {
         wrapper: vec![
@@ -83,7 +120,7 @@ fn tracerd_works_with_exactly_the_units_capabilities() {
     });
     // Exactly those: the numbers capsh gives the names.
     let mut want = 0u64;
-    for c in &caps {
+    for c in caps {
         let out = Command::new("capsh")
             .arg(format!("--explain=cap_{c}"))
             .output()
@@ -142,6 +179,47 @@ fn tracerd_works_with_exactly_the_units_capabilities() {
             .find(|f| f["qualname"] == "f" && Path::new(f["filename"].as_str().unwrap()) == script)
             .expect("f counted");
         assert_eq!(f["ncalls"], 1000, "{minor}");
+    }
+    // In-process counting of another user's running process: its files are made in its
+    // /tmp as that user (setfsuid, setfsgid), else they would be counted with uprobes.
+    if let (Some((uid, gid)), true) = (
+        tracer_tests::users::member(),
+        Path::new("/usr/bin/python3.11").exists(),
+    ) {
+        let shared = tempfile::tempdir().unwrap();
+        let theirs = shared.path().join("app.py");
+        std::fs::copy(&script, &theirs).unwrap();
+        let mode = |p: &Path, m: u32| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        mode(shared.path(), 0o755);
+        mode(&theirs, 0o644);
+        let mut cmd = Command::new("/usr/bin/python3.11");
+        cmd.arg(&theirs).arg("3");
+        let mut other = tracer_tests::users::as_user(&mut cmd, uid, gid)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let report: Value = serde_json::from_str(&d.ok(&[
+            "start",
+            "--mode=counting",
+            "--python",
+            "--pid",
+            &other.id().to_string(),
+            "--duration",
+            "1s",
+            "--wait",
+            "--format",
+            "json",
+        ]))
+        .unwrap();
+        let counted = &report["python"]["counted"][0];
+        assert_eq!(counted["way"], "in-process", "another user's: {counted}");
+        let _ = other.kill();
+        let _ = other.wait();
+    } else {
+        tracer_testkit::skip(format_args!("no test user or no /usr/bin/python3.11"));
     }
     // Sampling and tracing (Python calls with the probes) of a running process.
     let py = pythons.first().expect("a CPython");

@@ -7,6 +7,33 @@ use perf_event::{
     Builder, Counter,
 };
 
+/// Opens a perf event BPF programs are linked to (`pid` -1: every task; on `cpu`), close
+/// on exec: the raw call, for what perf-event2 does not build (uprobes, tracepoints, the
+/// sampling clock).
+pub fn open_raw(
+    attr: &mut perf_event_open_sys::bindings::perf_event_attr,
+    pid: i32,
+    cpu: i32,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    attr.size = std::mem::size_of::<perf_event_open_sys::bindings::perf_event_attr>() as u32;
+    // SAFETY: a valid attr (whatever it points to outlives the call, the caller's); no group.
+    let fd = unsafe {
+        perf_event_open_sys::perf_event_open(
+            attr,
+            pid,
+            cpu,
+            -1,
+            perf_event_open_sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// Where a counter set counts.
 #[derive(Clone, Debug)]
 pub enum Scope {

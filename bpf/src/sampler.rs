@@ -9,7 +9,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     sync::{Arc, Condvar, Mutex},
     thread::JoinHandle,
     time::Duration,
@@ -202,24 +202,10 @@ impl Drop for Jitter {
 fn open(type_: u32, config: u64, cpu: usize, frequency: u64) -> io::Result<OwnedFd> {
     let mut attr = sys::bindings::perf_event_attr::default();
     attr.type_ = type_;
-    attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
     attr.config = config;
     attr.__bindgen_anon_1.sample_freq = frequency;
     attr.set_freq(1);
     attr.set_disabled(1);
-    // SAFETY: a valid attr; pid -1 with a cpu: every task on that CPU.
-    let fd = unsafe {
-        sys::perf_event_open(
-            &mut attr,
-            -1,
-            cpu as i32,
-            -1,
-            sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    // pid -1 with a cpu: every task on that CPU.
+    crate::perf::open_raw(&mut attr, -1, cpu as i32)
 }

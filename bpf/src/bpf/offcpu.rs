@@ -5,7 +5,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, OwnedFd},
     path::Path,
 };
 
@@ -164,22 +164,8 @@ fn tracepoint(category: &str, name: &str) -> io::Result<OwnedFd> {
     )?;
     let mut attr = sys::bindings::perf_event_attr::default();
     attr.type_ = sys::bindings::PERF_TYPE_TRACEPOINT;
-    attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
     attr.config = id.trim().parse().map_err(io::Error::other)?;
     attr.__bindgen_anon_1.sample_period = 1;
-    // SAFETY: a valid attr; pid -1 on CPU 0, as libbpf opens a tracepoint's event.
-    let fd = unsafe {
-        sys::perf_event_open(
-            &mut attr,
-            -1,
-            0,
-            -1,
-            sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    // pid -1 on CPU 0, as libbpf opens a tracepoint's event.
+    crate::perf::open_raw(&mut attr, -1, 0)
 }

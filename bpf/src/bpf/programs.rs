@@ -289,28 +289,13 @@ impl UprobePmu {
     fn open(&self, binary: &CString, offset: u64, at_return: bool) -> io::Result<OwnedFd> {
         let mut attr = sys::bindings::perf_event_attr::default();
         attr.type_ = self.type_;
-        attr.size = std::mem::size_of::<sys::bindings::perf_event_attr>() as u32;
         if at_return {
             attr.config = 1 << self.retprobe_bit;
         }
         attr.__bindgen_anon_3.config1 = binary.as_ptr() as u64;
         attr.__bindgen_anon_4.config2 = offset;
-        // SAFETY: a valid attr whose path outlives the call; pid -1 on CPU 0 is a uprobe in
-        // every process.
-        let fd = unsafe {
-            sys::perf_event_open(
-                &mut attr,
-                -1,
-                0,
-                -1,
-                sys::bindings::PERF_FLAG_FD_CLOEXEC as u64,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a new fd that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // `binary` outlives the call; pid -1 on CPU 0 is a uprobe in every process.
+        crate::perf::open_raw(&mut attr, -1, 0)
     }
 }
 

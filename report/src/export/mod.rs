@@ -8,5 +8,6 @@ pub mod pprof;
 pub mod pstats;
 pub mod speedscope;
 pub mod svg;
+mod table;
 
 pub(crate) use crate::us;

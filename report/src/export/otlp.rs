@@ -18,6 +18,7 @@ use opentelemetry_proto::tonic::{
 };
 use prost::Message;
 
+use super::table::Table;
 use crate::{
     profile::{Frame, FrameKind, Profile, Stack},
     Origin, ProcessOrigin,
@@ -172,48 +173,39 @@ fn profile_id(host: &str, start: u64, pid: u32, ty: &str) -> Vec<u8> {
 }
 
 /// The dictionary's tables, built as samples are added: each distinct string, function,
-/// location, stack and attribute once.
+/// location, stack and attribute once, after the empty entry at index 0 each must have.
 struct Dictionary<'a> {
-    strings: Vec<String>,
-    string_ids: HashMap<String, i32>,
+    strings: Table<String, String>,
     mappings: usize,
-    functions: Vec<pb::Function>,
-    function_ids: HashMap<(i32, i32), i32>,
-    locations: Vec<pb::Location>,
-    location_ids: HashMap<&'a Frame, i32>,
-    stacks: Vec<pb::Stack>,
-    stack_ids: HashMap<Vec<i32>, i32>,
-    attributes: Vec<pb::KeyValueAndUnit>,
-    attribute_ids: HashMap<(i32, String), i32>,
+    functions: Table<(i32, i32), pb::Function>,
+    locations: Table<&'a Frame, pb::Location>,
+    stacks: Table<Vec<i32>, pb::Stack>,
+    attributes: Table<(i32, AttributeValue), pb::KeyValueAndUnit>,
+}
+
+/// An attribute's value as a key: the two kinds tracer gives.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum AttributeValue {
+    Str(String),
+    Int(i64),
 }
 
 impl<'a> Dictionary<'a> {
     fn new(mappings: usize) -> Self {
-        let mut d = Dictionary {
-            strings: Vec::new(),
-            string_ids: HashMap::new(),
+        let mut strings = Table::new(Vec::new());
+        strings.string("");
+        Dictionary {
+            strings,
             mappings,
-            functions: vec![pb::Function::default()],
-            function_ids: HashMap::new(),
-            locations: vec![pb::Location::default()],
-            location_ids: HashMap::new(),
-            stacks: vec![pb::Stack::default()],
-            stack_ids: HashMap::new(),
-            attributes: vec![pb::KeyValueAndUnit::default()],
-            attribute_ids: HashMap::new(),
-        };
-        d.string("");
-        d
+            functions: Table::new(vec![pb::Function::default()]),
+            locations: Table::new(vec![pb::Location::default()]),
+            stacks: Table::new(vec![pb::Stack::default()]),
+            attributes: Table::new(vec![pb::KeyValueAndUnit::default()]),
+        }
     }
 
     fn string(&mut self, s: &str) -> i32 {
-        if let Some(&id) = self.string_ids.get(s) {
-            return id;
-        }
-        let id = self.strings.len() as i32;
-        self.strings.push(s.to_owned());
-        self.string_ids.insert(s.to_owned(), id);
-        id
+        self.strings.string(s) as i32
     }
 
     fn value_type(&mut self, ty: &str, unit: &str) -> pb::ValueType {
@@ -224,47 +216,40 @@ impl<'a> Dictionary<'a> {
     }
 
     /// An attribute of a string or an integer value, once per key and value.
-    fn attribute(&mut self, key: &str, v: Value) -> i32 {
+    fn attribute(&mut self, key: &str, v: AttributeValue) -> i32 {
         let key = self.string(key);
-        let text = format!("{v:?}");
-        if let Some(&id) = self.attribute_ids.get(&(key, text.clone())) {
-            return id;
-        }
-        let id = self.attributes.len() as i32;
-        self.attributes.push(pb::KeyValueAndUnit {
-            key_strindex: key,
-            value: Some(AnyValue { value: Some(v) }),
-            unit_strindex: 0,
-        });
-        self.attribute_ids.insert((key, text), id);
-        id
+        self.attributes
+            .id(&(key, v), |(key, v)| pb::KeyValueAndUnit {
+                key_strindex: *key,
+                value: Some(AnyValue {
+                    value: Some(match v {
+                        AttributeValue::Str(s) => Value::StringValue(s.clone()),
+                        AttributeValue::Int(n) => Value::IntValue(*n),
+                    }),
+                }),
+                unit_strindex: 0,
+            }) as i32
     }
 
     /// A sample's thread: the pprof export's `tid` and `comm`.
     fn thread(&mut self, s: &Stack) -> Vec<i32> {
         vec![
-            self.attribute("thread.id", Value::IntValue(s.tid.into())),
-            self.attribute("thread.name", Value::StringValue(s.comm.clone())),
+            self.attribute("thread.id", AttributeValue::Int(s.tid.into())),
+            self.attribute("thread.name", AttributeValue::Str(s.comm.clone())),
         ]
     }
 
     /// A stack, leaf first as the format (and pprof) orders it.
     fn stack(&mut self, s: &'a Stack) -> i32 {
         let locations: Vec<i32> = s.frames.iter().rev().map(|f| self.location(f)).collect();
-        if let Some(&id) = self.stack_ids.get(&locations) {
-            return id;
-        }
-        let id = self.stacks.len() as i32;
-        self.stacks.push(pb::Stack {
-            location_indices: locations.clone(),
-        });
-        self.stack_ids.insert(locations, id);
-        id
+        self.stacks.id(&locations, |l| pb::Stack {
+            location_indices: l.clone(),
+        }) as i32
     }
 
     fn location(&mut self, f: &'a Frame) -> i32 {
-        if let Some(&id) = self.location_ids.get(f) {
-            return id;
+        if let Some(id) = self.locations.get(&f) {
+            return id as i32;
         }
         let (name, file) = super::pprof::function_of(f);
         let function_index = self.function(&name, file, f.kind == FrameKind::Native);
@@ -281,38 +266,32 @@ impl<'a> Dictionary<'a> {
             FrameKind::Process | FrameKind::OffCpu => None,
         };
         let attribute_indices = kind
-            .map(|k| vec![self.attribute("profile.frame.type", Value::StringValue(k.into()))])
+            .map(|k| vec![self.attribute("profile.frame.type", AttributeValue::Str(k.into()))])
             .unwrap_or_default();
-        let id = self.locations.len() as i32;
-        self.locations.push(pb::Location {
-            mapping_index,
-            address: f.address,
-            lines: vec![pb::Line {
-                function_index,
-                line: f.line.map_or(0, i64::from),
-                column: 0,
-            }],
-            attribute_indices,
-        });
-        self.location_ids.insert(f, id);
-        id
+        self.locations.push(
+            f,
+            pb::Location {
+                mapping_index,
+                address: f.address,
+                lines: vec![pb::Line {
+                    function_index,
+                    line: f.line.map_or(0, i64::from),
+                    column: 0,
+                }],
+                attribute_indices,
+            },
+        ) as i32
     }
 
     /// Only native functions get a system name, as in the pprof export.
     fn function(&mut self, name: &str, file: &str, native: bool) -> i32 {
         let key = (self.string(name), self.string(file));
-        if let Some(&id) = self.function_ids.get(&key) {
-            return id;
-        }
-        let id = self.functions.len() as i32;
-        self.functions.push(pb::Function {
-            name_strindex: key.0,
-            system_name_strindex: if native { key.0 } else { 0 },
-            filename_strindex: key.1,
+        self.functions.id(&key, |&(name, filename)| pb::Function {
+            name_strindex: name,
+            system_name_strindex: if native { name } else { 0 },
+            filename_strindex: filename,
             start_line: 0,
-        });
-        self.function_ids.insert(key, id);
-        id
+        }) as i32
     }
 
     fn finish(mut self, p: &Profile) -> pb::ProfilesDictionary {
@@ -323,7 +302,7 @@ impl<'a> Dictionary<'a> {
             } else {
                 vec![self.attribute(
                     "process.executable.build_id.gnu",
-                    Value::StringValue(m.build_id.clone()),
+                    AttributeValue::Str(m.build_id.clone()),
                 )]
             };
             mapping_table.push(pb::Mapping {
@@ -334,12 +313,12 @@ impl<'a> Dictionary<'a> {
         }
         pb::ProfilesDictionary {
             mapping_table,
-            location_table: self.locations,
-            function_table: self.functions,
+            location_table: self.locations.into_items(),
+            function_table: self.functions.into_items(),
             link_table: vec![pb::Link::default()],
-            string_table: self.strings,
-            attribute_table: self.attributes,
-            stack_table: self.stacks,
+            string_table: self.strings.into_items(),
+            attribute_table: self.attributes.into_items(),
+            stack_table: self.stacks.into_items(),
         }
     }
 }

@@ -2,12 +2,12 @@
 //! github.com/google/pprof), as `go tool pprof`, Pyroscope and most profile viewers read it.
 //! The messages are tracer_proto's `pprof` module.
 
-use std::collections::HashMap;
 use std::io::Write;
 
 use flate2::{write::GzEncoder, Compression};
 use prost::Message;
 
+use super::table::Table;
 use crate::{
     profile::{Frame, FrameKind, Profile},
     ProcessOrigin,
@@ -108,9 +108,9 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
         sample_type,
         sample,
         mapping,
-        location: b.locations,
-        function: b.functions,
-        string_table: b.strings.table,
+        location: b.locations.into_items(),
+        function: b.functions.into_items(),
+        string_table: b.strings.0.into_items(),
         time_nanos: int(p.start_unix_ns),
         duration_nanos: int(p.duration_ns),
         period_type,
@@ -127,48 +127,33 @@ fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Interns strings: pprof refers to every string by its index, and index 0 must be "".
-struct Strings {
-    table: Vec<String>,
-    ids: HashMap<String, i64>,
-}
-
-impl Strings {
-    fn id(&mut self, s: &str) -> i64 {
-        if let Some(&id) = self.ids.get(s) {
-            return id;
-        }
-        let id = int(self.table.len() as u64);
-        self.table.push(s.to_owned());
-        self.ids.insert(s.to_owned(), id);
-        id
-    }
-}
-
-/// Deduplicates locations (one per distinct frame) and functions (one per name and file).
+/// Deduplicates strings (pprof refers to each by its index, and index 0 must be ""),
+/// locations (one per distinct frame) and functions (one per name and file).
 struct Builder<'a> {
     strings: Strings,
     mappings: usize,
-    locations: Vec<pb::Location>,
-    location_ids: HashMap<&'a Frame, u64>,
-    functions: Vec<pb::Function>,
-    function_ids: HashMap<(i64, i64), u64>,
+    locations: Table<&'a Frame, pb::Location>,
+    functions: Table<(i64, i64), pb::Function>,
+}
+
+/// pprof's string table.
+struct Strings(Table<String, String>);
+
+impl Strings {
+    fn id(&mut self, s: &str) -> i64 {
+        int(self.0.string(s) as u64)
+    }
 }
 
 impl<'a> Builder<'a> {
     fn new(mappings: usize) -> Self {
-        let mut strings = Strings {
-            table: Vec::new(),
-            ids: HashMap::new(),
-        };
+        let mut strings = Strings(Table::new(Vec::new()));
         strings.id("");
         Builder {
             strings,
             mappings,
-            locations: Vec::new(),
-            location_ids: HashMap::new(),
-            functions: Vec::new(),
-            function_ids: HashMap::new(),
+            locations: Table::new(Vec::new()),
+            functions: Table::new(Vec::new()),
         }
     }
 
@@ -196,8 +181,8 @@ impl<'a> Builder<'a> {
     }
 
     fn location(&mut self, f: &'a Frame) -> u64 {
-        if let Some(&id) = self.location_ids.get(f) {
-            return id;
+        if let Some(i) = self.locations.get(&f) {
+            return i as u64 + 1;
         }
         let (name, file) = function_of(f);
         let function_id = self.function(&name, file, f.kind == FrameKind::Native);
@@ -208,16 +193,18 @@ impl<'a> Builder<'a> {
             _ => 0,
         };
         let id = self.locations.len() as u64 + 1;
-        self.locations.push(pb::Location {
-            id,
-            mapping_id,
-            address: f.address,
-            line: vec![pb::Line {
-                function_id,
-                line: f.line.map_or(0, i64::from),
-            }],
-        });
-        self.location_ids.insert(f, id);
+        self.locations.push(
+            f,
+            pb::Location {
+                id,
+                mapping_id,
+                address: f.address,
+                line: vec![pb::Line {
+                    function_id,
+                    line: f.line.map_or(0, i64::from),
+                }],
+            },
+        );
         id
     }
 
@@ -225,18 +212,15 @@ impl<'a> Builder<'a> {
     /// arguments dropped), which would turn Python's `<module>` or `<lambda>` into nothing.
     fn function(&mut self, name: &str, file: &str, native: bool) -> u64 {
         let key = (self.strings.id(name), self.strings.id(file));
-        if let Some(&id) = self.function_ids.get(&key) {
-            return id;
-        }
-        let id = self.functions.len() as u64 + 1;
-        self.functions.push(pb::Function {
-            id,
-            name: key.0,
-            system_name: if native { key.0 } else { 0 },
-            filename: key.1,
+        // pprof's ids count from 1.
+        let next = self.functions.len() as u64 + 1;
+        let i = self.functions.id(&key, |&(name, filename)| pb::Function {
+            id: next,
+            name,
+            system_name: if native { name } else { 0 },
+            filename,
         });
-        self.function_ids.insert(key, id);
-        id
+        i as u64 + 1
     }
 }
 

@@ -174,12 +174,13 @@ impl Jitter {
                         };
                         if rc != 0 {
                             // The period stays as it was: samples as without jitter.
-                            tracing::debug!(error = %io::Error::last_os_error(), "no new sampling period");
+                            let error = io::Error::last_os_error();
+                            tracing::debug!(%error, "no new sampling period");
                         }
                     }
                 }
             })
-                .map_err(SamplerError::Jitter)?;
+            .map_err(SamplerError::Jitter)?;
         Ok(Self {
             stop,
             thread: Some(thread),

@@ -444,7 +444,11 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
         let from = l["named_from"].as_str().unwrap_or("").to_owned();
         if kernel == "run" || kernel.starts_with("[kernel handle") {
             // The program's bad handles: launched from run(), no name anywhere.
-            assert!(l["caller"].as_str().unwrap().starts_with("run ("), "{l}");
+            assert!(
+                l["caller"].as_str().is_some_and(|c| c.starts_with("run (")),
+                "{l}; losses: {}",
+                report["losses"]
+            );
             kernel.clear();
         } else {
             named_from.insert(format!("{api} {kernel}"), from);

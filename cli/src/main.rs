@@ -206,6 +206,10 @@ struct Output {
     /// Sampling reports: only the stacks of processes with this name (comm).
     #[arg(long = "filter-comm", value_name = "NAME")]
     filter_comm: Option<String>,
+    /// Sampling reports: only the samples taken while their thread held the GIL (what
+    /// limits a threaded Python program; py-spy's --gil).
+    #[arg(long)]
+    gil: bool,
 }
 
 /// `--frequency`: clap's own range check would print u64's whole range.
@@ -678,6 +682,7 @@ fn report_request(id: String, out: &Output, format: ReportFormat) -> GetReportRe
         pids: out.filter_pids.clone(),
         tids: out.filter_tids.clone(),
         comm: out.filter_comm.clone().unwrap_or_default(),
+        gil_held: out.gil,
     }
 }
 

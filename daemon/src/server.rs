@@ -192,6 +192,9 @@ impl Tracer for Service {
         if let Some(p) = report.profile.as_mut() {
             let r = req.get_ref();
             p.retain(&r.pids, &r.tids, &r.comm);
+            if r.gil_held {
+                p.retain_gil_held();
+            }
         }
         if matches!(format, ReportFormat::Chrome | ReportFormat::Perfetto) {
             let Some(trace) = report.trace.take() else {

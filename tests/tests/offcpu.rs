@@ -46,6 +46,23 @@ fn shares(lines: &[(Vec<String>, u64)]) -> BTreeMap<&'static str, f64> {
         .collect()
 }
 
+/// The phases' shares (%) of the time the workload measured itself, from the JSON line it
+/// prints last.
+fn own_timing(printed: &str) -> BTreeMap<&'static str, f64> {
+    let took: BTreeMap<String, f64> = serde_json::from_str(
+        printed
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no timing printed: {printed}")),
+    )
+    .unwrap();
+    let all: f64 = took.values().sum();
+    PHASES
+        .iter()
+        .map(|(p, _, _)| (*p, 100.0 * took[*p] / all))
+        .collect()
+}
+
 #[test]
 fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
     if !root_or_skip() {
@@ -69,18 +86,7 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
         "0.4",
         "3",
     ]);
-    let took: BTreeMap<String, f64> = serde_json::from_str(
-        printed
-            .lines()
-            .find(|l| l.starts_with('{'))
-            .unwrap_or_else(|| panic!("no timing printed: {printed}")),
-    )
-    .unwrap();
-    let all: f64 = took.values().sum();
-    let truth: BTreeMap<&str, f64> = PHASES
-        .iter()
-        .map(|(p, _, _)| (*p, 100.0 * took[*p] / all))
-        .collect();
+    let truth = own_timing(&printed);
     let ours = parse_folded(&std::fs::read_to_string(out.path()).unwrap());
     let tracer = shares(&ours);
 
@@ -109,18 +115,37 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
         String::from_utf8_lossy(&spy.stderr)
     );
     let theirs = shares(&parse_folded(&std::fs::read_to_string(raw.path()).unwrap()));
-    println!("truth {truth:.1?}\ntracer {tracer:.1?}\npy-spy {theirs:.1?}");
+    let their_truth = own_timing(&String::from_utf8_lossy(&spy.stdout));
+    println!(
+        "truth {truth:.1?}\ntracer {tracer:.1?}\n\
+         truth of py-spy's run {their_truth:.1?}\npy-spy {theirs:.1?}"
+    );
+    let mut compared = 0;
     for (phase, _, _) in PHASES {
         let (t, a, b) = (truth[phase], tracer[phase], theirs[phase]);
         assert!(
             (a - t).abs() <= 5.0,
             "{phase}: tracer {a:.1}%, the program's own timing {t:.1}%"
         );
+        // py-spy samples a run of its own, and on a loaded machine it can miss that run's
+        // timing by more than tracer may miss its own (29% for a phase timed at 25%): it is
+        // a second opinion only where it was right about its own run.
+        let off = (b - their_truth[phase]).abs();
+        if off > 3.0 {
+            println!("{phase}: py-spy off its run's own timing by {off:.1}: not compared");
+            continue;
+        }
         assert!(
             (a - b).abs() <= 5.0,
             "{phase}: tracer {a:.1}%, py-spy --idle {b:.1}%"
         );
+        compared += 1;
     }
+    assert!(
+        compared >= 2,
+        "py-spy missed its run's own timing in {} phases",
+        4 - compared
+    );
     // Each wait's time is named for what it waited on.
     for (phase, function, why) in PHASES {
         let Some(why) = why else { continue };

@@ -82,6 +82,15 @@ int main(void) {
            offsetof(PyInterpreterState, monitoring_version),
            sizeof(((PyInterpreterState *)0)->monitoring_version));
 #endif
+    /* Sampling: whether the sampled thread holds the GIL (locked, and it the last holder):
+     * the runtime's own GIL before 3.12, the interpreter's (PEP 684) from 3.12. */
+#if PY_VERSION_HEX >= 0x030C0000
+    printf("interp_gil_locked: %zu,\n", offsetof(PyInterpreterState, _gil.locked));
+    printf("interp_gil_last_holder: %zu,\n", offsetof(PyInterpreterState, _gil.last_holder));
+#else
+    printf("runtime_gil_locked: %zu,\n", offsetof(_PyRuntimeState, ceval.gil.locked));
+    printf("runtime_gil_last_holder: %zu,\n", offsetof(_PyRuntimeState, ceval.gil.last_holder));
+#endif
     printf("bytes_data: %zu,\n", offsetof(PyBytesObject, ob_sval));
     printf("unicode_length: %zu,\n", offsetof(PyASCIIObject, length));
     printf("unicode_state: %zu,\n", offsetof(PyASCIIObject, state));

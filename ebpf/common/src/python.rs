@@ -69,6 +69,13 @@ pub struct PyLayout {
     /// `PyThreadState.tracing`, where RESUME skips the check inside a trace or profile
     /// function (3.13+; 0: it always checks, as 3.12 does).
     pub tstate_tracing: u32,
+    /// Sampling: the GIL's `locked` (an int) and `last_holder` (a thread state), the thread
+    /// holding it when both say so; 0: not read. Offsets from `_PyRuntime` (3.10–3.11:
+    /// `ceval.gil`) or, where `gil_in_interp` is set, from the interpreter state (3.12+:
+    /// `_gil`, each interpreter's own since PEP 684).
+    pub gil_locked: u32,
+    pub gil_holder: u32,
+    pub gil_in_interp: u32,
 }
 
 /// Low bits of `PyThreadState.eval_breaker` that are event flags, not the version (3.13+).

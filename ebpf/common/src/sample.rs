@@ -54,6 +54,10 @@ pub mod sample_flag {
     pub const PREEMPTED: u32 = 128;
     /// Off-CPU: it left in uninterruptible sleep (`D`: disk I/O, page faults, some locks).
     pub const UNINTERRUPTIBLE: u32 = 256;
+    /// A Python thread's sample that read the GIL's state: `GIL_HELD` says whether this
+    /// thread held it.
+    pub const GIL_KNOWN: u32 = 512;
+    pub const GIL_HELD: u32 = 1024;
 }
 
 /// One stack sample, sent on the `SAMPLES` ring buffer up to the stack bytes copied. Kernel

@@ -318,7 +318,7 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
 
 /// The launching thread's innermost Python frame (code object, instruction, names id).
 fn call_site(pid: u32) -> Option<(u64, u64, u64)> {
-    let PyThread::Found(tstate, l) = python_thread(pid) else {
+    let PyThread::Found(tstate, l, _) = python_thread(pid) else {
         return None;
     };
     let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;

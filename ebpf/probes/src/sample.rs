@@ -212,7 +212,8 @@ fn read<T>(addr: u64) -> Option<T> {
 
 /// Where the current thread's Python state is, if its process runs a known CPython.
 pub(crate) enum PyThread {
-    Found(u64, &'static PyLayout),
+    /// Its thread state, the layout, and the interpreter state the thread was found in.
+    Found(u64, &'static PyLayout, u64),
     /// The daemon has not told yet whether the process runs Python.
     UnknownProcess,
     NotPython,
@@ -245,7 +246,7 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
         return PyThread::NoThread;
     };
     match thread_state(proc.runtime, layout, want) {
-        Some(t) => PyThread::Found(t, layout),
+        Some((t, interp)) => PyThread::Found(t, layout, interp),
         None => PyThread::NoThread,
     }
 }
@@ -253,7 +254,11 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 /// The Python frames of the sampled thread, if its process runs a known CPython.
 pub(crate) unsafe fn python(ev: *mut SampleEvent, pid: u32) {
     let (tstate, layout) = match python_thread(pid) {
-        PyThread::Found(t, l) => (t, l),
+        PyThread::Found(t, l, interp) => {
+            // SAFETY: as above.
+            unsafe { (*ev).flags |= gil(pid, interp, t, l) };
+            (t, l)
+        }
         PyThread::UnknownProcess => {
             // SAFETY: `ev` is this CPU's record.
             unsafe { (*ev).flags |= sample_flag::PY_UNKNOWN_PROCESS };
@@ -303,8 +308,36 @@ struct Find {
     found: u64,
 }
 
-/// The thread state whose thread id is `want`, from the main interpreter's thread list.
-fn thread_state(runtime: u64, layout: &PyLayout, want: u64) -> Option<u64> {
+/// Whether the thread whose state is `tstate` holds the GIL: `GIL_KNOWN`, and `GIL_HELD`
+/// when the GIL is locked and this thread took it last (`last_holder` stays set after a
+/// release, so the lock word says whether anyone holds it now).
+fn gil(pid: u32, interp: u64, tstate: u64, l: &PyLayout) -> u32 {
+    if l.gil_locked == 0 {
+        return 0;
+    }
+    let base = if l.gil_in_interp != 0 {
+        interp
+    } else {
+        // SAFETY: map values are valid for the duration of the program.
+        match unsafe { PY_SAMPLE_PROCS.get(&pid) } {
+            Some(p) => p.runtime,
+            None => return 0,
+        }
+    };
+    let locked = read::<i32>(base + u64::from(l.gil_locked));
+    let holder = read::<u64>(base + u64::from(l.gil_holder));
+    match (locked, holder) {
+        (Some(locked), Some(holder)) if locked != 0 && holder == tstate => {
+            sample_flag::GIL_KNOWN | sample_flag::GIL_HELD
+        }
+        (Some(_), Some(_)) => sample_flag::GIL_KNOWN,
+        _ => 0,
+    }
+}
+
+/// The thread state whose thread id is `want`, and the interpreter state whose thread list
+/// holds it (the newest interpreter's: the main one unless subinterpreters were made).
+fn thread_state(runtime: u64, layout: &PyLayout, want: u64) -> Option<(u64, u64)> {
     let interp: u64 = read(runtime + u64::from(layout.runtime_interpreters_head))?;
     let tstate: u64 = read(interp + u64::from(layout.interp_threads_head))?;
     let mut find = Find {
@@ -322,7 +355,7 @@ fn thread_state(runtime: u64, layout: &PyLayout, want: u64) -> Option<u64> {
             0,
         )
     };
-    (find.found != 0).then_some(find.found)
+    (find.found != 0).then_some((find.found, interp))
 }
 
 #[inline(never)]

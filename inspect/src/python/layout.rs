@@ -72,7 +72,19 @@ const fn probe(
         interp_monitoring_version: 0,
         tstate_eval_breaker: 0,
         tstate_tracing: 0,
+        gil_locked: 0,
+        gil_holder: 0,
+        gil_in_interp: 0,
     }
+}
+
+/// Whether the sampled thread holds the GIL: `(locked, last_holder)` within `_PyRuntime`
+/// before 3.12, within the interpreter state from 3.12 (`cargo xtask py-layouts`).
+const fn gil(mut p: PyLayout, (locked, holder): (u32, u32), in_interp: bool) -> PyLayout {
+    p.gil_locked = locked;
+    p.gil_holder = holder;
+    p.gil_in_interp = in_interp as u32;
+    p
 }
 
 /// 3.12: a code object's instrumentation version against the interpreter's
@@ -155,22 +167,26 @@ pub const VERSIONS: &[Version] = &[
         minor: 10,
         index: 0,
         // co_name: 3.10 code objects have no qualname.
-        probe: sampled(
-            probe(
-                py_kind::EVAL_ARG_FRAME,
-                0,
-                0,
-                // PyThreadState.frame: the caller's frame again once a frame has returned.
-                24,
-                // f_code, f_back.
-                (32, 24),
-                (104, 112, 40),
-                48,
+        probe: gil(
+            sampled(
+                probe(
+                    py_kind::EVAL_ARG_FRAME,
+                    0,
+                    0,
+                    // PyThreadState.frame: the caller's frame again once a frame has returned.
+                    24,
+                    // f_code, f_back.
+                    (32, 24),
+                    (104, 112, 40),
+                    48,
+                ),
+                // f_lasti; every 3.10 frame is its own run of the eval loop.
+                (96, 0),
+                176,
+                (32, 8),
             ),
-            // f_lasti; every 3.10 frame is its own run of the eval loop.
-            (96, 0),
-            176,
-            (32, 8),
+            (368, 360),
+            false,
         ),
         runtime_interpreters_head: 32,
         interp_threads_head: 8,
@@ -186,11 +202,15 @@ pub const VERSIONS: &[Version] = &[
     Version {
         minor: 11,
         index: 1,
-        probe: sampled(
-            probe(py_kind::CFRAME, 56, 8, 0, (32, 48), (112, 128, 72), 48),
-            (56, 68),
-            152,
-            (40, 16),
+        probe: gil(
+            sampled(
+                probe(py_kind::CFRAME, 56, 8, 0, (32, 48), (112, 128, 72), 48),
+                (56, 68),
+                152,
+                (40, 16),
+            ),
+            (376, 368),
+            false,
         ),
         runtime_interpreters_head: 40,
         interp_threads_head: 16,
@@ -206,19 +226,23 @@ pub const VERSIONS: &[Version] = &[
     Version {
         minor: 12,
         index: 2,
-        probe: sampled(
-            monitoring_3_12(with_owner(probe(
-                py_kind::CFRAME,
-                56,
-                0,
-                0,
-                (0, 8),
-                (112, 128, 68),
-                40,
-            ))),
-            (56, 0),
-            136,
-            (40, 72),
+        probe: gil(
+            sampled(
+                monitoring_3_12(with_owner(probe(
+                    py_kind::CFRAME,
+                    56,
+                    0,
+                    0,
+                    (0, 8),
+                    (112, 128, 68),
+                    40,
+                ))),
+                (56, 0),
+                136,
+                (40, 72),
+            ),
+            (1056, 1048),
+            true,
         ),
         runtime_interpreters_head: 40,
         interp_threads_head: 72,
@@ -241,22 +265,26 @@ pub const VERSIONS: &[Version] = &[
     Version {
         minor: 13,
         index: 3,
-        probe: sampled(
-            monitoring_3_13(
-                with_owner(probe(
-                    py_kind::CURRENT_FRAME,
-                    0,
-                    0,
-                    72,
-                    (0, 8),
-                    (112, 128, 68),
-                    40,
-                )),
-                60,
+        probe: gil(
+            sampled(
+                monitoring_3_13(
+                    with_owner(probe(
+                        py_kind::CURRENT_FRAME,
+                        0,
+                        0,
+                        72,
+                        (0, 8),
+                        (112, 128, 68),
+                        40,
+                    )),
+                    60,
+                ),
+                (56, 0),
+                152,
+                (632, 7344),
             ),
-            (56, 0),
-            152,
-            (632, 7344),
+            (7768, 7760),
+            true,
         ),
         runtime_interpreters_head: 632,
         interp_threads_head: 7344,
@@ -283,22 +311,26 @@ pub const VERSIONS: &[Version] = &[
     Version {
         minor: 14,
         index: 4,
-        probe: sampled(
-            monitoring_3_13(
-                stackref(probe(
-                    py_kind::CURRENT_FRAME,
-                    0,
-                    0,
-                    72,
-                    (0, 8),
-                    (112, 128, 68),
-                    40,
-                )),
-                60,
+        probe: gil(
+            sampled(
+                monitoring_3_13(
+                    stackref(probe(
+                        py_kind::CURRENT_FRAME,
+                        0,
+                        0,
+                        72,
+                        (0, 8),
+                        (112, 128, 68),
+                        40,
+                    )),
+                    60,
+                ),
+                (56, 0),
+                152,
+                (808, 7344),
             ),
-            (56, 0),
-            152,
-            (808, 7344),
+            (7800, 7792),
+            true,
         ),
         runtime_interpreters_head: 808,
         interp_threads_head: 7344,
@@ -323,22 +355,26 @@ pub const VERSIONS: &[Version] = &[
     Version {
         minor: 15,
         index: 5,
-        probe: sampled(
-            monitoring_3_13(
-                resume_before_generator(stackref(probe(
-                    py_kind::CURRENT_FRAME,
-                    0,
-                    0,
-                    72,
-                    (0, 8),
-                    (112, 128, 68),
-                    40,
-                ))),
-                64,
+        probe: gil(
+            sampled(
+                monitoring_3_13(
+                    resume_before_generator(stackref(probe(
+                        py_kind::CURRENT_FRAME,
+                        0,
+                        0,
+                        72,
+                        (0, 8),
+                        (112, 128, 68),
+                        40,
+                    ))),
+                    64,
+                ),
+                (56, 0),
+                176,
+                (936, 7336),
             ),
-            (56, 0),
-            176,
-            (936, 7336),
+            (7752, 7744),
+            true,
         ),
         runtime_interpreters_head: 936,
         interp_threads_head: 7336,
@@ -446,6 +482,15 @@ pub fn from_debug_offsets(d: &DebugOffsets) -> Result<Version, String> {
     probe.unicode_state = off("unicode_object.state");
     probe.frame_owner = off("interpreter_frame.owner");
     probe.tstate_next = off("thread_state.next");
+    // The GIL is optional: without it, samples say nothing about it. A free-threaded build
+    // has none to hold (and is refused before this).
+    let (locked, holder) = (
+        "interpreter_state.gil_runtime_state_locked",
+        "interpreter_state.gil_runtime_state_holder",
+    );
+    if d.plausible(locked) && d.plausible(holder) && get(locked) != 0 {
+        probe = gil(probe, (off(locked), off(holder)), true);
+    }
     if d.minor() >= 14 {
         probe.executable_tag_bits = 7;
     }

@@ -331,6 +331,11 @@ pub struct GetReportRequest {
     pub tids: ::prost::alloc::vec::Vec<u32>,
     #[prost(string, tag = "7")]
     pub comm: ::prost::alloc::string::String,
+    /// Sampling sessions: keep only the samples taken while their thread held the GIL
+    /// (`py-spy --gil`), CPython 3.10-3.15. Off-CPU time goes too: away from the CPU, a thread
+    /// runs no Python.
+    #[prost(bool, tag = "8")]
+    pub gil_held: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -82,6 +82,7 @@ pub(crate) mod tests {
             frames,
             count,
             off_cpu_ns: 0,
+            gil_held: None,
         }
     }
 

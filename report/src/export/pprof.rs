@@ -95,6 +95,9 @@ pub fn pprof(p: &Profile, containers: &[ProcessOrigin]) -> Vec<u8> {
                         }
                     }
                 }
+                if let Some(held) = s.gil_held {
+                    l.push(b.str_label("gil", if held { "held" } else { "released" }));
+                }
                 l
             },
         })

@@ -2,6 +2,7 @@
 //! root to the leaf, Python, native and kernel frames side by side. Every flame graph format
 //! (`export::{folded, pprof, speedscope, svg}`) is written from this one structure.
 
+mod gil;
 mod wall;
 
 use serde::{Deserialize, Serialize};
@@ -60,6 +61,9 @@ pub struct Stack {
     /// Off-CPU time in wall-clock profiles; its leaf frame says why.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub off_cpu_ns: u64,
+    /// CPU samples of a Python thread whose GIL state was read: whether it held the GIL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gil_held: Option<bool>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -190,6 +194,13 @@ impl Profile {
         });
     }
 
+    /// Keeps the samples taken while their thread held the GIL (`py-spy --gil`): what
+    /// limits a threaded Python program. Off-CPU time is dropped too: a thread away from
+    /// the CPU runs no Python.
+    pub fn retain_gil_held(&mut self) {
+        self.stacks.retain(|s| s.gil_held == Some(true));
+    }
+
     /// The terminal report: functions by samples (by time, in a wall-clock profile) in
     /// themselves (leaf) and in their subtree, like `perf report --children`; then how well
     /// stacks were unwound.
@@ -285,6 +296,7 @@ impl Profile {
         if wall {
             wall::threads(self, out);
         }
+        gil::threads(self, out);
         let u = &self.unwinding;
         let _ = writeln!(
             out,

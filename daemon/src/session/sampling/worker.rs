@@ -37,6 +37,10 @@ use tracer_bpf::bpf::SamplingMaps;
 
 type Key = (u32, u32, u32, RawStack, u8);
 
+/// A histogram state: a CPU sample of a Python thread that held the GIL, or did not.
+const ON_GIL_HELD: u8 = 4;
+const ON_GIL_RELEASED: u8 = 5;
+
 /// One session's histogram.
 struct Histogram {
     frequency_hz: u64,
@@ -45,8 +49,9 @@ struct Histogram {
     kernel_addresses: bool,
     started: Instant,
     start_unix_ns: u64,
-    /// (pid, tid, process frame, stack as captured, state) → samples (state 0) or off-CPU
-    /// nanoseconds (1 preempted, 2 blocked, 3 uninterruptible).
+    /// (pid, tid, process frame, stack as captured, state) → samples (state 0: nothing
+    /// known of the GIL, `ON_GIL_RELEASED`, `ON_GIL_HELD`) or off-CPU nanoseconds (1
+    /// preempted, 2 blocked, 3 uninterruptible).
     stacks: HashMap<Key, u64>,
     /// Wall-clock sessions: their off-CPU tally.
     off_cpu: Option<OffCpu>,
@@ -359,6 +364,8 @@ impl State {
         let root = self.resolver.process_frame(&comm, ev.pid);
         let notes = std::mem::take(&mut self.resolver.notes);
         let (state, value) = match off {
+            false if ev.flags & sample_flag::GIL_HELD != 0 => (ON_GIL_HELD, 1),
+            false if ev.flags & sample_flag::GIL_KNOWN != 0 => (ON_GIL_RELEASED, 1),
             false => (0, 1),
             true if ev.flags & sample_flag::PREEMPTED != 0 => (1, ev.weight_ns),
             true if ev.flags & sample_flag::UNINTERRUPTIBLE != 0 => (3, ev.weight_ns),
@@ -578,7 +585,8 @@ impl State {
                         f
                     })
                     .collect();
-                if state != 0 {
+                let off = !matches!(state, 0 | ON_GIL_HELD | ON_GIL_RELEASED);
+                if off {
                     super::reason::trim(&mut frames);
                     let why = super::reason::reason(&frames, state);
                     frames.push(Frame {
@@ -587,7 +595,7 @@ impl State {
                         ..Frame::default()
                     });
                 }
-                let (count, off_cpu_ns) = if state == 0 { (count, 0) } else { (0, count) };
+                let (count, off_cpu_ns) = if off { (0, count) } else { (count, 0) };
                 Stack {
                     pid,
                     tid,
@@ -595,6 +603,11 @@ impl State {
                     frames,
                     count,
                     off_cpu_ns,
+                    gil_held: match state {
+                        ON_GIL_HELD => Some(true),
+                        ON_GIL_RELEASED => Some(false),
+                        _ => None,
+                    },
                 }
             })
             .collect();

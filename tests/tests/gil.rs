@@ -1,0 +1,223 @@
+//! The GIL in sampling profiles, end to end: whether each sample's thread held it, on every
+//! interpreter, against a program whose threads hold it (pure Python) and release it (hashlib
+//! on large buffers) by construction; the GIL-held flame graph against `py-spy --gil`; the
+//! per-thread GIL table.
+
+use std::{collections::BTreeMap, path::PathBuf, process::Command};
+
+use serde_json::Value;
+use tracer_tests::{interpreters, parse_folded, root_or_skip, script, Daemon};
+
+/// Samples by function (`spin`, `digest`) and GIL state (`Some(held)`, None: not read).
+fn by_function(report: &Value) -> BTreeMap<(&'static str, Option<bool>), u64> {
+    let mut by = BTreeMap::new();
+    let stacks = report["profile"]["stacks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no stacks in {report}"));
+    for s in stacks {
+        let frames = s["frames"].as_array().cloned().unwrap_or_default();
+        let Some(f) = ["spin", "digest"].into_iter().find(|name| {
+            frames
+                .iter()
+                .any(|f| f["kind"] == "python" && f["name"] == *name)
+        }) else {
+            continue;
+        };
+        let held = s["gil_held"].as_bool();
+        *by.entry((f, held)).or_default() += s["count"].as_u64().unwrap_or(0);
+    }
+    by
+}
+
+#[test]
+fn samples_say_whether_their_thread_held_the_gil_on_every_interpreter() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let workload = script("gil_split.py");
+    for python in interpreters() {
+        let printed = d.ok(&[
+            "start",
+            "--mode=sampling",
+            "--frequency",
+            "250",
+            "--format",
+            "json",
+            "--",
+            python.to_str().unwrap(),
+            workload.to_str().unwrap(),
+            "2",
+        ]);
+        let json = &printed[printed
+            .find('{')
+            .unwrap_or_else(|| panic!("no report: {printed}"))..];
+        let report: Value = serde_json::from_str(json).unwrap();
+        let by = by_function(&report);
+        println!("{}: {by:?}", python.display());
+        let n = |f: &'static str, held: Option<bool>| by.get(&(f, held)).copied().unwrap_or(0);
+        let spin = n("spin", Some(true)) + n("spin", Some(false)) + n("spin", None);
+        let digest = n("digest", Some(true)) + n("digest", Some(false)) + n("digest", None);
+        assert!(
+            spin >= 100 && digest >= 100,
+            "{}: too few samples: {by:?}",
+            python.display()
+        );
+        // Every Python thread's sample read the GIL.
+        assert!(
+            n("spin", None) + n("digest", None) == 0,
+            "{}: GIL not read: {by:?}",
+            python.display()
+        );
+        // Pure Python runs holding it; hashing 4 MiB runs without it, and takes it back
+        // only between buffers.
+        assert!(
+            n("spin", Some(true)) * 10 >= spin * 9,
+            "{}: spin held the GIL in {} of {spin} samples",
+            python.display(),
+            n("spin", Some(true))
+        );
+        assert!(
+            n("digest", Some(false)) * 10 >= digest * 8,
+            "{}: digest ran without the GIL in {} of {digest} samples",
+            python.display(),
+            n("digest", Some(false))
+        );
+    }
+}
+
+fn venv_python() -> PathBuf {
+    std::env::var_os("TRACER_TEST_PYTHON")
+        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
+        .into()
+}
+
+/// `digest`'s share (%) of the samples under either function.
+fn digest_share(lines: &[(Vec<String>, u64)]) -> (f64, u64) {
+    let under = |name: &str| -> u64 {
+        let prefix = format!("{name} (");
+        lines
+            .iter()
+            .filter(|(f, _)| f.iter().any(|f| f.starts_with(&prefix)))
+            .map(|l| l.1)
+            .sum()
+    };
+    let (spin, digest) = (under("spin"), under("digest"));
+    (
+        100.0 * digest as f64 / (spin + digest).max(1) as f64,
+        spin + digest,
+    )
+}
+
+#[test]
+fn the_gil_held_flame_graph_matches_py_spy_gil() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let python = venv_python();
+    let workload = script("gil_split.py");
+    let out = tempfile::NamedTempFile::new().unwrap();
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "100",
+        "--gil",
+        "--format",
+        "folded",
+        "-o",
+        out.path().to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        workload.to_str().unwrap(),
+        "3",
+    ]);
+    let ours = digest_share(&parse_folded(&std::fs::read_to_string(out.path()).unwrap()));
+
+    let raw = tempfile::NamedTempFile::new().unwrap();
+    let spy = Command::new(python.with_file_name("py-spy"))
+        .args([
+            "record",
+            "--gil",
+            "--rate",
+            "100",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "-o",
+        ])
+        .arg(raw.path())
+        .arg("--")
+        .arg(&python)
+        .arg(&workload)
+        .arg("3")
+        .output()
+        .unwrap();
+    assert!(
+        spy.status.success(),
+        "py-spy: {}",
+        String::from_utf8_lossy(&spy.stderr)
+    );
+    let theirs = digest_share(&parse_folded(&std::fs::read_to_string(raw.path()).unwrap()));
+    println!("GIL-held samples under digest: tracer {ours:.1?}, py-spy --gil {theirs:.1?}");
+    assert!(ours.1 >= 100 && theirs.1 >= 100, "too few samples");
+    // Holding the GIL is what spin does; digest holds it only between buffers.
+    assert!(
+        ours.0 <= 10.0,
+        "digest held the GIL in {:.1}% of tracer's samples",
+        ours.0
+    );
+    assert!(
+        (ours.0 - theirs.0).abs() <= 5.0,
+        "digest's share of GIL-held samples: tracer {:.1}%, py-spy --gil {:.1}%",
+        ours.0,
+        theirs.0
+    );
+
+    // The table names each thread's share holding the GIL, running without it and waiting
+    // for it.
+    let table = d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "100",
+        "--off-cpu",
+        "--",
+        python.to_str().unwrap(),
+        workload.to_str().unwrap(),
+        "2",
+    ]);
+    println!("{table}");
+    let gil = table
+        .split_once("The GIL:")
+        .unwrap_or_else(|| panic!("no GIL table: {table}"))
+        .1;
+    // Two threads of the workload (pure Python first, holding it most), the main thread.
+    let rows: Vec<Vec<f64>> = gil
+        .lines()
+        .skip(3)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| {
+            let v: Vec<f64> = l
+                .split_whitespace()
+                .skip(2)
+                .take(4)
+                .filter_map(|c| c.trim_end_matches('%').parse().ok())
+                .collect();
+            (v.len() == 4).then_some(v)
+        })
+        .collect();
+    assert!(rows.len() >= 2, "GIL rows: {gil}");
+    let (spin, digest) = (&rows[0], &rows[1]);
+    assert!(
+        spin[0] >= 50.0,
+        "spin held the GIL {}% of its wall time",
+        spin[0]
+    );
+    assert!(
+        digest[1] >= 30.0,
+        "digest ran without it {}% of its wall time",
+        digest[1]
+    );
+}

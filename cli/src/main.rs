@@ -10,17 +10,20 @@ mod client;
 mod duration;
 mod fleet;
 mod launch;
+mod output;
 mod render;
+mod top;
 
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use output::{fetch_report, report, report_request, write_output};
 use tokio_stream::StreamExt;
 use tracer_proto::{
-    target, CountingOptions, GetCapabilitiesRequest, GetReportRequest, ListSessionsRequest, Mode,
-    PushTls, ReportFormat, SamplingOptions, SessionInfo, SessionRef, SessionState,
-    StartSessionRequest, StreamEventsRequest, Target, TracingOptions, WatchSessionRequest,
+    target, CountingOptions, GetCapabilitiesRequest, ListSessionsRequest, Mode, PushTls,
+    SamplingOptions, SessionInfo, SessionRef, SessionState, StartSessionRequest,
+    StreamEventsRequest, Target, TracingOptions, WatchSessionRequest,
 };
 
 /// Control tracerd: start profiling sessions, follow them, fetch their reports.
@@ -63,8 +66,25 @@ enum Command {
     /// Print a finished session's report.
     Report {
         id: String,
+        /// A running session's report so far; it goes on running.
+        #[arg(long)]
+        interim: bool,
         #[command(flatten)]
         out: Output,
+    },
+    /// Show a running session's report so far, refreshed every interval, until it ends
+    /// (hottest functions by CPU and off-CPU time, or by calls and time).
+    Top {
+        id: String,
+        /// Time between refreshes, e.g. 500ms (default 1s).
+        #[arg(long, value_parser = duration::parse_ms, default_value = "1000")]
+        interval: u64,
+        /// Functions shown at most.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Order of Python functions counted (as `python -m cProfile -s`).
+        #[arg(long, default_value = "tottime")]
+        sort: String,
     },
     /// What this machine and daemon can do.
     Capabilities,
@@ -420,9 +440,23 @@ async fn run(cli: Cli, held: Option<launch::Held>) -> Result<ExitCode> {
             out!("{}", render::status(&s));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Report { id, out } => {
-            report(&mut client, id, &out).await?;
+        Command::Report { id, interim, out } => {
+            report(&mut client, id, &out, interim).await?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Top {
+            id,
+            interval,
+            limit,
+            sort,
+        } => {
+            let top = top::Top {
+                id,
+                interval: Duration::from_millis(interval.max(100)),
+                limit,
+                sort,
+            };
+            top::run(&mut client, top).await
         }
         Command::Watch { id } => {
             let mut stream = client
@@ -583,7 +617,7 @@ async fn start_followed(
             return Ok(ExitCode::SUCCESS);
         }
         follow(client, &session.id).await?;
-        report(client, session.id, &args.out).await?;
+        report(client, session.id, &args.out, false).await?;
         return Ok(ExitCode::SUCCESS);
     };
     if let Err(e) = h.release(&session.launch_env) {
@@ -610,7 +644,7 @@ async fn start_followed(
     };
     // Either way the session is over or about to be: wait for the daemon to close it.
     finish_after_exit(client, &session.id).await?;
-    report(client, session.id, &args.out).await?;
+    report(client, session.id, &args.out, false).await?;
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 
@@ -671,64 +705,6 @@ async fn finish_after_exit(client: &mut client::Client, id: &str) -> Result<()> 
         .await
         .map_err(status_err)?;
     Ok(())
-}
-
-fn report_request(id: String, out: &Output, format: ReportFormat) -> GetReportRequest {
-    GetReportRequest {
-        id,
-        format: format.into(),
-        sort: out.sort.clone(),
-        limit: out.limit,
-        pids: out.filter_pids.clone(),
-        tids: out.filter_tids.clone(),
-        comm: out.filter_comm.clone().unwrap_or_default(),
-        gil_held: out.gil,
-    }
-}
-
-async fn report(client: &mut client::Client, id: String, out: &Output) -> Result<()> {
-    let format = match out.format {
-        FormatArg::Table => ReportFormat::Table,
-        FormatArg::Json => ReportFormat::Json,
-        FormatArg::Pstats => ReportFormat::Pstats,
-        FormatArg::Folded => ReportFormat::Folded,
-        FormatArg::Pprof => ReportFormat::Pprof,
-        FormatArg::Otlp => ReportFormat::Otlp,
-        FormatArg::Speedscope => ReportFormat::Speedscope,
-        FormatArg::Svg => ReportFormat::Svg,
-        FormatArg::Chrome => ReportFormat::Chrome,
-        FormatArg::Perfetto => ReportFormat::Perfetto,
-        FormatArg::Kernels => ReportFormat::Kernels,
-    };
-    let data = fetch_report(client, report_request(id, out, format)).await?;
-    write_output(&data, out.output.as_deref())
-}
-
-/// A report, whole.
-async fn fetch_report(client: &mut client::Client, req: GetReportRequest) -> Result<Vec<u8>> {
-    let mut stream = client
-        .get_report(req)
-        .await
-        .map_err(status_err)?
-        .into_inner();
-    let mut data = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        data.extend(chunk.map_err(status_err)?.data);
-    }
-    Ok(data)
-}
-
-/// Writes to `-o FILE`, or standard output.
-fn write_output(data: &[u8], output: Option<&std::path::Path>) -> Result<()> {
-    match output {
-        Some(path) => {
-            std::fs::write(path, data).with_context(|| format!("writing {}", path.display()))
-        }
-        None => {
-            stdout_bytes(data);
-            Ok(())
-        }
-    }
 }
 
 /// A spec whose binary is a relative path (`./app:main`) names it from tracerctl's directory,

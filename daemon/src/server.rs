@@ -184,7 +184,7 @@ impl Tracer for Service {
                 )))
             }
         };
-        let mut report = self.sessions.report(id, who).await?;
+        let mut report = self.sessions.report(id, who, req.get_ref().interim).await?;
         if let Some(py) = report.python.as_mut() {
             tracer_report::sort_functions(&mut py.functions, sort);
         }

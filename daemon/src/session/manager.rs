@@ -19,6 +19,7 @@ mod closing;
 mod commands;
 mod cuda;
 mod follow;
+mod interim;
 mod metrics;
 mod persist;
 mod python;
@@ -326,8 +327,13 @@ impl Manager {
             Request::List { caller, reply } => {
                 let _ = reply.send(Ok(self.list(&caller)));
             }
-            Request::Report { id, caller, reply } => {
-                let _ = reply.send(self.report(&id, caller));
+            Request::Report {
+                id,
+                caller,
+                interim,
+                reply,
+            } => {
+                let _ = reply.send(self.report(&id, caller, interim));
             }
             Request::Subscribe { id, caller, reply } => {
                 let _ = reply.send(self.subscribe(&id, caller));
@@ -643,8 +649,16 @@ impl Manager {
 
     /// A finished session's report (or the store that holds it), and where its trace files
     /// are.
-    fn report(&mut self, id: &str, caller: Caller) -> Result<(Fetched, std::path::PathBuf), Error> {
+    fn report(
+        &mut self,
+        id: &str,
+        caller: Caller,
+        interim: bool,
+    ) -> Result<(Fetched, std::path::PathBuf), Error> {
         caller.may_read(self.owner(id)?, id)?;
+        if interim && self.running.contains_key(id) {
+            return Ok((self.interim(id)?, self.tracing.dir().to_owned()));
+        }
         if self.running.contains_key(id) || self.ending.closing.contains_key(id) {
             return Err(Error::StillRunning { id: id.into() });
         }

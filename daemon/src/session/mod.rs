@@ -68,6 +68,12 @@ pub trait Measurement: Send {
     /// first line)`: for events that need the name. Borrowed: most modes keep nothing.
     fn named(&self, _key: (u32, u64, u64), _name: (&str, &str, i32)) {}
 
+    /// What it has measured so far, to name into a running session's interim report,
+    /// where it can tell without stopping (a sampling profile so far).
+    fn interim(&self, _sampling: &Sampling) -> Option<Box<dyn ReportPart>> {
+        None
+    }
+
     /// A live view of what it measures from now on, where it has one (a trace's events).
     fn subscribe(&self) -> Option<tracing::Subscription> {
         None

@@ -156,7 +156,9 @@ mod tests {
         assert_eq!(row("1"), ["90.0%", "10.0%", "0.0%", "0.0%"]);
         assert_eq!(row("2"), ["25.0%", "75.0%", "0.0%", "0.0%"]);
         // A thread whose GIL state was never read has no row.
-        assert!(!out.lines().any(|l| l.split_whitespace().nth(1) == Some("3")));
+        assert!(!out
+            .lines()
+            .any(|l| l.split_whitespace().nth(1) == Some("3")));
         p.retain_gil_held();
         let kept: Vec<(u32, u64)> = p.stacks.iter().map(|s| (s.tid, s.count)).collect();
         assert_eq!(kept, [(1, 9), (2, 1)]);

@@ -39,6 +39,8 @@ pub(super) enum Request {
     Report {
         id: String,
         caller: Caller,
+        /// A running session's report so far, rather than a refusal.
+        interim: bool,
         reply: Reply<(Fetched, std::path::PathBuf)>,
     },
     Subscribe {
@@ -207,16 +209,26 @@ impl Handle {
 
     /// A finished session's report. A stored one is parsed here, in the caller's task (on a
     /// blocking thread: a large profile's JSON takes a while), not in the manager's.
-    pub async fn report(&self, id: String, caller: Caller) -> Result<Report, Error> {
+    pub async fn report(&self, id: String, caller: Caller, interim: bool) -> Result<Report, Error> {
         let (fetched, traces) = self
             .call(|reply| Request::Report {
                 id: id.clone(),
                 caller,
+                interim,
                 reply,
             })
             .await?;
         let mut report = match fetched {
             Fetched::Parsed(r) => *r,
+            // Named here, off the manager's task, as an ending session's parts are.
+            Fetched::Interim(mut r, parts) => tokio::task::spawn_blocking(move || {
+                for part in parts {
+                    part.fill(&mut r);
+                }
+                *r
+            })
+            .await
+            .map_err(|e| Error::io("naming an interim report", std::io::Error::other(e)))?,
             // Read and parsed here: a large report takes the manager's task no time.
             Fetched::Stored(store) => {
                 let key = id.clone();
@@ -256,6 +268,8 @@ impl Handle {
 /// caller's task parses.
 pub enum Fetched {
     Parsed(Box<Report>),
+    /// A running session's report so far, with what is left to name in it.
+    Interim(Box<Report>, Vec<Box<dyn crate::session::ReportPart>>),
     /// In the store: read by the caller, off the manager's task.
     Stored(SharedStore),
 }

@@ -84,6 +84,11 @@ impl Measurement for SamplingSession {
         Mode::Sampling
     }
 
+    fn interim(&self, sampling: &super::Sampling) -> Option<Box<dyn super::ReportPart>> {
+        let part = sampling.windows().peek(self.slot)?;
+        Some(Box::new(part))
+    }
+
     fn collect(&mut self, info: &mut SessionInfo) {
         let Some(c) = &self.continuous else {
             return;

@@ -42,6 +42,7 @@ const ON_GIL_HELD: u8 = 4;
 const ON_GIL_RELEASED: u8 = 5;
 
 /// One session's histogram.
+#[derive(Clone)]
 struct Histogram {
     frequency_hz: u64,
     event: &'static str,
@@ -136,6 +137,14 @@ impl Windows {
             st.ending(window, &self.0)
         };
         Some(ending.name())
+    }
+
+    /// The samples since the start (or the last window), named; nothing is taken.
+    pub fn peek(&self, slot: u8) -> Option<Ending> {
+        let mut st = lock(&self.0);
+        st.drain();
+        let h = st.sessions.get(&u32::from(slot))?.clone();
+        Some(st.ending(h, &self.0))
     }
 }
 

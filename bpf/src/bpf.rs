@@ -15,6 +15,7 @@ use maps::{cuda_counts, gpu_kernel_times, native_counts, reopen};
 pub use maps::{
     slot_entries, CudaCounts, CudaMaps, NativeMaps, PythonMaps, SamplingMaps, TracingMaps,
 };
+pub use offcpu::OffCpuSession;
 pub use programs::perf_link;
 pub use tracepoints::ensure_tracefs;
 use tracepoints::{attach, TracepointFormat};
@@ -182,6 +183,11 @@ impl Bpf {
         let switch = TracepointFormat::read("sched", "sched_switch");
         let prev_state_off = switch.offset("prev_state").unwrap_or(32);
         let next_pid_off = switch.offset("next_pid").unwrap_or(56);
+        // Without them off-CPU events name the call, not the kind of fd it waited on.
+        let fd_offsets = crate::btf::fd_offsets().unwrap_or_else(|e| {
+            tracing::warn!(%e, "off-CPU events will not say what an fd is");
+            [u32::MAX; 6]
+        });
         let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
             Ok(off) => (off, None),
             Err(e) => (u32::MAX, Some(e.to_string())),
@@ -202,6 +208,7 @@ impl Bpf {
             .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
             .override_global(globals::SWITCH_PREV_STATE_OFFSET, &prev_state_off, true)
             .override_global(globals::SWITCH_NEXT_PID_OFFSET, &next_pid_off, true)
+            .override_global(globals::FD_OFFSETS, &fd_offsets, true)
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         let multi_missing = if per_probe {

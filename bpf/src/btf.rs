@@ -103,6 +103,32 @@ pub fn task_fsbase_offset() -> Result<u32, BtfError> {
         .clone()
 }
 
+/// `task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`, `fdtable.fd`, `file.f_inode`
+/// and `inode.i_mode` on the running kernel: what an fd is (off-CPU events), read once.
+pub fn fd_offsets() -> Result<[u32; 6], BtfError> {
+    static OFFSETS: OnceLock<Result<[u32; 6], BtfError>> = OnceLock::new();
+    OFFSETS
+        .get_or_init(|| {
+            let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
+                path: VMLINUX_BTF.to_string(),
+                reason: e.to_string(),
+            })?;
+            let mut out = [0u32; 6];
+            for (o, path) in out.iter_mut().zip([
+                ["task_struct", "files"],
+                ["files_struct", "fdt"],
+                ["fdtable", "max_fds"],
+                ["fdtable", "fd"],
+                ["file", "f_inode"],
+                ["inode", "i_mode"],
+            ]) {
+                *o = member_offset(&blob, &path)?;
+            }
+            Ok(out)
+        })
+        .clone()
+}
+
 /// One parsed type head.
 struct Type {
     name_off: u32,

@@ -136,11 +136,13 @@ struct StartArgs {
     frequency: Option<u64>,
     /// Sampling, wall-clock: also the time threads spend off the CPU (sleeping, blocked on
     /// I/O, a lock, the GIL, a CUDA synchronization, or preempted), with their stacks where
-    /// they left and why, beside the CPU samples, in time units.
+    /// they left and why, beside the CPU samples, in time units. Tracing: each time away a
+    /// slice on the thread's track, named for what it waited on.
     #[arg(long)]
     off_cpu: bool,
     /// With --off-cpu: a thread's time away goes in as a stack once it adds up to this much
-    /// (default 5ms; 100us to 1s); shorter periods are carried into its next one.
+    /// (default 5ms; 100us to 1s); shorter periods are carried into its next one (tracing:
+    /// not drawn).
     #[arg(long, value_name = "DURATION", value_parser = duration::parse_us, requires = "off_cpu")]
     off_cpu_min: Option<u64>,
     /// Always-on low-rate profiling: sampling at 19 Hz (unless --frequency says otherwise)

@@ -270,6 +270,13 @@ pub fn event(e: &tracer_proto::TraceEvent) -> String {
             esc(&e.name),
             e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6
         ),
+        Kind::OffCpu => format!(
+            "{at} {:>7}/{:<7} away   {} {:.3} ms",
+            e.pid,
+            e.tid,
+            esc(&e.name),
+            e.end_ns.saturating_sub(e.start_ns) as f64 / 1e6
+        ),
         Kind::Unspecified => format!("{at} {:>7}/{:<7} ?", e.pid, e.tid),
     }
 }

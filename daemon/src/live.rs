@@ -155,6 +155,10 @@ fn convert(
                 .unwrap_or_else(|| format!("kernel {:#x}", ev.a));
             out.name = format!("{kernel} on {}", track.name());
         }
+        trace_kind::OFF_CPU => {
+            out.set_kind(Kind::OffCpu);
+            out.name = tracer_report::trace::Named::OffCpu(tracer_report::away::reason(ev)).name();
+        }
         trace_kind::COUNTER => {
             out.set_kind(Kind::Counter);
             out.name = counters

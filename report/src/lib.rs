@@ -1,6 +1,7 @@
 //! A session's report: what it measured, and what it could not. Stored as JSON; rendered as
 //! a table or JSON on request.
 
+pub mod away;
 mod escape;
 pub mod export;
 pub mod gpu;

@@ -54,6 +54,11 @@ pub struct Trace {
     /// Kernel executions on the GPU (CUPTI, through tracer's injection library).
     #[serde(default)]
     pub gpu_kernels: u64,
+    /// Times threads spent off the CPU (`--off-cpu`), each at least `off_cpu_min_ns` long.
+    #[serde(default)]
+    pub off_cpu: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub off_cpu_min_ns: u64,
     /// Names of the kernels in those events, by (pid, CUPTI's name pointer), sorted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_kernel_names: Vec<TraceGpuKernel>,
@@ -123,7 +128,13 @@ pub enum Named<'a> {
     CudaMemory(u32),
     /// A kernel's execution on the GPU: its name, if known; device and stream.
     GpuKernel(Option<&'a str>, GpuTrack),
+    /// A thread's time off the CPU: why, in words.
+    OffCpu(String),
     Unknown,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Trace {
@@ -164,6 +175,7 @@ impl Trace {
                     .map(|i| self.gpu_kernel_names[i].kernel.as_str()),
                 GpuTrack::of(ev),
             ),
+            trace_kind::OFF_CPU => Named::OffCpu(crate::away::reason(ev)),
             _ => Named::Unknown,
         }
     }
@@ -203,6 +215,7 @@ impl Named<'_> {
             }
             Named::GpuKernel(Some(k), _) => (*k).to_owned(),
             Named::GpuKernel(None, _) => "[GPU kernel]".into(),
+            Named::OffCpu(why) => format!("off-CPU: {why}"),
             Named::Unknown => "[unknown event]".into(),
         }
     }

@@ -303,7 +303,7 @@ fn time_away_at_the_end_is_reported_and_bad_requests_are_refused() {
     };
     refused(
         &["start", "--mode=counting", "--off-cpu", "--pid", &pid],
-        "off-CPU time (--off-cpu) is for sampling sessions",
+        "off-CPU time (--off-cpu) is for sampling and tracing sessions",
     );
     refused(
         &[

@@ -26,23 +26,33 @@ pub(super) struct Attached {
     events: Vec<OwnedFd>,
 }
 
+/// One session's off-CPU time: of every process or of those it follows; its minimum
+/// record (sampling) or event (tracing) in ns; whether it traces (each time away an event
+/// on its timeline) rather than samples (records of the time, with stacks).
+#[derive(Clone, Copy, Debug)]
+pub struct OffCpuSession {
+    pub all: bool,
+    pub min_ns: u64,
+    pub tracing: bool,
+}
+
 /// The sessions recording off-CPU time, and the programs while any does.
 #[derive(Default)]
 pub(super) struct OffCpu {
-    /// Slot → (of every process, its minimum record in ns).
-    sessions: std::collections::BTreeMap<u8, (bool, u64)>,
+    /// Slot → how it records off-CPU time.
+    sessions: std::collections::BTreeMap<u8, OffCpuSession>,
     attached: Option<Attached>,
 }
 
 impl Bpf {
-    /// Session `slot` records off-CPU time from now: of every process (`all`) or of those
-    /// it follows; `min_ns`, its shortest record. The programs are attached at the first.
-    pub fn off_cpu_add(&mut self, slot: u8, all: bool, min_ns: u64) -> Result<(), BpfError> {
+    /// Session `slot` records off-CPU time from now, as `how` says. The programs are
+    /// attached at the first.
+    pub fn off_cpu_add(&mut self, slot: u8, how: OffCpuSession) -> Result<(), BpfError> {
         if self.off_cpu.attached.is_none() {
             let attached = self.attach_off_cpu()?;
             self.off_cpu.attached = Some(attached);
         }
-        self.off_cpu.sessions.insert(slot, (all, min_ns));
+        self.off_cpu.sessions.insert(slot, how);
         self.write_off_cpu()
     }
 
@@ -67,16 +77,25 @@ impl Bpf {
     fn write_off_cpu(&mut self) -> Result<(), BpfError> {
         let mut cfg = OffCpuConfig {
             min_ns: u64::MAX,
+            trace_min_ns: u64::MAX,
             ..OffCpuConfig::default()
         };
-        for (&slot, &(all, min_ns)) in &self.off_cpu.sessions {
-            if all {
-                cfg.all |= 1 << slot;
-            } else {
-                cfg.slots |= 1 << slot;
+        for (&slot, s) in &self.off_cpu.sessions {
+            // One minimum for all of a kind: a session gets records at least as fine as it
+            // asked (a tracing session's events come from the kernel: finer ones are more).
+            let (all, slots, min) = match s.tracing {
+                true => (
+                    &mut cfg.trace_all,
+                    &mut cfg.trace_slots,
+                    &mut cfg.trace_min_ns,
+                ),
+                false => (&mut cfg.all, &mut cfg.slots, &mut cfg.min_ns),
+            };
+            match s.all {
+                true => *all |= 1 << slot,
+                false => *slots |= 1 << slot,
             }
-            // One minimum for all: a session gets records at least as fine as it asked.
-            cfg.min_ns = cfg.min_ns.min(min_ns);
+            *min = (*min).min(s.min_ns);
         }
         self.offcpu_sessions
             .set(0, cfg, 0)
@@ -112,12 +131,14 @@ impl Bpf {
     /// Threads of a session's target start their off-CPU clock now, afresh: a thread
     /// blocked since before the session counts from its start, and nothing an earlier
     /// session left (time carried, a record due) comes in.
-    pub fn off_cpu_begin(&mut self, tids: &[u32]) {
+    pub fn off_cpu_begin(&mut self, pid: u32, tids: &[u32]) {
         let now = monotonic_ns();
         for &tid in tids {
             let t = OffCpuThread {
                 since_ns: now,
                 kernel_stack: -1,
+                pid,
+                syscall: -1,
                 ..OffCpuThread::default()
             };
             let _ = self.offcpu_threads.insert(tid, t, 0);

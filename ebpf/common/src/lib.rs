@@ -121,6 +121,10 @@ pub mod globals {
     /// `sched:sched_switch`'s `prev_state`, from its tracefs format.
     pub const SWITCH_PREV_STATE_OFFSET: &str = "SWITCH_PREV_STATE_OFFSET";
     pub const SWITCH_NEXT_PID_OFFSET: &str = "SWITCH_NEXT_PID_OFFSET";
+    /// From the kernel's BTF, `[u32; 6]` (`FD_OFFSETS`): what an fd is, for off-CPU events
+    /// (`task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`, `fdtable.fd`,
+    /// `file.f_inode`, `inode.i_mode`); `u32::MAX`: not known.
+    pub const FD_OFFSETS: &str = "FD_OFFSETS";
 }
 
 #[cfg(feature = "user")]
@@ -151,7 +155,7 @@ mod pod {
 mod tests {
     #[test]
     fn python_types_have_no_hidden_padding() {
-        assert_eq!(core::mem::size_of::<super::PyLayout>(), 25 * 4);
+        assert_eq!(core::mem::size_of::<super::PyLayout>(), 28 * 4);
         assert_eq!(
             core::mem::size_of::<super::SampleEvent>(),
             4 * 4

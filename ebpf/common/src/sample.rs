@@ -142,6 +142,12 @@ pub struct OffCpuThread {
     pub due_ns: u64,
     pub due_own_ns: u64,
     pub due_kernel_stack: i64,
+    /// Tracing sessions' thread states: its process, the system call it left in (-1: it left
+    /// outside one, or not blocked) and what the fd that call waited on is (`off_cpu_fd`).
+    pub pid: u32,
+    pub _pad: u32,
+    pub syscall: i64,
+    pub fd_kind: u64,
 }
 
 /// `OFFCPU_SESSIONS`' one value: which sessions record off-CPU time.
@@ -155,4 +161,9 @@ pub struct OffCpuConfig {
     /// A thread's off-CPU time goes out as a record once it adds up to this much; shorter
     /// periods are carried into its next record.
     pub min_ns: u64,
+    /// Tracing sessions following processes, and of every process: each time away of at
+    /// least `trace_min_ns` is an event on their timeline (`trace_kind::OFF_CPU`).
+    pub trace_slots: u64,
+    pub trace_all: u64,
+    pub trace_min_ns: u64,
 }

@@ -22,9 +22,32 @@ pub mod trace_kind {
     /// `start_ns`..`end_ns`, `a` = CUPTI's name pointer, `b` = device << 32 | stream;
     /// `tid` is CUPTI's thread, not the launcher's.
     pub const GPU_KERNEL: u16 = 6;
+    /// A thread's time off the CPU (`--off-cpu`): `start_ns`..`end_ns`, `flags` = its
+    /// `sample_flag::PREEMPTED`/`UNINTERRUPTIBLE` state, `a` = the system call it blocked in
+    /// (x86-64 number; `u64::MAX`: none), `b` = what the fd it waited on is (`off_cpu_fd`,
+    /// for `OFF_CPU_FD_CALLS`), read from the thread's fd table as it left.
+    pub const OFF_CPU: u16 = 7;
     /// Kinds there are, for per-kind tables.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
 }
+
+/// `TraceEvent::b` of an `OFF_CPU` event in a trace file: what the fd its call read or
+/// waited on was.
+pub mod off_cpu_fd {
+    pub const UNKNOWN: u64 = 0;
+    pub const PIPE: u64 = 1;
+    pub const SOCKET: u64 = 2;
+    /// A regular file.
+    pub const FILE: u64 = 3;
+    /// A character device: a terminal, `/dev/null`, a GPU's device file.
+    pub const DEVICE: u64 = 4;
+}
+
+/// x86-64 system calls whose first argument is the fd they wait on (reads, writes, socket
+/// calls): the fd's kind says more than the call.
+pub const OFF_CPU_FD_CALLS: [u64; 19] = [
+    0, 1, 17, 18, 19, 20, 42, 43, 44, 45, 46, 47, 288, 295, 296, 299, 307, 327, 328,
+];
 
 /// `TraceEvent::flags`: the call's exit was inferred (an exception unwound it unseen).
 pub const TRACE_EXIT_INFERRED: u16 = 1;

@@ -9,14 +9,23 @@
 //!   and Python frames can be read, as a timer's sample reads them: at its syscall's exit
 //!   (`raw_syscalls:sys_exit`: a blocked thread waited in one), or else at its next switch
 //!   (a thread preempted, or blocked on a page fault: its stacks then, not where it left).
+//!
+//! Tracing sessions get each time away of at least their minimum as an event of its own
+//! (`trace_kind::OFF_CPU`) when the thread comes back: its state, and the system call it
+//! blocked in with its first argument, read from its registers as it left.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_ktime_get_ns,
+        bpf_probe_read_kernel, bpf_task_pt_regs,
+    },
     macros::{map, tracepoint},
     maps::{Array, LruHashMap},
     programs::{tracing::StackIdContext, TracePointContext},
 };
-use tracer_common::{sample_flag, OffCpuConfig, OffCpuThread};
+use tracer_common::{
+    off_cpu_fd, sample_flag, trace_kind, OffCpuConfig, OffCpuThread, TraceEvent, OFF_CPU_FD_CALLS,
+};
 
 use crate::{
     sample::{header, python, scratch, send, user_stack, SAMPLE_KSTACKS},
@@ -37,16 +46,36 @@ static SWITCH_PREV_STATE_OFFSET: u32 = 32;
 #[no_mangle]
 static SWITCH_NEXT_PID_OFFSET: u32 = 56;
 
+/// `task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`, `fdtable.fd`, `file.f_inode`
+/// and `inode.i_mode`, patched in by the loader from the kernel's BTF.
+#[no_mangle]
+static FD_OFFSETS: [u32; 6] = [u32::MAX; 6];
+
 /// `TASK_UNINTERRUPTIBLE` in `prev_state`; 0 is `TASK_RUNNING` (preempted).
 const TASK_UNINTERRUPTIBLE: i64 = 2;
 
-/// The sessions that record `pid`'s off-CPU time, with the minimum record.
+/// `pt_regs` on x86-64: the system call number (`orig_ax`; an interrupt's is negative, an
+/// exception's its error code) and the first argument (`di`).
+const REGS_DI: usize = 112;
+const REGS_ORIG_AX: usize = 120;
+
+/// The sampling sessions that record `pid`'s off-CPU time, with the minimum record.
 fn sessions(pid: u32) -> Option<(u64, u64)> {
     let cfg = OFFCPU_SESSIONS.get(0)?;
-    // SAFETY: map values are valid for the duration of the program.
-    let followed = unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0);
-    let mask = cfg.all | (followed & cfg.slots);
+    let mask = cfg.all | (followed(pid) & cfg.slots);
     (mask != 0).then_some((mask, cfg.min_ns))
+}
+
+/// The tracing sessions that put `pid`'s time away on their timeline, with their minimum.
+fn tracing(pid: u32) -> Option<(u64, u64)> {
+    let cfg = OFFCPU_SESSIONS.get(0)?;
+    let mask = cfg.trace_all | (followed(pid) & cfg.trace_slots);
+    (mask != 0).then_some((mask, cfg.trace_min_ns))
+}
+
+fn followed(pid: u32) -> u64 {
+    // SAFETY: map values are valid for the duration of the program.
+    unsafe { TRACKED.get(&pid) }.copied().unwrap_or(0)
 }
 
 #[tracepoint]
@@ -65,7 +94,7 @@ pub fn tracer_offcpu_switch(ctx: TracePointContext) -> u32 {
 fn leaves(ctx: &TracePointContext, now: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
-    if pid == 0 || sessions(pid).is_none() {
+    if pid == 0 || (sessions(pid).is_none() && tracing(pid).is_none()) {
         return;
     }
     // A record due since it came back goes now, while its stacks are still its own.
@@ -82,23 +111,110 @@ fn leaves(ctx: &TracePointContext, now: u64) {
         .get_stackid(&SAMPLE_KSTACKS, 0)
         .map(|id| id as i64)
         .unwrap_or_else(|e| e as i64);
+    // Blocked (not preempted, not in `D`): in a system call, whose number is its own;
+    // otherwise `orig_ax` may be an exception's error code, not a call.
+    let (syscall, fd_kind) = if state & 0xff != 0 && flags == 0 {
+        // SAFETY: the current task's saved user registers, read with probe reads.
+        unsafe {
+            let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;
+            let nr = bpf_probe_read_kernel(regs.add(REGS_ORIG_AX) as *const i64).unwrap_or(-1);
+            let kind = if OFF_CPU_FD_CALLS.contains(&(nr as u64)) {
+                let fd = bpf_probe_read_kernel(regs.add(REGS_DI) as *const u64).unwrap_or(0);
+                fd_kind(fd)
+            } else {
+                off_cpu_fd::UNKNOWN
+            };
+            (nr, kind)
+        }
+    } else {
+        (-1, off_cpu_fd::UNKNOWN)
+    };
     match OFFCPU_THREADS.get_ptr_mut(&tid) {
         // SAFETY: the entry is this thread's, written as it leaves or comes back.
         Some(t) => unsafe {
             (*t).since_ns = now;
             (*t).flags = flags;
             (*t).kernel_stack = kernel_stack;
+            (*t).pid = pid;
+            (*t).syscall = syscall;
+            (*t).fd_kind = fd_kind;
         },
         None => {
             let t = OffCpuThread {
                 since_ns: now,
                 kernel_stack,
                 flags,
+                pid,
+                syscall,
+                fd_kind,
                 ..OffCpuThread::default()
             };
             let _ = OFFCPU_THREADS.insert(&tid, &t, 0);
         }
     }
+}
+
+/// What the current thread's file descriptor `fd` is, from its fd table (read, never
+/// locked: a table replaced meanwhile reads as another's, at worst a wrong kind).
+fn fd_kind(fd: u64) -> u64 {
+    // SAFETY: reading plain statics the loader patched.
+    let off = |i: usize| u64::from(unsafe { core::ptr::read_volatile(&FD_OFFSETS[i]) });
+    if (0..6).any(|i| off(i) == u64::from(u32::MAX)) {
+        return off_cpu_fd::UNKNOWN;
+    }
+    let kernel = |addr: u64| -> Option<u64> {
+        // SAFETY: a probe read, which fails cleanly on a bad address.
+        unsafe { bpf_probe_read_kernel(addr as *const u64) }.ok()
+    };
+    let kind = (|| {
+        // SAFETY: plain helper call.
+        let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+        let files = kernel(task + off(0))?;
+        let fdt = kernel(files + off(1))?;
+        // SAFETY: as above.
+        let max = unsafe { bpf_probe_read_kernel((fdt + off(2)) as *const u32) }.ok()?;
+        if fd >= u64::from(max) {
+            return None;
+        }
+        let file = kernel(kernel(fdt + off(3))? + fd * 8)?;
+        let inode = kernel(file + off(4))?;
+        // SAFETY: as above.
+        let mode = unsafe { bpf_probe_read_kernel((inode + off(5)) as *const u16) }.ok()?;
+        Some(match mode & 0o170000 {
+            0o010000 => off_cpu_fd::PIPE,
+            0o140000 => off_cpu_fd::SOCKET,
+            0o100000 => off_cpu_fd::FILE,
+            0o020000 => off_cpu_fd::DEVICE,
+            _ => off_cpu_fd::UNKNOWN,
+        })
+    })();
+    kind.unwrap_or(off_cpu_fd::UNKNOWN)
+}
+
+/// A tracing session's event for thread `tid`'s time away, `since`..`now`.
+fn trace_away(tid: u32, t: &OffCpuThread, since: u64, now: u64) {
+    if t.pid == 0 {
+        return;
+    }
+    let Some((mask, min_ns)) = tracing(t.pid) else {
+        return;
+    };
+    let sessions = crate::trace::tracing(mask);
+    if sessions == 0 || now.saturating_sub(since) < min_ns {
+        return;
+    }
+    crate::trace::emit(&TraceEvent {
+        kind: trace_kind::OFF_CPU,
+        flags: t.flags as u16,
+        pid: t.pid,
+        tid,
+        sessions,
+        start_ns: since,
+        end_ns: now,
+        a: t.syscall as u64,
+        b: t.fd_kind,
+        ..TraceEvent::default()
+    });
 }
 
 /// Thread `tid` gets a CPU: its time away ends, and a record is due once it adds up.
@@ -119,6 +235,11 @@ fn back(tid: u32, now: u64) {
             return;
         }
         (*t).since_ns = 0;
+        trace_away(tid, &*t, since, now);
+        if sessions((*t).pid).is_none() && (*t).pid != 0 {
+            // Only tracing sessions follow it: nothing to carry or record.
+            return;
+        }
         let away = now.saturating_sub(since);
         let total = (*t).carry_ns + away;
         if total < cfg.min_ns || (*t).due_ns != 0 {

@@ -141,7 +141,9 @@ pub struct SamplingOptions {
     /// Off-CPU time too (wall-clock profiling): each time a followed thread is back on a CPU,
     /// the time it was away, with its stacks where it left and why (sleep, lock, pipe, socket,
     /// poll, disk, page fault, preempted, the GIL, CUDA synchronization), in the profile beside
-    /// the CPU samples, in time units.
+    /// the CPU samples, in time units. Tracing sessions (the only other field of this message
+    /// they take): each time away a KIND_OFF_CPU event on the timeline, named for what it
+    /// waited on; shorter than off_cpu_min_us: not recorded.
     #[prost(bool, tag = "4")]
     pub off_cpu: bool,
     /// Off-CPU: a thread's time away goes in as a stack once it adds up to this many
@@ -419,6 +421,9 @@ pub mod trace_event {
         /// start_ns..end_ns; name: the kernel (read from the process; its address if it could
         /// not be) and its GPU and stream; tid: CUPTI's thread, not the launcher's.
         GpuKernel = 6,
+        /// A thread's time off the CPU (--off-cpu): start_ns..end_ns; name says why
+        /// ("off-CPU: pipe", "off-CPU: futex: a lock or condition", "off-CPU: preempted: …").
+        OffCpu = 7,
     }
     impl Kind {
         /// String value of the enum field names used in the ProtoBuf definition.
@@ -434,6 +439,7 @@ pub mod trace_event {
                 Self::CudaLaunch => "KIND_CUDA_LAUNCH",
                 Self::CudaMemory => "KIND_CUDA_MEMORY",
                 Self::GpuKernel => "KIND_GPU_KERNEL",
+                Self::OffCpu => "KIND_OFF_CPU",
             }
         }
         /// Creates an enum from field names used in the ProtoBuf definition.
@@ -446,6 +452,7 @@ pub mod trace_event {
                 "KIND_CUDA_LAUNCH" => Some(Self::CudaLaunch),
                 "KIND_CUDA_MEMORY" => Some(Self::CudaMemory),
                 "KIND_GPU_KERNEL" => Some(Self::GpuKernel),
+                "KIND_OFF_CPU" => Some(Self::OffCpu),
                 _ => None,
             }
         }

@@ -1,5 +1,6 @@
 //! Chrome's trace event JSON (the "JSON Object Format" that chrome://tracing, Perfetto UI and
-//! speedscope open): a complete event ("X") per Python call and per GPU kernel execution, an
+//! speedscope open): a complete event ("X") per Python call, per GPU kernel execution and per
+//! time a thread spent off the CPU (`--off-cpu`), an
 //! instant ("i") per native probe hit or CUDA call, a counter event ("C") per perf counter
 //! reading, and names for every process and thread. One track per thread, as the viewers
 //! draw `tid`s, and one per (GPU, stream) for kernels as they ran.
@@ -168,6 +169,16 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
                     track.stream
                 )?;
             }
+            // Inside the call it left in: the thread ran no call's start or end meanwhile.
+            Named::OffCpu(_) => write!(
+                w,
+                "{{\"ph\":\"X\",\"cat\":\"off-cpu\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"dur\":{}}}",
+                string(&named.name()),
+                ev.pid,
+                ev.tid,
+                us(ev.start_ns),
+                us(ev.end_ns.saturating_sub(ev.start_ns))
+            )?,
             Named::Unknown => write!(
                 w,
                 "{{\"ph\":\"i\",\"s\":\"t\",\"name\":\"[unknown event kind {}]\",\"pid\":{},\"tid\":{},\"ts\":{}}}",

@@ -175,6 +175,7 @@ const CHUNK: usize = 1 << 20;
 const CAT_PYTHON: u64 = 1;
 const CAT_NATIVE: u64 = 2;
 const CAT_GPU: u64 = 3;
+const CAT_OFF_CPU: u64 = 4;
 /// Interned debug annotation names, by iid (index + 1).
 const ANNOTATIONS: [&str; 5] = [
     "file",
@@ -192,6 +193,8 @@ const ARG_BEFORE_SESSION: u64 = 5;
 /// `Slice::flags`.
 const F_EXIT_INFERRED: u8 = 1;
 const F_UNFINISHED: u8 = 2;
+/// A time off the CPU, not a call.
+const F_OFF_CPU: u8 = 4;
 
 /// Writes the trace as Perfetto's protobuf `Trace`.
 pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
@@ -316,6 +319,7 @@ impl Collected {
         let mut funcs: HashMap<(u32, u64, u64), u32> = HashMap::new();
         let mut probes: HashMap<u64, u64> = HashMap::new();
         let mut cuda: HashMap<(u16, u32, u64), u64> = HashMap::new();
+        let mut away: HashMap<String, u32> = HashMap::new();
         let mut c = Collected::default();
         for ev in trace.events()? {
             let ev = ev?;
@@ -373,6 +377,30 @@ impl Collected {
                     let on = c.gpu.entry((ev.pid, GpuTrack::of(&ev))).or_default();
                     on.push((ev.start_ns, ev.end_ns, name));
                 }
+                // A slice among the thread's calls, inside the one it left in.
+                trace_kind::OFF_CPU => {
+                    let name = trace.named(&index, &ev).name();
+                    let func = match away.get(&name) {
+                        Some(&f) => f,
+                        None => {
+                            c.functions.push(Func {
+                                name: c.names.id(&name),
+                                file: None,
+                                line: None,
+                            });
+                            let f = u32::try_from(c.functions.len() - 1)
+                                .expect("fewer than 2^32 functions");
+                            away.insert(name, f);
+                            f
+                        }
+                    };
+                    c.thread(&ev).slices.push(Slice {
+                        start: ev.start_ns,
+                        end: ev.end_ns,
+                        func,
+                        flags: F_OFF_CPU,
+                    });
+                }
                 // A kind this export does not know: nothing to show for it.
                 _ => {}
             }
@@ -418,6 +446,7 @@ impl Collected {
                 (CAT_PYTHON, "python"),
                 (CAT_NATIVE, "native"),
                 (CAT_GPU, "gpu"),
+                (CAT_OFF_CPU, "off-cpu"),
             ]),
             event_names: interned(self.names.all()),
             debug_annotation_names: interned((1..).zip(ANNOTATIONS).collect()),
@@ -665,8 +694,12 @@ fn begin(trace: &Trace, functions: &[Func], track: u64, s: &Slice) -> pb::TrackE
     if s.start < trace.start_ns {
         args.push(flag(ARG_BEFORE_SESSION));
     }
+    let category = match s.flags & F_OFF_CPU {
+        0 => CAT_PYTHON,
+        _ => CAT_OFF_CPU,
+    };
     pb::TrackEvent {
-        category_iids: vec![CAT_PYTHON],
+        category_iids: vec![category],
         debug_annotations: args,
         r#type: Some(SLICE_BEGIN),
         name_iid: Some(f.name),

@@ -403,7 +403,7 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
         cuda: options.cuda,
         native: !options.uprobes.is_empty(),
         sampling: mode == Mode::Sampling,
-        off_cpu: mode == Mode::Sampling && req.sampling.as_ref().is_some_and(|s| s.off_cpu),
+        off_cpu: mode != Mode::Counting && req.sampling.as_ref().is_some_and(|s| s.off_cpu),
         all: req
             .target
             .as_ref()

@@ -24,8 +24,9 @@ const DEFAULT_FREQUENCY: u64 = 99;
 /// A wall-clock session's shortest off-CPU record unless asked otherwise.
 const DEFAULT_OFF_CPU_MIN_US: u32 = 5_000;
 
-/// Off-CPU time's shortest record in ns, for sampling sessions that ask for it (`--off-cpu`).
-fn off_cpu_min(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
+/// Off-CPU time's shortest record in ns (sampling) or event (tracing: a thread state on
+/// the timeline), for sessions that ask for it (`--off-cpu`).
+fn off_cpu_min(mode: Mode, req: &StartSessionRequest) -> Result<Option<u64>, Error> {
     let Some(o) = req.sampling.as_ref() else {
         return Ok(None);
     };
@@ -37,9 +38,9 @@ fn off_cpu_min(sampling: bool, req: &StartSessionRequest) -> Result<Option<u64>,
         }
         return Ok(None);
     }
-    if !sampling {
+    if mode == Mode::Counting {
         return Err(Error::InvalidArgument(
-            "off-CPU time (--off-cpu) is for sampling sessions (--mode=sampling)".into(),
+            "off-CPU time (--off-cpu) is for sampling and tracing sessions".into(),
         ));
     }
     match o.off_cpu_min_us {
@@ -195,7 +196,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     let sampling = mode == Mode::Sampling;
     let trace_mode = mode == Mode::Tracing;
     let frequency = sampling_frequency(sampling, &req)?;
-    let off_cpu = off_cpu_min(sampling, &req)?;
+    let off_cpu = off_cpu_min(mode, &req)?;
     let push = continuous_options(&req)?;
     let trace_limits = match (&req.tracing, trace_mode) {
             (Some(o), false) if *o != Default::default() => {

@@ -442,11 +442,12 @@ impl Manager {
                     .map(|a| a.native.labels())
                     .unwrap_or_default();
                 Box::new(TracingSession::open(
-                    &self.tracing,
+                    (&self.tracing, &mut self.bpf),
                     counters,
                     &opening(slot),
                     limits,
                     probes,
+                    asked.off_cpu,
                 )?)
             }
             // Not met: each mode opens its own (counters for counting and tracing, a sampler

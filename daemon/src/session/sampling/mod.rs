@@ -51,14 +51,19 @@ impl SamplingSession {
             off_cpu_min_ns,
         );
         if let Some(min_ns) = off_cpu_min_ns {
-            if let Err(e) = bpf.off_cpu_add(at.slot, at.pid.is_none(), min_ns) {
+            let how = tracer_bpf::bpf::OffCpuSession {
+                all: at.pid.is_none(),
+                min_ns,
+                tracing: false,
+            };
+            if let Err(e) = bpf.off_cpu_add(at.slot, how) {
                 // The histogram goes with the refusal.
                 drop(sampling.end(at.slot));
                 return Err(e.into());
             }
             if let Some(pid) = at.pid {
                 // Threads blocked since before the start count from the start.
-                bpf.off_cpu_begin(&process::threads(pid).unwrap_or_default());
+                bpf.off_cpu_begin(pid, &process::threads(pid).unwrap_or_default());
             }
         }
         let continuous = push.map(|(endpoint, period)| {

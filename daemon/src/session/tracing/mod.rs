@@ -16,6 +16,7 @@ pub use trace::{
 
 use super::{counting::Counting, Ends, Finished, Measurement, Opening, Threads};
 use crate::error::Error;
+use tracer_bpf::bpf::Bpf;
 
 /// What a live watcher of a tracing session needs: its events, and their names.
 pub struct Subscription {
@@ -34,6 +35,8 @@ pub struct TracingSession {
     counters: Counting,
     trace: TraceSession,
     slot: u8,
+    /// Its threads' times off the CPU are events (`--off-cpu`).
+    off_cpu: bool,
     /// When its events stopped (`stop`).
     end_ns: Option<u64>,
 }
@@ -41,20 +44,38 @@ pub struct TracingSession {
 impl TracingSession {
     /// Starts the trace: its spool in the tracing worker and its file, within `limits`, its
     /// `counters` read every `interval`. `probes`: the `--uprobe` functions' labels.
+    /// `off_cpu_min_ns`: its threads' times off the CPU this long or longer are events.
     pub fn open(
-        tracing: &Tracing,
+        (tracing, bpf): (&Tracing, &mut Bpf),
         counters: Counting,
         at: &Opening<'_>,
         (limits, interval): (Limits, Duration),
         probes: Vec<String>,
+        off_cpu_min_ns: Option<u64>,
     ) -> Result<Self, Error> {
-        let spool = tracing
-            .add(at.slot, at.id, limits)
-            .map_err(|e| Error::io("creating the trace file", e))?;
+        if let Some(min_ns) = off_cpu_min_ns {
+            let how = tracer_bpf::bpf::OffCpuSession {
+                all: at.pid.is_none(),
+                min_ns,
+                tracing: true,
+            };
+            bpf.off_cpu_add(at.slot, how)?;
+            if let Some(pid) = at.pid {
+                // Threads blocked since before the start are away from the start.
+                bpf.off_cpu_begin(pid, &process::threads(pid).unwrap_or_default());
+            }
+        }
+        let spool = tracing.add(at.slot, at.id, limits).map_err(|e| {
+            bpf.off_cpu_remove(at.slot);
+            Error::io("creating the trace file", e)
+        })?;
+        let mut trace = TraceSession::new(spool, at.id, probes, interval, at.pid.unwrap_or(0));
+        trace.off_cpu_min_ns = off_cpu_min_ns.unwrap_or(0);
         Ok(Self {
             counters,
-            trace: TraceSession::new(spool, at.id, probes, interval, at.pid.unwrap_or(0)),
+            trace,
             slot: at.slot,
+            off_cpu: off_cpu_min_ns.is_some(),
             end_ns: None,
         })
     }
@@ -139,6 +160,9 @@ impl Measurement for TracingSession {
     /// later (`TraceEnd`).
     fn stop(&mut self, end: &mut Ends<'_>, threads: Threads<'_>) {
         self.tick(true);
+        if self.off_cpu {
+            end.bpf.off_cpu_remove(self.slot);
+        }
         let end_ns = crate::clock::monotonic_ns();
         self.end_ns = Some(end_ns);
         let threads: Vec<(u32, u32)> = match threads {

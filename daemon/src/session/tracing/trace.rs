@@ -43,6 +43,8 @@ pub struct TraceSession {
     next_reading: Instant,
     /// The pid counter readings are attributed to (0: the whole machine).
     counter_pid: u32,
+    /// Threads' times off the CPU this long or longer are events (`--off-cpu`; 0: none).
+    pub off_cpu_min_ns: u64,
 }
 
 /// A trace's counter tracks, shared by the perf counter readings and the GPU sampler.
@@ -120,6 +122,7 @@ impl TraceSession {
             counter_interval,
             next_reading: Instant::now(),
             counter_pid,
+            off_cpu_min_ns: 0,
         }
     }
 
@@ -246,6 +249,8 @@ impl TraceSession {
             launches: Vec::new(),
             gpu_kernels: sp.by_kind[usize::from(trace_kind::GPU_KERNEL)],
             gpu_kernel_names: Vec::new(),
+            off_cpu: sp.by_kind[usize::from(trace_kind::OFF_CPU)],
+            off_cpu_min_ns: self.off_cpu_min_ns,
             exits_inferred: sp.exits_inferred,
             unfinished: sp.unfinished,
             functions,

@@ -221,3 +221,95 @@ fn the_gil_held_flame_graph_matches_py_spy_gil() {
         digest[1]
     );
 }
+
+/// `digest`'s share (%) of the samples under either function in CPython's own collapsed
+/// stacks (`tid:N;file:qualname:line;… count`), and the samples counted.
+fn cpython_digest_share(collapsed: &str) -> (f64, u64) {
+    let (mut spin, mut digest) = (0u64, 0u64);
+    for line in collapsed.lines() {
+        let Some((frames, n)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let n: u64 = n.parse().unwrap_or(0);
+        let has = |f: &str| frames.split(';').any(|fr| fr.contains(&format!(":{f}:")));
+        if has("digest") {
+            digest += n;
+        } else if has("spin") {
+            spin += n;
+        }
+    }
+    (
+        100.0 * digest as f64 / (spin + digest).max(1) as f64,
+        spin + digest,
+    )
+}
+
+#[test]
+fn the_gil_held_flame_graph_matches_cpython_3_15s_gil_mode() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(python) = interpreters()
+        .into_iter()
+        .find(|p| p.ends_with("static/python3.15"))
+    else {
+        tracer_testkit::skip("Debian's CPython 3.15 is not set up (cargo xtask setup)");
+        return;
+    };
+    let d = Daemon::start();
+    let workload = script("gil_split.py");
+    let dir = tempfile::tempdir().unwrap();
+    let ours_file = dir.path().join("ours.folded");
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--frequency",
+        "200",
+        "--gil",
+        "--format",
+        "folded",
+        "-o",
+        ours_file.to_str().unwrap(),
+        "--",
+        python.to_str().unwrap(),
+        workload.to_str().unwrap(),
+        "3",
+    ]);
+    let ours = digest_share(&parse_folded(&std::fs::read_to_string(&ours_file).unwrap()));
+    // CPython's own sampler, in its GIL mode (samples of threads holding the GIL), every
+    // thread, at the same rate. The chroot sees the host's /tmp at its own path.
+    let theirs_file = dir.path().join("cpython.collapsed");
+    let run = Command::new(&python)
+        .env("LC_ALL", "C")
+        .args([
+            "-m",
+            "profiling.sampling",
+            "run",
+            "--mode",
+            "gil",
+            "-a",
+            "--collapsed",
+        ])
+        .args(["-r", "200", "-o"])
+        .arg(&theirs_file)
+        .arg(&workload)
+        .arg("3")
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "profiling.sampling: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let theirs = cpython_digest_share(&std::fs::read_to_string(&theirs_file).unwrap());
+    println!(
+        "GIL-held samples under digest on 3.15: tracer {ours:.1?}, CPython's gil mode {theirs:.1?}"
+    );
+    assert!(ours.1 >= 100 && theirs.1 >= 100, "too few samples");
+    assert!(
+        (ours.0 - theirs.0).abs() <= 5.0,
+        "digest's share of GIL-held samples: tracer {:.1}%, CPython 3.15's gil mode {:.1}%",
+        ours.0,
+        theirs.0
+    );
+}

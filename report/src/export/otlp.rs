@@ -231,12 +231,18 @@ impl<'a> Dictionary<'a> {
             }) as i32
     }
 
-    /// A sample's thread: the pprof export's `tid` and `comm`.
+    /// A sample's thread: the pprof export's `tid` and `comm`, and its `gil` label as
+    /// `cpython.gil` (no semantic convention names the GIL).
     fn thread(&mut self, s: &Stack) -> Vec<i32> {
-        vec![
+        let mut attrs = vec![
             self.attribute("thread.id", AttributeValue::Int(s.tid.into())),
             self.attribute("thread.name", AttributeValue::Str(s.comm.clone())),
-        ]
+        ];
+        if let Some(held) = s.gil_held {
+            let v = if held { "held" } else { "released" };
+            attrs.push(self.attribute("cpython.gil", AttributeValue::Str(v.into())));
+        }
+        attrs
     }
 
     /// A stack, leaf first as the format (and pprof) orders it.

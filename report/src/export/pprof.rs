@@ -305,6 +305,21 @@ mod tests {
     }
 
     #[test]
+    fn python_samples_say_whether_they_held_the_gil() {
+        let mut p = example();
+        p.stacks[0].gil_held = Some(true);
+        p.stacks[1].gil_held = Some(false);
+        let d = decode(&pprof(&p, &[]));
+        let s = |i: i64| d.string_table[i as usize].as_str();
+        let gil: Vec<Option<&str>> = d
+            .sample
+            .iter()
+            .map(|x| x.label.iter().find(|l| s(l.key) == "gil").map(|l| s(l.str)))
+            .collect();
+        assert_eq!(gil[..3], [Some("held"), Some("released"), None]);
+    }
+
+    #[test]
     fn decodes_back() {
         let p = example();
         let d = decode(&pprof(&p, &[]));

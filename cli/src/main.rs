@@ -76,8 +76,8 @@ enum Command {
     /// (hottest functions by CPU and off-CPU time, or by calls and time).
     Top {
         id: String,
-        /// Time between refreshes, e.g. 500ms (default 1s).
-        #[arg(long, value_parser = duration::parse_ms, default_value = "1000")]
+        /// Time between refreshes, e.g. 500ms.
+        #[arg(long, value_parser = duration::parse_ms, default_value = "1s")]
         interval: u64,
         /// Functions shown at most.
         #[arg(long, default_value_t = 20)]

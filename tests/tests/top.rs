@@ -156,7 +156,7 @@ fn top_refreshes_in_a_terminal_until_the_session_ends() {
         .trim()
         .to_owned();
     let top = format!(
-        "{} --socket {} top {id} --interval 300ms --limit 10; echo top exited $?; sleep 60",
+        "{} --socket {} top {id} --limit 10; echo top exited $?; sleep 60",
         bin("tracerctl").display(),
         d.socket.display()
     );

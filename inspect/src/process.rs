@@ -1,6 +1,7 @@
 //! What /proc says about a process: whether it lives, who owns it, its threads, and where
 //! the daemon can open the files it maps.
 
+pub mod blocked;
 pub mod inject;
 mod maps;
 

@@ -141,3 +141,47 @@ fn off_cpu_times_are_slices_inside_the_calls_that_waited() {
         one_line_error(&refused)
     );
 }
+
+/// A process asleep through a whole session attached by pid: its main thread's time away is
+/// one slice from the session's start to its end, marked unfinished.
+#[test]
+fn a_thread_away_for_the_whole_session_is_one_unfinished_slice() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let sleeper =
+        tracer_tests::ChildGuard::spawn_ready(std::process::Command::new(venv_python()).args([
+            "-c",
+            "import time; print('ready', flush=True); time.sleep(60)",
+        ]));
+    let pid = sleeper.pid().to_string();
+    let id = d
+        .ok(&["start", "--mode=tracing", "--off-cpu", "--pid", &pid])
+        .trim()
+        .to_owned();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    d.ok(&["stop", &id]);
+    let chrome_file = d.dir.path().join("away.json");
+    d.ok(&[
+        "report",
+        &id,
+        "--format",
+        "chrome",
+        "-o",
+        chrome_file.to_str().unwrap(),
+    ]);
+    let chrome: Value = serde_json::from_slice(&std::fs::read(&chrome_file).unwrap()).unwrap();
+    let away: Vec<&Value> = chrome["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "off-cpu" && e["tid"].as_u64() == Some(sleeper.pid().into()))
+        .collect();
+    assert_eq!(away.len(), 1, "{away:?}");
+    let e = away[0];
+    assert_eq!(e["name"], "off-CPU: sleep", "{e}");
+    assert_eq!(e["args"]["unfinished"], true, "{e}");
+    let ms = e["dur"].as_f64().unwrap() / 1000.0;
+    assert!((1400.0..3000.0).contains(&ms), "{ms} ms away: {e}");
+}

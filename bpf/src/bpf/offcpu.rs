@@ -132,17 +132,45 @@ impl Bpf {
     /// blocked since before the session counts from its start, and nothing an earlier
     /// session left (time carried, a record due) comes in.
     pub fn off_cpu_begin(&mut self, pid: u32, tids: &[u32]) {
+        use tracer_common::{off_cpu_fd, OFF_CPU_FD_CALLS};
+        use tracer_inspect::process::blocked::{self, FdKind};
         let now = monotonic_ns();
         for &tid in tids {
+            // What it waits in, as the switch that took it off would have read it.
+            let (syscall, fd_kind) = match blocked::blocked_in(pid, tid) {
+                Some((nr, arg0)) if OFF_CPU_FD_CALLS.contains(&(nr as u64)) => {
+                    let kind = match blocked::fd_kind(pid, arg0) {
+                        FdKind::Pipe => off_cpu_fd::PIPE,
+                        FdKind::Socket => off_cpu_fd::SOCKET,
+                        FdKind::File => off_cpu_fd::FILE,
+                        FdKind::Device => off_cpu_fd::DEVICE,
+                        FdKind::Unknown => off_cpu_fd::UNKNOWN,
+                    };
+                    (nr, kind)
+                }
+                Some((nr, _)) => (nr, off_cpu_fd::UNKNOWN),
+                None => (-1, off_cpu_fd::UNKNOWN),
+            };
             let t = OffCpuThread {
                 since_ns: now,
                 kernel_stack: -1,
                 pid,
-                syscall: -1,
+                syscall,
+                fd_kind,
                 ..OffCpuThread::default()
             };
             let _ = self.offcpu_threads.insert(tid, t, 0);
         }
+    }
+
+    /// Every thread off the CPU now, with its bookkeeping (its process, since when, why):
+    /// what a trace's timeline still owes at its end.
+    pub fn off_cpu_away(&self) -> Vec<(u32, OffCpuThread)> {
+        let tids: Vec<u32> = self.offcpu_threads.keys().filter_map(Result::ok).collect();
+        tids.into_iter()
+            .filter_map(|tid| Some((tid, self.offcpu_threads.get(&tid, 0).ok()?)))
+            .filter(|(_, t)| t.since_ns != 0)
+            .collect()
     }
 
     /// Of `tids`, those off the CPU now and since how long, with the time each carried: what

@@ -172,12 +172,13 @@ pub fn write(trace: &Trace, out: &mut dyn Write) -> io::Result<()> {
             // Inside the call it left in: the thread ran no call's start or end meanwhile.
             Named::OffCpu(_) => write!(
                 w,
-                "{{\"ph\":\"X\",\"cat\":\"off-cpu\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"dur\":{}}}",
+                "{{\"ph\":\"X\",\"cat\":\"off-cpu\",\"name\":{},\"pid\":{},\"tid\":{},\"ts\":{},\"dur\":{},\"args\":{{\"unfinished\":{}}}}}",
                 string(&named.name()),
                 ev.pid,
                 ev.tid,
                 us(ev.start_ns),
-                us(ev.end_ns.saturating_sub(ev.start_ns))
+                us(ev.end_ns.saturating_sub(ev.start_ns)),
+                unfinished(&ev)
             )?,
             Named::Unknown => write!(
                 w,

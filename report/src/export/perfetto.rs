@@ -394,11 +394,15 @@ impl Collected {
                             f
                         }
                     };
+                    let flags = match unfinished(&ev) {
+                        true => F_OFF_CPU | F_UNFINISHED,
+                        false => F_OFF_CPU,
+                    };
                     c.thread(&ev).slices.push(Slice {
                         start: ev.start_ns,
                         end: ev.end_ns,
                         func,
-                        flags: F_OFF_CPU,
+                        flags,
                     });
                 }
                 // A kind this export does not know: nothing to show for it.

@@ -35,8 +35,10 @@ pub struct TracingSession {
     counters: Counting,
     trace: TraceSession,
     slot: u8,
-    /// Its threads' times off the CPU are events (`--off-cpu`).
-    off_cpu: bool,
+    /// Its threads' times off the CPU this long or longer are events (`--off-cpu`).
+    off_cpu: Option<u64>,
+    /// It follows every process.
+    all: bool,
     /// When its events stopped (`stop`).
     end_ns: Option<u64>,
 }
@@ -75,10 +77,38 @@ impl TracingSession {
             counters,
             trace,
             slot: at.slot,
-            off_cpu: off_cpu_min_ns.is_some(),
+            off_cpu: off_cpu_min_ns,
+            all: at.pid.is_none(),
             end_ns: None,
         })
     }
+}
+
+/// The session's threads off the CPU at its end (`end_ns`) for `min_ns` or longer, as
+/// unfinished `OFF_CPU` events.
+fn away_at_end(
+    bpf: &Bpf,
+    slot: u8,
+    all: bool,
+    min_ns: u64,
+    end_ns: u64,
+) -> Vec<tracer_common::TraceEvent> {
+    bpf.off_cpu_away()
+        .into_iter()
+        .filter(|(_, t)| t.pid != 0 && (all || bpf.followers(t.pid) & 1 << slot != 0))
+        .filter(|(_, t)| end_ns.saturating_sub(t.since_ns) >= min_ns)
+        .map(|(tid, t)| tracer_common::TraceEvent {
+            kind: tracer_common::trace_kind::OFF_CPU,
+            flags: t.flags as u16 | tracer_common::TRACE_UNFINISHED,
+            pid: t.pid,
+            tid,
+            start_ns: t.since_ns,
+            end_ns,
+            a: t.syscall as u64,
+            b: t.fd_kind,
+            ..Default::default()
+        })
+        .collect()
 }
 
 impl Measurement for TracingSession {
@@ -160,10 +190,13 @@ impl Measurement for TracingSession {
     /// later (`TraceEnd`).
     fn stop(&mut self, end: &mut Ends<'_>, threads: Threads<'_>) {
         self.tick(true);
-        if self.off_cpu {
+        let end_ns = crate::clock::monotonic_ns();
+        if let Some(min_ns) = self.off_cpu {
+            // Times away still running: drawn to the end, as calls still running are.
+            let events = away_at_end(end.bpf, self.slot, self.all, min_ns, end_ns);
+            push_local(&self.trace.spool, &events);
             end.bpf.off_cpu_remove(self.slot);
         }
-        let end_ns = crate::clock::monotonic_ns();
         self.end_ns = Some(end_ns);
         let threads: Vec<(u32, u32)> = match threads {
             Threads::None => return,

@@ -9,6 +9,11 @@ pub mod kernels;
 pub mod profile;
 pub mod trace;
 
+/// serde's `skip_serializing_if` for counts that are mostly 0.
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// `ns` as a number of microseconds with nanosecond decimals, exactly (no float rounding):
 /// Chrome's JSON times and the tables' µs columns.
 pub(crate) fn us(ns: u64) -> String {

@@ -57,7 +57,7 @@ pub struct Trace {
     /// Times threads spent off the CPU (`--off-cpu`), each at least `off_cpu_min_ns` long.
     #[serde(default)]
     pub off_cpu: u64,
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "crate::is_zero")]
     pub off_cpu_min_ns: u64,
     /// Names of the kernels in those events, by (pid, CUPTI's name pointer), sorted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -131,10 +131,6 @@ pub enum Named<'a> {
     /// A thread's time off the CPU: why, in words.
     OffCpu(String),
     Unknown,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 impl Trace {

@@ -3,14 +3,11 @@
 
 use std::{collections::BTreeMap, fmt::Write as _};
 
-use super::{FrameKind, Profile};
+use super::{
+    wall::{more_threads, THREADS_SHOWN},
+    FrameKind, Profile, WAITING_FOR_THE_GIL,
+};
 use crate::escape_controls;
-
-/// Threads listed at most.
-const THREADS_SHOWN: usize = 20;
-
-/// What an off-CPU leaf says when the thread waited for the GIL.
-const WAITING: &str = "waiting for the GIL";
 
 #[derive(Default)]
 struct Thread {
@@ -51,7 +48,7 @@ pub(crate) fn threads(p: &Profile, out: &mut String) {
             let waited = s
                 .frames
                 .last()
-                .is_some_and(|f| f.kind == FrameKind::OffCpu && f.name == WAITING);
+                .is_some_and(|f| f.kind == FrameKind::OffCpu && f.name == WAITING_FOR_THE_GIL);
             if waited {
                 t.waiting += s.off_cpu_ns;
             } else {
@@ -90,14 +87,7 @@ pub(crate) fn threads(p: &Profile, out: &mut String) {
             escape_controls(&t.comm)
         );
     }
-    if rows.len() > THREADS_SHOWN {
-        let _ = writeln!(
-            out,
-            "{:>8} … {} more threads",
-            "",
-            rows.len() - THREADS_SHOWN
-        );
-    }
+    more_threads(out, rows.len());
     if p.off_cpu.is_none() {
         let _ = writeln!(
             out,

@@ -30,6 +30,10 @@ pub struct Profile {
     pub off_cpu: Option<OffCpu>,
 }
 
+/// The off-CPU reason of time spent waiting to take the GIL: named by the daemon, counted
+/// as waiting in the table's GIL section.
+pub const WAITING_FOR_THE_GIL: &str = "waiting for the GIL";
+
 /// What a wall-clock profile's off-CPU part holds.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct OffCpu {
@@ -59,15 +63,11 @@ pub struct Stack {
     /// CPU samples (launches, for launch stacks).
     pub count: u64,
     /// Off-CPU time in wall-clock profiles; its leaf frame says why.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "crate::is_zero")]
     pub off_cpu_ns: u64,
     /// CPU samples of a Python thread whose GIL state was read: whether it held the GIL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gil_held: Option<bool>,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]

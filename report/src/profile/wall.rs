@@ -6,8 +6,15 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use super::{FrameKind, Profile};
 use crate::escape_controls;
 
-/// Threads listed at most.
-const THREADS_SHOWN: usize = 20;
+/// Threads listed at most, in each per-thread section of the table.
+pub(crate) const THREADS_SHOWN: usize = 20;
+
+/// The line that says how many threads a per-thread section left out, if any.
+pub(crate) fn more_threads(out: &mut String, threads: usize) {
+    if threads > THREADS_SHOWN {
+        let _ = writeln!(out, "{:>8} … {} more threads", "", threads - THREADS_SHOWN);
+    }
+}
 
 /// `ns` for a reader: milliseconds, or seconds past ten of them.
 pub(crate) fn ms(ns: u64) -> String {
@@ -71,14 +78,7 @@ pub(crate) fn threads(p: &Profile, out: &mut String) {
             escape_controls(&t.comm)
         );
     }
-    if rows.len() > THREADS_SHOWN {
-        let _ = writeln!(
-            out,
-            "{:>8} … {} more threads",
-            "",
-            rows.len() - THREADS_SHOWN
-        );
-    }
+    more_threads(out, rows.len());
     let Some(o) = &p.off_cpu else {
         return;
     };

@@ -188,7 +188,7 @@ const USER: &[(&[&str], &str)] = &[
             "PyEval_AcquireThread",
             "_PyEval_AcquireLock",
         ],
-        "waiting for the GIL",
+        tracer_report::profile::WAITING_FOR_THE_GIL,
     ),
 ];
 

@@ -239,6 +239,21 @@ impl Daemon {
         cmd
     }
 
+    /// Session `id`'s report in `format`, written by `report -o` (as a user saves a trace)
+    /// and read back.
+    pub fn export(&self, id: &str, format: &str) -> Vec<u8> {
+        let path = self.dir.path().join(format!("{id}.{format}"));
+        self.ok(&[
+            "report",
+            id,
+            "--format",
+            format,
+            "-o",
+            path.to_str().unwrap(),
+        ]);
+        std::fs::read(path).unwrap()
+    }
+
     /// Runs tracerctl with these arguments to completion.
     pub fn run(&self, args: &[&str]) -> Output {
         self.ctl().args(args).output().expect("running tracerctl")
@@ -570,6 +585,48 @@ pub fn pstats_callers(python: &Path, prof: &Path, script: &Path) -> serde_json::
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The test virtualenv's python3 (`TRACER_TEST_PYTHON`), which `cargo xtask test` makes with
+/// the ground-truth tools beside it (py-spy, grpcio, OpenTelemetry's classes).
+pub fn venv_python() -> PathBuf {
+    std::env::var_os("TRACER_TEST_PYTHON")
+        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
+        .into()
+}
+
+/// `py-spy record --rate HZ --format raw --nonblocking FLAGS… -- COMMAND…` with the test
+/// virtualenv's py-spy: its folded stacks, and the command's own output.
+pub fn py_spy_record(
+    hz: &str,
+    flags: &[&str],
+    command: &[&std::ffi::OsStr],
+) -> (Vec<(Vec<String>, u64)>, Output) {
+    let py_spy = venv_python().with_file_name("py-spy");
+    assert!(
+        py_spy.exists(),
+        "{} is missing: run the suite with `cargo xtask test`",
+        py_spy.display()
+    );
+    let raw = tempfile::NamedTempFile::new().unwrap();
+    let out = Command::new(&py_spy)
+        .args(["record", "--rate", hz, "--format", "raw", "--nonblocking"])
+        .args(flags)
+        .arg("-o")
+        .arg(raw.path())
+        .arg("--")
+        .args(command)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "py-spy on {command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        parse_folded(&std::fs::read_to_string(raw.path()).unwrap()),
+        out,
+    )
 }
 
 /// Folded stacks (`frame;frame;… value` lines, as tracer and py-spy write them): (frames

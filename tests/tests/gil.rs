@@ -3,10 +3,12 @@
 //! on large buffers) by construction; the GIL-held flame graph against `py-spy --gil`; the
 //! per-thread GIL table.
 
-use std::{collections::BTreeMap, path::PathBuf, process::Command};
+use std::{collections::BTreeMap, process::Command};
 
 use serde_json::Value;
-use tracer_tests::{interpreters, parse_folded, root_or_skip, script, Daemon};
+use tracer_tests::{
+    interpreters, parse_folded, py_spy_record, root_or_skip, script, venv_python, Daemon,
+};
 
 /// Samples by function (`spin`, `digest`) and GIL state (`Some(held)`, None: not read).
 fn by_function(report: &Value) -> BTreeMap<(&'static str, Option<bool>), u64> {
@@ -86,12 +88,6 @@ fn samples_say_whether_their_thread_held_the_gil_on_every_interpreter() {
     }
 }
 
-fn venv_python() -> PathBuf {
-    std::env::var_os("TRACER_TEST_PYTHON")
-        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
-        .into()
-}
-
 /// `digest`'s share (%) of the samples under either function.
 fn digest_share(lines: &[(Vec<String>, u64)]) -> (f64, u64) {
     let under = |name: &str| -> u64 {
@@ -135,31 +131,12 @@ fn the_gil_held_flame_graph_matches_py_spy_gil() {
     ]);
     let ours = digest_share(&parse_folded(&std::fs::read_to_string(out.path()).unwrap()));
 
-    let raw = tempfile::NamedTempFile::new().unwrap();
-    let spy = Command::new(python.with_file_name("py-spy"))
-        .args([
-            "record",
-            "--gil",
-            "--rate",
-            "100",
-            "--format",
-            "raw",
-            "--nonblocking",
-            "-o",
-        ])
-        .arg(raw.path())
-        .arg("--")
-        .arg(&python)
-        .arg(&workload)
-        .arg("3")
-        .output()
-        .unwrap();
-    assert!(
-        spy.status.success(),
-        "py-spy: {}",
-        String::from_utf8_lossy(&spy.stderr)
+    let (theirs, _) = py_spy_record(
+        "100",
+        &["--gil"],
+        &[python.as_os_str(), workload.as_os_str(), "3".as_ref()],
     );
-    let theirs = digest_share(&parse_folded(&std::fs::read_to_string(raw.path()).unwrap()));
+    let theirs = digest_share(&theirs);
     println!("GIL-held samples under digest: tracer {ours:.1?}, py-spy --gil {theirs:.1?}");
     assert!(ours.1 >= 50 && theirs.1 >= 50, "too few samples");
     // Holding the GIL is what spin does; digest holds it only between buffers.

@@ -3,10 +3,11 @@
 //! thread's wall time against that accounting and against `py-spy record --idle`, the reason
 //! named for each wait, and time away that no record stands for at the end.
 
-use std::{collections::BTreeMap, path::PathBuf, process::Command};
+use std::{collections::BTreeMap, process::Command};
 
 use tracer_tests::{
-    interpreters, one_line_error, parse_folded, root_or_skip, script, ChildGuard, Daemon,
+    interpreters, one_line_error, parse_folded, py_spy_record, root_or_skip, script, venv_python,
+    ChildGuard, Daemon,
 };
 
 /// The phases of `off_cpu_workload.py`: its own name, the Python function, the reason tracer
@@ -17,12 +18,6 @@ const PHASES: [(&str, &str, Option<&str>); 4] = [
     ("pipe", "pipe_phase", Some("pipe")),
     ("lock", "lock_phase", Some("futex: a lock or condition")),
 ];
-
-fn venv_python() -> PathBuf {
-    std::env::var_os("TRACER_TEST_PYTHON")
-        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
-        .into()
-}
 
 /// Each phase's share (%) of the main thread's stacks (those under `<module>`), by the
 /// Python function in them.
@@ -90,31 +85,17 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
     let ours = parse_folded(&std::fs::read_to_string(out.path()).unwrap());
     let tracer = shares(&ours);
 
-    let raw = tempfile::NamedTempFile::new().unwrap();
-    let spy = Command::new(python.with_file_name("py-spy"))
-        .args([
-            "record",
-            "--idle",
-            "--rate",
-            "100",
-            "--format",
-            "raw",
-            "--nonblocking",
-            "-o",
-        ])
-        .arg(raw.path())
-        .arg("--")
-        .arg(&python)
-        .arg(&workload)
-        .args(["0.4", "3"])
-        .output()
-        .unwrap();
-    assert!(
-        spy.status.success(),
-        "py-spy: {}",
-        String::from_utf8_lossy(&spy.stderr)
+    let (theirs, spy) = py_spy_record(
+        "100",
+        &["--idle"],
+        &[
+            python.as_os_str(),
+            workload.as_os_str(),
+            "0.4".as_ref(),
+            "3".as_ref(),
+        ],
     );
-    let theirs = shares(&parse_folded(&std::fs::read_to_string(raw.path()).unwrap()));
+    let theirs = shares(&theirs);
     let their_truth = own_timing(&String::from_utf8_lossy(&spy.stdout));
     println!(
         "truth {truth:.1?}\ntracer {tracer:.1?}\n\

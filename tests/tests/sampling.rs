@@ -2,10 +2,11 @@
 //! together, checked against py-spy's samples of the same workloads and parsed back by
 //! `go tool pprof`.
 
-use std::{collections::BTreeMap, path::Path, path::PathBuf, process::Command};
+use std::{collections::BTreeMap, path::Path, process::Command};
 
 use tracer_tests::{
-    interpreters, one_line_error, parse_folded, root_or_skip, script, ChildGuard, Daemon,
+    interpreters, one_line_error, parse_folded, py_spy_record, root_or_skip, script, ChildGuard,
+    Daemon,
 };
 
 /// Folded stacks: (frames root first, count).
@@ -31,19 +32,6 @@ fn shares(f: &Folded, names: &[&str]) -> BTreeMap<String, f64> {
         .iter()
         .map(|n| (n.to_string(), 100.0 * samples_in(f, n) as f64 / main))
         .collect()
-}
-
-/// py-spy from PyPI, installed by `cargo xtask test` in the test virtualenv.
-fn py_spy() -> PathBuf {
-    let venv_python = std::env::var_os("TRACER_TEST_PYTHON")
-        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`");
-    let p = Path::new(&venv_python).with_file_name("py-spy");
-    assert!(
-        p.exists(),
-        "{} is missing: run the suite with `cargo xtask test`",
-        p.display()
-    );
-    p
 }
 
 /// The report, in `format`, of a sampling session at `hz` of `command` run under tracer.
@@ -82,37 +70,16 @@ fn shares_agree_with_py_spy_on_every_interpreter() {
     if !root_or_skip() {
         return;
     }
-    let py_spy = py_spy();
     let d = Daemon::start();
     let workload = script("sample_workload.py");
     let names = ["heavy", "medium", "light", "spin"];
     for python in interpreters() {
         let ours = tracer_folded(&d, &python, &workload, &["3"], "499");
-        let raw = tempfile::NamedTempFile::new().unwrap();
-        let status = Command::new(&py_spy)
-            .args([
-                "record",
-                "--rate",
-                "499",
-                "--format",
-                "raw",
-                "--nonblocking",
-                "-o",
-            ])
-            .arg(raw.path())
-            .arg("--")
-            .arg(&python)
-            .arg(&workload)
-            .arg("3")
-            .output()
-            .unwrap();
-        assert!(
-            status.status.success(),
-            "py-spy failed on {}: {}",
-            python.display(),
-            String::from_utf8_lossy(&status.stderr)
+        let (theirs, _) = py_spy_record(
+            "499",
+            &[],
+            &[python.as_os_str(), workload.as_os_str(), "3".as_ref()],
         );
-        let theirs = parse_folded(&std::fs::read_to_string(raw.path()).unwrap());
         let (a, b) = (shares(&ours, &names), shares(&theirs, &names));
         println!(
             "{}: tracer {a:.1?}\n{}  py-spy {b:.1?}",

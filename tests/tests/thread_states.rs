@@ -8,14 +8,8 @@ use serde_json::Value;
 use tracer_tests::{
     one_line_error, root_or_skip, script,
     timeline::{assert_nested, chrome_slices, perfetto_summary, Slice},
-    Daemon,
+    venv_python, Daemon,
 };
-
-fn venv_python() -> std::path::PathBuf {
-    std::env::var_os("TRACER_TEST_PYTHON")
-        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
-        .into()
-}
 
 /// (Python function of the phase, the off-CPU slice's name there, the phase's own name).
 const WAITS: [(&str, &str, &str); 3] = [
@@ -70,16 +64,7 @@ fn off_cpu_times_are_slices_inside_the_calls_that_waited() {
         report["trace"]
     );
 
-    let chrome_file = d.dir.path().join("trace.json");
-    d.ok(&[
-        "report",
-        &id,
-        "--format",
-        "chrome",
-        "-o",
-        chrome_file.to_str().unwrap(),
-    ]);
-    let chrome: Value = serde_json::from_slice(&std::fs::read(&chrome_file).unwrap()).unwrap();
+    let chrome: Value = serde_json::from_slice(&d.export(&id, "chrome")).unwrap();
     let slices = chrome_slices(&chrome);
     // Off-CPU slices nest among the calls like calls do.
     assert_nested(&slices);
@@ -121,16 +106,7 @@ fn off_cpu_times_are_slices_inside_the_calls_that_waited() {
     }
 
     // Perfetto draws the same slices, balanced on each thread's track.
-    let perfetto_file = d.dir.path().join("trace.perfetto");
-    d.ok(&[
-        "report",
-        &id,
-        "--format",
-        "perfetto",
-        "-o",
-        perfetto_file.to_str().unwrap(),
-    ]);
-    let summary = perfetto_summary(&std::fs::read(&perfetto_file).unwrap());
+    let summary = perfetto_summary(&d.export(&id, "perfetto"));
     assert_eq!(summary.begins, slices.len() as u64, "{summary:?}");
 
     // Counting sessions have no timeline to put them on.
@@ -162,16 +138,7 @@ fn a_thread_away_for_the_whole_session_is_one_unfinished_slice() {
         .to_owned();
     std::thread::sleep(std::time::Duration::from_millis(1500));
     d.ok(&["stop", &id]);
-    let chrome_file = d.dir.path().join("away.json");
-    d.ok(&[
-        "report",
-        &id,
-        "--format",
-        "chrome",
-        "-o",
-        chrome_file.to_str().unwrap(),
-    ]);
-    let chrome: Value = serde_json::from_slice(&std::fs::read(&chrome_file).unwrap()).unwrap();
+    let chrome: Value = serde_json::from_slice(&d.export(&id, "chrome")).unwrap();
     let away: Vec<&Value> = chrome["traceEvents"]
         .as_array()
         .unwrap()

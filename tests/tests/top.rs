@@ -9,13 +9,7 @@ use std::{
 };
 
 use serde_json::Value;
-use tracer_tests::{bin, one_line_error, root_or_skip, script, ChildGuard, Daemon};
-
-fn venv_python() -> std::path::PathBuf {
-    std::env::var_os("TRACER_TEST_PYTHON")
-        .expect("TRACER_TEST_PYTHON is not set: run the suite with `cargo xtask test`")
-        .into()
-}
+use tracer_tests::{bin, one_line_error, root_or_skip, script, venv_python, ChildGuard, Daemon};
 
 fn interim(d: &Daemon, id: &str) -> Value {
     serde_json::from_str(&d.ok(&["report", id, "--interim", "--format", "json"])).unwrap()

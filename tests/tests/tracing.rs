@@ -22,19 +22,6 @@ fn json(d: &Daemon, id: &str) -> Value {
     serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
 }
 
-fn export(d: &Daemon, id: &str, format: &str) -> Vec<u8> {
-    let path = d.dir.path().join(format!("{id}.{format}"));
-    d.ok(&[
-        "report",
-        id,
-        "--format",
-        format,
-        "-o",
-        path.to_str().unwrap(),
-    ]);
-    std::fs::read(path).unwrap()
-}
-
 /// Runs `tracerctl start --mode=MODE ARGS -- PYTHON SCRIPT ARGS` to its end; returns the session id.
 fn run(d: &Daemon, mode: &str, opts: &[&str], cmd: &[&Path], args: &[&str]) -> String {
     let file = d.dir.path().join("report.json");
@@ -109,7 +96,7 @@ fn traced_calls_equal_counting_ncalls_on_every_interpreter() {
         let traced = run(&d, "--mode=tracing", &[], &[&py, &wl], &["threads"]);
         let report = json(&d, &traced);
         assert_eq!(report["losses"], serde_json::json!([]), "{}", py.display());
-        let chrome: Value = serde_json::from_slice(&export(&d, &traced, "chrome")).unwrap();
+        let chrome: Value = serde_json::from_slice(&d.export(&traced, "chrome")).unwrap();
         let slices = chrome_slices(&chrome);
         assert_nested(&slices);
         let mut got: BTreeMap<String, u64> = BTreeMap::new();
@@ -144,7 +131,7 @@ fn perfetto_traces_balance_every_slice() {
     let wl = script("py_workload.py");
     let id = run(&d, "--mode=tracing", &[], &[&python(), &wl], &["threads"]);
     let report = json(&d, &id);
-    let p = perfetto_summary(&export(&d, &id, "perfetto"));
+    let p = perfetto_summary(&d.export(&id, "perfetto"));
     let calls = report["trace"]["python_calls"].as_u64().unwrap();
     assert_eq!((p.begins, p.ends), (calls, calls));
     assert!(
@@ -397,7 +384,7 @@ fn a_small_buffer_spills_to_the_file_and_its_limit_counts_losses() {
     // The trace outlives the daemon, like the report.
     let mut d = d;
     d.restart();
-    let chrome: Value = serde_json::from_slice(&export(&d, &id, "chrome")).unwrap();
+    let chrome: Value = serde_json::from_slice(&d.export(&id, "chrome")).unwrap();
     assert_eq!(chrome_slices(&chrome).len() as u64, in_file);
     // Deleting the session takes its trace file with it, for good.
     let running = d.ok(&[
@@ -454,7 +441,7 @@ fn native_calls_and_counters_share_the_timeline() {
         .map(|c| c["calls"].as_u64().unwrap())
         .sum();
     assert!(counted >= 500, "os.getpid() 500 times: {counted}");
-    let chrome: Value = serde_json::from_slice(&export(&d, &id, "chrome")).unwrap();
+    let chrome: Value = serde_json::from_slice(&d.export(&id, "chrome")).unwrap();
     let events = chrome["traceEvents"].as_array().unwrap();
     let instants = events
         .iter()

@@ -180,3 +180,24 @@ fn top_refreshes_in_a_terminal_until_the_session_ends() {
     assert!(pane.contains("top exited 0"), "{pane}");
     assert!(pane.contains("stopped"), "{pane}");
 }
+
+/// Bad input: an unknown session, a bad interval; one line each.
+#[test]
+fn top_refuses_what_it_cannot_show() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    for args in [
+        &["top", "000000000000"][..],
+        &["report", "000000000000", "--interim"][..],
+    ] {
+        let e = one_line_error(&d.run(args));
+        assert!(
+            e.contains("no session with id '000000000000'"),
+            "{args:?}: {e}"
+        );
+    }
+    let e = one_line_error(&d.run(&["top", "000000000000", "--interval", "5x"]));
+    assert!(e.contains("invalid duration unit 'x'"), "{e}");
+}

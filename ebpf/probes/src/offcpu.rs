@@ -94,7 +94,8 @@ pub fn tracer_offcpu_switch(ctx: TracePointContext) -> u32 {
 fn leaves(ctx: &TracePointContext, now: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (pid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
-    if pid == 0 || (sessions(pid).is_none() && tracing(pid).is_none()) {
+    let (sampled, traced) = (sessions(pid).is_some(), tracing(pid).is_some());
+    if pid == 0 || !(sampled || traced) {
         return;
     }
     // A record due since it came back goes now, while its stacks are still its own.
@@ -107,13 +108,18 @@ fn leaves(ctx: &TracePointContext, now: u64) {
         s if s & TASK_UNINTERRUPTIBLE != 0 => sample_flag::UNINTERRUPTIBLE,
         _ => 0,
     };
-    let kernel_stack = ctx
-        .get_stackid(&SAMPLE_KSTACKS, 0)
-        .map(|id| id as i64)
-        .unwrap_or_else(|e| e as i64);
+    // Only a sampling session's records carry the stack where the thread waits.
+    let kernel_stack = match sampled {
+        true => ctx
+            .get_stackid(&SAMPLE_KSTACKS, 0)
+            .map(|id| id as i64)
+            .unwrap_or_else(|e| e as i64),
+        false => -1,
+    };
     // Blocked (not preempted, not in `D`): in a system call, whose number is its own;
     // otherwise `orig_ax` may be an exception's error code, not a call.
-    let (syscall, fd_kind) = if state & 0xff != 0 && flags == 0 {
+    // Only a trace's events name the call and the fd: sampling names waits from stacks.
+    let (syscall, fd_kind) = if traced && state & 0xff != 0 && flags == 0 {
         // SAFETY: the current task's saved user registers, read with probe reads.
         unsafe {
             let regs = bpf_task_pt_regs(bpf_get_current_task_btf()) as *const u8;

@@ -31,8 +31,8 @@ use aya::{
 use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracer_common::{
     globals, loss, CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey, GpuKernelStats,
-    NativeCallKey, OffCpuConfig, OffCpuThread, ProcEvent, PyCallKey, PyCallStats, PyEdgeKey,
-    PyLayout, PySampleProc, PyStack, SessionMask,
+    NativeCallKey, OffCpuConfig, OffCpuThread, ProcEvent, PyAsyncLayout, PyCallKey, PyCallStats,
+    PyEdgeKey, PyLayout, PySampleProc, PyStack, SessionMask,
 };
 
 use tracer_inspect::python::{
@@ -425,6 +425,10 @@ impl Bpf {
             python_procs: take::<HashMap<MapData, u32, PySampleProc>>(
                 &mut self.ebpf,
                 "PY_SAMPLE_PROCS",
+            )?,
+            async_procs: take::<HashMap<MapData, u32, PyAsyncLayout>>(
+                &mut self.ebpf,
+                "PY_ASYNC_PROCS",
             )?,
         })
     }

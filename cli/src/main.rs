@@ -145,6 +145,11 @@ struct StartArgs {
     /// not drawn).
     #[arg(long, value_name = "DURATION", value_parser = duration::parse_us, requires = "off_cpu")]
     off_cpu_min: Option<u64>,
+    /// Sampling, CPython 3.14+: a sample in an asyncio task starts with the tasks awaiting
+    /// it (outermost first, each `[task: NAME]` and the line where it awaits), then the
+    /// task's own frames, in place of the event loop's.
+    #[arg(long)]
+    asyncio: bool,
     /// Always-on low-rate profiling: sampling at 19 Hz (unless --frequency says otherwise)
     /// until stopped, each window pushed to --push.
     #[arg(long, requires = "push")]
@@ -575,8 +580,8 @@ fn start_request(
             cuda_stacks: args.cuda_stacks,
             cuda_driver_only: args.cuda_driver_only,
         }),
-        sampling: (args.frequency.is_some() || args.push.is_some() || args.off_cpu).then(|| {
-            SamplingOptions {
+        sampling: (args.frequency.is_some() || args.push.is_some() || args.off_cpu || args.asyncio)
+            .then(|| SamplingOptions {
                 frequency_hz: args.frequency.unwrap_or(if args.continuous {
                     CONTINUOUS_HZ
                 } else {
@@ -591,8 +596,8 @@ fn start_request(
                     .off_cpu_min
                     .map_or(0, |us| u32::try_from(us.max(1)).unwrap_or(u32::MAX)),
                 push_tls,
-            }
-        }),
+                asyncio_tasks: args.asyncio,
+            }),
         tracing: (args.buffer_mb.is_some()
             || args.max_file_mb.is_some()
             || args.interval.is_some())

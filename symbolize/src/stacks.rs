@@ -13,14 +13,23 @@ use std::{
 };
 
 use tracer_common::{
-    sample_flag, PySampleFrame, SampleEvent, PY_FRAME_ENTRY, PY_FRAME_SHIM, SAMPLE_PY_DEPTH,
+    sample_flag, PySampleFrame, SampleEvent, PY_FRAME_ENTRY, PY_FRAME_SHIM, PY_FRAME_TASK,
+    SAMPLE_PY_DEPTH,
 };
 
 use tracer_inspect::{
-    python::{layout::Version, linetable, memory},
+    python::{layout::Version, linetable},
     unwind::{End, MapEntry, ProcMaps, Regs, Unwinder},
 };
 use tracer_report::profile::{Frame, FrameKind, Mapping};
+
+mod code;
+mod merge;
+
+pub use code::python_location;
+use code::{instruction_offset, read_code, task_name, Code};
+use merge::first_at;
+pub use merge::merge;
 
 use crate::symbolize::Symbolizer;
 
@@ -29,17 +38,6 @@ use crate::symbolize::Symbolizer;
 const MAX_NATIVE_FRAMES: usize = 1024;
 /// How long a process's memory map is trusted before it is read again on a miss.
 const MAPS_TTL: Duration = Duration::from_millis(200);
-
-/// A Python code object's names, read from the process once.
-struct Code {
-    /// `py_names_id` of its qualname and file name objects: a freed code object's address
-    /// is reused by other functions, which the probe's reading of the same tells apart.
-    names: u64,
-    qualname: String,
-    filename: String,
-    firstlineno: u32,
-    linetable: Vec<u8>,
-}
 
 /// A sample's stack as captured, before native and kernel frames are named: what must be
 /// read while the process lives (its maps, stack, code objects) is in it; naming, the slow
@@ -52,6 +50,11 @@ pub struct RawStack {
     pub python: Vec<(u32, bool)>,
     /// Kernel addresses, leaf first.
     pub kernel: Vec<u64>,
+    /// In an asyncio task (3.14+): the tasks awaiting the running one and their coroutines,
+    /// root first, ending with the running task; and the index in `python` of the running
+    /// task's coroutine frame, where the thread's own frames (the event loop's) end.
+    pub tasks: Vec<u32>,
+    pub task_frame: Option<u32>,
 }
 
 /// `RawStack::native` binary of an address outside every mapping.
@@ -96,6 +99,9 @@ impl Renumbered {
             }
         }
         for (f, _) in &mut raw.python {
+            *f = self.frames[f];
+        }
+        for f in &mut raw.tasks {
             *f = self.frames[f];
         }
         raw
@@ -165,6 +171,7 @@ impl Resolver {
         for (root, raw) in live {
             frames.insert(root);
             frames.extend(raw.python.iter().map(|&(f, _)| f));
+            frames.extend(raw.tasks.iter().copied());
             binaries.extend(
                 raw.native
                     .iter()
@@ -251,17 +258,26 @@ impl Resolver {
         version: Option<&'static Version>,
     ) -> Captured {
         let (native, end) = self.native(ev);
-        let mut python = Vec::new();
+        let (mut python, mut tasks, mut task_frame) = (Vec::new(), Vec::new(), None);
         let is_python = ev.flags & sample_flag::PYTHON != 0;
         if let Some(v) = version.filter(|_| is_python) {
             let depth = (ev.py_depth as usize).min(SAMPLE_PY_DEPTH);
-            python = self.python(ev.pid, &ev.py[..depth], v);
+            let raw = &ev.py[..depth];
+            let own = raw
+                .iter()
+                .position(|f| f.code & PY_FRAME_TASK != 0)
+                .unwrap_or(depth);
+            let at = (ev.py_task as usize).checked_sub(1).filter(|&i| i < own);
+            (python, task_frame) = self.python(ev.pid, &raw[..own], v, at);
+            tasks = self.tasks(ev.pid, &raw[own..], v);
         }
         Captured {
             raw: RawStack {
                 native,
                 python,
                 kernel,
+                tasks,
+                task_frame,
             },
             end,
             python: is_python,
@@ -272,8 +288,10 @@ impl Resolver {
 
     /// A captured stack's frames, root first, without the process frame: Python frames in
     /// place of the eval-loop frames. Its native and kernel frames must have been named
-    /// ([`Self::to_name`], [`Naming::run`], [`Self::apply`]).
-    pub fn frames(&mut self, raw: &RawStack) -> Vec<u32> {
+    /// ([`Self::to_name`], [`Naming::run`], [`Self::apply`]). `tasks`: a sample in an
+    /// asyncio task starts with the tasks awaiting it, then the task's own frames, without
+    /// the event loop's frames below them.
+    pub fn frames(&mut self, raw: &RawStack, tasks: bool) -> Vec<u32> {
         let native: Vec<(u32, bool)> = raw
             .native
             .iter()
@@ -290,7 +308,19 @@ impl Resolver {
                 (id, self.eval_frames.contains(&id))
             })
             .collect();
-        let mut frames = merge(&native, &raw.python);
+        let mut frames = match (tasks, raw.tasks.is_empty()) {
+            (true, false) => {
+                let mut f = raw.tasks.clone();
+                let own = merge(&native, &raw.python);
+                let cut = raw
+                    .task_frame
+                    .and_then(|i| first_at(&native, &raw.python, i as usize))
+                    .unwrap_or(0);
+                f.extend_from_slice(&own[cut..]);
+                f
+            }
+            _ => merge(&native, &raw.python),
+        };
         for &addr in raw.kernel.iter().rev() {
             let id = self.kernel.get(&addr).copied().unwrap_or_else(|| {
                 self.intern(Frame {
@@ -528,10 +558,21 @@ impl Resolver {
         i
     }
 
-    /// The Python frames, leaf first, each with whether it starts a run of the eval loop.
-    fn python(&mut self, pid: u32, raw: &[PySampleFrame], v: &'static Version) -> Vec<(u32, bool)> {
+    /// The Python frames, leaf first, each with whether it starts a run of the eval loop;
+    /// and where in them the frame `raw[at]` went.
+    fn python(
+        &mut self,
+        pid: u32,
+        raw: &[PySampleFrame],
+        v: &'static Version,
+        at: Option<usize>,
+    ) -> (Vec<(u32, bool)>, Option<u32>) {
         let mut out: Vec<(u32, bool)> = Vec::with_capacity(raw.len());
-        for f in raw {
+        let mut found = None;
+        for (i, f) in raw.iter().enumerate() {
+            if at == Some(i) {
+                found = Some(out.len() as u32);
+            }
             if f.code & PY_FRAME_SHIM != 0 {
                 // 3.12+: the shim below a run: the frame above it started the run.
                 if let Some(last) = out.last_mut() {
@@ -544,7 +585,27 @@ impl Resolver {
             let id = self.python_frame(pid, code, f.instr, f.names, v);
             out.push((id, entry));
         }
-        out
+        (out, found)
+    }
+
+    /// The tasks part of a sample (after the thread's frames): groups of a task and its
+    /// coroutines, outermost first, from the running task out. Root first: the outermost
+    /// awaiting task first, each task's frames after its name.
+    fn tasks(&mut self, pid: u32, raw: &[PySampleFrame], v: &'static Version) -> Vec<u32> {
+        let mut groups: Vec<Vec<u32>> = Vec::new();
+        for f in raw {
+            if f.code & PY_FRAME_TASK != 0 {
+                let name = task_name(pid, f.instr, v);
+                groups.push(vec![self.intern(Frame {
+                    kind: FrameKind::Task,
+                    name,
+                    ..Frame::default()
+                })]);
+            } else if let Some(g) = groups.last_mut() {
+                g.push(self.python_frame(pid, f.code, f.instr, f.names, v));
+            }
+        }
+        groups.into_iter().rev().flatten().collect()
     }
 
     fn python_frame(
@@ -597,8 +658,6 @@ impl Resolver {
     }
 }
 
-/// Where the daemon reads a binary: the file it opened while a process mapped it, or (if
-/// that failed) its own view of the path.
 /// Addresses to name, taken from a [`Resolver`] ([`Resolver::to_name`]).
 pub struct Naming {
     binaries: Vec<ToName>,
@@ -655,120 +714,12 @@ impl Naming {
     }
 }
 
+/// Where the daemon reads a binary: the file it opened while a process mapped it, or (if
+/// that failed) its own view of the path.
 fn read_path(bin: &Binary) -> PathBuf {
     use std::os::fd::AsRawFd;
     match &bin.file {
         Some(f) => PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd())),
         None => PathBuf::from(&bin.mapping.path),
-    }
-}
-
-/// A Python frame's function and line, read now from its process: (qualname, file, line).
-/// None if the code object no longer has the names it had (`names`).
-pub fn python_location(
-    pid: u32,
-    code: u64,
-    instr: u64,
-    names: u64,
-    v: &Version,
-) -> Option<(String, String, u32)> {
-    let c = read_code(pid, code, v).filter(|c| c.names == names)?;
-    let line = instruction_offset(v, code, instr)
-        .and_then(|off| linetable::line_for(v.minor, &c.linetable, c.firstlineno, off))
-        .unwrap_or(c.firstlineno);
-    Some((c.qualname, c.filename, line))
-}
-
-/// Byte offset of the frame's instruction in its code, or None before the first one (a
-/// frame being set up), which is then shown at the function's first line.
-fn instruction_offset(v: &Version, code: u64, instr: u64) -> Option<u32> {
-    if v.minor == 10 {
-        // f_lasti: an instruction index; -1 before the first.
-        let lasti = instr as i64;
-        return (lasti >= 0).then(|| (lasti as u32).saturating_mul(2));
-    }
-    let first = code + v.code_adaptive;
-    let off = instr.checked_sub(first)?;
-    u32::try_from(off).ok()
-}
-
-fn read_code(pid: u32, code: u64, v: &Version) -> Option<Code> {
-    let qualname_obj = memory::read_u64(pid, code + u64::from(v.probe.code_qualname)).ok()?;
-    let filename_obj = memory::read_u64(pid, code + u64::from(v.probe.code_filename)).ok()?;
-    let (qualname, filename) = memory::code_names(pid, code, v).ok()?;
-    let mut first = [0u8; 4];
-    memory::read(pid, code + u64::from(v.probe.code_firstlineno), &mut first).ok()?;
-    let firstlineno = u32::try_from(i32::from_le_bytes(first)).unwrap_or(0);
-    let table = memory::read_u64(pid, code + v.code_linetable).ok()?;
-    // A bytes object: ob_size at 16, data at 32.
-    let size = memory::read_u64(pid, table + 16).ok()?;
-    let mut linetable = vec![0u8; usize::try_from(size.min(1 << 20)).ok()?];
-    memory::read(pid, table + 32, &mut linetable).ok()?;
-    Some(Code {
-        names: tracer_common::py_names_id(qualname_obj, filename_obj),
-        qualname,
-        filename,
-        firstlineno,
-        linetable,
-    })
-}
-
-/// Puts the Python frames in place of the eval-loop frames that run them. Both lists are
-/// leaf first; `python` frames flagged `true` start a run of one eval-loop call (its
-/// outermost frame). The k-th eval-loop frame from the leaf runs the k-th run. Runs left
-/// over (native unwinding stopped short) go at the root; the result is root first.
-pub fn merge(native: &[(u32, bool)], python: &[(u32, bool)]) -> Vec<u32> {
-    let mut runs: Vec<&[(u32, bool)]> = Vec::new();
-    let mut start = 0;
-    for (i, &(_, entry)) in python.iter().enumerate() {
-        if entry {
-            runs.push(&python[start..=i]);
-            start = i + 1;
-        }
-    }
-    if start < python.len() {
-        runs.push(&python[start..]);
-    }
-    let mut runs = runs.into_iter();
-    let mut leaf_first = Vec::with_capacity(native.len() + python.len());
-    for &(id, eval) in native {
-        match eval.then(|| runs.next()).flatten() {
-            Some(run) => leaf_first.extend(run.iter().map(|&(f, _)| f)),
-            None => leaf_first.push(id),
-        }
-    }
-    for run in runs {
-        leaf_first.extend(run.iter().map(|&(f, _)| f));
-    }
-    leaf_first.reverse();
-    leaf_first
-}
-
-#[cfg(test)]
-mod tests {
-    use super::merge;
-
-    #[test]
-    fn python_runs_replace_eval_frames_in_order() {
-        // Native, leaf first: leaf(1) eval(2) call(3) eval(4) main(5).
-        let native = [(1, false), (2, true), (3, false), (4, true), (5, false)];
-        // Python, leaf first: c(10) b(11, starts run) a(12, starts run).
-        let python = [(10, false), (11, true), (12, true)];
-        assert_eq!(merge(&native, &python), vec![5, 12, 3, 11, 10, 1]);
-    }
-
-    #[test]
-    fn runs_without_eval_frames_go_at_the_root() {
-        // Unwinding stopped in the first eval frame's caller.
-        let native = [(1, false), (2, true), (3, false)];
-        let python = [(10, true), (11, true), (12, true)];
-        assert_eq!(merge(&native, &python), vec![12, 11, 3, 10, 1]);
-    }
-
-    #[test]
-    fn extra_eval_frames_stay_native() {
-        let native = [(2, true), (4, true)];
-        let python = [(10, false), (11, false)];
-        assert_eq!(merge(&native, &python), vec![4, 11, 10]);
     }
 }

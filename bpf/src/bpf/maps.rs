@@ -4,7 +4,7 @@
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap};
 use tracer_common::{
     CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey, GpuKernelStats, NativeCallKey,
-    PyCallKey, PyCallStats, PyEdgeKey, PySampleProc,
+    PyAsyncLayout, PyCallKey, PyCallStats, PyEdgeKey, PySampleProc,
 };
 
 use super::BpfError;
@@ -188,6 +188,8 @@ pub struct SamplingMaps {
     pub samples: RingBuf<MapData>,
     pub kernel_stacks: StackTraceMap<MapData>,
     pub python_procs: HashMap<MapData, u32, PySampleProc>,
+    /// 3.14+ processes whose asyncio tasks the probe reads.
+    pub async_procs: HashMap<MapData, u32, PyAsyncLayout>,
 }
 
 /// A session's CUDA launch counts and memory totals.

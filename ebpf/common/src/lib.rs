@@ -139,6 +139,7 @@ mod pod {
     unsafe impl aya::Pod for super::NativeCallKey {}
     unsafe impl aya::Pod for super::PyEdgeKey {}
     unsafe impl aya::Pod for super::PySampleProc {}
+    unsafe impl aya::Pod for super::PyAsyncLayout {}
     unsafe impl aya::Pod for super::OffCpuThread {}
     unsafe impl aya::Pod for super::OffCpuConfig {}
     unsafe impl aya::Pod for super::TraceEvent {}
@@ -170,6 +171,7 @@ mod tests {
             core::mem::size_of::<super::PyStack>(),
             8 + 64 * super::PY_STACK_DEPTH
         );
+        assert_eq!(core::mem::size_of::<super::PyAsyncLayout>(), 13 * 4);
         assert_eq!(core::mem::size_of::<super::PyCallKey>(), 24);
         assert_eq!(core::mem::size_of::<super::PyEdgeKey>(), 40);
         assert_eq!(

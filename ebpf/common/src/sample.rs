@@ -19,6 +19,11 @@ pub const PY_FRAME_ENTRY: u64 = 1 << 63;
 /// of an eval-loop run (it is not a Python function).
 pub const PY_FRAME_SHIM: u64 = 1 << 62;
 
+/// `PySampleFrame::code` bit: not a frame but an asyncio task (3.14+), whose address the
+/// rest of `code` is, `instr` its name object's; frames after it, up to the next task, are
+/// its coroutine chain, outermost first. The first task is the one running.
+pub const PY_FRAME_TASK: u64 = 1 << 61;
+
 /// One Python frame of a sample: its code object and its current instruction.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,7 +88,9 @@ pub struct SampleEvent {
     pub stack_len: u32,
     pub flags: u32,
     pub py_depth: u32,
-    pub _pad: u32,
+    /// 1 + index in `py` of the running asyncio task's coroutine frame, where the thread's
+    /// frames stop and the task's begin; 0: none found.
+    pub py_task: u32,
     /// Off-CPU records: every session they are for (`slot` is the lowest of them).
     pub slots: u64,
     /// Off-CPU records: the nanoseconds they stand for: the period that just ended and the
@@ -108,6 +115,36 @@ pub struct PySampleProc {
     /// its memory held the child's code objects first, and may still when the child is gone.
     pub origin: u32,
 }
+
+/// Value of `PY_ASYNC_PROCS`: how to read a 3.14+ process's asyncio tasks, from its
+/// `_asyncio` module's `.AsyncioDebug` section and the interpreter's `_Py_DebugOffsets`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyAsyncLayout {
+    /// Within the thread state: the running loop and task (NULL: none).
+    pub tstate_running_loop: u32,
+    pub tstate_running_task: u32,
+    /// Within a task: its coroutine, name, and who awaits it (a task, or a set of them).
+    pub task_coro: u32,
+    pub task_name: u32,
+    pub task_awaited_by: u32,
+    pub task_awaited_by_is_set: u32,
+    /// Within a coroutine: its embedded frame and the frame's state.
+    pub gen_iframe: u32,
+    pub gen_frame_state: u32,
+    /// `_PyInterpreterFrame.stackpointer`: a coroutine suspended in an await has what it
+    /// awaits two slots below.
+    pub frame_stackpointer: u32,
+    pub ob_type: u32,
+    /// `PySetObject`: its table of (key, hash) entries.
+    pub set_table: u32,
+    pub set_mask: u32,
+    /// `gi_frame_state` (an `int8_t`) of a coroutine suspended inside an `await`: -1 on
+    /// 3.14, 2 from 3.15 (renumbered).
+    pub yield_from_state: u32,
+}
+/// Tasks followed from the running one to the outermost awaiting it.
+pub const PY_ASYNC_TASKS_MAX: u32 = 16;
 
 /// `PySampleProc::layout`: the daemon looked, and the process does not run a known CPython.
 pub const PY_SAMPLE_NOT_PYTHON: u32 = u32::MAX;

@@ -1,5 +1,6 @@
 //! CPython: finding interpreters, their eval loops, and counting their calls.
 
+pub mod asyncio;
 pub mod debug_offsets;
 pub mod discover;
 pub mod inproc;

@@ -154,6 +154,13 @@ pub struct SamplingOptions {
     /// TLS for <https://,> parcas:// and otlps:// endpoints.
     #[prost(message, optional, tag = "6")]
     pub push_tls: ::core::option::Option<PushTls>,
+    /// asyncio (CPython 3.14+): a sample taken in a task starts with the tasks awaiting it,
+    /// outermost first, each a frame of kind "task" followed by its coroutines (where it
+    /// awaits), then the running task's own frames; the event loop's frames below the task are
+    /// left out. Samples outside tasks, and processes of older versions, are unchanged (the
+    /// report says which). Sampling sessions only.
+    #[prost(bool, tag = "7")]
+    pub asyncio_tasks: bool,
 }
 /// PEM text, read by the client (tracerd opens no file a caller names).
 #[allow(clippy::all)]

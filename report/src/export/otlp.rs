@@ -269,7 +269,7 @@ impl<'a> Dictionary<'a> {
             FrameKind::Python => Some("cpython"),
             FrameKind::Native => Some("native"),
             FrameKind::Kernel => Some("kernel"),
-            FrameKind::Process | FrameKind::OffCpu => None,
+            FrameKind::Process | FrameKind::OffCpu | FrameKind::Task => None,
         };
         let attribute_indices = kind
             .map(|k| vec![self.attribute("profile.frame.type", AttributeValue::Str(k.into()))])

@@ -228,15 +228,17 @@ impl<'a> Builder<'a> {
 }
 
 /// A frame's function name and file, as the pprof and OTLP exports name them: kernel and
-/// off-CPU frames get a pseudo-file, off-CPU ones their reason as the name.
+/// off-CPU frames get a pseudo-file, off-CPU ones their reason as the name, asyncio tasks
+/// `[task: NAME]`.
 pub(super) fn function_of(f: &Frame) -> (std::borrow::Cow<'_, str>, &str) {
     let file = match f.kind {
         FrameKind::Kernel => "[kernel]",
         FrameKind::OffCpu => "[off-CPU]",
+        FrameKind::Task => "[asyncio task]",
         _ => f.file.as_deref().unwrap_or(""),
     };
     let name = match f.kind {
-        FrameKind::OffCpu => std::borrow::Cow::Owned(f.label()),
+        FrameKind::OffCpu | FrameKind::Task => std::borrow::Cow::Owned(f.label()),
         _ => std::borrow::Cow::Borrowed(f.name.as_str()),
     };
     (name, file)
@@ -269,6 +271,25 @@ mod tests {
                 format!("{}:{}", d.string_table[f.name as usize], loc.line[0].line)
             })
             .collect()
+    }
+
+    #[test]
+    fn asyncio_tasks_are_functions_of_their_own() {
+        let task = Frame {
+            kind: FrameKind::Task,
+            name: "leaf-a".into(),
+            ..Frame::default()
+        };
+        let (name, file) = function_of(&task);
+        assert_eq!((name.as_ref(), file), ("[task: leaf-a]", "[asyncio task]"));
+        let mut p = example();
+        p.stacks[0].frames.insert(1, task);
+        let d = decode(&pprof(&p, &[]));
+        let sample = d
+            .sample
+            .iter()
+            .find(|s| names(&d, s).iter().any(|n| n.starts_with("[task: leaf-a]")));
+        assert!(sample.is_some(), "no task frame in the pprof export");
     }
 
     #[test]

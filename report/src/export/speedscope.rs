@@ -88,7 +88,7 @@ fn key(p: &Profile, f: &Frame) -> Key {
             (f.name.clone(), f.file.clone().or(binary.cloned()), f.line)
         }
         FrameKind::Kernel => (f.label(), Some("[kernel]".into()), None),
-        FrameKind::OffCpu => (f.label(), None, None),
+        FrameKind::OffCpu | FrameKind::Task => (f.label(), None, None),
     }
 }
 

@@ -161,6 +161,7 @@ fn colour(kind: FrameKind, name: &str) -> (u8, u8, u8) {
         FrameKind::Native => (0.0 + 30.0 * v1, 0.7),
         FrameKind::Kernel => (32.0 + 20.0 * v1, 0.8),
         FrameKind::OffCpu => (270.0 + 20.0 * v1, 0.35),
+        FrameKind::Task => (120.0 + 20.0 * v1, 0.45),
         FrameKind::Process => (0.0, 0.0),
     };
     hsl(hue, sat, 0.62 + 0.12 * v2)

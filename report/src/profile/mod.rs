@@ -84,6 +84,9 @@ pub enum FrameKind {
     Kernel,
     /// Wall-clock profiles: the leaf of off-CPU time, naming why the thread was away.
     OffCpu,
+    /// An asyncio task (`name` is its name); the Python frames after it, up to the next
+    /// task, are its coroutines. Task stacks start with the outermost awaiting task.
+    Task,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
@@ -115,6 +118,7 @@ impl Frame {
             },
             FrameKind::Kernel => format!("{}_[k]", self.name),
             FrameKind::OffCpu => format!("[off-CPU: {}]", self.name),
+            FrameKind::Task => format!("[task: {}]", self.name),
             FrameKind::Process | FrameKind::Native => self.name.clone(),
         }
     }

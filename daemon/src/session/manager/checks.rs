@@ -166,6 +166,8 @@ pub(super) struct Asked {
     pub(super) frequency: Option<u64>,
     /// Wall-clock sampling: the shortest off-CPU record, in ns.
     pub(super) off_cpu: Option<u64>,
+    /// Sampling: samples in asyncio tasks start with the tasks awaiting them.
+    pub(super) tasks: bool,
     /// Continuous profiling's endpoint and period.
     pub(super) push: Option<(crate::continuous::Endpoint, Duration)>,
     /// Tracing: the trace's limits and its counters' period.
@@ -198,6 +200,12 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     let frequency = sampling_frequency(sampling, &req)?;
     let off_cpu = off_cpu_min(mode, &req)?;
     let push = continuous_options(&req)?;
+    let tasks = req.sampling.as_ref().is_some_and(|o| o.asyncio_tasks);
+    if tasks && !sampling {
+        return Err(Error::InvalidArgument(
+            "asyncio task stacks (--asyncio) are for sampling sessions".into(),
+        ));
+    }
     let trace_limits = match (&req.tracing, trace_mode) {
             (Some(o), false) if *o != Default::default() => {
                 return Err(Error::InvalidArgument(
@@ -259,6 +267,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
         mode,
         frequency,
         off_cpu,
+        tasks,
         push,
         trace_limits,
         duration_ms,

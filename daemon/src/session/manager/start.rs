@@ -390,6 +390,7 @@ impl Manager {
                 hz,
                 asked.push.clone(),
                 asked.off_cpu,
+                asked.tasks,
             )?),
             _ => None,
         };

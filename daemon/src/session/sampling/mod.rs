@@ -39,6 +39,7 @@ impl SamplingSession {
         hz: u64,
         push: Option<(Endpoint, Duration)>,
         off_cpu_min_ns: Option<u64>,
+        tasks: bool,
     ) -> Result<Self, Error> {
         let program = bpf.sample_program()?;
         let sampler = Sampler::start(program.as_fd(), at.slot, at.pid.is_none(), hz)?;
@@ -50,6 +51,9 @@ impl SamplingSession {
             process::kernel_addresses_for(at.owner_uid),
             off_cpu_min_ns,
         );
+        if tasks {
+            sampling.show_tasks(at.slot);
+        }
         if let Some(min_ns) = off_cpu_min_ns {
             let how = tracer_bpf::bpf::OffCpuSession {
                 all: at.pid.is_none(),

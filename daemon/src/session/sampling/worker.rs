@@ -14,7 +14,8 @@ use std::{
 use std::os::fd::AsRawFd;
 
 use tracer_common::{
-    sample_flag, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON, SAMPLE_STACK_OFFSET,
+    sample_flag, PyAsyncLayout, PySampleProc, SampleEvent, PY_SAMPLE_NOT_PYTHON,
+    SAMPLE_STACK_OFFSET,
 };
 
 use tracer_inspect::python::{
@@ -60,6 +61,8 @@ struct Histogram {
     unwinding: Unwinding,
     failed: BTreeMap<String, u64>,
     notes: std::collections::BTreeSet<String>,
+    /// Samples in asyncio tasks start with the tasks awaiting them (`--asyncio`).
+    tasks: bool,
 }
 
 struct State {
@@ -70,6 +73,10 @@ struct State {
     versions: HashMap<u32, Option<&'static Version>>,
     /// Interpreter binaries by (device, inode); the error says whether to look again later.
     runtimes: HashMap<(u64, u64), Result<Arc<Runtime>, bool>>,
+    /// 3.14+ interpreter binaries by (device, inode): how to read their asyncio tasks.
+    asyncio: HashMap<(u64, u64), Result<PyAsyncLayout, String>>,
+    /// Python processes whose asyncio tasks cannot be read, and why (for `--asyncio`).
+    no_tasks: HashMap<u32, String>,
     kernel_stacks: HashMap<u32, Vec<u64>>,
     /// Profiles being named off the lock ([`Ending`]): the resolver's ids must hold still
     /// (no compaction) until they are in.
@@ -132,7 +139,10 @@ impl Windows {
             st.drain();
             let h = st.sessions.get_mut(&u32::from(slot))?;
             let min_ns = h.off_cpu.as_ref().map(|o| o.min_ns);
-            let fresh = Histogram::new(h.frequency_hz, h.event, h.kernel_addresses, min_ns);
+            let fresh = Histogram {
+                tasks: h.tasks,
+                ..Histogram::new(h.frequency_hz, h.event, h.kernel_addresses, min_ns)
+            };
             let window = std::mem::replace(h, fresh);
             st.ending(window, &self.0)
         };
@@ -170,6 +180,7 @@ impl Histogram {
             unwinding: Unwinding::default(),
             failed: BTreeMap::new(),
             notes: Default::default(),
+            tasks: false,
         }
     }
 }
@@ -189,6 +200,8 @@ impl Sampling {
             sessions: HashMap::new(),
             versions: HashMap::new(),
             runtimes: HashMap::new(),
+            asyncio: HashMap::new(),
+            no_tasks: HashMap::new(),
             kernel_stacks: HashMap::new(),
             naming: 0,
         };
@@ -243,6 +256,19 @@ impl Sampling {
             Histogram::new(frequency_hz, event, kernel_addresses, off_cpu_min_ns),
         );
         drop(st);
+        self.look(pids);
+    }
+
+    /// Sample stacks in asyncio tasks start with the tasks awaiting them, as
+    /// `python -m asyncio pstree` shows them, without the event loop's frames.
+    pub fn show_tasks(&self, slot: u8) {
+        if let Some(h) = lock(&self.state).sessions.get_mut(&u32::from(slot)) {
+            h.tasks = true;
+        }
+    }
+
+    /// Looks at the processes a new session samples, on a thread of its own for many.
+    fn look(&self, pids: Vec<u32>) {
         if pids.len() > 1 {
             let state = Arc::clone(&self.state);
             let looked = std::thread::Builder::new()
@@ -291,6 +317,7 @@ impl Sampling {
         let mut st = lock(&self.state);
         st.drain();
         st.versions.remove(&pid);
+        st.no_tasks.remove(&pid);
         st.resolver.forget(pid);
     }
 }
@@ -380,9 +407,14 @@ impl State {
             true if ev.flags & sample_flag::UNINTERRUPTIBLE != 0 => (3, ev.weight_ns),
             true => (2, ev.weight_ns),
         };
+        let no_tasks = self.no_tasks.get(&ev.pid);
         for slot in slots {
             let h = self.sessions.get_mut(&slot).expect("checked above");
             h.notes.extend(notes.iter().cloned());
+            if let (true, Some(why)) = (h.tasks, no_tasks) {
+                h.notes
+                    .insert(format!("no asyncio task stacks for {comm}: {why}"));
+            }
             h.comms.entry(ev.pid).or_insert_with(|| comm.clone());
             *h.stacks
                 .entry((ev.pid, ev.tid, root, outcome.raw.clone(), state))
@@ -438,6 +470,8 @@ impl State {
         self.resolver.forget_exited();
         self.versions
             .retain(|&pid, _| tracer_inspect::process::alive(pid));
+        self.no_tasks
+            .retain(|&pid, _| tracer_inspect::process::alive(pid));
         self.compact();
     }
 
@@ -462,6 +496,7 @@ impl State {
         if self.runtimes.len() > MAX_RUNTIMES {
             // Read again on demand (milliseconds each); copies of interpreters come and go.
             self.runtimes.clear();
+            self.asyncio.clear();
         }
     }
 
@@ -493,9 +528,20 @@ impl State {
         self.resolver.forget(pid);
         let found = self.python_runtime(pid);
         let entry = match found {
-            Lookup::Python(runtime, v) => {
+            Lookup::Python(runtime, v, path) => {
                 if let Err(e) = tracer_bpf::bpf::publish_layout(v) {
                     tracing::warn!(%e, pid, "this process's Python frames cannot be read");
+                }
+                match self.asyncio_layout(&path, v) {
+                    Ok(a) => {
+                        self.no_tasks.remove(&pid);
+                        if let Err(e) = self.maps.async_procs.insert(pid, a, 0) {
+                            tracing::warn!(%e, pid, "PY_ASYNC_PROCS is full: this process's asyncio tasks are not read");
+                        }
+                    }
+                    Err(why) => {
+                        self.no_tasks.insert(pid, why);
+                    }
                 }
                 self.versions.insert(pid, Some(v));
                 PySampleProc {
@@ -543,6 +589,30 @@ impl State {
         Some(rt.clone())
     }
 
+    /// How to read the asyncio tasks of processes running the interpreter at `path`
+    /// (3.14+), read once per binary.
+    fn asyncio_layout(
+        &mut self,
+        path: &std::path::Path,
+        v: &Version,
+    ) -> Result<PyAsyncLayout, String> {
+        let key = std::fs::metadata(path)
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|e| e.to_string())?;
+        self.asyncio
+            .entry(key)
+            .or_insert_with(|| {
+                use tracer_inspect::python::asyncio::{layout, AsyncioError};
+                let found = if v.minor >= 14 {
+                    layout(path)
+                } else {
+                    Err(AsyncioError::TooOld)
+                };
+                found.map_err(|e| e.to_string())
+            })
+            .clone()
+    }
+
     fn python_runtime(&mut self, pid: u32) -> Lookup {
         let Some(mapped) = memory::runtime_of(pid) else {
             return Lookup::NotPython;
@@ -555,7 +625,9 @@ impl State {
                 rt.runtime_symbol,
                 rt.load_bias(mapped.start, mapped.file_offset),
             ) {
-                (Some(sym), Some(bias)) => Lookup::Python(sym.wrapping_add(bias), rt.version),
+                (Some(sym), Some(bias)) => {
+                    Lookup::Python(sym.wrapping_add(bias), rt.version, mapped.path)
+                }
                 _ => Lookup::NotPython,
             },
             Err(true) => Lookup::NotYet,
@@ -568,7 +640,7 @@ impl State {
         let mut named: HashMap<(u32, u32, Vec<u32>, u8), u64> = HashMap::new();
         for ((pid, tid, root, raw, state), count) in &h.stacks {
             let mut ids = vec![*root];
-            ids.extend(self.resolver.frames(raw));
+            ids.extend(self.resolver.frames(raw, h.tasks));
             *named.entry((*pid, *tid, ids, *state)).or_default() += count;
         }
         // Only the binaries this profile's frames point into, renumbered.
@@ -653,8 +725,8 @@ impl State {
 }
 
 enum Lookup {
-    /// `_PyRuntime`'s address and the version.
-    Python(u64, &'static Version),
+    /// `_PyRuntime`'s address, the version, and the binary holding it.
+    Python(u64, &'static Version, std::path::PathBuf),
     NotYet,
     NotPython,
 }

@@ -1,0 +1,310 @@
+//! asyncio task stacks in sampling profiles (`--asyncio`, CPython 3.14+), end to end: a
+//! program with a known tree of tasks (`asyncio_tree.py`), its stacks against the tree that
+//! CPython's own `python -m asyncio pstree` shows, its shares against the program's own
+//! timing and against CPython 3.15's sampler (`profiling.sampling --async-aware`); older
+//! interpreters say they have none.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read},
+    path::Path,
+    process::{Command, Stdio},
+};
+
+use tracer_tests::{
+    chroot_interpreters, interpreters, one_line_error, parse_folded, root_or_skip, script,
+    ChildGuard, Daemon,
+};
+
+/// The workload, running for `seconds`, once its tasks stand; and what it prints after.
+fn start_tree(python: &Path, seconds: &str) -> (ChildGuard, BufReader<std::process::ChildStdout>) {
+    let mut child = ChildGuard::spawn(
+        Command::new(python)
+            .arg(script("asyncio_tree.py"))
+            .arg(seconds)
+            .stdout(Stdio::piped()),
+    );
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n", "{}", python.display());
+    (child, out)
+}
+
+/// leaf-a's share of the leaves' computing, as the program timed it.
+fn own_share(mut child: ChildGuard, mut out: BufReader<std::process::ChildStdout>) -> f64 {
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(child.0.wait().unwrap().success(), "{rest}");
+    rest.trim()
+        .strip_prefix("leaf-a ")
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no share printed: {rest}"))
+}
+
+/// Each leaf task's chain in `python -m asyncio pstree`'s tree, root first, in tracer's
+/// labels: `[task: NAME]` for a task, `func (file:line)` for a coroutine where it awaits.
+fn pstree_chains(python: &Path, pid: u32) -> BTreeMap<String, Vec<String>> {
+    let mut last = String::new();
+    // A snapshot read while the loop switches tasks can fail; CPython's tool says so.
+    for _ in 0..5 {
+        let out = Command::new(python)
+            .env("LC_ALL", "C")
+            .args(["-m", "asyncio", "pstree", &pid.to_string()])
+            .output()
+            .unwrap();
+        last = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            continue;
+        }
+        let mut path: Vec<String> = Vec::new();
+        let mut chains = BTreeMap::new();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let content = line.trim_start_matches(['│', '├', '└', '─', ' ']);
+            let depth = line.chars().count() - content.chars().count();
+            let level = depth / 4;
+            if level == 0 || content.is_empty() {
+                continue;
+            }
+            path.truncate(level - 1);
+            let label = match content.strip_prefix("(T) ") {
+                Some(name) => format!("[task: {name}]"),
+                None => match content.rsplit_once(' ') {
+                    Some((func, at)) => format!("{} ({at})", func.trim()),
+                    None => content.to_owned(),
+                },
+            };
+            path.push(label.clone());
+            if let Some(name) = label.strip_prefix("[task: leaf-") {
+                chains.insert(format!("leaf-{}", name.trim_end_matches(']')), path.clone());
+            }
+        }
+        if chains.len() == 2 {
+            return chains;
+        }
+    }
+    panic!("pstree of {pid}: {last}");
+}
+
+/// Samples under `spin` (in a leaf) by the chain before it, from the process frame's child
+/// up to its leaf task.
+fn chains(folded: &str) -> BTreeMap<Vec<String>, u64> {
+    let mut by = BTreeMap::new();
+    for (frames, n) in parse_folded(folded) {
+        if !frames.iter().any(|f| f.starts_with("spin (")) {
+            continue;
+        }
+        let end = frames
+            .iter()
+            .position(|f| f.starts_with("[task: leaf-"))
+            .map_or(frames.len(), |i| i + 1);
+        *by.entry(frames[1..end].to_vec()).or_default() += n;
+    }
+    by
+}
+
+fn sample(d: &Daemon, pid: u32, out: &Path) {
+    d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--asyncio",
+        "--pid",
+        &pid.to_string(),
+        "--frequency",
+        "250",
+        "--duration",
+        "4s",
+        "--wait",
+        "--format",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+}
+
+#[test]
+fn task_stacks_are_the_tree_asyncio_pstree_shows_on_3_14_and_3_15() {
+    if !root_or_skip() {
+        return;
+    }
+    let pythons = chroot_interpreters();
+    if pythons.is_empty() {
+        return;
+    }
+    let d = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    for python in pythons {
+        let (child, out) = start_tree(&python, "6");
+        let truth = pstree_chains(&python, child.pid());
+        let file = dir.path().join("ours.folded");
+        sample(&d, child.pid(), &file);
+        let own = own_share(child, out);
+        let ours = chains(&std::fs::read_to_string(&file).unwrap());
+        let total: u64 = ours.values().sum();
+        let leaf = |name: &str| ours.get(&truth[name]).copied().unwrap_or(0);
+        println!("{}: pstree {truth:?}\n  ours {ours:?}", python.display());
+        assert!(
+            total >= 500,
+            "{}: {total} samples under spin",
+            python.display()
+        );
+        // Every sample in a leaf starts with the chain pstree shows for that leaf.
+        assert!(
+            (leaf("leaf-a") + leaf("leaf-b")) * 100 >= total * 97,
+            "{}: task chains differ from pstree's {truth:?}: {ours:?}",
+            python.display()
+        );
+        let share = leaf("leaf-a") as f64 / total as f64;
+        println!("  leaf-a: tracer {share:.3}, the program's own timing {own:.3}");
+        assert!(
+            (share - own).abs() <= 0.05,
+            "{}: leaf-a's share {share:.3}, timed {own:.3}",
+            python.display()
+        );
+    }
+}
+
+#[test]
+fn task_shares_match_cpython_3_15s_async_aware_sampler() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(python) = chroot_interpreters()
+        .into_iter()
+        .find(|p| p.ends_with("static/python3.15"))
+    else {
+        tracer_testkit::skip("Debian's CPython 3.15 is not set up (cargo xtask setup)");
+        return;
+    };
+    let d = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ours.folded");
+    let (child, out) = start_tree(&python, "6");
+    sample(&d, child.pid(), &file);
+    own_share(child, out);
+    let ours = chains(&std::fs::read_to_string(&file).unwrap());
+    // CPython's sampler attaches to the same workload, run again.
+    let theirs_file = dir.path().join("cpython.collapsed");
+    let run = Command::new(&python)
+        .env("LC_ALL", "C")
+        .args([
+            "-m",
+            "profiling.sampling",
+            "run",
+            "--async-aware",
+            "--collapsed",
+        ])
+        .args(["-r", "250", "-o"])
+        .arg(&theirs_file)
+        .arg(script("asyncio_tree.py"))
+        .arg("5")
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "profiling.sampling: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // Their frames: `<task>:NAME:0` and `file:func:line`; as ours: tasks and functions.
+    let mut theirs: BTreeMap<Vec<String>, u64> = BTreeMap::new();
+    for (frames, n) in parse_folded(&std::fs::read_to_string(&theirs_file).unwrap()) {
+        if !frames.iter().any(|f| f.contains(":spin:")) {
+            continue;
+        }
+        let names: Vec<String> = frames
+            .iter()
+            .skip(1)
+            .map(|f| match f.strip_prefix("<task>:") {
+                Some(t) => format!("[task: {}]", t.rsplit_once(':').map_or(t, |x| x.0)),
+                None => f.split(':').nth(1).unwrap_or(f).to_owned(),
+            })
+            .collect();
+        let end = names
+            .iter()
+            .position(|f| f.starts_with("[task: leaf-"))
+            .map_or(names.len(), |i| i + 1);
+        *theirs.entry(names[..end].to_vec()).or_default() += n;
+    }
+    // Ours by function names alone (their lines are where each awaits, as ours).
+    let mut ours_named: BTreeMap<Vec<String>, u64> = BTreeMap::new();
+    for (chain, n) in ours {
+        let names = chain
+            .iter()
+            .map(|f| f.split(" (").next().unwrap_or(f).to_owned())
+            .collect();
+        *ours_named.entry(names).or_default() += n;
+    }
+    println!("tracer {ours_named:?}\nCPython 3.15 {theirs:?}");
+    let share = |by: &BTreeMap<Vec<String>, u64>| {
+        let total: u64 = by.values().sum();
+        let a: u64 = by
+            .iter()
+            .filter(|(k, _)| k.last().is_some_and(|t| t == "[task: leaf-a]"))
+            .map(|(_, n)| n)
+            .sum();
+        (a as f64 / total.max(1) as f64, total)
+    };
+    let (ours_a, ours_n) = share(&ours_named);
+    let (theirs_a, theirs_n) = share(&theirs);
+    assert!(ours_n >= 500 && theirs_n >= 500, "too few samples");
+    // The chain both see most is the same.
+    let top = |by: &BTreeMap<Vec<String>, u64>| {
+        by.iter().max_by_key(|(_, n)| **n).map(|(k, _)| k.clone())
+    };
+    assert_eq!(
+        top(&ours_named),
+        top(&theirs),
+        "the commonest task chain differs"
+    );
+    // Two samplings of two runs, ~1,000 samples each: 6 points is ~3 standard errors.
+    assert!(
+        (ours_a - theirs_a).abs() <= 0.06,
+        "leaf-a's share: tracer {ours_a:.3}, CPython 3.15's sampler {theirs_a:.3}"
+    );
+}
+
+#[test]
+fn older_interpreters_and_other_modes_say_they_have_no_task_stacks() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let refused = d.run(&["start", "--mode=counting", "--asyncio", "--", "true"]);
+    assert!(
+        one_line_error(&refused).contains("for sampling sessions"),
+        "{}",
+        one_line_error(&refused)
+    );
+    let Some(old) = interpreters()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("python3.12"))
+    else {
+        tracer_testkit::skip("no CPython 3.12 (pyenv)");
+        return;
+    };
+    let (child, out) = start_tree(&old, "3");
+    let printed = d.ok(&[
+        "start",
+        "--mode=sampling",
+        "--asyncio",
+        "--pid",
+        &child.pid().to_string(),
+        "--duration",
+        "1s",
+        "--wait",
+        "--format",
+        "json",
+    ]);
+    own_share(child, out);
+    let report: serde_json::Value = serde_json::from_str(&printed[printed.find('{').unwrap()..])
+        .unwrap_or_else(|e| panic!("{e}: {printed}"));
+    let text = report.to_string();
+    assert!(
+        text.contains("asyncio task stacks need CPython 3.14"),
+        "no note: {text}"
+    );
+    // The event loop's frames stay.
+    assert!(text.contains("run_forever"), "{text}");
+    assert!(!text.contains("\"task\""), "{text}");
+}

@@ -30,6 +30,17 @@ fn busy_samples(report: &Value) -> u64 {
         .sum()
 }
 
+/// Calls of the libc function the counting session probes (`time.monotonic`'s).
+fn clock_calls(report: &Value) -> u64 {
+    report["native"]["calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no native part: {report}"))
+        .iter()
+        .filter(|c| c["symbol"] == "clock_gettime")
+        .map(|c| c["calls"].as_u64().unwrap_or(0))
+        .sum()
+}
+
 /// Calls of `step` counted.
 fn step_calls(report: &Value) -> u64 {
     report["python"]["functions"]
@@ -60,7 +71,12 @@ fn interim_reports_grow_while_sessions_run() {
         d.ok(&all).trim().to_owned()
     };
     let sampling = start(&["--mode=sampling", "--frequency", "200"]);
-    let counting = start(&["--mode=counting", "--python"]);
+    let counting = start(&[
+        "--mode=counting",
+        "--python",
+        "--uprobe",
+        "libc:clock_gettime",
+    ]);
     std::thread::sleep(Duration::from_secs(2));
 
     let s1 = interim(&d, &sampling);
@@ -69,19 +85,27 @@ fn interim_reports_grow_while_sessions_run() {
     // In-process counts are read about once a second, off the manager's task, from the
     // first time they are asked for: the first readings may be empty.
     let deadline = Instant::now() + Duration::from_secs(10);
-    let step1 = loop {
-        let n = step_calls(&interim(&d, &counting));
+    let (step1, clock1) = loop {
+        let c1 = interim(&d, &counting);
+        let n = step_calls(&c1);
         if n > 0 || Instant::now() > deadline {
-            break n;
+            break (n, clock_calls(&c1));
         }
         std::thread::sleep(Duration::from_millis(200));
     };
     std::thread::sleep(Duration::from_millis(2500));
     let (s2, c2) = (interim(&d, &sampling), interim(&d, &counting));
-    let (busy2, step2) = (busy_samples(&s2), step_calls(&c2));
-    println!("busy samples {busy1} then {busy2}; step calls {step1} then {step2}");
+    let (busy2, step2, clock2) = (busy_samples(&s2), step_calls(&c2), clock_calls(&c2));
+    println!(
+        "busy samples {busy1} then {busy2}; step calls {step1} then {step2}; clock_gettime {clock1} then {clock2}"
+    );
     assert!(busy1 > 0 && busy2 > busy1, "samples {busy1} then {busy2}");
     assert!(step1 > 0 && step2 > step1, "calls {step1} then {step2}");
+    // Native calls, counted in the kernel, read without being taken.
+    assert!(
+        clock1 > 0 && clock2 > clock1,
+        "clock_gettime {clock1} then {clock2}"
+    );
 
     // The sessions run on; a plain report still waits for the end.
     assert!(one_line_error(&d.run(&["report", &sampling])).contains("still running"));

@@ -117,6 +117,11 @@ impl NativeSession {
     /// with [`Self::take_probes`] are detached here first.
     pub fn finish(mut self, counts: Vec<(u32, u32, u64)>) -> NativeReport {
         drop(self.take_probes());
+        self.report(counts)
+    }
+
+    /// The report of `counts` (pid, probe, calls): at the end, or so far (interim).
+    pub fn report(&self, counts: Vec<(u32, u32, u64)>) -> NativeReport {
         let mut calls = self.named(counts);
         calls.sort_by(|a, b| {
             b.calls

@@ -347,8 +347,9 @@ pub struct GetReportRequest {
     pub gil_held: bool,
     /// A running session's report so far, and it goes on (without: FAILED_PRECONDITION until
     /// it ends): the profile so far of a sampling session (since the last push with --push),
-    /// the Python calls counted so far and the counters' readings of a counting or tracing
-    /// one. An ended session's report is its final one either way.
+    /// the Python and native (uprobe) calls counted so far and the counters' readings of a
+    /// counting or tracing one (CUDA launches: at the end). An ended session's report is its
+    /// final one either way.
     #[prost(bool, tag = "9")]
     pub interim: bool,
 }

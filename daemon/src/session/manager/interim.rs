@@ -1,7 +1,8 @@
 //! A running session's report so far (`GetReport` with `interim`), what `tracerctl top`
 //! shows every second: read here without stopping or taking anything (kernel counts stay in
 //! their maps, in-process counters are peeked, the sampling histogram is copied), and named
-//! off this task by the caller.
+//! off this task by the caller. CUDA parts are not in it: naming launch callers reads
+//! symbol tables of libraries of hundreds of MB, work for the end.
 
 use super::*;
 use crate::session::python::inproc_functions;
@@ -24,6 +25,10 @@ impl Manager {
         let s = self.running.get_mut(id).expect("looked up above");
         let info = s.info(&losses);
         let mut report = build_report(&info, s.followed, s.command.clone());
+        if let (Some(n), Some(slot)) = (s.native.as_ref(), slot) {
+            // Counted in the kernel, left there; named from the probes' own list.
+            report.native = Some(n.report(self.bpf.native_counts(slot, false)));
+        }
         if let (Some(py), Some(counts)) = (s.python.as_ref(), counts) {
             let (mut functions, unknown_names) = py.functions(counts, Vec::new());
             let followed: std::collections::HashSet<u32> =

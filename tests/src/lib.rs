@@ -474,6 +474,47 @@ pub fn chroot_interpreters() -> Vec<PathBuf> {
     found
 }
 
+/// Debian's CPython 3.15 (interpreter in the executable), whose own sampling profiler is
+/// ground truth; None, saying so once, where it is not set up.
+pub fn cpython_3_15() -> Option<PathBuf> {
+    let found = chroot_interpreters()
+        .into_iter()
+        .find(|p| p.ends_with("static/python3.15"));
+    if found.is_none() {
+        tracer_testkit::skip("Debian's CPython 3.15 is not set up (cargo xtask setup)");
+    }
+    found
+}
+
+/// CPython 3.15's own sampler (`python3.15 -m profiling.sampling run`) with `options` (its
+/// mode), at `rate_hz`, on `script` and its `args`: its collapsed stacks
+/// (`tid:N;file:func:line;… count`). The chroot sees the host's /tmp at its own path.
+pub fn cpython_sampler(
+    python: &Path,
+    options: &[&str],
+    rate_hz: u32,
+    script: &Path,
+    args: &[&str],
+) -> String {
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let run = Command::new(python)
+        .env("LC_ALL", "C")
+        .args(["-m", "profiling.sampling", "run", "--collapsed"])
+        .args(options)
+        .args(["-r", &rate_hz.to_string(), "-o"])
+        .arg(out.path())
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "profiling.sampling: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    std::fs::read_to_string(out.path()).unwrap()
+}
+
 /// The root directory [`chroot_interpreters`] run in: paths inside it (`/usr/bin/python3.14`,
 /// as a traced process's maps name them from inside) are under it on the host.
 pub fn cpython_root() -> Option<PathBuf> {

@@ -12,8 +12,8 @@ use std::{
 };
 
 use tracer_tests::{
-    chroot_interpreters, interpreters, one_line_error, parse_folded, root_or_skip, script,
-    ChildGuard, Daemon,
+    chroot_interpreters, cpython_3_15, cpython_sampler, interpreters, one_line_error, parse_folded,
+    root_or_skip, script, ChildGuard, Daemon,
 };
 
 /// The workload, running for `seconds`, once its tasks stand; and what it prints after.
@@ -170,11 +170,7 @@ fn task_shares_match_cpython_3_15s_async_aware_sampler() {
     if !root_or_skip() {
         return;
     }
-    let Some(python) = chroot_interpreters()
-        .into_iter()
-        .find(|p| p.ends_with("static/python3.15"))
-    else {
-        tracer_testkit::skip("Debian's CPython 3.15 is not set up (cargo xtask setup)");
+    let Some(python) = cpython_3_15() else {
         return;
     };
     let d = Daemon::start();
@@ -184,31 +180,17 @@ fn task_shares_match_cpython_3_15s_async_aware_sampler() {
     sample(&d, child.pid(), &file);
     own_share(child, out);
     let ours = chains(&std::fs::read_to_string(&file).unwrap());
-    // CPython's sampler attaches to the same workload, run again.
-    let theirs_file = dir.path().join("cpython.collapsed");
-    let run = Command::new(&python)
-        .env("LC_ALL", "C")
-        .args([
-            "-m",
-            "profiling.sampling",
-            "run",
-            "--async-aware",
-            "--collapsed",
-        ])
-        .args(["-r", "250", "-o"])
-        .arg(&theirs_file)
-        .arg(script("asyncio_tree.py"))
-        .arg("5")
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "profiling.sampling: {}",
-        String::from_utf8_lossy(&run.stderr)
+    // CPython's sampler on the same workload, run again.
+    let collapsed = cpython_sampler(
+        &python,
+        &["--async-aware"],
+        250,
+        &script("asyncio_tree.py"),
+        &["5"],
     );
     // Their frames: `<task>:NAME:0` and `file:func:line`; as ours: tasks and functions.
     let mut theirs: BTreeMap<Vec<String>, u64> = BTreeMap::new();
-    for (frames, n) in parse_folded(&std::fs::read_to_string(&theirs_file).unwrap()) {
+    for (frames, n) in parse_folded(&collapsed) {
         if !frames.iter().any(|f| f.contains(":spin:")) {
             continue;
         }

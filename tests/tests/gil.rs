@@ -3,11 +3,12 @@
 //! on large buffers) by construction; the GIL-held flame graph against `py-spy --gil`; the
 //! per-thread GIL table.
 
-use std::{collections::BTreeMap, process::Command};
+use std::collections::BTreeMap;
 
 use serde_json::Value;
 use tracer_tests::{
-    interpreters, parse_folded, py_spy_record, root_or_skip, script, venv_python, Daemon,
+    cpython_3_15, cpython_sampler, interpreters, parse_folded, py_spy_record, root_or_skip, script,
+    venv_python, Daemon,
 };
 
 /// Samples by function (`spin`, `digest`) and GIL state (`Some(held)`, None: not read).
@@ -237,11 +238,7 @@ fn the_gil_held_flame_graph_matches_cpython_3_15s_gil_mode() {
     if !root_or_skip() {
         return;
     }
-    let Some(python) = interpreters()
-        .into_iter()
-        .find(|p| p.ends_with("static/python3.15"))
-    else {
-        tracer_testkit::skip("Debian's CPython 3.15 is not set up (cargo xtask setup)");
+    let Some(python) = cpython_3_15() else {
         return;
     };
     let d = Daemon::start();
@@ -265,31 +262,14 @@ fn the_gil_held_flame_graph_matches_cpython_3_15s_gil_mode() {
     ]);
     let ours = digest_share(&parse_folded(&std::fs::read_to_string(&ours_file).unwrap()));
     // CPython's own sampler, in its GIL mode (samples of threads holding the GIL), every
-    // thread, at the same rate. The chroot sees the host's /tmp at its own path.
-    let theirs_file = dir.path().join("cpython.collapsed");
-    let run = Command::new(&python)
-        .env("LC_ALL", "C")
-        .args([
-            "-m",
-            "profiling.sampling",
-            "run",
-            "--mode",
-            "gil",
-            "-a",
-            "--collapsed",
-        ])
-        .args(["-r", "200", "-o"])
-        .arg(&theirs_file)
-        .arg(&workload)
-        .arg("3")
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "profiling.sampling: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let theirs = cpython_digest_share(&std::fs::read_to_string(&theirs_file).unwrap());
+    // thread, at the same rate.
+    let theirs = cpython_digest_share(&cpython_sampler(
+        &python,
+        &["--mode", "gil", "-a"],
+        200,
+        &workload,
+        &["3"],
+    ));
     println!(
         "GIL-held samples under digest on 3.15: tracer {ours:.1?}, CPython's gil mode {theirs:.1?}"
     );

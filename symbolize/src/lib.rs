@@ -3,5 +3,8 @@
 //! frames from their code objects; and a sample's copied user stack unwound (`.eh_frame`)
 //! into the frames a profile holds. Knows no session.
 
-pub mod stacks;
-pub mod symbolize;
+mod stacks;
+mod symbolize;
+
+pub use stacks::{python_location, Captured, Named, Naming, RawStack, Renumbered, Resolver};
+pub use symbolize::{Sym, Symbolizer};

@@ -28,8 +28,7 @@ mod merge;
 
 pub use code::python_location;
 use code::{instruction_offset, read_code, task_name, Code};
-use merge::first_at;
-pub use merge::merge;
+use merge::{first_at, merge};
 
 use crate::symbolize::Symbolizer;
 

@@ -5,7 +5,7 @@
 use std::{collections::HashMap, fs::File, os::fd::AsRawFd, path::PathBuf};
 
 use tracer_inspect::unwind::{MapEntry, ProcMaps};
-use tracer_symbolize::symbolize::{Sym, Symbolizer};
+use tracer_symbolize::{Sym, Symbolizer};
 
 /// (pid, address).
 pub(super) type ProcAddr = (u32, u64);

@@ -270,7 +270,7 @@ impl CudaSession {
             .filter(|&pid| pid != 0)
             .find_map(|pid| {
                 let v = sampling.version(pid)?;
-                tracer_symbolize::stacks::python_location(pid, ev.handle, ev.other, ev.extra, v)
+                tracer_symbolize::python_location(pid, ev.handle, ev.other, ev.extra, v)
             })
             .map_or_else(
                 || format!("[code object {:#x}]", ev.handle),

@@ -19,7 +19,7 @@ pub(super) fn first_at(native: &[(u32, bool)], python: &[(u32, bool)], at: usize
 /// leaf first; `python` frames flagged `true` start a run of one eval-loop call (its
 /// outermost frame). The k-th eval-loop frame from the leaf runs the k-th run. Runs left
 /// over (native unwinding stopped short) go at the root; the result is root first.
-pub fn merge(native: &[(u32, bool)], python: &[(u32, bool)]) -> Vec<u32> {
+pub(super) fn merge(native: &[(u32, bool)], python: &[(u32, bool)]) -> Vec<u32> {
     let mut runs: Vec<&[(u32, bool)]> = Vec::new();
     let mut start = 0;
     for (i, &(_, entry)) in python.iter().enumerate() {

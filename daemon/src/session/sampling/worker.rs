@@ -1,6 +1,6 @@
 //! Sampling sessions' data path. A worker thread drains the `SAMPLES` ring buffer every
 //! few milliseconds — while the sampled processes are alive, so their memory and binaries
-//! can still be read — turns each sample into a named stack ([`tracer_symbolize::stacks`]) and counts
+//! can still be read — turns each sample into a named stack ([`tracer_symbolize::Resolver`]) and counts
 //! it in its session's histogram. The manager adds a session when its perf events start
 //! and takes its samples when they stop ([`Sampling::end`]), to be named off its task.
 
@@ -25,8 +25,7 @@ use tracer_inspect::python::{
 };
 use tracer_inspect::unwind::End;
 use tracer_report::profile::{Frame, FrameKind, Mapping, OffCpu, Profile, Stack, Unwinding};
-use tracer_symbolize::stacks::{Naming, RawStack, Resolver};
-use tracer_symbolize::symbolize::Symbolizer;
+use tracer_symbolize::{Naming, RawStack, Resolver, Symbolizer};
 
 /// How long the worker waits for samples before it looks for a stop request.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);

@@ -303,7 +303,7 @@ fn emit_due(tid: u32, pid: u32) {
         (*ev).own_ns = own;
         (*ev).kernel_stack = kernel_stack;
         user_stack(ev);
-        python(ev, pid);
+        python::<false>(ev, pid);
         send(ev);
     }
 }

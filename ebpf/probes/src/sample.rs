@@ -107,7 +107,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
             -1
         };
         user_stack(ev);
-        python(ev, pid);
+        python::<true>(ev, pid);
     }
     // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
     let _ = BPF_F_USER_STACK;
@@ -152,7 +152,7 @@ pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
         header(ev, slot, pid, tid);
         (*ev).kernel_stack = -1;
         user_stack(ev);
-        python(ev, pid);
+        python::<false>(ev, pid);
         send(ev);
     }
 }
@@ -258,7 +258,10 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 }
 
 /// The Python frames of the sampled thread, if its process runs a known CPython.
-pub(crate) unsafe fn python(ev: *mut SampleEvent, pid: u32) {
+///
+/// `TASKS`: and, in an asyncio task, the tasks awaiting it (the timer's samples only: the
+/// off-CPU and launch programs are too large for the verifier with them).
+pub(crate) unsafe fn python<const TASKS: bool>(ev: *mut SampleEvent, pid: u32) {
     let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l, interp) => {
             // SAFETY: as above.
@@ -283,7 +286,11 @@ pub(crate) unsafe fn python(ev: *mut SampleEvent, pid: u32) {
         return;
     };
     // SAFETY: map values are valid for the duration of the program.
-    let asyncio = unsafe { PY_ASYNC_PROCS.get(&pid) };
+    let asyncio = if TASKS {
+        unsafe { PY_ASYNC_PROCS.get(&pid) }
+    } else {
+        None
+    };
     let task = asyncio.map_or(0, |a| running_task(tstate, a));
     let task_frame = match asyncio {
         Some(a) if task != 0 => read::<u64>(task + u64::from(a.task_coro))

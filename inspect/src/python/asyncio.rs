@@ -20,8 +20,6 @@ pub enum AsyncioError {
     FreeThreaded,
     #[error("no _asyncio module with an .AsyncioDebug section was found beside {0}")]
     NoModule(PathBuf),
-    #[error("{path}: {reason}")]
-    Read { path: PathBuf, reason: String },
     #[error("{path}: implausible .AsyncioDebug offsets ({field})")]
     Implausible { path: PathBuf, field: &'static str },
 }
@@ -38,15 +36,9 @@ const THREAD_RUNNING_LOOP: usize = 10;
 const THREAD_RUNNING_TASK: usize = 11;
 
 /// How the sampler reads tasks of processes running the interpreter at `interpreter` (the
-/// binary or libpython holding `_PyRuntime`).
-pub fn layout(interpreter: &Path) -> Result<PyAsyncLayout, AsyncioError> {
-    let read_err = |path: &Path, reason: String| AsyncioError::Read {
-        path: path.to_owned(),
-        reason,
-    };
-    let data = crate::binary::map(interpreter).map_err(|e| read_err(interpreter, e.to_string()))?;
-    let file = object::File::parse(&*data).map_err(|e| read_err(interpreter, e.to_string()))?;
-    let offsets = DebugOffsets::read(&file)
+/// binary or libpython holding `_PyRuntime`), whose ELF is `file`.
+pub fn layout(interpreter: &Path, file: &object::File) -> Result<PyAsyncLayout, AsyncioError> {
+    let offsets = DebugOffsets::read(file)
         .ok()
         .flatten()
         .filter(|d| d.minor() >= 14)
@@ -54,7 +46,7 @@ pub fn layout(interpreter: &Path) -> Result<PyAsyncLayout, AsyncioError> {
     if offsets.free_threaded {
         return Err(AsyncioError::FreeThreaded);
     }
-    let (path, words) = match section_words(&file) {
+    let (path, words) = match section_words(file) {
         Some(w) => (interpreter.to_owned(), w),
         None => extension(interpreter, offsets.minor())?,
     };

@@ -70,6 +70,9 @@ pub struct Runtime {
     pub table_found_by: &'static str,
     /// Whether the binary has CPython's experimental JIT built in.
     pub jit_built_in: bool,
+    /// Sampling: how to read its processes' asyncio tasks, or why they cannot be read
+    /// (not looked for when only probes were asked for).
+    pub asyncio: Result<tracer_common::PyAsyncLayout, String>,
 }
 
 /// `libpython3.12.so.1.0` or `python3.12` → 12.
@@ -172,6 +175,11 @@ impl Runtime {
             segments,
             table_found_by,
             jit_built_in: super::jit::built_in_bytes(&data),
+            asyncio: if probes {
+                Err("not looked for".into())
+            } else {
+                super::asyncio::layout(path, &file).map_err(|e| e.to_string())
+            },
         })
     }
 

@@ -72,8 +72,6 @@ struct State {
     versions: HashMap<u32, Option<&'static Version>>,
     /// Interpreter binaries by (device, inode); the error says whether to look again later.
     runtimes: HashMap<(u64, u64), Result<Arc<Runtime>, bool>>,
-    /// 3.14+ interpreter binaries by (device, inode): how to read their asyncio tasks.
-    asyncio: HashMap<(u64, u64), Result<PyAsyncLayout, String>>,
     /// Python processes whose asyncio tasks cannot be read, and why (for `--asyncio`).
     no_tasks: HashMap<u32, String>,
     kernel_stacks: HashMap<u32, Vec<u64>>,
@@ -199,7 +197,6 @@ impl Sampling {
             sessions: HashMap::new(),
             versions: HashMap::new(),
             runtimes: HashMap::new(),
-            asyncio: HashMap::new(),
             no_tasks: HashMap::new(),
             kernel_stacks: HashMap::new(),
             naming: 0,
@@ -495,7 +492,6 @@ impl State {
         if self.runtimes.len() > MAX_RUNTIMES {
             // Read again on demand (milliseconds each); copies of interpreters come and go.
             self.runtimes.clear();
-            self.asyncio.clear();
         }
     }
 
@@ -527,11 +523,11 @@ impl State {
         self.resolver.forget(pid);
         let found = self.python_runtime(pid);
         let entry = match found {
-            Lookup::Python(runtime, v, path) => {
+            Lookup::Python(runtime, v, asyncio) => {
                 if let Err(e) = tracer_bpf::bpf::publish_layout(v) {
                     tracing::warn!(%e, pid, "this process's Python frames cannot be read");
                 }
-                match self.asyncio_layout(&path, v) {
+                match asyncio {
                     Ok(a) => {
                         self.no_tasks.remove(&pid);
                         if let Err(e) = self.maps.async_procs.insert(pid, a, 0) {
@@ -588,30 +584,6 @@ impl State {
         Some(rt.clone())
     }
 
-    /// How to read the asyncio tasks of processes running the interpreter at `path`
-    /// (3.14+), read once per binary.
-    fn asyncio_layout(
-        &mut self,
-        path: &std::path::Path,
-        v: &Version,
-    ) -> Result<PyAsyncLayout, String> {
-        let key = std::fs::metadata(path)
-            .map(|m| (m.dev(), m.ino()))
-            .map_err(|e| e.to_string())?;
-        self.asyncio
-            .entry(key)
-            .or_insert_with(|| {
-                use tracer_inspect::python::asyncio::{layout, AsyncioError};
-                let found = if v.minor >= 14 {
-                    layout(path)
-                } else {
-                    Err(AsyncioError::TooOld)
-                };
-                found.map_err(|e| e.to_string())
-            })
-            .clone()
-    }
-
     fn python_runtime(&mut self, pid: u32) -> Lookup {
         let Some(mapped) = memory::runtime_of(pid) else {
             return Lookup::NotPython;
@@ -625,7 +597,7 @@ impl State {
                 rt.load_bias(mapped.start, mapped.file_offset),
             ) {
                 (Some(sym), Some(bias)) => {
-                    Lookup::Python(sym.wrapping_add(bias), rt.version, mapped.path)
+                    Lookup::Python(sym.wrapping_add(bias), rt.version, rt.asyncio.clone())
                 }
                 _ => Lookup::NotPython,
             },
@@ -724,8 +696,8 @@ impl State {
 }
 
 enum Lookup {
-    /// `_PyRuntime`'s address, the version, and the binary holding it.
-    Python(u64, &'static Version, std::path::PathBuf),
+    /// `_PyRuntime`'s address, the version, and how to read its asyncio tasks (or why not).
+    Python(u64, &'static Version, Result<PyAsyncLayout, String>),
     NotYet,
     NotPython,
 }

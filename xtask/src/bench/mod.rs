@@ -14,6 +14,8 @@
 //!   next to an untraced run;
 //! - `probes` (probes.rs): attaching and removing 1 to 1,000 uprobes, multi-uprobe links next
 //!   to one perf event per probe, and what a SIGKILLed tracerd leaves behind;
+//! - `first-start` (startup.rs): the first start of each kind of session on a fresh tracerd,
+//!   which loads (and the kernel verifies) that kind's BPF programs;
 //! - `ending` (ending.rs): the slowest request while a counting or tracing session with
 //!   1,000 to 150,000 Python functions, or one counting 1,000 native functions in 20
 //!   processes, ends (counts read, named, stored), next to the slowest while it runs;
@@ -32,6 +34,7 @@ mod longevity;
 mod offcpu;
 mod probes;
 mod sampling;
+mod startup;
 mod tracing;
 
 use std::{
@@ -56,6 +59,7 @@ pub enum Which {
     Ending,
     Interpreters,
     OffCpu,
+    FirstStart,
 }
 
 pub fn run(which: Which) -> Result<()> {
@@ -70,6 +74,7 @@ pub fn run(which: Which) -> Result<()> {
         Which::Ending => ending::run(),
         Which::Interpreters => interpreters::run(),
         Which::OffCpu => offcpu::run(),
+        Which::FirstStart => startup::run(),
     }
 }
 

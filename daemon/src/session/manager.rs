@@ -24,7 +24,7 @@ mod metrics;
 mod persist;
 mod python;
 mod start;
-use ahead::{counts_python, cuda_processes};
+use ahead::counts_python;
 use commands::{Done, DoneTx, Prepared, Reply, Request};
 pub use commands::{Fetched, Handle, SharedStore, Subscription};
 
@@ -500,11 +500,6 @@ impl Manager {
         self.bpf.gpu_kernel_times(slot, true);
     }
 
-    /// Holds `slot` until the returned [`super::slots::Hold`] is dropped.
-    fn hold(&mut self, slot: u8) -> super::slots::Hold {
-        self.ends().hold(slot)
-    }
-
     /// What a mode's end uses of the kernel side.
     fn ends(&mut self) -> super::Ends<'_> {
         super::Ends {
@@ -678,12 +673,6 @@ impl Manager {
 /// How long a process may take to start its in-process counter (a thread must reach a safe
 /// point of the eval loop) before it is counted with uprobes instead.
 const INPROC_WAIT: Duration = Duration::from_millis(200);
-
-/// Identity of the executable a process runs now (changes on exec).
-fn exe_id(pid: u32) -> (u64, u64) {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(format!("/proc/{pid}/exe")).map_or((0, 0), |m| (m.dev(), m.ino()))
-}
 
 /// 12 hex digits from the kernel's random pool.
 fn new_id() -> String {

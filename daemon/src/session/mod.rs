@@ -18,6 +18,7 @@ pub mod python;
 mod ring;
 pub mod sampling;
 pub mod slots;
+pub mod source;
 pub mod tracing;
 
 use std::{collections::BTreeSet, time::Instant};
@@ -25,6 +26,7 @@ use std::{collections::BTreeSet, time::Instant};
 use python::Probes;
 use sampling::Sampling;
 use slots::{Hold, Slots};
+use source::Source;
 use tracing::{TraceEnd, Tracing};
 
 use tokio::{sync::watch, task::JoinHandle};
@@ -145,6 +147,51 @@ impl Ends<'_> {
         self.slots.hold(slot);
         Hold::new(slot, self.counts_read.clone())
     }
+
+    /// An ended session's counts in `maps` (opened again), read later with `slot` held;
+    /// read here with `now` if they could not be opened.
+    pub fn last_counts<M, T>(
+        &mut self,
+        slot: u8,
+        maps: Result<M, bpf::BpfError>,
+        now: impl FnOnce(&mut Bpf) -> T,
+    ) -> slots::LastCounts<M, T> {
+        match maps {
+            Ok(maps) => slots::LastCounts::Later(maps, self.hold(slot)),
+            Err(e) => {
+                ::tracing::warn!(%e, "reading a session's last counts on the manager's task instead");
+                slots::LastCounts::Read(now(self.bpf))
+            }
+        }
+    }
+}
+
+/// The sources a session counts with: each kind's own type, for what only that kind does,
+/// and all of them as [`Source`]s for what every kind does.
+#[derive(Default)]
+pub struct Sources {
+    pub python: Option<python::PySession>,
+    pub native: Option<native::NativeSession>,
+    pub cuda: Option<cuda::CudaSession>,
+}
+
+impl Sources {
+    /// Every source the session has. Ended in this order: the native and CUDA probes
+    /// first, then Python, whose counts are read once they stop.
+    pub fn each(&mut self) -> impl Iterator<Item = &mut dyn Source> {
+        let native = self.native.as_mut().map(|s| s as &mut dyn Source);
+        let cuda = self.cuda.as_mut().map(|s| s as &mut dyn Source);
+        let python = self.python.as_mut().map(|s| s as &mut dyn Source);
+        [native, cuda, python].into_iter().flatten()
+    }
+
+    /// Every source, taken out of the session to end (in [`Self::each`]'s order).
+    pub fn take(&mut self) -> Vec<Box<dyn Source>> {
+        let native = self.native.take().map(|s| Box::new(s) as Box<dyn Source>);
+        let cuda = self.cuda.take().map(|s| Box::new(s) as Box<dyn Source>);
+        let python = self.python.take().map(|s| Box::new(s) as Box<dyn Source>);
+        [native, cuda, python].into_iter().flatten().collect()
+    }
 }
 
 /// A running session.
@@ -170,12 +217,9 @@ struct Session {
     proc_events: u64,
     /// System-wide sessions: the machine's fork count (since boot) at the start.
     forks_at_start: Option<u64>,
-    /// Counting Python calls.
-    python: Option<python::PySession>,
-    /// Counting native function calls.
-    native: Option<native::NativeSession>,
-    /// Counting CUDA launches (`--cuda`).
-    cuda: Option<cuda::CudaSession>,
+    /// The probes it counts with besides its mode's own: Python calls, native function
+    /// calls, CUDA launches (`--cuda`).
+    sources: Sources,
     /// Kernel loss counters at start: a session reports what was lost while it ran.
     loss_base: [u64; loss::COUNT as usize],
     command: Option<String>,

@@ -5,13 +5,16 @@
 
 use tracer_proto::{target, CountingOptions, Mode, SessionInfo, StartSessionRequest};
 
-use super::{
-    python::{python_processes, FoundPython},
-    Done, Manager, Reply,
+use super::{Done, Manager, Reply};
+use crate::{
+    access::Caller,
+    error::Error,
+    session::{
+        native::NativeSession,
+        python::watch::{self, FoundPython, Met},
+    },
 };
-use crate::{access::Caller, error::Error, session::native::NativeSession};
 use tracer_inspect::native::NativeTarget;
-use tracer_inspect::process;
 use tracer_inspect::python::memory;
 
 /// What a start needs that can take long, done on a blocking thread before the start runs on
@@ -124,8 +127,8 @@ impl Manager {
             }
             let natives =
                 resolving.map(|(specs, maps_of, uid)| resolve_natives(&specs, maps_of, uid));
-            let cuda_pids = scanning.then(cuda_processes);
-            let python_found = python_all.then(python_processes);
+            let cuda_pids = scanning.then(crate::session::cuda::watch::processes);
+            let python_found = python_all.then(watch::processes);
             let mut python_paths: Vec<std::path::PathBuf> = python_found
                 .iter()
                 .flatten()
@@ -308,12 +311,12 @@ impl Manager {
         let ids: Vec<String> = self
             .running
             .iter()
-            .filter(|(_, s)| s.python.is_some() && !s.follows_pid())
+            .filter(|(_, s)| s.sources.python.is_some() && !s.follows_pid())
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
             for f in found {
-                self.check_session_process(&id, f.pid, super::python::Met::Late, Some(f));
+                self.check_session_process(&id, f.pid, Met::Late, Some(f));
             }
         }
     }
@@ -409,18 +412,4 @@ fn asks(req: &StartSessionRequest) -> Option<Asks> {
             .as_ref()
             .is_some_and(|t| matches!(t.kind, Some(target::Kind::All(true)))),
     })
-}
-
-/// The processes that map a CUDA library now.
-pub(super) fn cuda_processes() -> Vec<u32> {
-    process::pids()
-        .into_iter()
-        .filter(|&pid| {
-            tracer_inspect::unwind::ProcMaps::read(pid).is_ok_and(|maps| {
-                maps.entries()
-                    .iter()
-                    .any(|m| tracer_inspect::cuda::library(std::path::Path::new(&m.path)).is_some())
-            })
-        })
-        .collect()
 }

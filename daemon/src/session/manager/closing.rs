@@ -8,13 +8,7 @@
 
 use super::*;
 use crate::{
-    session::{
-        native::NativeEnd,
-        python::{FinalCounts, PythonEnd},
-        slots::LastCounts,
-        tracing::TraceEnd,
-        Finished, ReportPart, Threads,
-    },
+    session::{source::Ending, tracing::TraceEnd, Finished, ReportPart, Threads},
     store::{writer::Writer, StoreError},
 };
 use tracer_report::{trace, CudaReport, Report};
@@ -98,23 +92,6 @@ impl Manager {
         }
     }
 
-    /// An ended session's counts in `maps` (opened again), read later with `slot` held;
-    /// read here with `now` if they could not be opened.
-    fn last_counts<M, T>(
-        &mut self,
-        slot: u8,
-        maps: Result<M, tracer_bpf::bpf::BpfError>,
-        now: impl FnOnce(&mut tracer_bpf::bpf::Bpf) -> T,
-    ) -> LastCounts<M, T> {
-        match maps {
-            Ok(maps) => LastCounts::Later(maps, self.hold(slot)),
-            Err(e) => {
-                tracing::warn!(%e, "reading a session's last counts on the manager's task instead");
-                LastCounts::Read(now(&mut self.bpf))
-            }
-        }
-    }
-
     /// Ends a running session: final readings, and what is left to make its report. Its
     /// mode stops and finishes first; then the probes it counted with, which every mode
     /// ends the same way.
@@ -129,13 +106,6 @@ impl Manager {
             // Recorded running before it is recorded ended: the store's writes keep order.
             self.record(a.info, a.record, a.reply);
         }
-        if let (Some(c), Some(slot)) = (s.cuda.as_ref(), s.slot) {
-            // Its libraries still being probed come off when they come back
-            // (`CudaReleased`); the slot stays taken until then.
-            for _ in 0..c.libraries_probing() {
-                self.slots.hold(slot);
-            }
-        }
         if let Some(task) = s.expiry.take() {
             task.abort();
         }
@@ -143,7 +113,7 @@ impl Manager {
             // `s` has left `running`: its bit goes.
             self.update_trace_masks();
         }
-        let threads = match (s.python.is_some(), s.follows_pid()) {
+        let threads = match (s.sources.python.is_some(), s.follows_pid()) {
             (false, _) => Threads::None,
             (true, true) => Threads::Of(&s.live),
             (true, false) => Threads::InPython,
@@ -157,61 +127,40 @@ impl Manager {
         // Counters close, sampling stops, a trace is left to close; what they measured is
         // named off this task (`close`).
         let Finished {
-            mut profile,
+            profile,
             trace,
             continuous,
         } = s.measure.finish(&mut self.ends());
-        // Counts are read off this task, from the maps opened again, the slot held until
-        // then; probes detached later (`release_after`).
-        let mut probes = Vec::new();
-        let native = match (s.native.take(), s.slot) {
-            (Some(mut n), Some(slot)) => {
-                probes.push(n.take_probes());
-                let maps = self.bpf.native_maps();
-                let counts = self.last_counts(slot, maps, |bpf| bpf.native_counts(slot, true));
-                Some(NativeEnd::new(n, counts))
-            }
-            _ => None,
-        };
-        let launch_stacks = s.cuda.as_ref().is_some_and(|c| c.probing.stacks);
-        let cuda = match (s.cuda.take(), s.slot) {
-            (Some(mut c), Some(slot)) => {
-                probes.push(c.take_probes());
-                let maps = self.bpf.cuda_maps();
-                let counts = self.last_counts(slot, maps, |bpf| {
-                    (
-                        bpf.cuda_counts(slot, true),
-                        bpf.gpu_kernel_times(slot, true),
-                    )
-                });
-                Some(c.end(counts))
-            }
-            _ => None,
-        };
+        // Each source stops counting for the slot, then its counts are read off this task
+        // from the maps opened again, the slot held until then; probes detached later
+        // (`release_after`). `s` has left `running`: its bits go from the masks first.
+        let counts_python = s.sources.python.is_some();
         self.update_cuda_masks();
-        if let (true, Some(slot)) = (launch_stacks, s.slot) {
-            // The launch stacks recorded so far; later ones find no histogram for the slot.
-            profile = self
-                .sampling
-                .end(slot)
-                .map(|p| Box::new(p) as Box<dyn ReportPart>);
-        }
-        // Python counts are read off this task (`FinalCounts`): the slot stays taken until then.
-        let later = match (&s.python, s.slot) {
-            (Some(_), Some(slot)) => match self.bpf.python_maps() {
-                Ok(maps) => Some(FinalCounts::new(maps, self.hold(slot))),
-                Err(e) => {
-                    tracing::warn!(%e, "reading a session's Python counts here instead");
-                    None
-                }
-            },
-            _ => None,
-        };
-        self.release_after(s.slot, probes);
-        if s.owner_uid != 0 || s.cuda.is_some() {
-            // Its processes no longer wait at exec.
+        if counts_python || s.owner_uid != 0 || s.sources.cuda.is_some() {
+            // Its processes no longer wait at exec either.
             self.update_python_masks();
         }
+        let exits = tracer_common::loss::PY_EXIT_INFERRED as usize;
+        let mut probes = Vec::new();
+        let mut parts: Vec<Box<dyn ReportPart>> = profile.into_iter().collect();
+        if let Some(slot) = s.slot {
+            let mut ends = self.ends();
+            let mut at = Ending {
+                ends: &mut ends,
+                slot,
+                live: &s.live,
+                inferred_exits: losses[exits].saturating_sub(s.loss_base[exits]),
+            };
+            for source in s.sources.take() {
+                let ended = source.end(&mut at);
+                probes.extend(ended.probes);
+                parts.extend(ended.part);
+            }
+            if counts_python {
+                self.bpf.clear_inproc(slot);
+            }
+        }
+        self.release_after(s.slot, probes);
         info.state = if error.is_some() {
             SessionState::Failed
         } else {
@@ -226,41 +175,6 @@ impl Manager {
             .forks_at_start
             .zip(process::forks_since_boot())
             .map(|(start, now)| now.saturating_sub(start));
-        let python = match (s.python.take(), s.slot) {
-            (Some(mut py), Some(slot)) => {
-                // Stop counting for this slot before reading it out.
-                self.update_python_masks();
-                let (counts, edges) = match later {
-                    Some(_) => Default::default(),
-                    None => (self.python_counts(slot, true), self.python_edges(slot)),
-                };
-                // In-process counters are stopped and read with the rest, off this task:
-                // their files are their processes' users' to fill.
-                let mut followed = std::mem::take(&mut py.gone);
-                followed.extend(s.live.iter().copied());
-                followed.extend(py.inproc.iter().map(|c| c.pid));
-                self.bpf.clear_inproc(slot);
-                let exits = tracer_common::loss::PY_EXIT_INFERRED as usize;
-                Some(PythonEnd {
-                    py,
-                    counts,
-                    edges,
-                    later,
-                    followed,
-                    inferred_exits: losses[exits].saturating_sub(s.loss_base[exits]),
-                })
-            }
-            _ => None,
-        };
-        let parts: Vec<Box<dyn ReportPart>> = [
-            profile,
-            native.map(|n| Box::new(n) as Box<dyn ReportPart>),
-            cuda.map(|c| Box::new(c) as Box<dyn ReportPart>),
-            python.map(|p| Box::new(p) as Box<dyn ReportPart>),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
         // Targets of pid sessions too: which container and pod each ran in.
         let mut pids: Vec<u32> = s.live.iter().copied().collect();
         if let Some(target::Kind::Pid(pid)) = s.target.kind {

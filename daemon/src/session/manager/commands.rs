@@ -100,7 +100,7 @@ pub(super) enum Done {
     CudaReleased(u8),
     /// The processes that map a Python interpreter, found off the manager's task for the
     /// Python sessions on every process (see `sweep`).
-    PythonScanned(Vec<super::python::FoundPython>),
+    PythonScanned(Vec<crate::session::python::watch::FoundPython>),
     /// A start whose slow preparations (see [`Ahead`]) were made off the manager's task.
     Ready {
         req: StartSessionRequest,

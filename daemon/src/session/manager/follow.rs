@@ -5,10 +5,8 @@
 use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
 use tracer_proto::{target, EndReason};
 
-use super::{
-    python::{python_processes, FoundPython, LateCheck, Met},
-    Done, Manager,
-};
+use super::{python::LateCheck, Done, Manager};
+use crate::session::python::watch::{self, FoundPython, Met};
 use tracer_inspect::process;
 
 impl Manager {
@@ -41,11 +39,7 @@ impl Manager {
                 s.command = Some(comm());
             }
             if ev.kind == PROC_EVENT_EXEC {
-                if let Some(c) = s.cuda.as_mut() {
-                    // Held (EXEC_HOLD): its executable's mapping is kept for the callers of
-                    // launches it may make and exit before they are read.
-                    c.keep_exec(ev.pid);
-                }
+                s.sources.each().for_each(|source| source.exec(ev.pid));
             }
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => {
@@ -53,14 +47,13 @@ impl Manager {
                     crate::container::note(ev.pid, true);
                 }
                 PROC_EVENT_EXIT => {
-                    if s.measure.mode() == tracer_proto::Mode::Sampling || s.cuda.is_some() {
+                    if s.measure.mode() == tracer_proto::Mode::Sampling || s.sources.cuda.is_some()
+                    {
                         exited_sampled = true;
                     }
                     if s.live.remove(&ev.pid) {
                         s.exited += 1;
-                        if let Some(py) = &mut s.python {
-                            py.exited(ev.pid);
-                        }
+                        s.sources.each().for_each(|source| source.exited(ev.pid));
                     }
                     if s.live.is_empty() {
                         ended.push(s.id.clone());
@@ -81,11 +74,11 @@ impl Manager {
                                 ended.push(s.id.clone());
                             }
                         }
-                        _ if s.python.is_some() => execs.push(s.id.clone()),
+                        _ if s.sources.python.is_some() => execs.push(s.id.clone()),
                         _ => {}
                     }
                 }
-                PROC_EVENT_EXEC if s.python.is_some() => execs.push(s.id.clone()),
+                PROC_EVENT_EXEC if s.sources.python.is_some() => execs.push(s.id.clone()),
                 _ => {}
             }
         }
@@ -103,7 +96,7 @@ impl Manager {
             execs.extend(
                 self.running
                     .values()
-                    .filter(|s| !s.follows_pid() && s.python.is_some())
+                    .filter(|s| !s.follows_pid() && s.sources.python.is_some())
                     .filter(|s| s.slot.is_some_and(|slot| ev.sessions & (1 << slot) != 0))
                     .map(|s| s.id.clone()),
             );
@@ -146,13 +139,13 @@ impl Manager {
         if inproc && matches!(met, Met::Late | Met::Unprobed) {
             return true;
         }
-        let Some(mut py) = s.python.take() else {
+        let Some(mut py) = s.sources.python.take() else {
             return true;
         };
         let done = (met == Met::AtExec && self.launched_exec(&mut py, slot, pid))
             || self.check_python_process(&mut py, pid, met, found);
         if let Some(s) = self.running.get_mut(id) {
-            s.python = Some(py);
+            s.sources.python = Some(py);
         }
         if !done {
             match self
@@ -195,9 +188,7 @@ impl Manager {
             for pid in gone {
                 s.live.remove(&pid);
                 s.exited += 1;
-                if let Some(py) = &mut s.python {
-                    py.exited(pid);
-                }
+                s.sources.each().for_each(|source| source.exited(pid));
             }
             if s.live.is_empty() {
                 ended.push(s.id.clone());
@@ -213,7 +204,7 @@ impl Manager {
         let ids: Vec<String> = self
             .running
             .iter()
-            .filter(|(_, s)| s.python.is_some() && s.follows_pid())
+            .filter(|(_, s)| s.sources.python.is_some() && s.follows_pid())
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
@@ -228,12 +219,12 @@ impl Manager {
         let everyone = self
             .running
             .values()
-            .any(|s| s.python.is_some() && !s.follows_pid());
+            .any(|s| s.sources.python.is_some() && !s.follows_pid());
         if everyone && !self.scans.python {
             self.scans.python = true;
             let tx = self.done.clone();
             tokio::task::spawn_blocking(move || {
-                let _ = tx.send(Done::PythonScanned(python_processes()));
+                let _ = tx.send(Done::PythonScanned(watch::processes()));
             });
         }
     }

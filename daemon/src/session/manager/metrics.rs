@@ -131,16 +131,17 @@ impl Manager {
                 continue;
             }
             let slot = s.slot;
-            let native = match (&s.native, slot) {
+            let native = match (&s.sources.native, slot) {
                 (Some(n), Some(slot)) => n.live(&mut self.bpf, slot),
                 _ => Vec::new(),
             };
-            let cuda = s.cuda.as_ref().map(|c| c.live(&mut self.bpf));
-            let python = match slot.filter(|_| s.python.is_some()) {
+            let cuda = s.sources.cuda.as_ref().map(|c| c.live(&mut self.bpf));
+            let python = match slot.filter(|_| s.sources.python.is_some()) {
                 Some(slot) => {
-                    let counts = self.python_counts(slot, false);
+                    let counts = crate::session::python::counts(&mut self.bpf, slot, false);
                     let s = &self.running[&id];
-                    s.python
+                    s.sources
+                        .python
                         .as_ref()
                         .map(|py| {
                             let mut f = py.functions(counts, Vec::new()).0;

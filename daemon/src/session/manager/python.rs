@@ -2,14 +2,13 @@
 //! slots count Python (and hold processes at exec), the kernel maps' counts per slot, and
 //! the names of code objects the probes send.
 
-use aya::maps::{MapData, RingBuf};
-use tracer_common::PyCodeEvent;
-use tracer_proto::target;
-
-use super::{exe_id, Done, Manager};
+use super::{Done, Manager};
 use crate::{
     error::Error,
-    session::python::{PySession, ToProbe, Unprobed},
+    session::python::{
+        watch::{self, exe_id, FoundPython, Met},
+        PySession, ToProbe, Unprobed,
+    },
 };
 use tracer_inspect::python::memory;
 
@@ -18,22 +17,6 @@ const LAUNCHED_WHY: &str = "sys.monitoring callbacks, loaded by tracer's loader 
 
 /// The same, before 3.12 (no `sys.monitoring`).
 const LAUNCHED_PROFILE_WHY: &str = "a C profile function on every thread (cProfile's hook and events; CPython 3.10 and 3.11 have no sys.monitoring), started by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted, nor threads that C code makes for itself (PyGILState_Ensure); a profile function the program sets hands it over to the probes";
-
-/// When a session met a process whose interpreter it probes.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Met {
-    /// At the session's start: probed in place (the start's interpreters were attached
-    /// ahead).
-    AtStart,
-    /// Held at its exec: nothing of the new program has run.
-    AtExec,
-    /// Found running by the sweep or a scan: it ran unprobed for a while if its interpreter
-    /// was not probed then.
-    Late,
-    /// As `Late`, checked again once its interpreter's probes were attached off the
-    /// manager's task: it ran unprobed.
-    Unprobed,
-}
 
 /// Where a handover's answer goes (`Done::InprocHandover`).
 pub(super) type HandoverReply = std::sync::mpsc::Sender<Result<(), String>>;
@@ -62,7 +45,7 @@ impl Manager {
             return;
         };
         let slot = s.slot;
-        let Some(mut py) = s.python.take() else {
+        let Some(mut py) = s.sources.python.take() else {
             return;
         };
         let entry = py
@@ -89,7 +72,7 @@ impl Manager {
                 tracing::info!(pid, %why, "in-process counting refused late; counting with uprobes");
                 py.checked.remove(&pid);
                 if let Some(s) = self.running.get_mut(id) {
-                    s.python = Some(py);
+                    s.sources.python = Some(py);
                 }
                 self.check_session_process(id, pid, Met::Late, None);
                 return;
@@ -97,7 +80,7 @@ impl Manager {
             (_, None) => {}
         }
         if let Some(s) = self.running.get_mut(id) {
-            s.python = Some(py);
+            s.sources.python = Some(py);
         }
     }
 
@@ -108,7 +91,10 @@ impl Manager {
     /// being attached off this task (a sweep met a forked sibling first, say), until they are
     /// in (`handovers_probed`), for the probes must count it once it goes on.
     pub(super) fn inproc_handover(&mut self, id: String, pid: u32, reply: HandoverReply) {
-        let counts_python = self.running.get(&id).is_some_and(|s| s.python.is_some());
+        let counts_python = self
+            .running
+            .get(&id)
+            .is_some_and(|s| s.sources.python.is_some());
         if counts_python {
             if let Some(mapped) = memory::runtime_of(pid) {
                 if !self.probed_now(&mapped.path) {
@@ -134,7 +120,7 @@ impl Manager {
 
     fn hand_over(&mut self, id: &str, pid: u32) -> Result<(), String> {
         let s = self.running.get_mut(id).ok_or("its session ended")?;
-        let (Some(slot), Some(mut py)) = (s.slot, s.python.take()) else {
+        let (Some(slot), Some(mut py)) = (s.slot, s.sources.python.take()) else {
             return Err("its session counts no Python".into());
         };
         let done = self.hand_to_probes(&mut py, slot, pid);
@@ -159,7 +145,7 @@ impl Manager {
             )),
         }
         if let Some(s) = self.running.get_mut(id) {
-            s.python = Some(py);
+            s.sources.python = Some(py);
         }
         done
     }
@@ -325,7 +311,7 @@ impl Manager {
             }
             None => {
                 let _ = self.py.ensure_known(&mut self.bpf);
-                for found in scanned.unwrap_or_else(python_processes) {
+                for found in scanned.unwrap_or_else(watch::processes) {
                     self.check_python_process(&mut py, found.pid, Met::AtStart, Some(&found));
                 }
             }
@@ -461,15 +447,7 @@ impl Manager {
 
     /// Tells the probes which slots count Python, and which of those count every process.
     pub(super) fn update_python_masks(&mut self) {
-        let (mut python, mut all) = (0u64, 0u64);
-        for s in self.running.values().filter(|s| s.python.is_some()) {
-            if let Some(slot) = s.slot {
-                python |= 1 << slot;
-                if matches!(s.target.kind, Some(target::Kind::All(_))) {
-                    all |= 1 << slot;
-                }
-            }
-        }
+        let (python, all) = watch::masks(&self.running);
         if let Err(e) = self.bpf.set_python_sessions(python, all) {
             tracing::error!(%e, "updating Python session masks");
         }
@@ -501,7 +479,7 @@ impl Manager {
         let unprivileged = self
             .running
             .values()
-            .filter(|s| (s.owner_uid != 0 || s.cuda.is_some()) && s.follows_pid())
+            .filter(|s| (s.owner_uid != 0 || s.sources.cuda.is_some()) && s.follows_pid())
             .filter_map(|s| s.slot)
             .fold(0u64, |m, slot| m | 1 << slot);
         if let Err(e) = self.bpf.set_exec_hold(python | unprivileged, all) {
@@ -509,74 +487,8 @@ impl Manager {
         }
     }
 
-    /// Takes a session's calls per (caller, callee) out of the kernel map.
-    pub(super) fn python_edges(
-        &mut self,
-        slot: u8,
-    ) -> Vec<(tracer_common::PyEdgeKey, tracer_common::PyCallStats)> {
-        let slot = u32::from(slot);
-        tracer_bpf::bpf::slot_entries(&mut self.bpf.py_edges, |k| k.slot == slot, true)
+    /// Names of code objects the probes met first, into their sessions.
+    pub(super) fn drain_codes(&mut self, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) {
+        watch::drain_codes(ring, &mut self.running, &self.py);
     }
-
-    /// A session's Python counts in the kernel map, taken out of it with `take`.
-    pub(super) fn python_counts(
-        &mut self,
-        slot: u8,
-        take: bool,
-    ) -> Vec<(u32, u64, u64, tracer_common::PyCallStats)> {
-        let slot = u32::from(slot);
-        tracer_bpf::bpf::slot_entries(&mut self.bpf.py_calls, |k| k.slot == slot, take)
-            .into_iter()
-            .map(|(k, n)| (k.pid, k.code, k.names, n))
-            .collect()
-    }
-
-    /// Names of code objects the probes met first, into the session of the slot that met them
-    /// (and its trace).
-    pub(super) fn drain_codes(&mut self, ring: &mut RingBuf<MapData>) {
-        while let Some(item) = ring.next() {
-            if item.len() < std::mem::size_of::<PyCodeEvent>() {
-                continue;
-            }
-            // SAFETY: written as a PyCodeEvent by the BPF side; read unaligned.
-            let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<PyCodeEvent>()) };
-            let slot = ev.slot;
-            let Some(s) = self
-                .running
-                .values_mut()
-                .find(|s| s.slot.is_some_and(|x| u32::from(x) == slot))
-            else {
-                continue;
-            };
-            if let Some(py) = s.python.as_mut() {
-                py.on_code(&ev, &self.py);
-                if let Some(name) = py.name(ev.pid, ev.code, ev.names) {
-                    s.measure.named((ev.pid, ev.code, ev.names), name);
-                }
-            }
-        }
-    }
-}
-
-/// A process that maps an interpreter, as a scan off the manager's task found it: what
-/// checking it there would read again (~0.1 ms a process, more for large ones).
-#[derive(Clone, Debug)]
-pub(crate) struct FoundPython {
-    pub(super) pid: u32,
-    /// Its executable ([`exe_id`]), read before its mappings: if it execs in between, the
-    /// next check sees a new executable and looks again.
-    pub(super) exe: (u64, u64),
-    pub(super) mapped: memory::Mapped,
-}
-
-/// The processes that map a Python interpreter now.
-pub(super) fn python_processes() -> Vec<FoundPython> {
-    tracer_inspect::process::pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let exe = exe_id(pid);
-            let mapped = memory::runtime_of(pid)?;
-            Some(FoundPython { pid, exe, mapped })
-        })
-        .collect()
 }

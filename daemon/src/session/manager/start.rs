@@ -14,6 +14,7 @@ use super::{
     checks::{self, inproc_candidate, Asked},
     new_id, persist, Done, Manager, Prepared, Reply, INPROC_WAIT, MAX_RUNNING,
 };
+use crate::session::python::watch::FoundPython;
 use crate::{
     access::Caller,
     error::Error,
@@ -24,7 +25,7 @@ use crate::{
         python::PySession,
         sampling::SamplingSession,
         tracing::TracingSession,
-        Measurement, Opening, Session,
+        Measurement, Opening, Session, Sources,
     },
     store::StoreError,
 };
@@ -61,7 +62,7 @@ pub(super) struct Answer {
 
 /// What a session measures with, opened at its start: its mode's own sources, and the
 /// probes any mode may count with.
-struct Sources {
+struct Opened {
     measure: Box<dyn Measurement>,
     python: Option<PySession>,
     native: Option<NativeSession>,
@@ -191,7 +192,7 @@ impl Manager {
                 if self
                     .running
                     .get(&info.id)
-                    .and_then(|s| s.cuda.as_ref())
+                    .and_then(|s| s.sources.cuda.as_ref())
                     .is_some_and(cuda::CudaSession::probing) =>
             {
                 let id = info.id.clone();
@@ -324,7 +325,10 @@ impl Manager {
             }
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
-        let (cuda, records_calls) = (session.cuda.is_some(), session.measure.records_calls());
+        let (cuda, records_calls) = (
+            session.sources.cuda.is_some(),
+            session.measure.records_calls(),
+        );
         let info = session.info(&loss_base);
         let record = persist::running_report(&info, session.measure.as_ref());
         let target = session.target;
@@ -354,8 +358,8 @@ impl Manager {
         natives: Vec<NativeTarget>,
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
-        python_found: Option<Vec<super::python::FoundPython>>,
-    ) -> Result<Sources, Error> {
+        python_found: Option<Vec<FoundPython>>,
+    ) -> Result<Opened, Error> {
         let Plan {
             id,
             asked,
@@ -460,7 +464,7 @@ impl Manager {
                 )))
             }
         };
-        Ok(Sources {
+        Ok(Opened {
             measure,
             python,
             native: attached.take().map(|a| a.native),
@@ -477,11 +481,11 @@ impl Manager {
             pid,
             owner_uid,
         }: Place,
-        sources: Sources,
+        sources: Opened,
         loss_base: [u64; loss::COUNT as usize],
         caller: &Caller,
     ) -> Session {
-        let Sources {
+        let Opened {
             measure,
             python,
             native,
@@ -532,9 +536,11 @@ impl Manager {
             proc_events: 0,
             forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
             measure,
-            python,
-            native,
-            cuda,
+            sources: Sources {
+                python,
+                native,
+                cuda,
+            },
             loss_base,
             ended,
             expiry,
@@ -560,7 +566,7 @@ impl Manager {
             .running
             .values()
             .filter(|s| s.owner_uid == uid)
-            .filter_map(|s| s.native.as_ref())
+            .filter_map(|s| s.sources.native.as_ref())
             .map(NativeSession::probes)
             .sum::<usize>()
             + self.starts.attaching.get(&uid).copied().unwrap_or(0);

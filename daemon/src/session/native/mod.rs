@@ -1,6 +1,10 @@
 //! Counting mode's native source: one session's uprobes on native functions, and its report.
 
-use super::slots::LastCounts;
+use super::{
+    slots::LastCounts,
+    source::{Ended, Ending, Reading, Source},
+    ReportPart,
+};
 use crate::error::Error;
 use tracer_bpf::bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet};
 use tracer_inspect::native::NativeTarget;
@@ -170,24 +174,48 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+impl Source for NativeSession {
+    fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {
+        // Counted in the kernel, left there; named from the probes' own list.
+        let report = self.report(at.bpf.native_counts(at.slot, false));
+        Some(Box::new(Named(report)))
+    }
+
+    fn end(mut self: Box<Self>, at: &mut Ending<'_, '_>) -> Ended {
+        let probes = self.take_probes();
+        let slot = at.slot;
+        let maps = at.ends.bpf.native_maps();
+        let counts = at
+            .ends
+            .last_counts(slot, maps, |bpf| bpf.native_counts(slot, true));
+        Ended {
+            probes: Some(probes),
+            part: Some(Box::new(NativeEnd {
+                session: *self,
+                counts,
+            })),
+        }
+    }
+}
+
 /// An ended session's native calls, counted and reported where waiting is fine.
-pub struct NativeEnd {
+struct NativeEnd {
     session: NativeSession,
     counts: LastCounts<NativeMaps, Vec<(u32, u32, u64)>>,
 }
 
-impl NativeEnd {
-    pub fn new(
-        session: NativeSession,
-        counts: LastCounts<NativeMaps, Vec<(u32, u32, u64)>>,
-    ) -> Self {
-        Self { session, counts }
-    }
-}
-
-impl super::ReportPart for NativeEnd {
+impl ReportPart for NativeEnd {
     fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         let counts = self.counts.get();
         report.native = Some(self.session.finish(counts));
+    }
+}
+
+/// A running session's native part so far, named already.
+struct Named(NativeReport);
+
+impl ReportPart for Named {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
+        report.native = Some(self.0);
     }
 }

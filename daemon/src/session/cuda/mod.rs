@@ -9,6 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub mod watch;
+
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
 use tracer_bpf::bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
@@ -21,6 +23,8 @@ use tracer_report::{
 use super::{
     callers::{Callers, Named, ProcAddr},
     slots::LastCounts,
+    source::{Ended, Ending, Source},
+    ReportPart,
 };
 
 /// The event a launch-stacks profile (`--cuda-stacks`) counts: one sample a launch.
@@ -282,14 +286,6 @@ impl CudaSession {
     /// Looks at the CUDA libraries `pid` maps: whether it maps any, and the jobs that probe
     /// those not probed yet (for [`CudaJob::run`] on another thread, back through
     /// [`Self::adopt`]). `found_by`: what made this look ("start", "mmap", "look").
-    /// A followed process just exec'd, held before its first instruction: its mappings (the
-    /// executable, the loader) are kept for the callers of its launches.
-    pub fn keep_exec(&mut self, pid: u32) {
-        if let Ok(maps) = ProcMaps::read(pid) {
-            self.callers.keep(pid, &maps);
-        }
-    }
-
     pub fn look(&mut self, pid: u32, found_by: &str) -> (bool, Vec<CudaJob>) {
         crate::container::note(pid, false);
         let Ok(maps) = ProcMaps::read(pid) else {
@@ -444,22 +440,58 @@ impl CudaSession {
         }
         all
     }
+}
 
-    /// The session ended: its `counts` (launches, memory, GPU times) are read and named by
-    /// [`CudaEnd::finish`]. Probes not taken out with [`Self::take_probes`] are detached
-    /// here first.
-    pub fn end(mut self, counts: LastCounts<CudaMaps, (CudaCounts, GpuKernelTimes)>) -> CudaEnd {
-        drop(self.take_probes());
-        CudaEnd { cuda: self, counts }
+impl Source for CudaSession {
+    fn exec(&mut self, pid: u32) {
+        // Held before its first instruction: its mappings (the executable, the loader) are
+        // kept for the callers of launches it may make and exit before they are read.
+        if let Ok(maps) = ProcMaps::read(pid) {
+            self.callers.keep(pid, &maps);
+        }
+    }
+
+    fn end(mut self: Box<Self>, at: &mut Ending<'_, '_>) -> Ended {
+        let slot = at.slot;
+        // Its libraries still being probed come off when they come back (`CudaReleased`);
+        // the slot stays taken until then.
+        for _ in 0..self.libraries_probing() {
+            at.ends.slots.hold(slot);
+        }
+        let probes = self.take_probes();
+        let maps = at.ends.bpf.cuda_maps();
+        let counts = at.ends.last_counts(slot, maps, |bpf| {
+            (
+                bpf.cuda_counts(slot, true),
+                bpf.gpu_kernel_times(slot, true),
+            )
+        });
+        // The launch stacks recorded so far; later ones find no histogram for the slot.
+        let stacks = self
+            .probing
+            .stacks
+            .then(|| at.ends.sampling.end(slot))
+            .flatten()
+            .map(|p| Box::new(p) as Box<dyn ReportPart>);
+        Ended {
+            probes: Some(probes),
+            part: Some(Box::new(CudaEnd {
+                cuda: *self,
+                counts,
+                stacks,
+            })),
+        }
     }
 }
 
 /// An ended CUDA session's counts, to be read and named where waiting is fine: native
 /// callers are named from the symbol tables of libraries such as libtorch_cuda (hundreds of
 /// MB).
-pub struct CudaEnd {
+struct CudaEnd {
     cuda: CudaSession,
     counts: LastCounts<CudaMaps, (CudaCounts, GpuKernelTimes)>,
+    /// Its launch stacks (`--cuda-stacks`): the report's profile.
+    stacks: Option<Box<dyn ReportPart>>,
 }
 
 impl CudaEnd {
@@ -470,8 +502,11 @@ impl CudaEnd {
     }
 }
 
-impl super::ReportPart for CudaEnd {
-    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
+impl ReportPart for CudaEnd {
+    fn fill(mut self: Box<Self>, report: &mut tracer_report::Report) {
+        if let Some(stacks) = self.stacks.take() {
+            stacks.fill(report);
+        }
         report.cuda = Some(self.finish());
     }
 }

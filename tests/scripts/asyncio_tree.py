@@ -2,8 +2,9 @@
 "middle", which awaits leaf-a and leaf-b through a coroutine of its own (`both`, gathering
 them). The leaves compute in turns, leaf-a twice as long as leaf-b; the program times
 itself and prints each leaf's share at the end. Prints "ready" once the tree stands.
+With `block`, the leaves block the loop in `time.sleep` instead of computing.
 
-Usage: asyncio_tree.py SECONDS
+Usage: asyncio_tree.py SECONDS [block]
 """
 
 import asyncio
@@ -20,9 +21,18 @@ def spin(name, sec):
     spent[name] += time.perf_counter() - t
 
 
+def block(name, sec):
+    t = time.perf_counter()
+    time.sleep(sec)
+    spent[name] += time.perf_counter() - t
+
+
+work = block if sys.argv[2:] == ["block"] else spin
+
+
 async def leaf(name, sec, until):
     while time.monotonic() < until:
-        spin(name, sec)
+        work(name, sec)
         await asyncio.sleep(0)
 
 

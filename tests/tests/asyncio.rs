@@ -16,12 +16,13 @@ use tracer_tests::{
     root_or_skip, script, ChildGuard, Daemon,
 };
 
-/// The workload, running for `seconds`, once its tasks stand; and what it prints after.
-fn start_tree(python: &Path, seconds: &str) -> (ChildGuard, BufReader<std::process::ChildStdout>) {
+/// The workload, running for `seconds` (`args`: and how its leaves work), once its tasks
+/// stand; and what it prints after.
+fn start_tree(python: &Path, args: &[&str]) -> (ChildGuard, BufReader<std::process::ChildStdout>) {
     let mut child = ChildGuard::spawn(
         Command::new(python)
             .arg(script("asyncio_tree.py"))
-            .arg(seconds)
+            .args(args)
             .stdout(Stdio::piped()),
     );
     let mut out = BufReader::new(child.0.stdout.take().unwrap());
@@ -90,9 +91,14 @@ fn pstree_chains(python: &Path, pid: u32) -> BTreeMap<String, Vec<String>> {
 /// Samples under `spin` (in a leaf) by the chain before it, from the process frame's child
 /// up to its leaf task.
 fn chains(folded: &str) -> BTreeMap<Vec<String>, u64> {
+    chains_under(folded, "spin (")
+}
+
+/// Samples (or time) under the leaves' `work` function, by the chain before it.
+fn chains_under(folded: &str, work: &str) -> BTreeMap<Vec<String>, u64> {
     let mut by = BTreeMap::new();
     for (frames, n) in parse_folded(folded) {
-        if !frames.iter().any(|f| f.starts_with("spin (")) {
+        if !frames.iter().any(|f| f.starts_with(work)) {
             continue;
         }
         let end = frames
@@ -104,13 +110,14 @@ fn chains(folded: &str) -> BTreeMap<Vec<String>, u64> {
     by
 }
 
-fn sample(d: &Daemon, pid: u32, out: &Path) {
-    d.ok(&[
+fn sample(d: &Daemon, pid: u32, out: &Path, extra: &[&str]) {
+    let pid = pid.to_string();
+    let mut args = vec![
         "start",
         "--mode=sampling",
         "--asyncio",
         "--pid",
-        &pid.to_string(),
+        &pid,
         "--frequency",
         "250",
         "--duration",
@@ -120,7 +127,9 @@ fn sample(d: &Daemon, pid: u32, out: &Path) {
         "folded",
         "-o",
         out.to_str().unwrap(),
-    ]);
+    ];
+    args.extend(extra);
+    d.ok(&args);
 }
 
 #[test]
@@ -135,10 +144,10 @@ fn task_stacks_are_the_tree_asyncio_pstree_shows_on_3_14_and_3_15() {
     let d = Daemon::start();
     let dir = tempfile::tempdir().unwrap();
     for python in pythons {
-        let (child, out) = start_tree(&python, "6");
+        let (child, out) = start_tree(&python, &["6"]);
         let truth = pstree_chains(&python, child.pid());
         let file = dir.path().join("ours.folded");
-        sample(&d, child.pid(), &file);
+        sample(&d, child.pid(), &file, &[]);
         let own = own_share(child, out);
         let ours = chains(&std::fs::read_to_string(&file).unwrap());
         let total: u64 = ours.values().sum();
@@ -165,6 +174,57 @@ fn task_stacks_are_the_tree_asyncio_pstree_shows_on_3_14_and_3_15() {
     }
 }
 
+/// Leaves that block the loop (`time.sleep` in a coroutine): with `--off-cpu`, the time
+/// each blocks is under its own task chain, as pstree shows it, in the program's own
+/// proportions. These records go out at the sleep's system call exit.
+#[test]
+fn time_a_task_blocks_the_loop_is_under_its_task_chain() {
+    if !root_or_skip() {
+        return;
+    }
+    let pythons = chroot_interpreters();
+    if pythons.is_empty() {
+        return;
+    }
+    let d = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    for python in pythons {
+        let (child, out) = start_tree(&python, &["6", "block"]);
+        let truth = pstree_chains(&python, child.pid());
+        let file = dir.path().join("blocked.folded");
+        // Every sleep (1-2 ms) a record of its own.
+        sample(
+            &d,
+            child.pid(),
+            &file,
+            &["--off-cpu", "--off-cpu-min", "100us"],
+        );
+        let own = own_share(child, out);
+        let folded = std::fs::read_to_string(&file).unwrap();
+        let ours = chains_under(&folded, "block (");
+        let total: u64 = ours.values().sum();
+        let leaf = |name: &str| ours.get(&truth[name]).copied().unwrap_or(0);
+        println!("{}: pstree {truth:?}\n  ours {ours:?}", python.display());
+        assert!(
+            total > 0,
+            "{}: nothing under block: {folded}",
+            python.display()
+        );
+        assert!(
+            (leaf("leaf-a") + leaf("leaf-b")) * 100 >= total * 95,
+            "{}: blocked time's task chains differ from pstree's {truth:?}: {ours:?}",
+            python.display()
+        );
+        let share = leaf("leaf-a") as f64 / total as f64;
+        println!("  leaf-a blocked: tracer {share:.3}, the program's own timing {own:.3}");
+        assert!(
+            (share - own).abs() <= 0.05,
+            "{}: leaf-a's share of blocked time {share:.3}, timed {own:.3}",
+            python.display()
+        );
+    }
+}
+
 #[test]
 fn task_shares_match_cpython_3_15s_async_aware_sampler() {
     if !root_or_skip() {
@@ -176,8 +236,8 @@ fn task_shares_match_cpython_3_15s_async_aware_sampler() {
     let d = Daemon::start();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("ours.folded");
-    let (child, out) = start_tree(&python, "6");
-    sample(&d, child.pid(), &file);
+    let (child, out) = start_tree(&python, &["6"]);
+    sample(&d, child.pid(), &file, &[]);
     own_share(child, out);
     let ours = chains(&std::fs::read_to_string(&file).unwrap());
     // CPython's sampler on the same workload, run again.
@@ -265,7 +325,7 @@ fn older_interpreters_and_other_modes_say_they_have_no_task_stacks() {
         tracer_testkit::skip("no CPython 3.12 (pyenv)");
         return;
     };
-    let (child, out) = start_tree(&old, "3");
+    let (child, out) = start_tree(&old, &["3"]);
     let printed = d.ok(&[
         "start",
         "--mode=sampling",

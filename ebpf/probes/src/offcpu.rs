@@ -99,7 +99,7 @@ fn leaves(ctx: &TracePointContext, now: u64) {
         return;
     }
     // A record due since it came back goes now, while its stacks are still its own.
-    emit_due(tid, pid);
+    emit_due::<false>(tid, pid);
     // SAFETY: as above.
     let state: i64 =
         unsafe { ctx.read_at(global(&SWITCH_PREV_STATE_OFFSET) as usize) }.unwrap_or(1);
@@ -264,12 +264,14 @@ fn back(tid: u32, now: u64) {
 #[tracepoint]
 pub fn tracer_offcpu_sys_exit(_ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    emit_due(pid_tgid as u32, (pid_tgid >> 32) as u32);
+    emit_due::<true>(pid_tgid as u32, (pid_tgid >> 32) as u32);
     0
 }
 
-/// Sends the current thread's due record, with its stacks now.
-fn emit_due(tid: u32, pid: u32) {
+/// Sends the current thread's due record, with its stacks now. `TASKS`: with the asyncio
+/// tasks awaiting the running one (at a system call's exit, where a blocked thread's record
+/// goes; the switch program is too large for the verifier with them).
+fn emit_due<const TASKS: bool>(tid: u32, pid: u32) {
     let Some(t) = OFFCPU_THREADS.get_ptr_mut(&tid) else {
         return;
     };
@@ -303,7 +305,7 @@ fn emit_due(tid: u32, pid: u32) {
         (*ev).own_ns = own;
         (*ev).kernel_stack = kernel_stack;
         user_stack(ev);
-        python::<false>(ev, pid);
+        python::<TASKS>(ev, pid);
         send(ev);
     }
 }

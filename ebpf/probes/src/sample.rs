@@ -259,8 +259,12 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 
 /// The Python frames of the sampled thread, if its process runs a known CPython.
 ///
-/// `TASKS`: and, in an asyncio task, the tasks awaiting it (the timer's samples only: the
-/// off-CPU and launch programs are too large for the verifier with them).
+/// `TASKS`: and, in an asyncio task, the tasks awaiting it (the timer's samples, and
+/// off-CPU records sent at a system call's exit: the off-CPU switch and launch programs are
+/// too large for the verifier with them).
+// Inlined into each program: called from two, `python::<true>` became a function of its own
+// and the verifier's work for both tripled (`cargo xtask bench first-start`).
+#[inline(always)]
 pub(crate) unsafe fn python<const TASKS: bool>(ev: *mut SampleEvent, pid: u32) {
     let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l, interp) => {

@@ -111,6 +111,44 @@ fn report_rows(report: &Value) -> BTreeMap<Row, u64> {
     rows
 }
 
+/// A running session's interim report (what `tracerctl top` shows): the launches made so far,
+/// as the program made them, while it still runs; the final report has the same rows.
+#[test]
+fn interim_reports_count_launches_so_far() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let mut app = App::spawn(&libs, &["hold=1"], &[]);
+    let pid = app.pid();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    // Probed as it maps them, off the manager's task (as in `run_app_with`).
+    std::thread::sleep(Duration::from_millis(1000));
+    // Its launches done and accounted for, it waits for its stdin to close.
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    let want = truth_rows(&truth);
+    let interim: Value =
+        serde_json::from_str(&d.ok(&["report", &id, "--interim", "--format", "json"])).unwrap();
+    assert_eq!(report_rows(&interim), want, "interim: {}", interim["cuda"]);
+    let warnings = interim["cuda"]["warnings"].to_string();
+    assert!(
+        warnings.contains("interim"),
+        "says what it lacks: {warnings}"
+    );
+    assert!(d.ok(&["status", &id]).contains("running"));
+    drop(app.stdin.take());
+    let _ = app.guard.0.wait();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    assert_eq!(report_rows(&report), want, "final");
+}
+
 /// A session on every process: a program that maps CUDA's libraries after it started is
 /// announced by the kernel and probed at once, and its launches are all counted.
 #[test]

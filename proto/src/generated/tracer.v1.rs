@@ -348,8 +348,8 @@ pub struct GetReportRequest {
     /// A running session's report so far, and it goes on (without: FAILED_PRECONDITION until
     /// it ends): the profile so far of a sampling session (since the last push with --push),
     /// the Python and native (uprobe) calls counted so far and the counters' readings of a
-    /// counting or tracing one (CUDA launches: at the end). An ended session's report is its
-    /// final one either way.
+    /// counting or tracing one, and CUDA launches and copies so far (their native callers: at
+    /// the end). An ended session's report is its final one either way.
     #[prost(bool, tag = "9")]
     pub interim: bool,
 }

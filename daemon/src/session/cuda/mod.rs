@@ -23,7 +23,7 @@ use tracer_report::{
 use super::{
     callers::{Callers, Named, ProcAddr},
     slots::LastCounts,
-    source::{Ended, Ending, Source},
+    source::{Ended, Ending, Reading, Source},
     ReportPart,
 };
 
@@ -443,6 +443,18 @@ impl CudaSession {
 }
 
 impl Source for CudaSession {
+    fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {
+        // Named from the kernel names received, not their native callers: those are named
+        // from libraries' symbol tables of hundreds of MB, work for the end.
+        let mut report = self.live(at.bpf);
+        report.libraries = self.found.clone();
+        report.warnings = self.warnings.clone();
+        report.warnings.push(
+            "interim: launches are counted so far; their native callers and GPU averages are named in the final report".into(),
+        );
+        Some(Box::new(Interim(report)))
+    }
+
     fn exec(&mut self, pid: u32) {
         // Held before its first instruction: its mappings (the executable, the loader) are
         // kept for the callers of launches it may make and exit before they are read.
@@ -481,6 +493,15 @@ impl Source for CudaSession {
                 stacks,
             })),
         }
+    }
+}
+
+/// A running session's CUDA part so far, named already.
+struct Interim(CudaReport);
+
+impl ReportPart for Interim {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
+        report.cuda = Some(self.0);
     }
 }
 

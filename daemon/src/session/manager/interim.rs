@@ -1,8 +1,9 @@
 //! A running session's report so far (`GetReport` with `interim`), what `tracerctl top`
 //! shows every second: read here without stopping or taking anything (kernel counts stay in
 //! their maps, in-process counters are peeked, the sampling histogram is copied), and named
-//! off this task by the caller. CUDA parts are not in it: naming launch callers reads
-//! symbol tables of libraries of hundreds of MB, work for the end.
+//! off this task by the caller. Each of the session's sources gives its part
+//! (`Source::interim`); CUDA launches come without their native callers, which are named
+//! from symbol tables of libraries of hundreds of MB at the end.
 
 use super::*;
 use crate::session::source::Reading;

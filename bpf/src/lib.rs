@@ -5,7 +5,14 @@
 //! binaries and interpreters it probes (`tracer-inspect`), and no session.
 
 mod batch;
-pub mod bpf;
+mod bpf;
 pub mod btf;
 pub mod perf;
 pub mod sampler;
+
+pub use bpf::{
+    ensure_tracefs, loss_cause_name, perf_link, publish_layout, release, slot_entries, Bpf,
+    BpfError, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, Loading, NativeAttacher,
+    NativeMaps, OffCpuSession, ProbeSet, PythonAttacher, PythonMaps, SamplingMaps, TracingMaps,
+    TRACEFS,
+};

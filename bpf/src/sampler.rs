@@ -98,7 +98,7 @@ impl Sampler {
                 None => open(type_, config, cpu, frequency)
                     .map_err(|source| SamplerError::Open { event, cpu, source })?,
             };
-            let link = crate::bpf::perf_link(program, fd.as_fd(), cookie)
+            let link = crate::perf_link(program, fd.as_fd(), cookie)
                 .map_err(|source| SamplerError::Attach { cpu, source })?;
             // SAFETY: ioctl on a perf event fd we own.
             if unsafe { sys::ioctls::ENABLE(fd.as_raw_fd(), 0) } != 0 {

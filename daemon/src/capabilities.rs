@@ -4,7 +4,6 @@ use std::path::Path;
 
 use tracer_proto::{Capabilities, Interpreter, Mode, PerfEventSupport};
 
-use tracer_bpf::bpf;
 use tracer_bpf::perf;
 use tracer_inspect::python;
 
@@ -69,7 +68,7 @@ pub fn measure(
             .unwrap_or_default(),
         btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
         bpf: bpf_loaded,
-        tracefs: Path::new(bpf::TRACEFS).join("events").exists(),
+        tracefs: Path::new(tracer_bpf::TRACEFS).join("events").exists(),
         hardware_counters,
         perf_events,
         interpreters,

@@ -12,7 +12,7 @@ use tower::layer::util::{Identity, Stack};
 use tracer_proto::tracer_server::TracerServer;
 
 use crate::{capabilities, server::Service, session::manager::Manager, store::Store};
-use tracer_bpf::bpf::Bpf;
+use tracer_bpf::Bpf;
 
 pub const DEFAULT_SOCKET: &str = "/run/tracer/tracerd.sock";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tracer";
@@ -73,7 +73,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
-    Bpf(#[from] tracer_bpf::bpf::BpfError),
+    Bpf(#[from] tracer_bpf::BpfError),
     #[error(transparent)]
     Session(#[from] crate::error::Error),
     #[error("gRPC server: {0}")]

@@ -22,7 +22,7 @@ pub enum Error {
     #[error("{0}")]
     ResourceExhausted(String),
     #[error(transparent)]
-    Bpf(#[from] tracer_bpf::bpf::BpfError),
+    Bpf(#[from] tracer_bpf::BpfError),
     #[error(transparent)]
     Sampler(#[from] tracer_bpf::sampler::SamplerError),
     #[error(transparent)]

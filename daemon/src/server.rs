@@ -203,8 +203,8 @@ impl Tracer for Service {
                 ));
             };
             return Ok(Response::new(stream_export(move |w| match format {
-                ReportFormat::Chrome => tracer_report::export::chrome::write(&trace, w),
-                _ => tracer_report::export::perfetto::write(&trace, w),
+                ReportFormat::Chrome => tracer_report::export::chrome(&trace, w),
+                _ => tracer_report::export::perfetto(&trace, w),
             })));
         }
         let bytes = match format {
@@ -213,7 +213,7 @@ impl Tracer for Service {
             }
             ReportFormat::Json => report.to_json().into_bytes(),
             ReportFormat::Pstats => match &report.python {
-                Some(py) => tracer_report::export::pstats::encode(&py.functions),
+                Some(py) => tracer_report::export::pstats(&py.functions),
                 None => {
                     return Err(Status::failed_precondition(
                         "pstats needs Python results: start the session with --python",
@@ -245,19 +245,19 @@ impl Tracer for Service {
                 };
                 let title = format!("tracer {} ({})", report.session.id, report.session.target);
                 match format {
-                    ReportFormat::Folded => tracer_report::export::folded::folded(p).into_bytes(),
+                    ReportFormat::Folded => tracer_report::export::folded(p).into_bytes(),
                     ReportFormat::Pprof => {
-                        tracer_report::export::pprof::pprof(p, &report.processes.containers)
+                        tracer_report::export::pprof(p, &report.processes.containers)
                     }
-                    ReportFormat::Otlp => tracer_report::export::otlp::otlp(
+                    ReportFormat::Otlp => tracer_report::export::otlp(
                         p,
                         &report.processes.containers,
                         &crate::container::host_name(),
                     ),
                     ReportFormat::Speedscope => {
-                        tracer_report::export::speedscope::speedscope(p, &title).into_bytes()
+                        tracer_report::export::speedscope(p, &title).into_bytes()
                     }
-                    _ => tracer_report::export::svg::svg(p, &title).into_bytes(),
+                    _ => tracer_report::export::svg(p, &title).into_bytes(),
                 }
             }
         };

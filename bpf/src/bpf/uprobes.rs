@@ -13,7 +13,7 @@ use super::{
 
 /// Uprobes that come off together; dropping the set detaches them. That waits for the
 /// kernel's grace periods (once per multi-uprobe link, once per probe without them): drop
-/// sets off the task that answers RPCs, with [`crate::bpf::release`].
+/// sets off the task that answers RPCs, with [`crate::release`].
 #[derive(Default)]
 pub struct ProbeSet {
     /// Held only to be dropped: multi-uprobe links, or one link per probe's perf event.

@@ -84,7 +84,7 @@ pub fn series(
             };
             Series {
                 labels,
-                pprof: tracer_report::export::pprof::pprof(&part, containers),
+                pprof: tracer_report::export::pprof(&part, containers),
                 id: format!("{id}-{n}"),
             }
         })
@@ -235,11 +235,7 @@ pub fn window(endpoint: &Endpoint, profile: &Profile, session: &str) -> Option<V
     let containers = crate::container::attribute(profile.stacks.iter().map(|s| s.pid));
     let node = crate::container::host_name();
     if endpoint.kind == Kind::Otlp {
-        return Some(tracer_report::export::otlp::otlp(
-            profile,
-            &containers,
-            &node,
-        ));
+        return Some(tracer_report::export::otlp(profile, &containers, &node));
     }
     let id = format!("{session}-{}", profile.start_unix_ns);
     Some(endpoint.encode(series(profile, &containers, &node, &id)))

@@ -33,7 +33,7 @@ use crate::{
     error::Error,
     store::{Store, StoreError},
 };
-use tracer_bpf::bpf::{Bpf, ProbeSet};
+use tracer_bpf::{Bpf, ProbeSet};
 use tracer_inspect::native::ProbeLimits;
 use tracer_inspect::process;
 use tracer_report::Report;
@@ -468,7 +468,7 @@ impl Manager {
             return;
         }
         let detached = self.detached.clone();
-        tracer_bpf::bpf::release(probes, move || {
+        tracer_bpf::release(probes, move || {
             let _ = detached.send(slot);
         });
     }

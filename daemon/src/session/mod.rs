@@ -33,7 +33,7 @@ use tokio::{sync::watch, task::JoinHandle};
 use tracer_common::loss;
 use tracer_proto::{EndReason, Loss, Mode, SessionInfo, SessionState, Target};
 
-use tracer_bpf::bpf::{self, Bpf};
+use tracer_bpf::Bpf;
 use tracer_report as report;
 
 /// What one of a session's sources leaves once its last readings are taken at the session's
@@ -153,7 +153,7 @@ impl Ends<'_> {
     pub fn last_counts<M, T>(
         &mut self,
         slot: u8,
-        maps: Result<M, bpf::BpfError>,
+        maps: Result<M, tracer_bpf::BpfError>,
         now: impl FnOnce(&mut Bpf) -> T,
     ) -> slots::LastCounts<M, T> {
         match maps {
@@ -231,7 +231,7 @@ struct Session {
 /// another user's, those counted in the processes its session follows (other users' losses
 /// are none of its business).
 fn scoped_losses(
-    bpf: &bpf::Bpf,
+    bpf: &Bpf,
     owner_uid: u32,
     slot: Option<u8>,
     machine: &[u64; loss::COUNT as usize],
@@ -258,7 +258,7 @@ impl Session {
             .filter_map(|i| {
                 let n = now[i as usize].saturating_sub(self.loss_base[i as usize]);
                 (n > 0).then(|| Loss {
-                    cause: bpf::loss_cause_name(i).into(),
+                    cause: tracer_bpf::loss_cause_name(i).into(),
                     count: n,
                 })
             })

@@ -53,17 +53,17 @@ pub trait SlotMaps {
     fn take(&mut self, slot: u8) -> Self::Counts;
 }
 
-impl SlotMaps for tracer_bpf::bpf::NativeMaps {
+impl SlotMaps for tracer_bpf::NativeMaps {
     type Counts = Vec<(u32, u32, u64)>;
     fn take(&mut self, slot: u8) -> Self::Counts {
-        tracer_bpf::bpf::NativeMaps::take(self, slot)
+        tracer_bpf::NativeMaps::take(self, slot)
     }
 }
 
-impl SlotMaps for tracer_bpf::bpf::CudaMaps {
-    type Counts = (tracer_bpf::bpf::CudaCounts, tracer_bpf::bpf::GpuKernelTimes);
+impl SlotMaps for tracer_bpf::CudaMaps {
+    type Counts = (tracer_bpf::CudaCounts, tracer_bpf::GpuKernelTimes);
     fn take(&mut self, slot: u8) -> Self::Counts {
-        tracer_bpf::bpf::CudaMaps::take(self, slot)
+        tracer_bpf::CudaMaps::take(self, slot)
     }
 }
 

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 
-use tracer_bpf::bpf::{Bpf, ProbeSet};
+use tracer_bpf::{Bpf, ProbeSet};
 
 use super::{Ends, ReportPart};
 

@@ -13,7 +13,7 @@ pub mod watch;
 
 use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
-use tracer_bpf::bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
+use tracer_bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
 use tracer_inspect::cuda::{self, Names};
 use tracer_inspect::unwind::ProcMaps;
 use tracer_report::{
@@ -535,7 +535,7 @@ impl ReportPart for CudaEnd {
 impl CudaSession {
     fn report(
         mut self,
-        counts: tracer_bpf::bpf::CudaCounts,
+        counts: tracer_bpf::CudaCounts,
         times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
     ) -> CudaReport {
         let native = self.callers.name_all();
@@ -627,7 +627,7 @@ impl CudaSession {
     /// `native`: named native addresses (pid, address), for callers and host stubs.
     fn rows(
         &self,
-        (launches, memory): tracer_bpf::bpf::CudaCounts,
+        (launches, memory): tracer_bpf::CudaCounts,
         native: &HashMap<ProcAddr, Named>,
     ) -> (Vec<CudaLaunch>, Vec<CudaMemory>, u64) {
         let mut unnamed = 0;

@@ -122,7 +122,7 @@ impl Manager {
         tokio::task::spawn_blocking(move || {
             // A program that would not load is tried again in place by the start,
             // which says why or goes on without it as it would have.
-            if let Some(Err(e)) = loading.map(tracer_bpf::bpf::Loading::run) {
+            if let Some(Err(e)) = loading.map(tracer_bpf::Loading::run) {
                 tracing::warn!(%e, "loading probe programs ahead of a start");
             }
             let natives =

@@ -59,7 +59,7 @@ impl Manager {
             return;
         }
         let tx = self.done.clone();
-        tracer_bpf::bpf::release(vec![probed.links], move || {
+        tracer_bpf::release(vec![probed.links], move || {
             let _ = tx.send(Done::CudaReleased(slot));
         });
     }

@@ -7,7 +7,6 @@ use tracer_proto::{SessionInfo, SessionState};
 
 use super::Manager;
 use crate::metrics::{self, gauge, Sample};
-use tracer_bpf::bpf;
 use tracer_report::Report;
 
 /// How long an exported session's final counts stay on the endpoint after it ends: long
@@ -112,7 +111,7 @@ impl Manager {
             .enumerate()
             .filter(|&(i, _)| i != tracer_common::loss::PY_EXIT_INFERRED as usize)
         {
-            let cause = bpf::loss_cause_name(i as u32);
+            let cause = tracer_bpf::loss_cause_name(i as u32);
             samples.push(gauge(
                 "tracer_lost_events_total",
                 vec![("cause", cause.into())],

@@ -6,7 +6,7 @@ use super::{
     ReportPart,
 };
 use crate::error::Error;
-use tracer_bpf::bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet};
+use tracer_bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet};
 use tracer_inspect::native::NativeTarget;
 use tracer_report::{NativeCalls, NativeProbe, NativeReport};
 

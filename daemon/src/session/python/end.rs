@@ -88,13 +88,13 @@ impl ReportPart for Interim {
 /// them off the manager's task (300,000 entries took ~60 ms). Its slot stays held until
 /// then; dropped unread, the entries are taken out all the same.
 struct FinalCounts {
-    maps: Option<tracer_bpf::bpf::PythonMaps>,
+    maps: Option<tracer_bpf::PythonMaps>,
     /// The slot, taken until they are read.
     hold: Hold,
 }
 
 impl FinalCounts {
-    pub fn new(maps: tracer_bpf::bpf::PythonMaps, hold: Hold) -> Self {
+    pub fn new(maps: tracer_bpf::PythonMaps, hold: Hold) -> Self {
         Self {
             maps: Some(maps),
             hold,

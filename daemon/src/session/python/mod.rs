@@ -17,7 +17,7 @@ pub mod watch;
 
 pub use inproc::{inproc_functions, late_start_why, merge_handed};
 
-use tracer_bpf::bpf::Bpf;
+use tracer_bpf::Bpf;
 use tracer_inspect::python::{
     memory::{self, Mapped},
     runtime::{Runtime, RuntimeError},
@@ -47,7 +47,7 @@ pub struct Probes {
     /// Python is counted; then only the machine's own interpreters' stay.
     inspected: HashMap<FileId, Result<Runtime, Unprobed>>,
     /// Probes attached now.
-    links: HashMap<FileId, tracer_bpf::bpf::ProbeSet>,
+    links: HashMap<FileId, tracer_bpf::ProbeSet>,
     /// Interpreter runtimes found on this machine at start.
     known: Vec<PathBuf>,
     /// Answers once the probes `detach_all` removed are gone. New ones are not attached
@@ -96,14 +96,14 @@ struct Probed {
     /// Its build, where it was inspected there.
     build: Option<Build>,
     /// Its probes, or why not; None when it cannot be probed.
-    links: Option<Result<tracer_bpf::bpf::ProbeSet, String>>,
+    links: Option<Result<tracer_bpf::ProbeSet, String>>,
 }
 
 /// The probes [`Attaching::run`] attached, by binary, or why not.
 pub struct AttachedPython(Vec<Probed>);
 
 impl Attaching {
-    pub fn run(self, attacher: &tracer_bpf::bpf::PythonAttacher) -> AttachedPython {
+    pub fn run(self, attacher: &tracer_bpf::PythonAttacher) -> AttachedPython {
         if let Some(r) = &self.releasing {
             r.wait();
         }
@@ -386,7 +386,7 @@ impl Probes {
         let sets: Vec<_> = self.links.drain().map(|(_, set)| set).collect();
         self.failed.clear();
         let (done, released) = std::sync::mpsc::sync_channel(1);
-        tracer_bpf::bpf::release(sets, move || {
+        tracer_bpf::release(sets, move || {
             let _ = done.send(());
         });
         self.releasing = Some(std::sync::Arc::new(Released(std::sync::Mutex::new(Some(
@@ -586,7 +586,7 @@ impl PySession {
 /// with `take`.
 pub fn counts(bpf: &mut Bpf, slot: u8, take: bool) -> Vec<(u32, u64, u64, PyCallStats)> {
     let slot = u32::from(slot);
-    tracer_bpf::bpf::slot_entries(&mut bpf.py_calls, |k| k.slot == slot, take)
+    tracer_bpf::slot_entries(&mut bpf.py_calls, |k| k.slot == slot, take)
         .into_iter()
         .map(|(k, n)| (k.pid, k.code, k.names, n))
         .collect()
@@ -595,5 +595,5 @@ pub fn counts(bpf: &mut Bpf, slot: u8, take: bool) -> Vec<(u32, u64, u64, PyCall
 /// Takes a session's calls per (caller, callee) out of the kernel map.
 fn edges(bpf: &mut Bpf, slot: u8) -> Vec<(PyEdgeKey, PyCallStats)> {
     let slot = u32::from(slot);
-    tracer_bpf::bpf::slot_entries(&mut bpf.py_edges, |k| k.slot == slot, true)
+    tracer_bpf::slot_entries(&mut bpf.py_edges, |k| k.slot == slot, true)
 }

@@ -15,8 +15,8 @@ use crate::{
     continuous::{Endpoint, Running},
     error::Error,
 };
-use tracer_bpf::bpf::Bpf;
 use tracer_bpf::sampler::Sampler;
+use tracer_bpf::Bpf;
 use tracer_inspect::process;
 
 pub struct SamplingSession {
@@ -55,7 +55,7 @@ impl SamplingSession {
             sampling.show_tasks(at.slot);
         }
         if let Some(min_ns) = off_cpu_min_ns {
-            let how = tracer_bpf::bpf::OffCpuSession {
+            let how = tracer_bpf::OffCpuSession {
                 all: at.pid.is_none(),
                 min_ns,
                 tracing: false,

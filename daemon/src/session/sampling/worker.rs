@@ -33,7 +33,7 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const MAX_RUNTIMES: usize = 64;
 
 use super::super::ring::{lock, RingWorker};
-use tracer_bpf::bpf::SamplingMaps;
+use tracer_bpf::SamplingMaps;
 
 type Key = (u32, u32, u32, RawStack, u8);
 
@@ -524,7 +524,7 @@ impl State {
         let found = self.python_runtime(pid);
         let entry = match found {
             Lookup::Python(runtime, v, asyncio) => {
-                if let Err(e) = tracer_bpf::bpf::publish_layout(v) {
+                if let Err(e) = tracer_bpf::publish_layout(v) {
                     tracing::warn!(%e, pid, "this process's Python frames cannot be read");
                 }
                 match asyncio {

@@ -16,7 +16,7 @@ pub use trace::{
 
 use super::{counting::Counting, Ends, Finished, Measurement, Opening, Threads};
 use crate::error::Error;
-use tracer_bpf::bpf::Bpf;
+use tracer_bpf::Bpf;
 
 /// What a live watcher of a tracing session needs: its events, and their names.
 pub struct Subscription {
@@ -56,7 +56,7 @@ impl TracingSession {
         off_cpu_min_ns: Option<u64>,
     ) -> Result<Self, Error> {
         if let Some(min_ns) = off_cpu_min_ns {
-            let how = tracer_bpf::bpf::OffCpuSession {
+            let how = tracer_bpf::OffCpuSession {
                 all: at.pid.is_none(),
                 min_ns,
                 tracing: true,

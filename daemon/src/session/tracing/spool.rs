@@ -32,7 +32,7 @@ const BATCH: usize = 4096;
 const WATCH_BACKLOG: usize = 64;
 
 use super::super::ring::{lock, RingWorker};
-use tracer_bpf::bpf::TracingMaps;
+use tracer_bpf::TracingMaps;
 
 /// Limits of one session's storage.
 #[derive(Clone, Copy, Debug)]

@@ -141,6 +141,12 @@ fn interim_reports_count_launches_so_far() {
         warnings.contains("interim"),
         "says what it lacks: {warnings}"
     );
+    // The table, as `tracerctl top` shows it.
+    let table = d.ok(&["report", &id, "--interim"]);
+    assert!(
+        table.contains("matmul(float*, float*, float*, int)"),
+        "{table}"
+    );
     assert!(d.ok(&["status", &id]).contains("running"));
     drop(app.stdin.take());
     let _ = app.guard.0.wait();

@@ -418,15 +418,7 @@ fn requests_are_answered_while_probe_programs_load() {
     let d = Daemon::start();
     let python = idle_python();
     let pid = python.pid().to_string();
-    let args = [
-        "start",
-        "--mode=counting",
-        "--pid",
-        &pid,
-        "--python",
-        "--python-uprobes-only",
-    ];
-    let (answered, id) = d.lists_answered_during(&args);
+    let (answered, id) = d.lists_answered_during(&python_uprobes_start(&pid));
     println!("{answered} lists answered while the first start loaded its programs");
     // One list may come back between the start's answer and tracerctl's exit.
     assert!(

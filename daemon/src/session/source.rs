@@ -48,6 +48,15 @@ pub struct Ending<'a, 'b> {
     pub inferred_exits: u64,
 }
 
+/// A part named already (a report so far), set into the report as it is.
+pub struct Named<F>(pub F);
+
+impl<F: FnOnce(&mut tracer_report::Report) + Send> ReportPart for Named<F> {
+    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
+        (self.0)(report);
+    }
+}
+
 /// What an ended source leaves.
 #[derive(Default)]
 pub struct Ended {

@@ -23,7 +23,7 @@ use tracer_report::{
 use super::{
     callers::{Callers, Named, ProcAddr},
     slots::LastCounts,
-    source::{Ended, Ending, Reading, Source},
+    source::{Ended, Ending, Named as Part, Reading, Source},
     ReportPart,
 };
 
@@ -452,7 +452,9 @@ impl Source for CudaSession {
         report.warnings.push(
             "interim: launches are counted so far; their native callers and GPU averages are named in the final report".into(),
         );
-        Some(Box::new(Interim(report)))
+        Some(Box::new(Part(move |r: &mut tracer_report::Report| {
+            r.cuda = Some(report)
+        })))
     }
 
     fn exec(&mut self, pid: u32) {
@@ -493,15 +495,6 @@ impl Source for CudaSession {
                 stacks,
             })),
         }
-    }
-}
-
-/// A running session's CUDA part so far, named already.
-struct Interim(CudaReport);
-
-impl ReportPart for Interim {
-    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
-        report.cuda = Some(self.0);
     }
 }
 

@@ -134,9 +134,8 @@ impl Manager {
         // Each source stops counting for the slot, then its counts are read off this task
         // from the maps opened again, the slot held until then; probes detached later
         // (`release_after`). `s` has left `running`: its bits go from the masks first.
-        let counts_python = s.sources.python.is_some();
         self.update_cuda_masks();
-        if counts_python || s.owner_uid != 0 || s.sources.cuda.is_some() {
+        if s.sources.python.is_some() || s.owner_uid != 0 || s.sources.cuda.is_some() {
             // Its processes no longer wait at exec either.
             self.update_python_masks();
         }
@@ -155,9 +154,6 @@ impl Manager {
                 let ended = source.end(&mut at);
                 probes.extend(ended.probes);
                 parts.extend(ended.part);
-            }
-            if counts_python {
-                self.bpf.clear_inproc(slot);
             }
         }
         self.release_after(s.slot, probes);

@@ -2,7 +2,7 @@
 
 use super::{
     slots::LastCounts,
-    source::{Ended, Ending, Reading, Source},
+    source::{Ended, Ending, Named, Reading, Source},
     ReportPart,
 };
 use crate::error::Error;
@@ -177,8 +177,10 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 impl Source for NativeSession {
     fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {
         // Counted in the kernel, left there; named from the probes' own list.
-        let report = self.report(at.bpf.native_counts(at.slot, false));
-        Some(Box::new(Named(report)))
+        let native = self.report(at.bpf.native_counts(at.slot, false));
+        Some(Box::new(Named(move |r: &mut tracer_report::Report| {
+            r.native = Some(native)
+        })))
     }
 
     fn end(mut self: Box<Self>, at: &mut Ending<'_, '_>) -> Ended {
@@ -208,14 +210,5 @@ impl ReportPart for NativeEnd {
     fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
         let counts = self.counts.get();
         report.native = Some(self.session.finish(counts));
-    }
-}
-
-/// A running session's native part so far, named already.
-struct Named(NativeReport);
-
-impl ReportPart for Named {
-    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
-        report.native = Some(self.0);
     }
 }

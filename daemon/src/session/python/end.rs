@@ -5,12 +5,12 @@
 use std::collections::HashSet;
 
 use tracer_common::{PyCallStats, PyEdgeKey};
-use tracer_report::PythonReport;
+use tracer_report::{PythonReport, Report};
 
 use super::{counts, edges, inproc_functions, late_start_why, merge_handed, PySession, MAX_GONE};
 use crate::session::{
     slots::Hold,
-    source::{Ended, Ending, Reading, Source},
+    source::{Ended, Ending, Named, Reading, Source},
     ReportPart,
 };
 
@@ -30,7 +30,7 @@ impl Source for PySession {
             functions.extend(inproc_functions(&c.peek(followed.clone())).0);
         }
         tracer_report::sort_functions(&mut functions, "tottime");
-        Some(Box::new(Interim(PythonReport {
+        let python = PythonReport {
             functions,
             unknown_names,
             warnings: vec![
@@ -38,6 +38,9 @@ impl Source for PySession {
             ],
             counted: self.counted.clone(),
             ..PythonReport::default()
+        };
+        Some(Box::new(Named(move |r: &mut Report| {
+            r.python = Some(python)
         })))
     }
 
@@ -61,6 +64,7 @@ impl Source for PySession {
         let mut followed = std::mem::take(&mut py.gone);
         followed.extend(at.live.iter().copied());
         followed.extend(py.inproc.iter().map(|c| c.pid));
+        at.ends.bpf.clear_inproc(slot);
         Ended {
             probes: None,
             part: Some(Box::new(PythonEnd {
@@ -72,15 +76,6 @@ impl Source for PySession {
                 inferred_exits: at.inferred_exits,
             })),
         }
-    }
-}
-
-/// A running session's Python part so far, named already.
-struct Interim(PythonReport);
-
-impl ReportPart for Interim {
-    fn fill(self: Box<Self>, report: &mut tracer_report::Report) {
-        report.python = Some(self.0);
     }
 }
 

@@ -201,6 +201,41 @@ pub struct CudaSession {
 }
 
 impl CudaSession {
+    /// Opens `--cuda` (in `options`) for a session in `at.slot`: the probes are loaded
+    /// before the start is answered, for loading them at the first library mapped would let
+    /// the program run seconds ahead of them; launch stacks (`--cuda-stacks`) go through the
+    /// sampling ring and worker, one sample a launch. `tracks`: as for `new`.
+    pub fn open(
+        bpf: &mut Bpf,
+        sampling: &super::sampling::Sampling,
+        options: &tracer_proto::CountingOptions,
+        at: &super::Opening<'_>,
+        tracks: Option<Box<dyn crate::gpu::Tracks>>,
+    ) -> Self {
+        if let Err(e) = bpf.load_cuda() {
+            tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
+        }
+        if options.cuda_stacks {
+            sampling.add(
+                at.slot,
+                0,
+                LAUNCH_STACKS,
+                at.pid.into_iter().collect(),
+                tracer_inspect::process::kernel_addresses_for(at.owner_uid),
+                None,
+            );
+        }
+        let period = match options.gpu_period_ms {
+            0 => GPU_PERIOD,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let probing = Probing {
+            stacks: options.cuda_stacks,
+            driver_only: options.cuda_driver_only,
+        };
+        Self::new(at.slot, at.pid.is_none(), probing, period, tracks)
+    }
+
     /// `gpu_period`: how often GPU metrics are read; `tracks`: where a tracing session
     /// puts them on its timeline.
     pub fn new(

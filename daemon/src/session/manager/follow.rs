@@ -142,8 +142,9 @@ impl Manager {
         let Some(mut py) = s.sources.python.take() else {
             return true;
         };
-        let done = (met == Met::AtExec && self.launched_exec(&mut py, slot, pid))
-            || self.check_python_process(&mut py, pid, met, found);
+        let mut probing = self.probing();
+        let done = (met == Met::AtExec && probing.launched_exec(&mut py, slot, pid))
+            || probing.check(&mut py, pid, met, found);
         if let Some(s) = self.running.get_mut(id) {
             s.sources.python = Some(py);
         }

@@ -20,9 +20,8 @@ use crate::{
     error::Error,
     session::{
         counting::{self, CountingSession},
-        cuda,
+        cuda::{self, CudaSession},
         native::NativeSession,
-        python::PySession,
         sampling::SamplingSession,
         tracing::TracingSession,
         Measurement, Opening, Session, Sources,
@@ -64,8 +63,7 @@ pub(super) struct Answer {
 /// probes any mode may count with.
 struct Opened {
     measure: Box<dyn Measurement>,
-    python: Option<PySession>,
-    native: Option<NativeSession>,
+    sources: Sources,
 }
 
 impl Manager {
@@ -351,7 +349,8 @@ impl Manager {
     /// Opens what the session measures with, in the order each needs the one before: perf
     /// counters, the target checked alive (it is followed by now), a sampling session,
     /// Python, the native probes (into `attached`, released with the slot on a later
-    /// refusal), and last the mode's type: a tracing session's trace names those probes.
+    /// refusal), the mode's type (a tracing session's trace names those probes), and CUDA,
+    /// whose GPU metrics go on that trace's tracks. Each source opens in its own folder.
     fn open_sources(
         &mut self,
         plan: &Plan<'_>,
@@ -398,17 +397,6 @@ impl Manager {
             )?),
             _ => None,
         };
-        if let (true, Some(slot)) = (options.cuda_stacks, slot) {
-            // Launch stacks go through the sampling ring and worker, one sample a launch.
-            self.sampling.add(
-                slot,
-                0,
-                cuda::LAUNCH_STACKS,
-                pid.into_iter().collect(),
-                process::kernel_addresses_for(owner_uid),
-                None,
-            );
-        }
         // In-process counting replaces the probes only where they would count calls alone.
         let inproc = match (asked.mode, slot) {
             _ if options.python_uprobes_only => {
@@ -422,19 +410,15 @@ impl Manager {
         };
         let python = asked
             .python
-            .then(|| self.start_python(pid, asked.target.launched, inproc, python_found))
+            .then(|| {
+                self.probing()
+                    .open(pid, asked.target.launched, inproc, python_found)
+            })
             .transpose()?;
         if let (None, Some(slot)) = (attached.as_ref(), slot.filter(|_| !natives.is_empty())) {
             let attacher = self.bpf.native_attacher();
             let native = NativeSession::attach(&attacher, natives, slot, pid.is_none())?;
             *attached = Some(ahead::Attached { slot, native });
-        }
-        // Before the start is answered: loading them when the first library is mapped would
-        // let the program run seconds ahead of its probes.
-        if options.cuda {
-            if let Err(e) = self.bpf.load_cuda() {
-                tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
-            }
         }
         let measure: Box<dyn Measurement> = match (counting, sampling, asked.trace_limits, slot) {
             (Some(counters), None, None, _) => {
@@ -464,10 +448,23 @@ impl Manager {
                 )))
             }
         };
+        let cuda = slot.filter(|_| options.cuda).map(|slot| {
+            let tracks = measure.gpu_tracks();
+            CudaSession::open(
+                &mut self.bpf,
+                &self.sampling,
+                options,
+                &opening(slot),
+                tracks,
+            )
+        });
         Ok(Opened {
             measure,
-            python,
-            native: attached.take().map(|a| a.native),
+            sources: Sources {
+                python,
+                native: attached.take().map(|a| a.native),
+                cuda,
+            },
         })
     }
 
@@ -485,12 +482,7 @@ impl Manager {
         loss_base: [u64; loss::COUNT as usize],
         caller: &Caller,
     ) -> Session {
-        let Opened {
-            measure,
-            python,
-            native,
-        } = sources;
-        let options = &asked.options;
+        let Opened { measure, sources } = sources;
         let (ended, _) = watch::channel(false);
         let expiry = (asked.duration_ms > 0).then(|| {
             let tx = self.done.clone();
@@ -500,22 +492,6 @@ impl Manager {
                 tokio::time::sleep(after).await;
                 let _ = tx.send(Done::Expire { id });
             })
-        });
-        let cuda = slot.filter(|_| options.cuda).map(|slot| {
-            let period = match options.gpu_period_ms {
-                0 => cuda::GPU_PERIOD,
-                ms => Duration::from_millis(u64::from(ms)),
-            };
-            cuda::CudaSession::new(
-                slot,
-                pid.is_none(),
-                cuda::Probing {
-                    stacks: options.cuda_stacks,
-                    driver_only: options.cuda_driver_only,
-                },
-                period,
-                measure.gpu_tracks(),
-            )
         });
         Session {
             command: pid
@@ -536,11 +512,7 @@ impl Manager {
             proc_events: 0,
             forks_at_start: pid.is_none().then(process::forks_since_boot).flatten(),
             measure,
-            sources: Sources {
-                python,
-                native,
-                cuda,
-            },
+            sources,
             loss_base,
             ended,
             expiry,

@@ -13,6 +13,7 @@ use tracer_common::{
 
 mod end;
 mod inproc;
+pub mod probing;
 pub mod watch;
 
 pub use inproc::{inproc_functions, late_start_why, merge_handed};

@@ -143,7 +143,7 @@ pub struct Bpf {
     cuda_names: Option<RingBuf<MapData>>,
     cuda_watch: Array<MapData, [SessionMask; 2]>,
     exec_hold: Array<MapData, SessionMask>,
-    /// Processes stopped at exec, until continued (see `guardian`).
+    /// Processes stopped at exec or at a CUDA library mapping, until continued (see `guardian`).
     held: HashMap<MapData, u32, u64>,
     offcpu_sessions: Array<MapData, OffCpuConfig>,
     offcpu_threads: HashMap<MapData, u32, OffCpuThread>,
@@ -188,6 +188,11 @@ impl Bpf {
             tracing::warn!(%e, "off-CPU events will not say what an fd is");
             [u32::MAX; 6]
         });
+        // Without them a process that maps a CUDA library is not held until it is probed.
+        let file_name_offsets = crate::btf::file_name_offsets().unwrap_or_else(|e| {
+            tracing::warn!(%e, "launches right after a CUDA library is mapped may be missed");
+            [u32::MAX; 2]
+        });
         let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
             Ok(off) => (off, None),
             Err(e) => (u32::MAX, Some(e.to_string())),
@@ -209,6 +214,7 @@ impl Bpf {
             .override_global(globals::SWITCH_PREV_STATE_OFFSET, &prev_state_off, true)
             .override_global(globals::SWITCH_NEXT_PID_OFFSET, &next_pid_off, true)
             .override_global(globals::FD_OFFSETS, &fd_offsets, true)
+            .override_global(globals::FILE_NAME_OFFSETS, &file_name_offsets, true)
             .load(OBJECT)
             .map_err(|e| BpfError::Load(Box::new(e)))?;
         let multi_missing = if per_probe {
@@ -372,18 +378,18 @@ impl Bpf {
             .map_err(map_err("EXEC_HOLD"))
     }
 
-    /// `pid`, stopped at exec, is continued: the guardian need not.
+    /// `pid`, stopped at exec or at a CUDA library mapping, is continued: the guardian need not.
     pub fn continued(&mut self, pid: u32) {
         let _ = self.held.remove(&pid);
     }
 
-    /// Processes stopped at exec and not continued yet, with when they were stopped
+    /// Processes stopped (at exec, or at a CUDA library mapping) and not continued yet, with when they were stopped
     /// (CLOCK_MONOTONIC ns).
     pub fn held(&self) -> Vec<(u32, u64)> {
         self.held.iter().filter_map(Result::ok).collect()
     }
 
-    /// Another fd of the map of processes stopped at exec, for the guardian.
+    /// Another fd of the map of processes stopped by the probes, for the guardian.
     pub fn held_fd(&self) -> std::io::Result<OwnedFd> {
         use aya::maps::IterableMap;
         use std::os::fd::AsFd;

@@ -129,6 +129,24 @@ pub fn fd_offsets() -> Result<[u32; 6], BtfError> {
         .clone()
 }
 
+/// Byte offsets of `file.f_path.dentry` and `dentry.d_name.name` on the running kernel:
+/// the name of the file an fd maps, read once.
+pub fn file_name_offsets() -> Result<[u32; 2], BtfError> {
+    static OFFSETS: OnceLock<Result<[u32; 2], BtfError>> = OnceLock::new();
+    OFFSETS
+        .get_or_init(|| {
+            let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
+                path: VMLINUX_BTF.to_string(),
+                reason: e.to_string(),
+            })?;
+            Ok([
+                member_offset(&blob, &["file", "f_path", "dentry"])?,
+                member_offset(&blob, &["dentry", "d_name", "name"])?,
+            ])
+        })
+        .clone()
+}
+
 /// One parsed type head.
 struct Type {
     name_off: u32,
@@ -619,6 +637,8 @@ mod tests {
             &["sk_buff", "protocol"], // inside a struct_group's anonymous members
             &["sk_buff", "cloned"],   // a bitfield
             &["mm_struct", "pgd"],
+            &["file", "f_path", "dentry"],
+            &["dentry", "d_name", "name"], // after an anonymous union in struct qstr
         ];
         let mut checked = 0;
         for path in paths {

@@ -1,6 +1,7 @@
 //! tracerd's guardian: a small process that outlives a killed tracerd just long enough to
 //! continue the processes tracer stopped at exec (sessions that follow processes hold each
-//! exec until tracerd has looked at the new program).
+//! exec until tracerd has looked at the new program) or at their mapping of a CUDA library
+//! (until tracerd has probed it).
 //!
 //! The BPF program records each stop in the `HELD` map, and tracerd deletes the pid as it
 //! continues the process. The guardian holds the same map and waits for tracerd to exit,

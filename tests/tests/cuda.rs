@@ -88,6 +88,36 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     assert_eq!(report_rows(&report), truth_rows(&truth));
 }
 
+/// A program that maps CUDA and launches at once, as a short script does: the kernel stops
+/// it at its mapping of each CUDA library (the runtime by the program's dlopen, the driver
+/// by the runtime's at its first call) until tracerd has probed the library, so that every
+/// launch is counted, and nothing is lost. Without the stop the program makes all its
+/// launches while tracerd is still reading the library's symbols.
+#[test]
+fn launches_right_after_a_library_is_mapped_are_counted() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let app = App::spawn(&libs, &[], &[("FAKE_CUDART_LAUNCH_HANDLE", "function")]);
+    let pid = app.pid();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    let truth = app.finish();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    assert_eq!(report["losses"], serde_json::json!([]));
+    let libraries = report["cuda"]["libraries"].as_array().unwrap();
+    assert_eq!(libraries.len(), 2, "{libraries:?}");
+    for lib in libraries {
+        assert_eq!(lib["found_by"], "mmap", "{lib}");
+    }
+    assert_eq!(report_rows(&report), truth_rows(&truth));
+}
+
 /// A report's launch rows as `truth_rows` has them: graphs left out, kernels with no name seen
 /// (or named after the function that launched them, a stand-in) as "".
 fn report_rows(report: &Value) -> BTreeMap<Row, u64> {

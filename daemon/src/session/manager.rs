@@ -77,6 +77,9 @@ pub struct Manager {
     /// Processes left stopped at exec on purpose: they gained credentials and could not be
     /// unfollowed (the guardian continues them if tracerd dies).
     kept_stopped: Vec<u32>,
+    /// Processes the kernel stopped at their mapping of a CUDA library, continued once its
+    /// probes are in (`continue_cuda_held`).
+    cuda_held: Vec<u32>,
 }
 
 /// Starts taken but not answered yet, by what they wait for. Each is answered once the
@@ -194,6 +197,7 @@ impl Manager {
             scans: Scans::default(),
             to_drain: 0,
             kept_stopped: Vec::new(),
+            cuda_held: Vec::new(),
         };
         tokio::task::spawn_blocking(move || {
             let found = super::python::Inspected::read(&interpreters);

@@ -43,7 +43,8 @@ pub mod cuda_api {
     /// user space names the caller (and an unnamed handle) while the process lives.
     pub const LAUNCH_ROW: u32 = 31;
     /// Not an entry point: a followed process mapped a file executable (`handle` = the
-    /// address, `other` = the length); it may be a CUDA library to probe now.
+    /// address, `other` = the length); it may be a CUDA library to probe now. `extra` = 1:
+    /// the file is one, and the process is stopped (held) until the daemon continues it.
     pub const LIBRARY_MAPPED: u32 = 32;
     /// Not an entry point: a driver launch row made inside a runtime launch that had just
     /// made a new row on the same thread (`handle` = the driver's handle, `other` = the

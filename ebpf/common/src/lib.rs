@@ -125,6 +125,10 @@ pub mod globals {
     /// (`task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`, `fdtable.fd`,
     /// `file.f_inode`, `inode.i_mode`); `u32::MAX`: not known.
     pub const FD_OFFSETS: &str = "FD_OFFSETS";
+    /// From the kernel's BTF, `[u32; 2]` (`FILE_NAME_OFFSETS`): the name of a file being
+    /// mapped, to hold a process that maps a CUDA library until it is probed
+    /// (`file.f_path.dentry`, `dentry.d_name.name`); `u32::MAX`: not known.
+    pub const FILE_NAME_OFFSETS: &str = "FILE_NAME_OFFSETS";
 }
 
 #[cfg(feature = "user")]

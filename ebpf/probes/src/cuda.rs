@@ -8,8 +8,8 @@
 
 use aya_ebpf::{
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes,
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
+        bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
     macros::{map, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, RingBuf},
@@ -56,10 +56,16 @@ static CUDA_NAMES: RingBuf = RingBuf::with_byte_size(1024 * 1024, 0);
 #[map]
 static CUDA_WATCH: Array<[SessionMask; 2]> = Array::with_max_entries(1, 0);
 
-/// Thread → length of the executable file mapping it is making (between the mmap
-/// tracepoints). LRU: a thread killed inside mmap leaves its entry behind.
+/// Thread → [length, whether the file is a CUDA library] of the executable file mapping it
+/// is making (between the mmap tracepoints). LRU: a thread killed inside mmap leaves its
+/// entry behind.
 #[map]
-static CUDA_MMAPS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
+static CUDA_MMAPS: LruHashMap<u32, [u64; 2]> = LruHashMap::with_max_entries(4_096, 0);
+
+/// `file.f_path.dentry` and `dentry.d_name.name`, patched in by the loader from the kernel's
+/// BTF (`u32::MAX`: not known; then no process is held at a mapping).
+#[no_mangle]
+static FILE_NAME_OFFSETS: [u32; 2] = [u32::MAX; 2];
 
 /// Thread → [runtime handle, return address, time, stack pointer] of a runtime launch that
 /// just made a new row, for the driver launch it makes underneath (`ROW_LINK`). Written on
@@ -405,12 +411,21 @@ fn send(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64) {
     send_from(pid, which, handle, other, extra, name, 0);
 }
 
-/// `send`, with the process `origin` the event's addresses may be read in too.
-fn send_from(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u64, origin: u32) {
+/// `send`, with the process `origin` the event's addresses may be read in too. False when
+/// the ring was full (counted as a loss).
+fn send_from(
+    pid: u32,
+    which: u32,
+    handle: u64,
+    other: u64,
+    extra: u64,
+    name: u64,
+    origin: u32,
+) -> bool {
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
     let Some(mut entry) = CUDA_NAMES.reserve::<CudaNameEvent>(0) else {
         count_loss(loss::CUDA_NAMES_RINGBUF_FULL);
-        return;
+        return false;
     };
     let ev = entry.as_mut_ptr();
     // SAFETY: `ev` points to the reserved record, filled before it is submitted.
@@ -432,6 +447,7 @@ fn send_from(pid: u32, which: u32, handle: u64, other: u64, extra: u64, name: u6
     } else {
         0
     });
+    true
 }
 
 /// `syscalls:sys_enter_mmap` (`unsigned long` arguments from offset 16: addr, len, prot,
@@ -465,7 +481,33 @@ fn try_mmap_enter(ctx: &TracePointContext) -> Option<()> {
             return None;
         }
     }
-    CUDA_MMAPS.insert(&(pid_tgid as u32), &len, 0).ok()
+    let cuda = u64::from(cuda_library(fd));
+    CUDA_MMAPS.insert(&(pid_tgid as u32), &[len, cuda], 0).ok()
+}
+
+/// Whether the current thread's `fd` is a CUDA library whose launches the probes count:
+/// `libcudart.so*` or `libcuda.so*` (the names `tracer_inspect::cuda::library` probes).
+fn cuda_library(fd: u64) -> bool {
+    // SAFETY: reading a plain static the loader patched.
+    let off = |i: usize| unsafe { core::ptr::read_volatile(FILE_NAME_OFFSETS.as_ptr().add(i)) };
+    let (dentry_off, name_off) = (off(0), off(1));
+    if dentry_off == u32::MAX || name_off == u32::MAX {
+        return false;
+    }
+    let name = (|| {
+        let file = crate::offcpu::fd_file(fd)?;
+        let dentry = crate::offcpu::kernel_word(file + u64::from(dentry_off))?;
+        crate::offcpu::kernel_word(dentry + u64::from(name_off))
+    })();
+    let Some(name) = name else {
+        return false;
+    };
+    let mut buf = [0u8; 16];
+    // SAFETY: a probe read into a stack buffer, which fails cleanly on a bad address.
+    if unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, &mut buf) }.is_err() {
+        return false;
+    }
+    buf.starts_with(b"libcudart.so") || buf.starts_with(b"libcuda.so")
 }
 
 /// `syscalls:sys_exit_mmap` (`long ret` at 16): the mapping noted at the entry exists now;
@@ -483,21 +525,31 @@ fn try_mmap_exit(ctx: &TracePointContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tid = pid_tgid as u32;
     // SAFETY: map values are valid for the duration of the program.
-    let len = unsafe { CUDA_MMAPS.get(&tid) }.copied()?;
+    let [len, cuda] = unsafe { CUDA_MMAPS.get(&tid) }.copied()?;
     let _ = CUDA_MMAPS.remove(&tid);
     // SAFETY: fixed offset of the syscall tracepoint's record.
     let ret = unsafe { ctx.read_at::<i64>(16) }.ok()?;
     if (-4095..0).contains(&ret) {
         return None;
     }
-    send(
-        (pid_tgid >> 32) as u32,
+    let tgid = (pid_tgid >> 32) as u32;
+    // A CUDA library is probed before the process goes on, or its first launches would
+    // be neither counted nor known to be missed: it stops on its way back from mmap until
+    // the daemon has attached the library's probes and continues it.
+    // SAFETY: plain BPF helper call.
+    let held = cuda != 0 && crate::proc::hold(tgid, unsafe { bpf_ktime_get_ns() });
+    let sent = send_from(
+        tgid,
         api::LIBRARY_MAPPED,
         ret as u64,
         len,
+        u64::from(held),
         0,
         0,
     );
+    if held && !sent {
+        crate::proc::unhold(tgid);
+    }
     Some(())
 }
 

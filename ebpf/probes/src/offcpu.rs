@@ -160,32 +160,12 @@ fn leaves(ctx: &TracePointContext, now: u64) {
     }
 }
 
-/// What the current thread's file descriptor `fd` is, from its fd table (read, never
-/// locked: a table replaced meanwhile reads as another's, at worst a wrong kind).
+/// What the current thread's file descriptor `fd` is, from its fd table.
 fn fd_kind(fd: u64) -> u64 {
-    // SAFETY: reading plain statics the loader patched.
-    let off = |i: usize| u64::from(unsafe { core::ptr::read_volatile(&FD_OFFSETS[i]) });
-    if (0..6).any(|i| off(i) == u64::from(u32::MAX)) {
-        return off_cpu_fd::UNKNOWN;
-    }
-    let kernel = |addr: u64| -> Option<u64> {
-        // SAFETY: a probe read, which fails cleanly on a bad address.
-        unsafe { bpf_probe_read_kernel(addr as *const u64) }.ok()
-    };
     let kind = (|| {
-        // SAFETY: plain helper call.
-        let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
-        let files = kernel(task + off(0))?;
-        let fdt = kernel(files + off(1))?;
-        // SAFETY: as above.
-        let max = unsafe { bpf_probe_read_kernel((fdt + off(2)) as *const u32) }.ok()?;
-        if fd >= u64::from(max) {
-            return None;
-        }
-        let file = kernel(kernel(fdt + off(3))? + fd * 8)?;
-        let inode = kernel(file + off(4))?;
-        // SAFETY: as above.
-        let mode = unsafe { bpf_probe_read_kernel((inode + off(5)) as *const u16) }.ok()?;
+        let inode = kernel_word(fd_file(fd)? + fd_offset(4)?)?;
+        // SAFETY: a probe read, which fails cleanly on a bad address.
+        let mode = unsafe { bpf_probe_read_kernel((inode + fd_offset(5)?) as *const u16) }.ok()?;
         Some(match mode & 0o170000 {
             0o010000 => off_cpu_fd::PIPE,
             0o140000 => off_cpu_fd::SOCKET,
@@ -195,6 +175,35 @@ fn fd_kind(fd: u64) -> u64 {
         })
     })();
     kind.unwrap_or(off_cpu_fd::UNKNOWN)
+}
+
+/// `FD_OFFSETS[i]`, if the loader found it.
+fn fd_offset(i: usize) -> Option<u64> {
+    // SAFETY: reading a plain static the loader patched.
+    let off = unsafe { core::ptr::read_volatile(FD_OFFSETS.as_ptr().add(i.min(5))) };
+    (off != u32::MAX).then_some(u64::from(off))
+}
+
+/// A kernel word at `addr`.
+pub(crate) fn kernel_word(addr: u64) -> Option<u64> {
+    // SAFETY: a probe read, which fails cleanly on a bad address.
+    unsafe { bpf_probe_read_kernel(addr as *const u64) }.ok()
+}
+
+/// The `struct file` behind the current thread's file descriptor `fd`, from its fd table
+/// (read, never locked: a table replaced meanwhile reads as another's, at worst the wrong
+/// file).
+pub(crate) fn fd_file(fd: u64) -> Option<u64> {
+    // SAFETY: plain helper call.
+    let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+    let files = kernel_word(task + fd_offset(0)?)?;
+    let fdt = kernel_word(files + fd_offset(1)?)?;
+    // SAFETY: a probe read, which fails cleanly on a bad address.
+    let max = unsafe { bpf_probe_read_kernel((fdt + fd_offset(2)?) as *const u32) }.ok()?;
+    if fd >= u64::from(max) {
+        return None;
+    }
+    kernel_word(kernel_word(fdt + fd_offset(3)?)? + fd * 8)
 }
 
 /// A tracing session's event for thread `tid`'s time away, `since`..`now`.

@@ -34,7 +34,8 @@ static EXEC_HOLD: Array<SessionMask> = Array::with_max_entries(2, 0);
 const SIGSTOP: u32 = 19;
 const SIGCONT: u32 = 18;
 
-/// Processes stopped at exec and not continued yet (pid → when). The daemon deletes a pid as
+/// Processes stopped at exec, or at their mapping of a CUDA library (`cuda.rs`), and not
+/// continued yet (pid → when). The daemon deletes a pid as
 /// it continues it; tracerd's guardian process, which holds this map too, continues whatever
 /// is left here if tracerd dies first.
 #[map]
@@ -180,12 +181,8 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
     // after the stop. It deletes the pid as it continues the process; tracerd's guardian
     // continues whatever HELD names if tracerd dies first. A stop nobody could undo is not
     // made.
-    let hold = hold_mask & sessions != 0 && HELD.insert(&tgid, &now, 0).is_ok();
-    if hold {
-        // SAFETY: plain BPF helper call; the stop takes effect before the new program's
-        // first instruction.
-        unsafe { bpf_send_signal(SIGSTOP) };
-    }
+    // The stop takes effect before the new program's first instruction.
+    let hold = hold_mask & sessions != 0 && hold(tgid, now);
     let sent = emit(ProcEvent {
         kind: PROC_EVENT_EXEC,
         pid: tgid,
@@ -196,10 +193,28 @@ pub fn tracer_process_exec(_ctx: TracePointContext) -> u32 {
         comm,
     });
     if hold && !sent {
-        // The daemon will not hear of it: a SIGCONT generated now flushes the pending stop.
-        // SAFETY: plain BPF helper call.
-        unsafe { bpf_send_signal(SIGCONT) };
-        let _ = HELD.remove(&tgid);
+        unhold(tgid);
     }
     0
+}
+
+/// Stops the current process until the daemon continues it (SIGCONT), recorded in HELD
+/// first: the daemon deletes the pid as it continues it, and tracerd's guardian continues
+/// whatever HELD names if tracerd dies first. False, and no stop, when it could not be
+/// recorded: a stop nobody could undo is not made.
+pub(crate) fn hold(tgid: u32, now: u64) -> bool {
+    if HELD.insert(&tgid, &now, 0).is_err() {
+        return false;
+    }
+    // SAFETY: plain BPF helper call; the stop takes effect on the way back to user space.
+    unsafe { bpf_send_signal(SIGSTOP) };
+    true
+}
+
+/// Undoes `hold` when the daemon will not hear of it: a SIGCONT generated now flushes the
+/// pending stop.
+pub(crate) fn unhold(tgid: u32) {
+    // SAFETY: plain BPF helper call.
+    unsafe { bpf_send_signal(SIGCONT) };
+    let _ = HELD.remove(&tgid);
 }

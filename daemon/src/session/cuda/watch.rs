@@ -17,13 +17,22 @@ type Running = HashMap<String, Session>;
 /// Libraries to probe, each for a session (by id).
 pub type Jobs = Vec<(String, CudaJob)>;
 
+/// An executable file mapping the kernel announced.
+pub struct Mapped {
+    pub pid: u32,
+    pub start: u64,
+    pub len: u64,
+    /// The file is a CUDA library, and the process is stopped until it is continued.
+    pub held: bool,
+}
+
 /// Drains the ring of kernel names into every CUDA session (names are per process, any of
-/// them may need one). Returns the executable mappings it announced: (pid, start, length).
+/// them may need one). Returns the executable mappings it announced.
 pub(in crate::session) fn drain_names(
     ring: &mut RingBuf<MapData>,
     running: &mut Running,
     sampling: &Sampling,
-) -> Vec<(u32, u64, u64)> {
+) -> Vec<Mapped> {
     let mut mapped = Vec::new();
     while let Some(item) = ring.next() {
         if item.len() < std::mem::size_of::<CudaNameEvent>() {
@@ -32,7 +41,12 @@ pub(in crate::session) fn drain_names(
         // SAFETY: written as a CudaNameEvent by the BPF side; read unaligned.
         let ev = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<CudaNameEvent>()) };
         if ev.api == cuda_api::LIBRARY_MAPPED {
-            mapped.push((ev.pid, ev.handle, ev.other));
+            mapped.push(Mapped {
+                pid: ev.pid,
+                start: ev.handle,
+                len: ev.other,
+                held: ev.extra == 1,
+            });
             continue;
         }
         for c in running.values_mut().filter_map(|s| s.sources.cuda.as_mut()) {

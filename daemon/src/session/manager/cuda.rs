@@ -5,20 +5,43 @@
 use aya::maps::{MapData, RingBuf};
 
 use super::{Done, Manager};
-use crate::session::cuda::{watch, CudaProbed};
+use crate::session::cuda::{watch, CudaProbed, CudaSession};
 
 impl Manager {
     pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
         let mapped = watch::drain_names(ring, &mut self.running, &self.sampling);
         // Looked at now, before the process gets far (the ring's reader is woken per
-        // mapping); the probes go on as soon as a blocking thread has attached them.
-        for (pid, addr, len) in mapped {
-            if tracer_inspect::cuda::mapped_library(pid, addr, len) {
-                let followers = self.bpf.followers(pid);
+        // mapping); the probes go on as soon as a blocking thread has attached them. A
+        // process the kernel stopped at its mapping of a CUDA library goes on then.
+        for m in mapped {
+            if tracer_inspect::cuda::mapped_library(m.pid, m.start, m.len) {
+                let followers = self.bpf.followers(m.pid);
                 let jobs =
-                    watch::look_at(pid, followers, "mmap", &mut self.running, &self.sampling);
+                    watch::look_at(m.pid, followers, "mmap", &mut self.running, &self.sampling);
                 self.probe_cuda(jobs);
             }
+            if m.held {
+                self.cuda_held.push(m.pid);
+            }
+        }
+        self.continue_cuda_held();
+    }
+
+    /// Continues the processes stopped at their mapping of a CUDA library once no CUDA
+    /// session has a library's probes on their way: each process's library is probed by
+    /// then, whichever session it was for.
+    fn continue_cuda_held(&mut self) {
+        if self.cuda_held.is_empty()
+            || self
+                .running
+                .values()
+                .filter_map(|s| s.sources.cuda.as_ref())
+                .any(CudaSession::probing)
+        {
+            return;
+        }
+        for pid in std::mem::take(&mut self.cuda_held) {
+            self.continue_held(pid);
         }
     }
 
@@ -50,8 +73,10 @@ impl Manager {
                     self.record(start.info, start.record, start.reply);
                 }
             }
+            self.continue_cuda_held();
             return;
         }
+        self.continue_cuda_held();
         let slot = probed.job.slot;
         if probed.links.is_empty() {
             // Nothing to wait for (`release` would call back on this task).

@@ -232,7 +232,8 @@ impl Manager {
 
     /// A process stays stopped at its exec only while its check waits for its interpreter's
     /// probes (`scans.late`), or when it gained credentials and could not be unfollowed
-    /// (`kept_stopped`). One held long with none pending was lost track of (a bug, as the
+    /// (`kept_stopped`); one stopped at its mapping of a CUDA library, while the library's
+    /// probes are on their way (`cuda_held`). One held long with none pending was lost track of (a bug, as the
     /// one fixed in `check_session_process`); it goes on rather than stay stopped for good.
     fn continue_forgotten(&mut self) {
         let held = self.bpf.held();
@@ -246,6 +247,7 @@ impl Manager {
             .filter(|l| l.met == Met::AtExec)
             .map(|l| l.pid)
             .chain(self.kept_stopped.iter().copied())
+            .chain(self.cuda_held.iter().copied())
             .collect();
         let now = crate::clock::monotonic_ns();
         for pid in forgotten(&held, now, &pending) {

@@ -248,13 +248,10 @@ pub fn host_function_kernel(symbol: &str) -> String {
     }
 }
 
-/// A C++ device name demangled (`_Z6matmulPfS_S_i` → `matmul(float*, float*, float*, int)`);
-/// other names as they are.
+/// A C++ device name demangled as c++filt does (`_Z6matmulPfS_S_i` → `matmul(float*,
+/// float*, float*, int)`); other names as they are.
 pub fn demangle(name: &str) -> String {
-    cpp_demangle::Symbol::new(name)
-        .ok()
-        .and_then(|s| s.demangle().ok())
-        .unwrap_or_else(|| name.to_owned())
+    crate::demangle::cpp(name)
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod binary;
 pub mod container;
 pub mod creds;
 pub mod cuda;
+pub mod demangle;
 pub mod native;
 pub mod pinned;
 pub mod plt;

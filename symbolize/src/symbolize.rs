@@ -328,7 +328,8 @@ fn to_sym(found: Symbolized<'_>, code: &[Range<u64>]) -> Result<Option<Sym>, Rej
     // the `sym.inlined` frames (outermost first) are dropped for now.
     let code = sym.code_info.as_deref();
     Ok(Some(Sym {
-        name: sym.name.into_owned(),
+        // blazesym demangles with cpp_demangle: spelled as c++filt and perf spell it.
+        name: tracer_inspect::demangle::literals(&sym.name),
         file: code.map(|c| c.to_path().display().to_string()),
         line: code.and_then(|c| c.line),
         offset: sym.offset as u64,

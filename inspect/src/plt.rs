@@ -56,6 +56,14 @@ impl Plt {
         Self { stubs }
     }
 
+    /// The file offsets of the stubs that jump to `function`: (start, end).
+    pub fn stubs_of<'a>(&'a self, function: &'a str) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.stubs
+            .iter()
+            .filter(move |s| s.2.strip_suffix("@plt") == Some(function))
+            .map(|s| (s.0, s.1))
+    }
+
     /// The stub holding this file offset, if any.
     pub fn name(&self, file_offset: u64) -> Option<&str> {
         let i = self.stubs.partition_point(|s| s.0 <= file_offset);
@@ -67,7 +75,7 @@ impl Plt {
 /// GOT slot address → the function a stub jumping through it reaches: the symbol of a
 /// jump-slot or GOT-entry relocation, or for an ifunc inside the binary (IRELATIVE), the
 /// ifunc symbol at the resolver's address.
-fn slots(file: &object::File) -> HashMap<u64, String> {
+pub(crate) fn slots(file: &object::File) -> HashMap<u64, String> {
     let mut out = HashMap::new();
     let Some(relocs) = file.dynamic_relocations() else {
         return out;

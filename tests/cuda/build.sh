@@ -1,8 +1,8 @@
 #!/bin/sh
 # Builds the fake CUDA driver (libcuda.so.1), the fake runtime (libcudart.so.13), the fake
 # management library (libnvidia-ml.so.1, for tracerd's GPU metrics), the fake CUPTI
-# (libcupti.so.13, for GPU kernel times) and the test program
-# (cuda_app) into OUT_DIR. Needs only a C compiler and libc headers (Debian 12:
+# (libcupti.so.13, for GPU kernel times) and the test programs
+# (cuda_app, warm_kernels, launch_loop) into OUT_DIR. Needs only a C compiler and libc headers (Debian 12:
 # build-essential). The app finds the libraries through its $ORIGIN rpath or LD_LIBRARY_PATH.
 # usage: build.sh OUT_DIR        (CC and CFLAGS are honoured; with CFLAGS set, the prologue
 #                                 check at the end is skipped)
@@ -48,6 +48,10 @@ ln -sf libcuda.so.1 "$OUT/libcuda.so"
 ln -sf libcudart.so.13 "$OUT/libcudart.so"
 # The app is linked against neither library: it dlopen()s them by soname after its cue.
 $CC $CFLAGS $WARN -o "$OUT/cuda_app" "$HERE/cuda_app.c" '-Wl,-rpath,$ORIGIN' -ldl -lpthread
+# A process whose kernels are registered at load, nvcc's way, by a stripped binary linked
+# against the runtime (as PyTorch's libraries are).
+$CC $CFLAGS $WARN -s -o "$OUT/warm_kernels" "$HERE/warm_kernels.c" -L"$OUT" -l:libcudart.so.13 \
+  '-Wl,-rpath,$ORIGIN'
 # The launch-bound loop of `cargo xtask bench cuda`, built the same way.
 $CC $CFLAGS $WARN -o "$OUT/launch_loop" "$HERE/launch_loop.c" '-Wl,-rpath,$ORIGIN' -ldl
 

@@ -118,6 +118,57 @@ fn launches_right_after_a_library_is_mapped_are_counted() {
     assert_eq!(report_rows(&report), truth_rows(&truth));
 }
 
+/// A process whose kernels were registered before the session, by a stripped binary (no
+/// symbol names a host function) linked against the runtime, as PyTorch's libraries are: its
+/// runtime launches are named from the binary's registration code, as the program
+/// registered them; the driver's launches underneath carry the same names.
+#[test]
+fn kernels_registered_before_the_session_are_named_from_registration_code() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let app = App::spawn_program("warm_kernels", &libs, &["4"], &[]);
+    let pid = app.pid();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    let truth = app.finish();
+    wait_ended(&d, &id);
+    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let want: BTreeMap<String, u64> = truth["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            let kernel = demangle(l["kernel"].as_str().unwrap());
+            (kernel, l["count"].as_u64().unwrap())
+        })
+        .collect();
+    for api in ["cudaLaunchKernel", "cuLaunchKernel"] {
+        let mut got: BTreeMap<String, u64> = BTreeMap::new();
+        for l in report["cuda"]["launches"].as_array().unwrap() {
+            if l["api"] != api {
+                continue;
+            }
+            // The fake runtime loads its kernels into the driver at first use, in the
+            // session: the driver's are named by the calls that make them.
+            if api == "cudaLaunchKernel" {
+                assert_eq!(l["named_from"], "registration code", "{l}");
+            }
+            *got.entry(l["kernel"].as_str().unwrap().to_owned())
+                .or_default() += l["launches"].as_u64().unwrap();
+        }
+        assert_eq!(got, want, "{api}");
+    }
+    assert!(
+        want.keys().any(|k| k.contains("std::array<char*, 3ul>")),
+        "named as c++filt names them: {want:?}"
+    );
+}
+
 /// A report's launch rows as `truth_rows` has them: graphs left out, kernels with no name seen
 /// (or named after the function that launched them, a stand-in) as "".
 fn report_rows(report: &Value) -> BTreeMap<Row, u64> {
@@ -271,7 +322,17 @@ struct App {
 impl App {
     /// Starts the program with `args` and `env`; it prints "ready" first.
     fn spawn(libs: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut cmd = Command::new(libs.join("cuda_app"));
+        Self::spawn_program("cuda_app", libs, args, env)
+    }
+
+    /// `spawn`, for another program of tests/cuda with the same cues.
+    fn spawn_program(
+        program: &str,
+        libs: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let mut cmd = Command::new(libs.join(program));
         cmd.args(args)
             .envs(env.iter().copied())
             .stdin(Stdio::piped())

@@ -111,6 +111,11 @@ impl Callers {
             let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
             let offsets: Vec<u64> = items.iter().map(|(_, o)| *o).collect();
             let syms = symbolizer.user(&path, &offsets);
+            // Kernels registered before the session: their host functions need not have
+            // symbols (a stripped library), the registration code names them.
+            let registered = tracer_inspect::binary::map(&path)
+                .map(|data| tracer_inspect::cuda::registered_kernels(&data))
+                .unwrap_or_default();
             let base = display.rsplit('/').next().unwrap_or(display);
             for ((key, off), sym) in items.into_iter().zip(syms) {
                 out.insert(
@@ -118,6 +123,7 @@ impl Callers {
                     Named {
                         text: describe(sym.as_ref(), base, off),
                         sym,
+                        registered: registered.get(&off).cloned(),
                     },
                 );
             }
@@ -130,6 +136,9 @@ impl Callers {
 pub(super) struct Named {
     pub sym: Option<Sym>,
     pub text: String,
+    /// The device name its binary's registration code registers for a kernel whose host
+    /// function starts here (`tracer_inspect::cuda::registered_kernels`).
+    pub registered: Option<String>,
 }
 
 fn describe(sym: Option<&Sym>, binary: &str, offset: u64) -> String {

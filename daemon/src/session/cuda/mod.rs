@@ -627,7 +627,8 @@ impl CudaSession {
     }
 
     /// A name for a launch row whose handle no naming call named: a runtime launch's from the
-    /// symbol at the host stub its handle leads to, else its caller's; a driver launch made
+    /// registration code of the host function its handle leads to, else the symbol there,
+    /// else its caller's; a driver launch made
     /// inside a runtime launch (`ROW_LINK`) from that runtime launch's. With where it came from.
     fn fallback_name(
         &self,
@@ -643,8 +644,16 @@ impl CudaSession {
             return Some((cuda::demangle(name), "runtime launch"));
         }
         let symbol = |addr: u64| native.get(&(k.pid, addr)).and_then(|n| n.sym.as_ref());
+        let stub = self.names.last(k.pid, func);
+        // The name its library's code registers for the host function, as the runtime has it.
+        if let Some(name) = native
+            .get(&(k.pid, stub))
+            .and_then(|n| n.registered.as_ref())
+        {
+            return Some((cuda::demangle(name), "registration code"));
+        }
         // A symbol that starts at the handle's host stub is the kernel's.
-        if let Some(stub) = symbol(self.names.last(k.pid, func)).filter(|s| s.offset == 0) {
+        if let Some(stub) = symbol(stub).filter(|s| s.offset == 0) {
             return Some((cuda::host_function_kernel(&stub.name), "host stub symbol"));
         }
         let c = symbol(caller)?;

@@ -2,6 +2,10 @@
 //! runtime API) and libcuda (the driver API), and how launches' kernel handles get names
 //! from the calls that create them.
 
+mod registered;
+
+pub use registered::registered_kernels;
+
 use std::{collections::HashMap, path::Path};
 
 use tracer_common::{cuda_api as api, CudaNameEvent};

@@ -123,14 +123,21 @@ pub struct CudaLaunch {
     /// the thread was running no Python.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub call_site: String,
+    /// Whose frame `call_site` is when not the launching thread's: a thread that ran no
+    /// Python (autograd's, a C++ pool's) is given the frame of "the thread that last held
+    /// the GIL", most often the one waiting in the call that handed it the work.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub call_site_from: String,
     pub pid: u32,
     pub api: String,
     /// Demangled device name.
     pub kernel: String,
     /// Where `kernel` came from when no naming call was seen (the handle was made before
-    /// tracer probed the library): "host stub symbol" (the symbol at the host stub the handle
-    /// stands for) or "launching function" (the caller's symbol: the host stub itself in
-    /// nvcc's code, but any function for hand-written launches). Empty: a naming call.
+    /// tracer probed the library): "registration code" (what the library's code registers
+    /// for the host function the handle stands for), "host stub symbol" (the symbol at that
+    /// host stub), "launching function" (the caller's symbol: the host stub itself in nvcc's
+    /// code, but any function for hand-written launches) or "runtime launch" (a driver
+    /// launch named after the runtime launch it was made in). Empty: a naming call.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub named_from: String,
     /// The native function that made the call, `function (file:line)` or `binary+0xOFFSET`.

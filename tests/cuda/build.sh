@@ -52,6 +52,8 @@ $CC $CFLAGS $WARN -o "$OUT/cuda_app" "$HERE/cuda_app.c" '-Wl,-rpath,$ORIGIN' -ld
 # against the runtime (as PyTorch's libraries are).
 $CC $CFLAGS $WARN -s -o "$OUT/warm_kernels" "$HERE/warm_kernels.c" -L"$OUT" -l:libcudart.so.13 \
   '-Wl,-rpath,$ORIGIN'
+# Launches from a thread that runs no Python, for tests/scripts/cuda_calls.py.
+$CC $CFLAGS $WARN -fPIC -shared -o "$OUT/libworker_launch.so" "$HERE/worker_launch.c" -lpthread
 # The launch-bound loop of `cargo xtask bench cuda`, built the same way.
 $CC $CFLAGS $WARN -o "$OUT/launch_loop" "$HERE/launch_loop.c" '-Wl,-rpath,$ORIGIN' -ldl
 

@@ -4,7 +4,10 @@ argv[2] times from launch() (and argv[3] times, default 0, from warm_up() first;
 driver's library, cuLaunchKernel), prints
 "done", then waits for stdin to close. With argv[4] "fork", a forked child makes the
 launches and prints "child PID" first; the parent makes none. tracer's CUDA report must name launch() and that line
-as the launches' Python call site."""
+as the launches' Python call site. With argv[4] "thread", argv[2] launches (grid 3, block 8)
+are made instead by a thread that runs no Python (libworker_launch.so, beside the runtime)
+while on_a_thread() waits for it: the report must name on_a_thread() and its line, as the
+frame of the thread that last held the GIL."""
 import ctypes
 import os
 import sys
@@ -25,6 +28,13 @@ def launch(rt, n):
             rt.cudaLaunchKernel(ctypes.c_void_p(0x1234), Dim3(2, 3, 4), Dim3(5, 6, 7), None, ctypes.c_size_t(64), None)  # the call site
 
 
+def on_a_thread(rt, n):
+    worker = ctypes.CDLL(os.path.join(os.path.dirname(sys.argv[1]), "libworker_launch.so"))
+    worker.launch_on_a_thread.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    launch_fn = ctypes.cast(rt.cudaLaunchKernel, ctypes.c_void_p)
+    worker.launch_on_a_thread(launch_fn, n)  # the thread's call site
+
+
 def warm_up(rt, n):
     for _ in range(n):
         if DRIVER:
@@ -37,11 +47,15 @@ def main():
     rt = ctypes.CDLL(sys.argv[1])
     print("loaded", flush=True)
     sys.stdin.readline()
-    fork = len(sys.argv) > 4 and sys.argv[4] == "fork"
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    fork = mode == "fork"
     kid = os.fork() if fork else 0
     if kid == 0:
         warm_up(rt, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
-        launch(rt, int(sys.argv[2]))
+        if mode == "thread":
+            on_a_thread(rt, int(sys.argv[2]))
+        else:
+            launch(rt, int(sys.argv[2]))
         if fork:
             print("child", os.getpid(), flush=True)
             os._exit(0)

@@ -741,6 +741,58 @@ fn launches_name_their_python_call_site() {
 /// `start` (on its pid, or on every process with `all`), its library mapped before; returns
 /// the ended session and the pid of the process that launched (the script's, or its forked
 /// child's when `args` ask for one).
+/// Launches made by a thread that runs no Python (autograd's threads, a C++ pool's) while
+/// the Python thread that handed it the work waits in a C call: their call site is that
+/// thread's line, said to be another thread's; on every interpreter (the GIL lives in the
+/// runtime up to 3.11, in the interpreter from 3.12).
+#[test]
+fn launches_from_threads_without_python_name_the_line_that_waits() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::script("cuda_calls.py");
+    let source = std::fs::read_to_string(&script).unwrap();
+    let line = source
+        .lines()
+        .position(|l| l.contains("# the thread's call site"))
+        .unwrap()
+        + 1;
+    for python in tracer_tests::interpreters() {
+        let (id, pid) = run_cuda_calls_on(
+            &d,
+            &python,
+            &libs.join("libcudart.so.13"),
+            &["5", "0", "thread"],
+            &["--mode=counting", "--cuda"],
+            false,
+        );
+        let report: Value =
+            serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+        let rows: Vec<&Value> = report["cuda"]["launches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].as_u64() == pid.parse().ok())
+            .collect();
+        assert_eq!(rows.len(), 1, "{}: {rows:?}", python.display());
+        let row = rows[0];
+        assert_eq!(row["launches"], 5, "{row}");
+        assert_eq!(dims(&row["grid"]), vec![3, 1, 1], "{row}");
+        assert_eq!(
+            row["call_site"],
+            format!("on_a_thread ({}:{line})", script.display()),
+            "{}: {row}",
+            python.display()
+        );
+        assert_eq!(
+            row["call_site_from"], "the thread that last held the GIL",
+            "{row}"
+        );
+    }
+}
+
 fn run_cuda_calls(
     d: &Daemon,
     lib: &std::path::Path,

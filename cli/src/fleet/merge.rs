@@ -37,7 +37,15 @@ const SECTIONS: &[Section] = &[
     Section {
         name: "cuda_launches",
         path: &["cuda", "launches"],
-        keys: &["call_site", "api", "kernel", "grid", "block", "shared_mem"],
+        keys: &[
+            "call_site",
+            "call_site_from",
+            "api",
+            "kernel",
+            "grid",
+            "block",
+            "shared_mem",
+        ],
         sums: &["launches"],
     },
     Section {

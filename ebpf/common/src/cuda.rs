@@ -133,6 +133,10 @@ pub struct CudaLaunchKey {
     pub stream: u64,
     pub grid: [u32; 3],
     pub block: [u32; 3],
+    /// 1: the Python frame below is not the launching thread's, which ran no Python, but
+    /// the one of the thread that last held the GIL.
+    pub py_elsewhere: u32,
+    pub _pad: u32,
     /// The launching thread's innermost Python frame: code object, current instruction and
     /// `py_names_id` (0: none, or not a Python thread).
     pub py_code: u64,
@@ -155,6 +159,7 @@ impl CudaLaunchKey {
             self.grid[0] as u64 | (self.grid[1] as u64) << 32,
             self.grid[2] as u64 | (self.block[0] as u64) << 32,
             self.block[1] as u64 | (self.block[2] as u64) << 32,
+            self.py_elsewhere as u64,
             self.py_code,
             self.py_instr,
             self.py_names,

@@ -188,7 +188,7 @@ mod tests {
     fn cuda_types_have_no_hidden_padding() {
         assert_eq!(
             core::mem::size_of::<super::CudaLaunchKey>(),
-            4 * 4 + 8 * 2 + 4 * 6 + 8 * 4
+            4 * 4 + 8 * 2 + 4 * 6 + 4 * 2 + 8 * 4
         );
         assert_eq!(
             core::mem::size_of::<super::CudaNameEvent>(),

@@ -18,7 +18,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey,
-    CudaMemKey, CudaMemStats, CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats,
+    CudaMemKey, CudaMemStats, CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats, PyLayout,
     SessionMask, TraceEvent, PY_FRAME_OWNER_NOT_PYTHON,
 };
 
@@ -191,8 +191,9 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         _ => return memory_or_name(&a, which, slot, pid),
     }
     let tid = bpf_get_current_pid_tgid() as u32;
-    if let Some((code, instr, names)) = call_site(pid) {
+    if let Some((code, instr, names, elsewhere)) = call_site(pid) {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
+        key.py_elsewhere = u32::from(elsewhere);
     }
     // SAFETY: `regs` is this program's context.
     let sp = unsafe { (*ctx.regs).rsp };
@@ -322,22 +323,42 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
     });
 }
 
-/// The launching thread's innermost Python frame (code object, instruction, names id).
-fn call_site(pid: u32) -> Option<(u64, u64, u64)> {
-    let PyThread::Found(tstate, l, _) = python_thread(pid) else {
-        return None;
+/// The launching thread's innermost Python frame (code object, instruction, names id), and
+/// whether it is another thread's: a thread running no Python (no thread state, or one with
+/// no frame) is given the frame of the thread that last held the GIL.
+fn call_site(pid: u32) -> Option<(u64, u64, u64, bool)> {
+    let own = match python_thread(pid) {
+        PyThread::Found(tstate, l, _) => innermost(tstate, l).map(|f| (f, l)),
+        PyThread::NoThread => None,
+        _ => return None,
     };
+    let (frame, l, elsewhere) = match own {
+        Some((frame, l)) => (frame, l, false),
+        None => {
+            let (holder, l) = crate::sample::last_gil_holder(pid)?;
+            (innermost(holder, l)?, l, true)
+        }
+    };
+    let (code, instr, names) = frame_site(frame, l)?;
+    Some((code, instr, names, elsewhere))
+}
+
+/// The innermost Python frame of the thread whose state is `tstate`; None when it runs none.
+fn innermost(tstate: u64, l: &PyLayout) -> Option<u64> {
     let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;
     // 3.12+: a C-stack shim on top (C code called back into Python): its caller is the frame.
-    if l.frame_owner != 0
+    if frame != 0
+        && l.frame_owner != 0
         && user::<u8>(frame + u64::from(l.frame_owner))
             .is_some_and(|o| o >= PY_FRAME_OWNER_NOT_PYTHON)
     {
         frame = user(frame + u64::from(l.frame_previous))?;
     }
-    if frame == 0 {
-        return None;
-    }
+    (frame != 0).then_some(frame)
+}
+
+/// A frame's code object, current instruction and names id.
+fn frame_site(frame: u64, l: &PyLayout) -> Option<(u64, u64, u64)> {
     let code = l.code_of(user(frame + u64::from(l.frame_code))?);
     let instr = if l.kind == py_kind::EVAL_ARG_FRAME {
         user::<i32>(frame + u64::from(l.frame_instr)).unwrap_or(-1) as i64 as u64

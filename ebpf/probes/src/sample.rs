@@ -211,6 +211,29 @@ pub(crate) unsafe fn user_stack(ev: *mut SampleEvent) {
     }
 }
 
+/// The thread state that last took the GIL in `pid`'s interpreter (the newest, as
+/// `thread_state` finds), with the layout. For an event on a thread that runs no Python
+/// (autograd's, a C++ pool's), the thread that handed it the work most often is that one,
+/// waiting in the call that did (`loss.backward()`) with the GIL released.
+pub(crate) fn last_gil_holder(pid: u32) -> Option<(u64, &'static PyLayout)> {
+    // SAFETY: map values are valid for the duration of the program.
+    let proc = unsafe { PY_SAMPLE_PROCS.get(&pid) }.copied()?;
+    if proc.layout == PY_SAMPLE_NOT_PYTHON {
+        return None;
+    }
+    let l = crate::python::layout(proc.layout)?;
+    if l.gil_locked == 0 {
+        return None;
+    }
+    let base = if l.gil_in_interp != 0 {
+        read::<u64>(proc.runtime + u64::from(l.runtime_interpreters_head))?
+    } else {
+        proc.runtime
+    };
+    let holder = read::<u64>(base + u64::from(l.gil_holder))?;
+    (holder != 0).then_some((holder, l))
+}
+
 fn read<T>(addr: u64) -> Option<T> {
     // SAFETY: bpf_probe_read_user copes with any address; a bad one is an error, not a fault.
     unsafe { bpf_probe_read_user(addr as *const T) }.ok()

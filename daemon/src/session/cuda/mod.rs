@@ -696,8 +696,14 @@ impl CudaSession {
                         .cloned()
                         .unwrap_or_else(|| format!("[code object {code:#x}]")),
                 };
+                let call_site_from = if k.py_code != 0 && k.py_elsewhere != 0 {
+                    "the thread that last held the GIL"
+                } else {
+                    ""
+                };
                 CudaLaunch {
                     call_site,
+                    call_site_from: call_site_from.into(),
                     pid: k.pid,
                     api: cuda::api_name(k.api).into(),
                     kernel,

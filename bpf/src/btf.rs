@@ -91,60 +91,54 @@ pub fn member_offset(btf: &[u8], path: &[&str]) -> Result<u32, BtfError> {
 
 /// Byte offset of `task_struct.thread.fsbase` on the running kernel (x86-64), read once.
 pub fn task_fsbase_offset() -> Result<u32, BtfError> {
-    static OFFSET: OnceLock<Result<u32, BtfError>> = OnceLock::new();
-    OFFSET
-        .get_or_init(|| {
-            let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
-                path: VMLINUX_BTF.to_string(),
-                reason: e.to_string(),
-            })?;
-            member_offset(&blob, &["task_struct", "thread", "fsbase"])
-        })
-        .clone()
+    static OFFSET: OnceLock<Result<[u32; 1], BtfError>> = OnceLock::new();
+    running_kernel(&OFFSET, [&["task_struct", "thread", "fsbase"]]).map(|[o]| o)
 }
 
 /// `task_struct.files`, `files_struct.fdt`, `fdtable.max_fds`, `fdtable.fd`, `file.f_inode`
 /// and `inode.i_mode` on the running kernel: what an fd is (off-CPU events), read once.
 pub fn fd_offsets() -> Result<[u32; 6], BtfError> {
     static OFFSETS: OnceLock<Result<[u32; 6], BtfError>> = OnceLock::new();
-    OFFSETS
-        .get_or_init(|| {
-            let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
-                path: VMLINUX_BTF.to_string(),
-                reason: e.to_string(),
-            })?;
-            let mut out = [0u32; 6];
-            for (o, path) in out.iter_mut().zip([
-                ["task_struct", "files"],
-                ["files_struct", "fdt"],
-                ["fdtable", "max_fds"],
-                ["fdtable", "fd"],
-                ["file", "f_inode"],
-                ["inode", "i_mode"],
-            ]) {
-                *o = member_offset(&blob, &path)?;
-            }
-            Ok(out)
-        })
-        .clone()
+    running_kernel(
+        &OFFSETS,
+        [
+            &["task_struct", "files"],
+            &["files_struct", "fdt"],
+            &["fdtable", "max_fds"],
+            &["fdtable", "fd"],
+            &["file", "f_inode"],
+            &["inode", "i_mode"],
+        ],
+    )
 }
 
 /// Byte offsets of `file.f_path.dentry` and `dentry.d_name.name` on the running kernel:
 /// the name of the file an fd maps, read once.
 pub fn file_name_offsets() -> Result<[u32; 2], BtfError> {
     static OFFSETS: OnceLock<Result<[u32; 2], BtfError>> = OnceLock::new();
-    OFFSETS
-        .get_or_init(|| {
-            let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
-                path: VMLINUX_BTF.to_string(),
-                reason: e.to_string(),
-            })?;
-            Ok([
-                member_offset(&blob, &["file", "f_path", "dentry"])?,
-                member_offset(&blob, &["dentry", "d_name", "name"])?,
-            ])
-        })
-        .clone()
+    running_kernel(
+        &OFFSETS,
+        [&["file", "f_path", "dentry"], &["dentry", "d_name", "name"]],
+    )
+}
+
+/// The byte offsets of member `paths` in the running kernel's BTF, read once into `cell`.
+fn running_kernel<const N: usize>(
+    cell: &'static OnceLock<Result<[u32; N], BtfError>>,
+    paths: [&[&str]; N],
+) -> Result<[u32; N], BtfError> {
+    cell.get_or_init(|| {
+        let blob = std::fs::read(VMLINUX_BTF).map_err(|e| BtfError::Read {
+            path: VMLINUX_BTF.to_string(),
+            reason: e.to_string(),
+        })?;
+        let mut out = [0u32; N];
+        for (o, path) in out.iter_mut().zip(paths) {
+            *o = member_offset(&blob, path)?;
+        }
+        Ok(out)
+    })
+    .clone()
 }
 
 /// One parsed type head.

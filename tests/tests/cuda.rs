@@ -101,14 +101,7 @@ fn launches_right_after_a_library_is_mapped_are_counted() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn(&libs, &[], &[("FAKE_CUDART_LAUNCH_HANDLE", "function")]);
-    let pid = app.pid();
-    let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
-        .trim()
-        .to_owned();
-    let truth = app.finish();
-    wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let (truth, report) = counted_from_its_cue(&d, app);
     assert_eq!(report["losses"], serde_json::json!([]));
     let libraries = report["cuda"]["libraries"].as_array().unwrap();
     assert_eq!(libraries.len(), 2, "{libraries:?}");
@@ -130,14 +123,7 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn_program("warm_kernels", &libs, &["4"], &[]);
-    let pid = app.pid();
-    let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
-        .trim()
-        .to_owned();
-    let truth = app.finish();
-    wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let (truth, report) = counted_from_its_cue(&d, app);
     let want: BTreeMap<String, u64> = truth["launches"]
         .as_array()
         .unwrap()
@@ -167,6 +153,20 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
         want.keys().any(|k| k.contains("std::array<char*, 3ul>")),
         "named as c++filt names them: {want:?}"
     );
+}
+
+/// A `--cuda` counting session on `app`, started before its cue; the program's account and
+/// the session's report, once both are done.
+fn counted_from_its_cue(d: &Daemon, app: App) -> (Value, Value) {
+    let pid = app.pid();
+    let id = d
+        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
+        .trim()
+        .to_owned();
+    let truth = app.finish();
+    wait_ended(d, &id);
+    let report = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    (truth, report)
 }
 
 /// A report's launch rows as `truth_rows` has them: graphs left out, kernels with no name seen

@@ -399,7 +399,10 @@ impl Manager {
                 // The sessions that needed them may have ended meanwhile.
                 self.update_python_masks();
             }
-            Done::CudaProbed { session, probed } => self.cuda_probed(&session, probed),
+            Done::CudaProbed { session, probed } => {
+                self.cuda_probed(&session, probed);
+                self.continue_cuda_held();
+            }
             Done::CudaReleased(slot) => self.cuda_released(slot),
             Done::CudaScanned(pids) => {
                 self.scans.cuda = false;

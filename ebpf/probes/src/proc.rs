@@ -35,9 +35,9 @@ const SIGSTOP: u32 = 19;
 const SIGCONT: u32 = 18;
 
 /// Processes stopped at exec, or at their mapping of a CUDA library (`cuda.rs`), and not
-/// continued yet (pid → when). The daemon deletes a pid as
-/// it continues it; tracerd's guardian process, which holds this map too, continues whatever
-/// is left here if tracerd dies first.
+/// continued yet (pid → when). The daemon deletes a pid as it continues it; tracerd's
+/// guardian process, which holds this map too, continues whatever is left here if tracerd
+/// dies first.
 #[map]
 static HELD: HashMap<u32, u64> = HashMap::with_max_entries(4096, 0);
 

@@ -628,8 +628,8 @@ impl CudaSession {
 
     /// A name for a launch row whose handle no naming call named: a runtime launch's from the
     /// registration code of the host function its handle leads to, else the symbol there,
-    /// else its caller's; a driver launch made
-    /// inside a runtime launch (`ROW_LINK`) from that runtime launch's. With where it came from.
+    /// else its caller's; a driver launch made inside a runtime launch (`ROW_LINK`) from
+    /// that runtime launch's. With where it came from.
     fn fallback_name(
         &self,
         k: &tracer_common::CudaLaunchKey,

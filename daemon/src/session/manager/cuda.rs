@@ -29,8 +29,9 @@ impl Manager {
 
     /// Continues the processes stopped at their mapping of a CUDA library once no CUDA
     /// session has a library's probes on their way: each process's library is probed by
-    /// then, whichever session it was for.
-    fn continue_cuda_held(&mut self) {
+    /// then, whichever session it was for. Called after each mapping drained and each
+    /// library's probes come back.
+    pub(super) fn continue_cuda_held(&mut self) {
         if self.cuda_held.is_empty()
             || self
                 .running
@@ -73,10 +74,8 @@ impl Manager {
                     self.record(start.info, start.record, start.reply);
                 }
             }
-            self.continue_cuda_held();
             return;
         }
-        self.continue_cuda_held();
         let slot = probed.job.slot;
         if probed.links.is_empty() {
             // Nothing to wait for (`release` would call back on this task).

@@ -233,8 +233,9 @@ impl Manager {
     /// A process stays stopped at its exec only while its check waits for its interpreter's
     /// probes (`scans.late`), or when it gained credentials and could not be unfollowed
     /// (`kept_stopped`); one stopped at its mapping of a CUDA library, while the library's
-    /// probes are on their way (`cuda_held`). One held long with none pending was lost track of (a bug, as the
-    /// one fixed in `check_session_process`); it goes on rather than stay stopped for good.
+    /// probes are on their way (`cuda_held`). One held long with none pending was lost track
+    /// of (a bug, as the one fixed in `check_session_process`); it goes on rather than stay
+    /// stopped for good.
     fn continue_forgotten(&mut self) {
         let held = self.bpf.held();
         // Gone from the map once they exit.

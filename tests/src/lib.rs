@@ -8,6 +8,7 @@ pub mod timeline;
 pub mod users;
 
 use std::{
+    collections::BTreeMap,
     os::unix::{fs::PermissionsExt, process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
@@ -682,4 +683,29 @@ pub fn parse_folded(text: &str) -> Vec<(Vec<String>, u64)> {
             ))
         })
         .collect()
+}
+
+/// A program's own account of its calls (`CALLS {"name": n, ...}` on a line of `stdout`,
+/// as c_threads.py prints it), beside the report's ncalls of the same names in `file`.
+pub fn own_calls_and_counted(
+    stdout: &str,
+    report: &serde_json::Value,
+    file: &Path,
+) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+    let own: BTreeMap<String, u64> = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CALLS "))
+        .and_then(|j| serde_json::from_str(j).ok())
+        .unwrap_or_else(|| panic!("no CALLS line in {stdout:?}"));
+    let mut counted: BTreeMap<String, u64> = own.keys().map(|k| (k.clone(), 0)).collect();
+    for f in report["python"]["functions"].as_array().expect("functions") {
+        if Path::new(f["filename"].as_str().unwrap_or("")) != file {
+            continue;
+        }
+        let name = f["qualname"].as_str().unwrap_or("");
+        if let Some(n) = counted.get_mut(name) {
+            *n += f["ncalls"].as_u64().unwrap_or(0);
+        }
+    }
+    (own, counted)
 }

@@ -13,7 +13,8 @@ use std::{
 
 use serde_json::Value;
 use tracer_tests::{
-    chroot_interpreters, interpreters, root_or_skip, script, wait_until, ChildGuard, Daemon,
+    chroot_interpreters, interpreters, own_calls_and_counted, root_or_skip, script, wait_until,
+    ChildGuard, Daemon,
 };
 
 /// `GROUND_TRUTH` of ground_truth.py: {"line:name": [ncalls, primitive, tottime, cumtime]}.
@@ -277,6 +278,32 @@ fn running_310_to_313_processes_are_counted_in_process_with_ptrace() {
             py.display()
         );
         println!("{}: counted in-process ({why})", py.display());
+    }
+}
+
+/// Threads that C code makes for itself after the attach (pthreads whose start routine is a
+/// ctypes callback) on every interpreter: counted from their first frame (on 3.10 and 3.11
+/// the frame evaluation wrapper gives them the profile function), equal to the program's own
+/// account, its output otherwise unchanged.
+#[test]
+fn threads_c_code_makes_after_the_attach_are_counted() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("c_threads.py");
+    for py in interpreters() {
+        let g = Gated::spawn(&d, &py, &[], &wl, &["8", "4"], &[]);
+        let pid = g.pid();
+        let id = start(&d, &pid, &[]);
+        let (out, ok) = g.finish();
+        assert!(ok, "{}: the program failed", py.display());
+        let report = ended_report(&d, &id);
+        let (way, why) = counted(&report, &pid);
+        assert_eq!(way, "in-process", "{}: {why}", py.display());
+        let (own, got) = own_calls_and_counted(&out, &report, &wl);
+        assert_eq!(got, own, "{}", py.display());
+        assert_eq!(report["losses"], serde_json::json!([]), "{}", py.display());
     }
 }
 

@@ -3,9 +3,11 @@
 //! the same events (a call or a generator's resumption enters, a return or a yield leaves,
 //! an exception's unwinding leaves too).
 //!
-//! - Threads started later: `_thread.start_new_thread` makes the new thread's state before
-//!   it returns, and the thread cannot run Python before the caller lets go of the GIL. The
-//!   C_RETURN event of that call puts the function on the newest thread state.
+//! - Threads started later, by `threading` or by C code for itself (`PyGILState_Ensure`:
+//!   ctypes callbacks, native thread pools): the interpreter's frame evaluation function
+//!   (PEP 523) is wrapped while counting, and a thread state without the profile function
+//!   is given it before its first frame runs. The wrapper compares one word a frame and
+//!   jumps on to the function it replaced; it takes itself out once counting has ended.
 //! - A thread has one profile function. A program that sets its own (cProfile,
 //!   `sys.setprofile`, a profiler's C hook) takes the counter's place: an audit hook sees
 //!   `sys.setprofile` first, and the counter hands the process over to the probes
@@ -36,10 +38,16 @@ type Interpreter = c_void;
 type TraceFunc = unsafe extern "C" fn(*mut PyObject, *mut PyObject, c_int, *mut PyObject) -> c_int;
 type AuditHook = unsafe extern "C" fn(*const c_char, *mut PyObject, *mut c_void) -> c_int;
 
-/// `PyTrace_CALL`, `PyTrace_RETURN` and `PyTrace_C_RETURN`.
+/// `_PyFrameEvalFunction`: (tstate, frame, throwflag). The frame is a `PyFrameObject` on
+/// 3.10 and an `_PyInterpreterFrame` on 3.11; the wrapper only passes it on.
+type EvalFrame = unsafe extern "C" fn(*mut ThreadState, *mut c_void, c_int) -> *mut PyObject;
+
+/// `PyTrace_CALL` and `PyTrace_RETURN`.
 const PY_TRACE_CALL: c_int = 0;
 const PY_TRACE_RETURN: c_int = 3;
-const PY_TRACE_C_RETURN: c_int = 6;
+/// How far into a thread state `c_profilefunc` is looked for, in words (it is the 8th on
+/// 3.10 and the 9th on 3.11).
+const PROFILE_FIELD_WITHIN: usize = 24;
 
 /// How long a handover holds the program at most while tracerd lives (it attaches the
 /// probes meanwhile, which may wait for an earlier session's to be released).
@@ -56,7 +64,8 @@ struct Api {
     head: unsafe extern "C" fn(*mut Interpreter) -> *mut ThreadState,
     next: unsafe extern "C" fn(*mut ThreadState) -> *mut ThreadState,
     add_audit_hook: unsafe extern "C" fn(AuditHook, *mut c_void) -> c_int,
-    import: unsafe extern "C" fn(*const c_char) -> *mut PyObject,
+    get_eval: unsafe extern "C" fn(*mut Interpreter) -> EvalFrame,
+    set_eval: unsafe extern "C" fn(*mut Interpreter, EvalFrame),
 }
 
 /// `name` from the process's symbols, as a function pointer of type `T`.
@@ -83,7 +92,8 @@ fn api() -> Option<&'static Api> {
                 head: sym(c"PyInterpreterState_ThreadHead")?,
                 next: sym(c"PyThreadState_Next")?,
                 add_audit_hook: sym(c"PySys_AddAuditHook")?,
-                import: sym(c"PyImport_ImportModule")?,
+                get_eval: sym(c"_PyInterpreterState_GetEvalFrameFunc")?,
+                set_eval: sym(c"_PyInterpreterState_SetEvalFrameFunc")?,
             })
         }
     })
@@ -93,9 +103,10 @@ fn api() -> Option<&'static Api> {
 /// The counter is setting a profile function itself: its own `sys.setprofile` audit events
 /// are not the program's.
 static OURS: AtomicBool = AtomicBool::new(false);
-/// `_thread.start_new_thread` (its address; a reference is held), whose return the profile
-/// function watches for.
-static START_THREAD: AtomicUsize = AtomicUsize::new(0);
+/// The frame evaluation function the wrapper replaced, which it calls on.
+static NEXT_EVAL: AtomicUsize = AtomicUsize::new(0);
+/// Where `c_profilefunc` is in a thread state (bytes), found when counting starts.
+static PROFILE_FIELD: AtomicUsize = AtomicUsize::new(0);
 static AUDIT: Once = Once::new();
 
 /// Sets `t`'s profile function (None: takes it off). False when it could not.
@@ -119,18 +130,11 @@ unsafe extern "C" fn profile(
     _obj: *mut PyObject,
     frame: *mut PyObject,
     what: c_int,
-    arg: *mut PyObject,
+    _arg: *mut PyObject,
 ) -> c_int {
     let enter = match what {
         PY_TRACE_CALL => true,
         PY_TRACE_RETURN => false,
-        PY_TRACE_C_RETURN
-            if !arg.is_null() && arg as usize == START_THREAD.load(Ordering::Relaxed) =>
-        {
-            // SAFETY: GIL held; the thread just made is at the head of the list.
-            unsafe { give_newest_thread() };
-            return 0;
-        }
         _ => return 0,
     };
     let Some(api) = api() else { return 0 };
@@ -151,77 +155,119 @@ unsafe extern "C" fn profile(
     0
 }
 
-/// A thread `_thread.start_new_thread` just made (the newest state, at the list's head)
-/// gets the profile function, if counting goes on.
+/// The frame evaluation wrapper: a thread state that runs a frame without the profile
+/// function (one made since counting started) is given it first, so that the frame's call
+/// event is counted.
+unsafe extern "C" fn eval_frame(
+    t: *mut ThreadState,
+    f: *mut c_void,
+    throw: c_int,
+) -> *mut PyObject {
+    let at = PROFILE_FIELD.load(Ordering::Relaxed);
+    // SAFETY: the interpreter calls with the GIL held and a live thread state, whose field
+    // at `at` was found to be `c_profilefunc` (`install_all`).
+    unsafe {
+        if t.cast::<u8>().add(at).cast::<usize>().read() != profile as *const () as usize {
+            give_thread(t);
+        }
+        // SAFETY: set before the wrapper was, to a function of this signature.
+        let next: EvalFrame = std::mem::transmute(NEXT_EVAL.load(Ordering::Relaxed));
+        next(t, f, throw)
+    }
+}
+
+/// Gives `t` the profile function while counting goes on; otherwise takes the wrapper out.
 ///
 /// # Safety
-/// The GIL is held.
-unsafe fn give_newest_thread() {
+/// The GIL is held and `t` is the current thread state.
+#[cold]
+unsafe fn give_thread(t: *mut ThreadState) {
     let Some(api) = api() else { return };
-    // SAFETY: GIL held; the list does not change under it.
+    // SAFETY: GIL held.
     unsafe {
-        if !counter().counting() {
-            return;
-        }
-        let me = (api.current)();
-        let newest = (api.head)((api.interpreter)(me));
-        if !newest.is_null() && newest != me {
-            set(api, newest, Some(profile));
+        let g = counter();
+        if !(g.counting() || g.pending_fork) {
+            unwrap_eval(api, (api.interpreter)(t));
+        } else if !set(api, t, Some(profile)) {
+            // An audit hook refused: this thread cannot be counted here, the probes can.
+            g.hand_over();
         }
     }
 }
 
-/// Puts the profile function on every thread state of the current interpreter.
+/// Takes the wrapper out, if it is still the interpreter's (a tool that wrapped it in turn
+/// calls it on, and it passes frames through).
+///
+/// # Safety
+/// The GIL is held.
+unsafe fn unwrap_eval(api: &Api, interp: *mut Interpreter) {
+    // SAFETY: GIL held; NEXT_EVAL was the interpreter's function before the wrapper.
+    unsafe {
+        if (api.get_eval)(interp) as usize == eval_frame as *const () as usize {
+            let next: EvalFrame = std::mem::transmute(NEXT_EVAL.load(Ordering::Relaxed));
+            (api.set_eval)(interp, next);
+        }
+    }
+}
+
+/// Puts the profile function on every thread state of the current interpreter, and wraps
+/// its frame evaluation function for the thread states made later.
 ///
 /// # Safety
 /// The GIL is held.
 unsafe fn install_all(api: &Api) -> Result<(), String> {
-    // SAFETY: the GIL is held, so the list of thread states does not change under us.
+    const REFUSED: &str = "an audit hook refused sys.setprofile";
+    // SAFETY: the GIL is held; a thread state is far larger than the words read.
     unsafe {
-        let interp = (api.interpreter)((api.current)());
+        let me = (api.current)();
+        if !set(api, me, Some(profile)) {
+            return Err(REFUSED.into());
+        }
+        let words = me.cast::<usize>();
+        let mut found = (0..PROFILE_FIELD_WITHIN)
+            .filter(|&i| words.add(i).read() == profile as *const () as usize);
+        let (Some(field), None) = (found.next(), found.next()) else {
+            return Err("the thread state's profile function was not found".into());
+        };
+        PROFILE_FIELD.store(field * size_of::<usize>(), Ordering::Relaxed);
+        // 3.11 links a thread state made without the GIL (PyGILState_Ensure) into the list
+        // before it sets its `cframe`, the word before `c_profilefunc`; setting the function
+        // there would crash. Such a thread gets it from the wrapper, at its first frame.
+        let linked_early = sym::<usize>(c"Py_Version").is_some();
+        let interp = (api.interpreter)(me);
         let mut t = (api.head)(interp);
         while !t.is_null() {
-            if !set(api, t, Some(profile)) {
-                return Err("an audit hook refused sys.setprofile".into());
+            let unready = linked_early && t.cast::<usize>().add(field.max(1) - 1).read() == 0;
+            if t != me && !unready && !set(api, t, Some(profile)) {
+                return Err(REFUSED.into());
             }
             t = (api.next)(t);
+        }
+        let current = (api.get_eval)(interp);
+        if current as usize != eval_frame as *const () as usize {
+            NEXT_EVAL.store(current as usize, Ordering::Relaxed);
+            (api.set_eval)(interp, eval_frame);
         }
     }
     Ok(())
 }
 
-/// What the counter needs besides the profile functions: `_thread.start_new_thread` and its
-/// audit hook (added once: hooks cannot be removed; it does nothing once counting ends).
+/// The audit hook, added once (hooks cannot be removed; it does nothing once counting ends).
 ///
 /// # Safety
 /// The GIL is held.
 unsafe fn prepare(api: &Api) -> Result<(), String> {
-    // SAFETY: GIL held; C-API calls with their documented arguments.
-    unsafe {
-        if START_THREAD.load(Ordering::Relaxed) == 0 {
-            let thread = (api.import)(c"_thread".as_ptr());
-            if thread.is_null() {
-                PyErr_Clear();
-                return Err("importing _thread failed".into());
-            }
-            let f = PyObject_GetAttrString(thread, c"start_new_thread".as_ptr());
-            Py_DecRef(thread);
-            if f.is_null() {
-                PyErr_Clear();
-                return Err("_thread has no start_new_thread".into());
-            }
-            // The reference stays: the address must remain this function's.
-            START_THREAD.store(f as usize, Ordering::Relaxed);
-        }
-        let mut added = Ok(());
-        AUDIT.call_once(|| {
+    let mut added = Ok(());
+    AUDIT.call_once(|| {
+        // SAFETY: GIL held.
+        unsafe {
             if (api.add_audit_hook)(audit, ptr::null_mut()) != 0 {
                 PyErr_Clear();
                 added = Err("an audit hook refused sys.addaudithook".to_owned());
             }
-        });
-        added
-    }
+        }
+    });
+    added
 }
 
 /// `start_profile(path) -> bool`: as `start`, with the profile function on every thread

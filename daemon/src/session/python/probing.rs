@@ -18,7 +18,7 @@ use crate::error::Error;
 const LAUNCHED_WHY: &str = "sys.monitoring callbacks, loaded by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted";
 
 /// The same, before 3.12 (no `sys.monitoring`).
-const LAUNCHED_PROFILE_WHY: &str = "a C profile function on every thread (cProfile's hook and events; CPython 3.10 and 3.11 have no sys.monitoring), started by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted, nor threads that C code makes for itself (PyGILState_Ensure); a profile function the program sets hands it over to the probes";
+const LAUNCHED_PROFILE_WHY: &str = "a C profile function on every thread (cProfile's hook and events; CPython 3.10 and 3.11 have no sys.monitoring), started by tracer's loader (LD_PRELOAD, taken out of the environment before the program runs) just before the program's first line, where cProfile starts; the interpreter's start-up before it is not counted; threads made later, by threading or by C code, get it before their first frame; a profile function the program sets hands it over to the probes";
 
 /// Where probes attached off the manager's task go (the manager adopts them, then checks
 /// again the processes that waited for them).

@@ -96,6 +96,18 @@ impl Caller {
         }
     }
 
+    /// Having code loaded into a process (tracer's counter: PEP 768, ptrace, a launched
+    /// command's preload) is what ptrace's attach allows, which Yama restricts further than
+    /// tracing with uprobes (read access): at scope 1 a user may attach only to its own
+    /// descendants, at 2 only with CAP_SYS_PTRACE. tracerd holds that capability for root
+    /// callers alone, so another caller's target must descend from its client process.
+    pub fn may_load_into(&self, pid: u32) -> Result<(), Error> {
+        self.may_trace_pid(pid)?;
+        let uid = self.acting_uid("loading code into a process")?;
+        yama_permits(process::yama_ptrace_scope(), uid, self.pid, pid)
+            .map_err(|reason| Error::PermissionDenied { reason })
+    }
+
     pub fn may_trace_all(&self) -> Result<(), Error> {
         let uid = self.acting_uid("a system-wide session")?;
         if let Some(g) = self.remote.as_ref().filter(|g| !g.cgroups.is_empty()) {
@@ -150,6 +162,25 @@ impl Caller {
     }
 }
 
+/// Yama's rule for `uid`, whose client is `client` (None over TCP), attaching to `pid`.
+fn yama_permits(scope: u8, uid: u32, client: Option<u32>, pid: u32) -> Result<(), String> {
+    match (scope, client) {
+        (0, _) => Ok(()),
+        // Root's requests are tracerd's own, with CAP_SYS_PTRACE; at 3 the kernel refuses all.
+        (_, _) if uid == 0 => Ok(()),
+        (1, Some(c)) if process::descends_from(pid, &[c]) => Ok(()),
+        (1, Some(c)) => Err(format!(
+            "kernel.yama.ptrace_scope is 1: uid {uid} may have code loaded only into processes its client (pid {c}) started, and pid {pid} is not one"
+        )),
+        (1, None) => Err(format!(
+            "kernel.yama.ptrace_scope is 1: a client over TCP (uid {uid}) started no process here, so it may have code loaded into none"
+        )),
+        (s, _) => Err(format!(
+            "kernel.yama.ptrace_scope is {s}: only root may have code loaded into a process"
+        )),
+    }
+}
+
 /// `cgroup` is `prefix` or lies below it (path components, not string prefixes).
 fn under(cgroup: &str, prefix: &str) -> bool {
     let p = prefix.trim_end_matches('/');
@@ -163,6 +194,34 @@ fn under(cgroup: &str, prefix: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Yama's scopes (this kernel may have no Yama: the rule is asked with each scope), with
+    /// a real child of this process and its parent, which is no descendant.
+    #[test]
+    fn loading_obeys_yama_as_ptrace_would() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let (me, kid) = (std::process::id(), child.id());
+        let parent = process::parent(me).unwrap();
+        assert_eq!(yama_permits(0, 1000, None, parent), Ok(()));
+        assert_eq!(yama_permits(1, 1000, Some(me), kid), Ok(()));
+        let refused = yama_permits(1, 1000, Some(me), parent).unwrap_err();
+        assert!(
+            refused.contains(&format!("pid {parent} is not one")),
+            "{refused}"
+        );
+        assert!(yama_permits(1, 1000, None, kid)
+            .unwrap_err()
+            .contains("over TCP"));
+        assert!(yama_permits(2, 1000, Some(me), kid)
+            .unwrap_err()
+            .contains("only root"));
+        assert_eq!(yama_permits(2, 0, None, parent), Ok(()));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
 
     #[test]
     fn non_root_users_are_confined() {

@@ -170,6 +170,16 @@ pub fn forks_since_boot() -> Option<u64> {
         .ok()
 }
 
+/// `kernel.yama.ptrace_scope`: 0 where Yama is not in the kernel; 3 (no ptrace at all) when
+/// the file cannot be read as a number.
+pub fn yama_ptrace_scope() -> u8 {
+    match fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+        Err(_) => 3,
+        Ok(s) => s.trim().parse().unwrap_or(3),
+    }
+}
+
 /// The parent of a process.
 pub fn parent(pid: u32) -> Option<u32> {
     fs::read_to_string(format!("/proc/{pid}/status"))

@@ -86,7 +86,7 @@ impl Manager {
                 // Asked again before every request to run code in a process.
                 let who = caller.clone();
                 let may_trace: tracer_inspect::python::inproc::MayTrace =
-                    std::sync::Arc::new(move |p| who.may_trace_pid(p).map_err(|e| e.to_string()));
+                    std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
                 // What becomes of a request left pending goes to the manager after the start
                 // itself, on the same channel.
                 let (sent, started) = std::sync::mpsc::channel::<()>();

@@ -99,7 +99,7 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
     if !cfg!(target_arch = "x86_64") {
         return Err(LoadError::Architecture);
     }
-    if fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3") {
+    if crate::process::yama_ptrace_scope() >= 3 {
         return Err(LoadError::YamaForbids);
     }
     if path.is_empty() || path.len() >= 4096 || path.contains('\0') {

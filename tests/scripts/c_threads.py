@@ -2,8 +2,14 @@
 ctypes, whose start routine is a Python callback (a CFUNCTYPE), so the thread's first Python
 runs under a thread state made by PyGILState_Ensure, not by the threading module. The main
 thread waits in pthread_join with the GIL released, so the C threads run at once, and runs
-Python of its own meanwhile in another round. Prints the calls each function got:
-`CALLS {"name": n, ...}` (the program's own account, from fib's known call counts)."""
+Python of its own meanwhile. Prints the calls each function got: `CALLS {"name": n, ...}`
+(the program's own account, from fib's known call counts).
+
+With `reset`, each round first puts CPython's own frame evaluation function back, as
+PyTorch's dynamo does once its frames are done, and runs some Python before the threads
+start.
+
+Usage: c_threads.py [THREADS [ROUNDS [reset]]]"""
 import ctypes
 import ctypes.util
 import json
@@ -31,7 +37,15 @@ def main():
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     routine = ROUTINE(in_c_thread)
+    reset = sys.argv[3:] == ["reset"]
     for _ in range(rounds):
+        if reset:
+            api = ctypes.pythonapi
+            api._PyInterpreterState_SetEvalFrameFunc.argtypes = [ctypes.c_void_p] * 2
+            api.PyInterpreterState_Get.restype = ctypes.c_void_p
+            default = ctypes.cast(api._PyEval_EvalFrameDefault, ctypes.c_void_p)
+            api._PyInterpreterState_SetEvalFrameFunc(api.PyInterpreterState_Get(), default)
+            fib(10)
         ids = [ctypes.c_ulong() for _ in range(threads)]
         for t in ids:
             rc = libc.pthread_create(ctypes.byref(t), None, routine, None)
@@ -42,7 +56,7 @@ def main():
             libc.pthread_join(t, None)
     calls = {
         "in_c_thread": threads * rounds,
-        "fib": threads * rounds * fib_calls(12) + rounds * fib_calls(10),
+        "fib": threads * rounds * fib_calls(12) + (2 if reset else 1) * rounds * fib_calls(10),
     }
     print("CALLS", json.dumps(calls, sort_keys=True), flush=True)
 

@@ -105,7 +105,8 @@ fn launched_commands_count_in_process_like_cprofile() {
 /// Threads that C code makes for itself (pthreads whose start routine is a ctypes callback):
 /// each thread's first frame runs with the counter already on, on every interpreter (a
 /// profile function on 3.10 and 3.11, reaching such threads through the frame evaluation
-/// wrapper). Counts equal the program's own account.
+/// wrapper), also after the program put CPython's own evaluation function back as PyTorch's
+/// dynamo does. Counts equal the program's own account.
 #[test]
 fn threads_c_code_makes_are_counted_from_their_first_frame() {
     if !root_or_skip() {
@@ -114,16 +115,18 @@ fn threads_c_code_makes_are_counted_from_their_first_frame() {
     let d = Daemon::start();
     let wl = script("c_threads.py");
     for py in interpreters() {
-        let (stdout, report) = launched(&d, &py, &[wl.to_str().unwrap(), "8", "4"]);
-        assert_eq!(
-            report["python"]["counted"][0]["way"],
-            "in-process",
-            "{}",
-            py.display()
-        );
-        let (own, counted) = own_calls_and_counted(&stdout, &report, &wl);
-        assert_eq!(counted, own, "{}", py.display());
-        assert_eq!(report["losses"], serde_json::json!([]), "{}", py.display());
-        println!("{}: C threads counted: {counted:?}", py.display());
+        for args in [&["8", "4"][..], &["8", "3", "reset"]] {
+            let mut all = vec![wl.to_str().unwrap()];
+            all.extend_from_slice(args);
+            let (stdout, report) = launched(&d, &py, &all);
+            let what = format!("{} {args:?}", py.display());
+            assert_eq!(
+                report["python"]["counted"][0]["way"], "in-process",
+                "{what}"
+            );
+            let (own, counted) = own_calls_and_counted(&stdout, &report, &wl);
+            assert_eq!(counted, own, "{what}");
+            assert_eq!(report["losses"], serde_json::json!([]), "{what}");
+        }
     }
 }

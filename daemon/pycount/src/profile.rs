@@ -22,7 +22,7 @@ use std::{
     ffi::{c_char, c_int, c_void, CStr},
     ptr,
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering},
         Once, OnceLock,
     },
     time::{Duration, Instant},
@@ -66,6 +66,8 @@ struct Api {
     add_audit_hook: unsafe extern "C" fn(AuditHook, *mut c_void) -> c_int,
     get_eval: unsafe extern "C" fn(*mut Interpreter) -> EvalFrame,
     set_eval: unsafe extern "C" fn(*mut Interpreter, EvalFrame),
+    /// `_PyEval_EvalFrameDefault`: the interpreter's own.
+    default_eval: EvalFrame,
 }
 
 /// `name` from the process's symbols, as a function pointer of type `T`.
@@ -94,6 +96,7 @@ fn api() -> Option<&'static Api> {
                 add_audit_hook: sym(c"PySys_AddAuditHook")?,
                 get_eval: sym(c"_PyInterpreterState_GetEvalFrameFunc")?,
                 set_eval: sym(c"_PyInterpreterState_SetEvalFrameFunc")?,
+                default_eval: sym(c"_PyEval_EvalFrameDefault")?,
             })
         }
     })
@@ -148,7 +151,9 @@ unsafe extern "C" fn profile(
         }
         let counting = counter().on_event(code, enter);
         Py_DecRef(code);
-        if !counting {
+        if counting {
+            keep_wrapped(api);
+        } else {
             set(api, (api.current)(), None);
         }
     }
@@ -216,7 +221,6 @@ unsafe fn unwrap_eval(api: &Api, interp: *mut Interpreter) {
 /// # Safety
 /// The GIL is held.
 unsafe fn install_all(api: &Api) -> Result<(), String> {
-    const REFUSED: &str = "an audit hook refused sys.setprofile";
     // SAFETY: the GIL is held; a thread state is far larger than the words read.
     unsafe {
         let me = (api.current)();
@@ -230,19 +234,8 @@ unsafe fn install_all(api: &Api) -> Result<(), String> {
             return Err("the thread state's profile function was not found".into());
         };
         PROFILE_FIELD.store(field * size_of::<usize>(), Ordering::Relaxed);
-        // 3.11 links a thread state made without the GIL (PyGILState_Ensure) into the list
-        // before it sets its `cframe`, the word before `c_profilefunc`; setting the function
-        // there would crash. Such a thread gets it from the wrapper, at its first frame.
-        let linked_early = sym::<usize>(c"Py_Version").is_some();
+        give_all(api, me)?;
         let interp = (api.interpreter)(me);
-        let mut t = (api.head)(interp);
-        while !t.is_null() {
-            let unready = linked_early && t.cast::<usize>().add(field.max(1) - 1).read() == 0;
-            if t != me && !unready && !set(api, t, Some(profile)) {
-                return Err(REFUSED.into());
-            }
-            t = (api.next)(t);
-        }
         let current = (api.get_eval)(interp);
         if current as usize != eval_frame as *const () as usize {
             NEXT_EVAL.store(current as usize, Ordering::Relaxed);
@@ -250,6 +243,68 @@ unsafe fn install_all(api: &Api) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+const REFUSED: &str = "an audit hook refused sys.setprofile";
+
+/// Gives every thread state of `me`'s interpreter that lacks it the profile function.
+///
+/// # Safety
+/// The GIL is held, `me` is the current thread state and `PROFILE_FIELD` is set.
+unsafe fn give_all(api: &Api, me: *mut ThreadState) -> Result<(), String> {
+    let field = PROFILE_FIELD.load(Ordering::Relaxed) / size_of::<usize>();
+    // 3.11 links a thread state made without the GIL (PyGILState_Ensure) into the list
+    // before it sets its `cframe`, the word before `c_profilefunc`; setting the function
+    // there would crash. Such a thread gets it from the wrapper, at its first frame.
+    // SAFETY: GIL held: the states listed stay while it is; their fields are words.
+    unsafe {
+        let linked_early = sym::<usize>(c"Py_Version").is_some();
+        let mut t = (api.head)((api.interpreter)(me));
+        while !t.is_null() {
+            let words = t.cast::<usize>();
+            let unready = linked_early && words.add(field.max(1) - 1).read() == 0;
+            let has = words.add(field).read() == profile as *const () as usize;
+            if !has && !unready && !set(api, t, Some(profile)) {
+                return Err(REFUSED.into());
+            }
+            t = (api.next)(t);
+        }
+    }
+    Ok(())
+}
+
+/// Events between looks at whether the interpreter still calls the wrapper.
+const WRAP_CHECK_EVERY: u32 = 256;
+static EVENTS: AtomicU32 = AtomicU32::new(0);
+
+/// Wraps the frame evaluation function again where a tool put CPython's own back (PyTorch's
+/// dynamo does, once its frames are done), and gives the threads that began meanwhile the
+/// profile function. Another tool's own function is left alone: it may call the wrapper on,
+/// and wrapping it would make the two call each other.
+///
+/// # Safety
+/// The GIL is held.
+unsafe fn keep_wrapped(api: &Api) {
+    let n = EVENTS.load(Ordering::Relaxed).wrapping_add(1);
+    EVENTS.store(n, Ordering::Relaxed);
+    if !n.is_multiple_of(WRAP_CHECK_EVERY) {
+        return;
+    }
+    // SAFETY: GIL held.
+    unsafe {
+        let me = (api.current)();
+        let interp = (api.interpreter)(me);
+        let current = (api.get_eval)(interp) as usize;
+        if current == eval_frame as *const () as usize || current != api.default_eval as usize {
+            return;
+        }
+        if give_all(api, me).is_err() {
+            counter().hand_over();
+            return;
+        }
+        NEXT_EVAL.store(current, Ordering::Relaxed);
+        (api.set_eval)(interp, eval_frame);
+    }
 }
 
 /// The audit hook, added once (hooks cannot be removed; it does nothing once counting ends).

@@ -6,5 +6,7 @@
 mod stacks;
 mod symbolize;
 
-pub use stacks::{python_location, Captured, Named, Naming, RawStack, Renumbered, Resolver};
+pub use stacks::{
+    python_location, Captured, Named, Naming, RawStack, Renumbered, Resolver, ELSEWHERE_MARK,
+};
 pub use symbolize::{Sym, Symbolizer};

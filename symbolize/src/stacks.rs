@@ -56,6 +56,10 @@ pub struct RawStack {
     pub task_frame: Option<u32>,
 }
 
+/// Between the Python frames of the thread that last held the GIL and the native frames of
+/// a thread that runs no Python, in a CUDA launch's stack (`PY_ELSEWHERE`).
+pub const ELSEWHERE_MARK: &str = "[a thread without Python, for the GIL holder above]";
+
 /// `RawStack::native` binary of an address outside every mapping.
 const UNMAPPED: u32 = u32::MAX;
 
@@ -269,6 +273,15 @@ impl Resolver {
             let at = (ev.py_task as usize).checked_sub(1).filter(|&i| i < own);
             (python, task_frame) = self.python(ev.pid, &raw[..own], v, at);
             tasks = self.tasks(ev.pid, &raw[own..], v);
+            if ev.flags & sample_flag::PY_ELSEWHERE != 0 && !python.is_empty() {
+                // Not this thread's frames: the thread's own (native) ones follow a mark.
+                let mark = self.intern(Frame {
+                    kind: FrameKind::Python,
+                    name: ELSEWHERE_MARK.into(),
+                    ..Frame::default()
+                });
+                python.insert(0, (mark, false));
+            }
         }
         Captured {
             raw: RawStack {

@@ -5,7 +5,7 @@ driver's library, cuLaunchKernel), prints
 "done", then waits for stdin to close. With argv[4] "fork", a forked child makes the
 launches and prints "child PID" first; the parent makes none. tracer's CUDA report must name launch() and that line
 as the launches' Python call site. With argv[4] "thread", argv[2] launches (grid 3, block 8)
-are made instead by a thread that runs no Python (libworker_launch.so, beside the runtime)
+are made instead by a thread that runs no Python (libworker_launch.so, beside the library)
 while on_a_thread() waits for it: the report must name on_a_thread() and its line, as the
 frame of the thread that last held the GIL."""
 import ctypes
@@ -30,9 +30,10 @@ def launch(rt, n):
 
 def on_a_thread(rt, n):
     worker = ctypes.CDLL(os.path.join(os.path.dirname(sys.argv[1]), "libworker_launch.so"))
-    worker.launch_on_a_thread.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    launch_fn = ctypes.cast(rt.cudaLaunchKernel, ctypes.c_void_p)
-    worker.launch_on_a_thread(launch_fn, n)  # the thread's call site
+    entry = worker.driver_launch_on_a_thread if DRIVER else worker.launch_on_a_thread
+    entry.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    launch_fn = ctypes.cast(rt.cuLaunchKernel if DRIVER else rt.cudaLaunchKernel, ctypes.c_void_p)
+    entry(launch_fn, n)  # the thread's call site
 
 
 def warm_up(rt, n):

@@ -747,6 +747,7 @@ fn launches_name_their_python_call_site() {
 /// runtime up to 3.11, in the interpreter from 3.12).
 #[test]
 fn launches_from_threads_without_python_name_the_line_that_waits() {
+    const MARK: &str = "[a thread without Python, for the GIL holder above]";
     if !root_or_skip() {
         return;
     }
@@ -759,37 +760,61 @@ fn launches_from_threads_without_python_name_the_line_that_waits() {
         .position(|l| l.contains("# the thread's call site"))
         .unwrap()
         + 1;
+    // Runtime launches of a handle never registered reach no driver entry point: stacks are
+    // checked on the driver's.
+    let ways = [
+        ("libcudart.so.13", "cudaLaunchKernel", false),
+        ("libcuda.so.1", "cuLaunchKernel", true),
+    ];
     for python in tracer_tests::interpreters() {
-        let (id, pid) = run_cuda_calls_on(
-            &d,
-            &python,
-            &libs.join("libcudart.so.13"),
-            &["5", "0", "thread"],
-            &["--mode=counting", "--cuda"],
-            false,
-        );
-        let report: Value =
-            serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
-        let rows: Vec<&Value> = report["cuda"]["launches"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|l| l["api"] == "cudaLaunchKernel" && l["pid"].as_u64() == pid.parse().ok())
-            .collect();
-        assert_eq!(rows.len(), 1, "{}: {rows:?}", python.display());
-        let row = rows[0];
-        assert_eq!(row["launches"], 5, "{row}");
-        assert_eq!(dims(&row["grid"]), vec![3, 1, 1], "{row}");
-        assert_eq!(
-            row["call_site"],
-            format!("on_a_thread ({}:{line})", script.display()),
-            "{}: {row}",
-            python.display()
-        );
-        assert_eq!(
-            row["call_site_from"], "the thread that last held the GIL",
-            "{row}"
-        );
+        for (lib, api, stacks) in ways {
+            let what = format!("{} {api}", python.display());
+            let (id, pid) = run_cuda_calls_on(
+                &d,
+                &python,
+                &libs.join(lib),
+                &["5", "0", "thread"],
+                &["--mode=counting", "--cuda", "--cuda-stacks"],
+                false,
+            );
+            let report: Value =
+                serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+            let rows: Vec<&Value> = report["cuda"]["launches"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|l| l["api"] == api && l["pid"].as_u64() == pid.parse().ok())
+                .collect();
+            assert_eq!(rows.len(), 1, "{what}: {rows:?}");
+            let row = rows[0];
+            assert_eq!(row["launches"], 5, "{row}");
+            assert_eq!(dims(&row["grid"]), vec![3, 1, 1], "{row}");
+            assert_eq!(
+                row["call_site"],
+                format!("on_a_thread ({}:{line})", script.display()),
+                "{what}: {row}"
+            );
+            assert_eq!(
+                row["call_site_from"], "the thread that last held the GIL",
+                "{row}"
+            );
+            if !stacks {
+                continue;
+            }
+            // Their stacks: the waiting thread's Python frames, a mark, the thread's own.
+            let folded = d.ok(&["report", &id, "--format", "folded"]);
+            let mut marked = 0;
+            for l in folded.lines().filter(|l| l.contains(MARK)) {
+                let (stack, n) = l.rsplit_once(' ').unwrap();
+                let frames: Vec<&str> = stack.split(';').collect();
+                let mark = frames.iter().position(|f| *f == MARK).unwrap();
+                let waits = frames.iter().position(|f| f.starts_with("on_a_thread ("));
+                assert!(waits.is_some_and(|w| w < mark), "{what}: {l}");
+                assert_eq!(frames.last(), Some(&"cuLaunchKernel"), "{what}: {l}");
+                marked += n.parse::<u64>().unwrap();
+            }
+            assert_eq!(marked, 5, "{what}: {folded}");
+        }
     }
 }
 

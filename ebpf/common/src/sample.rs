@@ -63,6 +63,9 @@ pub mod sample_flag {
     /// thread held it.
     pub const GIL_KNOWN: u32 = 512;
     pub const GIL_HELD: u32 = 1024;
+    /// A CUDA launch's stack on a thread that runs no Python (no thread state, or no
+    /// frame): its Python frames are those of the thread that last held the GIL.
+    pub const PY_ELSEWHERE: u32 = 2048;
 }
 
 /// One stack sample, sent on the `SAMPLES` ring buffer up to the stack bytes copied. Kernel

@@ -314,7 +314,7 @@ fn emit_due<const TASKS: bool>(tid: u32, pid: u32) {
         (*ev).own_ns = own;
         (*ev).kernel_stack = kernel_stack;
         user_stack(ev);
-        python::<TASKS>(ev, pid);
+        python::<TASKS, false>(ev, pid);
         send(ev);
     }
 }

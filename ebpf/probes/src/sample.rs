@@ -107,7 +107,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
             -1
         };
         user_stack(ev);
-        python::<true>(ev, pid);
+        python::<true, false>(ev, pid);
     }
     // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
     let _ = BPF_F_USER_STACK;
@@ -152,7 +152,7 @@ pub(crate) fn launch_stack(slot: u32, pid: u32, tid: u32) {
         header(ev, slot, pid, tid);
         (*ev).kernel_stack = -1;
         user_stack(ev);
-        python::<false>(ev, pid);
+        python::<false, true>(ev, pid);
         send(ev);
     }
 }
@@ -284,11 +284,16 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 ///
 /// `TASKS`: and, in an asyncio task, the tasks awaiting it (the timer's samples, and
 /// off-CPU records sent at a system call's exit: the off-CPU switch and launch programs are
-/// too large for the verifier with them).
+/// too large for the verifier with them). `ELSEWHERE` (a CUDA launch's stack): a thread
+/// that runs no Python is given the frames of the thread that last held the GIL, which
+/// handed it the work (autograd's threads, a C++ pool's), marked `PY_ELSEWHERE`.
 // Inlined into each program: called from two, `python::<true>` became a function of its own
 // and the verifier's work for both tripled (`cargo xtask bench first-start`).
 #[inline(always)]
-pub(crate) unsafe fn python<const TASKS: bool>(ev: *mut SampleEvent, pid: u32) {
+pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
+    ev: *mut SampleEvent,
+    pid: u32,
+) {
     let (tstate, layout) = match python_thread(pid) {
         PyThread::Found(t, l, interp) => {
             // SAFETY: as above.
@@ -301,17 +306,36 @@ pub(crate) unsafe fn python<const TASKS: bool>(ev: *mut SampleEvent, pid: u32) {
             return;
         }
         PyThread::NotPython => return,
-        PyThread::NoThread => {
-            // SAFETY: as above.
-            unsafe { (*ev).flags |= sample_flag::PY_NO_THREAD };
-            return;
-        }
+        PyThread::NoThread => match last_gil_holder(pid).filter(|_| ELSEWHERE) {
+            Some((holder, l)) => {
+                // SAFETY: as above.
+                unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };
+                (holder, l)
+            }
+            None => {
+                // SAFETY: as above.
+                unsafe { (*ev).flags |= sample_flag::PY_NO_THREAD };
+                return;
+            }
+        },
     };
-    let Ok(frame) = crate::python::current_frame_quiet(tstate, layout) else {
+    let Ok(mut frame) = crate::python::current_frame_quiet(tstate, layout) else {
         // SAFETY: as above.
         unsafe { (*ev).flags |= sample_flag::PY_READ_FAILED };
         return;
     };
+    // SAFETY: as above.
+    if ELSEWHERE && frame == 0 && unsafe { (*ev).flags } & sample_flag::PY_ELSEWHERE == 0 {
+        // A thread state with no frame: a native thread that ran Python once.
+        if let Some(f) = last_gil_holder(pid)
+            .and_then(|(h, l)| crate::python::current_frame_quiet(h, l).ok())
+            .filter(|&f| f != 0)
+        {
+            // SAFETY: as above.
+            unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };
+            frame = f;
+        }
+    }
     // SAFETY: map values are valid for the duration of the program.
     let asyncio = if TASKS {
         unsafe { PY_ASYNC_PROCS.get(&pid) }

@@ -56,9 +56,10 @@ pub struct RawStack {
     pub task_frame: Option<u32>,
 }
 
-/// Between the Python frames of the thread that last held the GIL and the native frames of
-/// a thread that runs no Python, in a CUDA launch's stack (`PY_ELSEWHERE`).
-pub const ELSEWHERE_MARK: &str = "[a thread without Python, for the GIL holder above]";
+/// Between the Python frames of the thread a thread running no Python works for (the last
+/// to launch from Python, or to hold the GIL) and that thread's own native frames, in a
+/// CUDA launch's stack (`PY_ELSEWHERE`).
+pub const ELSEWHERE_MARK: &str = "[a thread without Python, for the frames above]";
 
 /// `RawStack::native` binary of an address outside every mapping.
 const UNMAPPED: u32 = u32::MAX;

@@ -7,10 +7,13 @@ launches and prints "child PID" first; the parent makes none. tracer's CUDA repo
 as the launches' Python call site. With argv[4] "thread", argv[2] launches (grid 3, block 8)
 are made instead by a thread that runs no Python (libworker_launch.so, beside the library)
 while on_a_thread() waits for it: the report must name on_a_thread() and its line, as the
-frame of the thread that last held the GIL."""
+frame of the thread that launched from Python last (warm_up's), or else of the thread that
+last held the GIL. "thread-busy" is "thread" with another Python thread spinning meanwhile,
+which holds the GIL whenever it can."""
 import ctypes
 import os
 import sys
+import threading
 
 # A driver library (libcuda.so*) is called through cuLaunchKernel instead.
 DRIVER = os.path.basename(sys.argv[1]).startswith("libcuda.so")
@@ -36,6 +39,11 @@ def on_a_thread(rt, n):
     entry(launch_fn, n)  # the thread's call site
 
 
+def spin(done):
+    while not done.is_set():
+        sum(range(100))
+
+
 def warm_up(rt, n):
     for _ in range(n):
         if DRIVER:
@@ -53,8 +61,15 @@ def main():
     kid = os.fork() if fork else 0
     if kid == 0:
         warm_up(rt, int(sys.argv[3]) if len(sys.argv) > 3 else 0)
-        if mode == "thread":
+        if mode in ("thread", "thread-busy"):
+            done = threading.Event()
+            if mode == "thread-busy":
+                spinner = threading.Thread(target=spin, args=(done,))
+                spinner.start()
             on_a_thread(rt, int(sys.argv[2]))
+            done.set()
+            if mode == "thread-busy":
+                spinner.join()
         else:
             launch(rt, int(sys.argv[2]))
         if fork:

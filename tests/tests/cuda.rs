@@ -747,7 +747,7 @@ fn launches_name_their_python_call_site() {
 /// runtime up to 3.11, in the interpreter from 3.12).
 #[test]
 fn launches_from_threads_without_python_name_the_line_that_waits() {
-    const MARK: &str = "[a thread without Python, for the GIL holder above]";
+    const MARK: &str = "[a thread without Python, for the frames above]";
     if !root_or_skip() {
         return;
     }
@@ -761,19 +761,21 @@ fn launches_from_threads_without_python_name_the_line_that_waits() {
         .unwrap()
         + 1;
     // Runtime launches of a handle never registered reach no driver entry point: stacks are
-    // checked on the driver's.
+    // checked on the driver's. With a launch from Python first (warm_up's), the thread that
+    // made it is named, though another Python thread spins meanwhile; without, the thread
+    // that last held the GIL.
     let ways = [
-        ("libcudart.so.13", "cudaLaunchKernel", false),
-        ("libcuda.so.1", "cuLaunchKernel", true),
+        ("libcudart.so.13", "cudaLaunchKernel", "0", "thread"),
+        ("libcuda.so.1", "cuLaunchKernel", "1", "thread-busy"),
     ];
     for python in tracer_tests::interpreters() {
-        for (lib, api, stacks) in ways {
-            let what = format!("{} {api}", python.display());
+        for (lib, api, warm, mode) in ways {
+            let what = format!("{} {api} {mode}", python.display());
             let (id, pid) = run_cuda_calls_on(
                 &d,
                 &python,
                 &libs.join(lib),
-                &["5", "0", "thread"],
+                &["5", warm, mode],
                 &["--mode=counting", "--cuda", "--cuda-stacks"],
                 false,
             );
@@ -784,21 +786,22 @@ fn launches_from_threads_without_python_name_the_line_that_waits() {
                 .unwrap()
                 .iter()
                 .filter(|l| l["api"] == api && l["pid"].as_u64() == pid.parse().ok())
+                .filter(|l| dims(&l["grid"]) == vec![3, 1, 1])
                 .collect();
             assert_eq!(rows.len(), 1, "{what}: {rows:?}");
             let row = rows[0];
             assert_eq!(row["launches"], 5, "{row}");
-            assert_eq!(dims(&row["grid"]), vec![3, 1, 1], "{row}");
             assert_eq!(
                 row["call_site"],
                 format!("on_a_thread ({}:{line})", script.display()),
                 "{what}: {row}"
             );
-            assert_eq!(
-                row["call_site_from"], "the thread that last held the GIL",
-                "{row}"
-            );
-            if !stacks {
+            let from = match warm {
+                "0" => "the thread that last held the GIL",
+                _ => "the thread that last launched from Python",
+            };
+            assert_eq!(row["call_site_from"], from, "{what}: {row}");
+            if api != "cuLaunchKernel" {
                 continue;
             }
             // Their stacks: the waiting thread's Python frames, a mark, the thread's own.

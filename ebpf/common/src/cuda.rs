@@ -2,6 +2,17 @@
 //! launch and memory counts, GPU kernel executions from CUPTI, and the naming records.
 
 /// CUDA entry points tracer probes; the low bits of a CUDA probe's attach cookie.
+/// `CudaLaunchKey::py_elsewhere`: whose Python frame a launch's call site is.
+pub mod py_from {
+    /// The launching thread's own.
+    pub const OWN: u32 = 0;
+    /// The thread that last held the GIL.
+    pub const GIL_HOLDER: u32 = 1;
+    /// The thread that made the process's last CUDA launch from Python (the one that handed
+    /// the work over: a backward pass after its forward pass).
+    pub const LAST_LAUNCHER: u32 = 2;
+}
+
 pub mod cuda_api {
     /// libcuda `cuLaunchKernel` (and `_ptsz`): f, grid, block, shared memory, stream.
     pub const CU_LAUNCH: u32 = 1;
@@ -133,8 +144,8 @@ pub struct CudaLaunchKey {
     pub stream: u64,
     pub grid: [u32; 3],
     pub block: [u32; 3],
-    /// 1: the Python frame below is not the launching thread's, which ran no Python, but
-    /// the one of the thread that last held the GIL.
+    /// Whose Python frame is below (`py_from`): the launching thread's own, or, for a thread
+    /// that runs no Python, the thread's it works for.
     pub py_elsewhere: u32,
     pub _pad: u32,
     /// The launching thread's innermost Python frame: code object, current instruction and

@@ -64,7 +64,7 @@ pub mod sample_flag {
     pub const GIL_KNOWN: u32 = 512;
     pub const GIL_HELD: u32 = 1024;
     /// A CUDA launch's stack on a thread that runs no Python (no thread state, or no
-    /// frame): its Python frames are those of the thread that last held the GIL.
+    /// frame): its Python frames are those of the thread it works for (`py_from`).
     pub const PY_ELSEWHERE: u32 = 2048;
 }
 

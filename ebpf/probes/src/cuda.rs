@@ -17,7 +17,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use tracer_common::{
-    cuda_api as api, cuda_cookie, loss, py_kind, py_names_id, trace_kind, CudaLaunchKey,
+    cuda_api as api, cuda_cookie, loss, py_from, py_kind, py_names_id, trace_kind, CudaLaunchKey,
     CudaMemKey, CudaMemStats, CudaNameEvent, CuptiKernel, GpuKernelKey, GpuKernelStats, PyLayout,
     SessionMask, TraceEvent, PY_FRAME_OWNER_NOT_PYTHON,
 };
@@ -191,9 +191,9 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         _ => return memory_or_name(&a, which, slot, pid),
     }
     let tid = bpf_get_current_pid_tgid() as u32;
-    if let Some((code, instr, names, elsewhere)) = call_site(pid) {
+    if let Some((code, instr, names, from)) = call_site(pid) {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
-        key.py_elsewhere = u32::from(elsewhere);
+        key.py_elsewhere = from;
     }
     // SAFETY: `regs` is this program's context.
     let sp = unsafe { (*ctx.regs).rsp };
@@ -324,23 +324,27 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
 }
 
 /// The launching thread's innermost Python frame (code object, instruction, names id), and
-/// whether it is another thread's: a thread running no Python (no thread state, or one with
-/// no frame) is given the frame of the thread that last held the GIL.
-fn call_site(pid: u32) -> Option<(u64, u64, u64, bool)> {
-    let own = match python_thread(pid) {
-        PyThread::Found(tstate, l, _) => innermost(tstate, l).map(|f| (f, l)),
-        PyThread::NoThread => None,
+/// whose it is (`py_from`): a thread running no Python (no thread state, or one with no
+/// frame) is given the frame of the thread it most likely works for
+/// ([`crate::sample::works_for`]).
+fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
+    let (me, own) = match python_thread(pid) {
+        PyThread::Found(tstate, l, _) => (tstate, innermost(tstate, l).map(|f| (f, l))),
+        PyThread::NoThread => (0, None),
         _ => return None,
     };
-    let (frame, l, elsewhere) = match own {
-        Some((frame, l)) => (frame, l, false),
+    let (frame, l, from) = match own {
+        Some((frame, l)) => {
+            crate::sample::launched_from_python(pid, me);
+            (frame, l, py_from::OWN)
+        }
         None => {
-            let (holder, l) = crate::sample::last_gil_holder(pid)?;
-            (innermost(holder, l)?, l, true)
+            let (other, l, from) = crate::sample::works_for(pid, me)?;
+            (innermost(other, l)?, l, from)
         }
     };
     let (code, instr, names) = frame_site(frame, l)?;
-    Some((code, instr, names, elsewhere))
+    Some((code, instr, names, from))
 }
 
 /// The innermost Python frame of the thread whose state is `tstate`; None when it runs none.

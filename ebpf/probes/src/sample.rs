@@ -16,15 +16,15 @@ use aya_ebpf::{
         bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user, bpf_task_pt_regs, generated as gen,
     },
     macros::{map, perf_event},
-    maps::{Array, HashMap, RingBuf, StackTrace},
+    maps::{Array, HashMap, LruHashMap, RingBuf, StackTrace},
     programs::{tracing::StackIdContext, PerfEventContext},
     EbpfContext,
 };
 use tracer_common::{
-    loss, py_kind, py_names_id, sample_cookie, sample_flag, PyAsyncLayout, PyLayout, PySampleFrame,
-    PySampleProc, SampleEvent, PY_ASYNC_TASKS_MAX, PY_FRAME_ENTRY, PY_FRAME_OWNER_NOT_PYTHON,
-    PY_FRAME_SHIM, PY_FRAME_TASK, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES,
-    SAMPLE_STACK_OFFSET,
+    loss, py_from, py_kind, py_names_id, sample_cookie, sample_flag, PyAsyncLayout, PyLayout,
+    PySampleFrame, PySampleProc, SampleEvent, PY_ASYNC_TASKS_MAX, PY_FRAME_ENTRY,
+    PY_FRAME_OWNER_NOT_PYTHON, PY_FRAME_SHIM, PY_FRAME_TASK, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH,
+    SAMPLE_STACK_BYTES, SAMPLE_STACK_OFFSET,
 };
 
 use crate::shared::{count_loss, TRACKED};
@@ -58,6 +58,11 @@ static PY_ASYNC_PROCS: HashMap<u32, PyAsyncLayout> = HashMap::with_max_entries(1
 /// `task_struct.thread.fsbase`, patched in by the loader from the kernel's BTF.
 #[no_mangle]
 static TASK_FSBASE_OFFSET: u32 = u32::MAX;
+
+/// Process id → the thread state that made its last CUDA launch from Python: the thread a
+/// thread running no Python most likely works for (a backward pass's forward pass).
+#[map]
+static PY_LAST_LAUNCHER: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
 
 const PAGE: usize = 4096;
 /// `pt_regs` on x86-64: where the interrupted ip, cs and sp are, and rbp.
@@ -234,6 +239,34 @@ pub(crate) fn last_gil_holder(pid: u32) -> Option<(u64, &'static PyLayout)> {
     (holder != 0).then_some((holder, l))
 }
 
+/// A CUDA launch from Python by thread state `tstate` of `pid`.
+pub(crate) fn launched_from_python(pid: u32, tstate: u64) {
+    // SAFETY: map values are valid for the duration of the program.
+    if unsafe { PY_LAST_LAUNCHER.get(&pid) }.copied() != Some(tstate) {
+        let _ = PY_LAST_LAUNCHER.insert(&pid, &tstate, 0);
+    }
+}
+
+/// For a thread of `pid` that runs no Python (`me`: its thread state, 0 if none), the thread
+/// it works for, with a frame now: the one that last launched from Python, else the one
+/// that last held the GIL (`py_from`).
+pub(crate) fn works_for(pid: u32, me: u64) -> Option<(u64, &'static PyLayout, u32)> {
+    // SAFETY: map values are valid for the duration of the program.
+    if let Some(t) = unsafe { PY_LAST_LAUNCHER.get(&pid) }
+        .copied()
+        .filter(|&t| t != me)
+    {
+        if let Some((_, l)) = last_gil_holder(pid) {
+            if crate::python::current_frame_quiet(t, l).is_ok_and(|f| f != 0) {
+                return Some((t, l, py_from::LAST_LAUNCHER));
+            }
+        }
+    }
+    let (holder, l) = last_gil_holder(pid)?;
+    (holder != me && crate::python::current_frame_quiet(holder, l).is_ok_and(|f| f != 0))
+        .then_some((holder, l, py_from::GIL_HOLDER))
+}
+
 fn read<T>(addr: u64) -> Option<T> {
     // SAFETY: bpf_probe_read_user copes with any address; a bad one is an error, not a fault.
     unsafe { bpf_probe_read_user(addr as *const T) }.ok()
@@ -306,8 +339,8 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
             return;
         }
         PyThread::NotPython => return,
-        PyThread::NoThread => match last_gil_holder(pid).filter(|_| ELSEWHERE) {
-            Some((holder, l)) => {
+        PyThread::NoThread => match works_for(pid, 0).filter(|_| ELSEWHERE) {
+            Some((holder, l, _)) => {
                 // SAFETY: as above.
                 unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };
                 (holder, l)
@@ -327,9 +360,8 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
     // SAFETY: as above.
     if ELSEWHERE && frame == 0 && unsafe { (*ev).flags } & sample_flag::PY_ELSEWHERE == 0 {
         // A thread state with no frame: a native thread that ran Python once.
-        if let Some(f) = last_gil_holder(pid)
-            .and_then(|(h, l)| crate::python::current_frame_quiet(h, l).ok())
-            .filter(|&f| f != 0)
+        if let Some(f) = works_for(pid, tstate)
+            .and_then(|(h, l, _)| crate::python::current_frame_quiet(h, l).ok())
         {
             // SAFETY: as above.
             unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };

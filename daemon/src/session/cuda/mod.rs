@@ -11,7 +11,7 @@ use std::{
 
 pub mod watch;
 
-use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
+use tracer_common::{cuda_api as api, cuda_cookie, py_from, CudaNameEvent};
 
 use tracer_bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
 use tracer_inspect::cuda::{self, Names};
@@ -696,10 +696,10 @@ impl CudaSession {
                         .cloned()
                         .unwrap_or_else(|| format!("[code object {code:#x}]")),
                 };
-                let call_site_from = if k.py_code != 0 && k.py_elsewhere != 0 {
-                    "the thread that last held the GIL"
-                } else {
-                    ""
+                let call_site_from = match (k.py_code, k.py_elsewhere) {
+                    (0, _) | (_, py_from::OWN) => "",
+                    (_, py_from::LAST_LAUNCHER) => "the thread that last launched from Python",
+                    _ => "the thread that last held the GIL",
                 };
                 CudaLaunch {
                     call_site,

@@ -46,8 +46,15 @@ c = r["cuda"]
 named = collections.Counter(l.get("named_from", "naming call") for l in c["launches"])
 print("rows by where their name came from:", dict(named), "unnamed rows:", c["unnamed"])
 print("launch stacks:", sum(s["count"] for s in r["profile"]["stacks"]), "losses:", r["losses"])
+# Call sites (issue 39): launches by whose Python line they carry; none should be left without.
+sites = collections.Counter()
+for l in c["launches"]:
+    sites[l.get("call_site_from") or ("own thread" if l.get("call_site") else "none")] += l["launches"]
+print("launches by call site:", dict(sites))
 PY
 $CTL report "$ID" --format folded | sort -t' ' -k2 -nr | head -5 | cut -c1-400
+echo "-- launch stacks of threads without Python (their Python frames: the thread they work for)"
+$CTL report "$ID" --format folded | grep -F '[a thread without Python' | sort -t' ' -k2 -nr | head -3 | cut -c1-600
 echo "== tracer --cuda --gpu-times, the whole program (warm-up and counted run)"
 $CTL start --mode=counting --cuda --gpu-times --format json -o "$STATE/times.json" \
   -- python3 "$HERE/torch_launches.py"

@@ -335,7 +335,7 @@ fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
     };
     let (frame, l, from) = match own {
         Some((frame, l)) => {
-            crate::sample::launched_from_python(pid, me);
+            crate::sample::launched_from_python(pid, me, l);
             (frame, l, py_from::OWN)
         }
         None => {

@@ -59,10 +59,11 @@ static PY_ASYNC_PROCS: HashMap<u32, PyAsyncLayout> = HashMap::with_max_entries(1
 #[no_mangle]
 static TASK_FSBASE_OFFSET: u32 = u32::MAX;
 
-/// Process id → the thread state that made its last CUDA launch from Python: the thread a
-/// thread running no Python most likely works for (a backward pass's forward pass).
+/// Process id → the thread state that made its last CUDA launch from Python, and its thread
+/// id: the thread a thread running no Python most likely works for (a backward pass's
+/// forward pass).
 #[map]
-static PY_LAST_LAUNCHER: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4_096, 0);
+static PY_LAST_LAUNCHER: LruHashMap<u32, [u64; 2]> = LruHashMap::with_max_entries(4_096, 0);
 
 const PAGE: usize = 4096;
 /// `pt_regs` on x86-64: where the interrupted ip, cs and sp are, and rbp.
@@ -239,11 +240,13 @@ pub(crate) fn last_gil_holder(pid: u32) -> Option<(u64, &'static PyLayout)> {
     (holder != 0).then_some((holder, l))
 }
 
-/// A CUDA launch from Python by thread state `tstate` of `pid`.
-pub(crate) fn launched_from_python(pid: u32, tstate: u64) {
+/// A CUDA launch from Python by thread state `tstate` of `pid`: kept with its thread id, so
+/// that a thread state freed and its memory reused is not taken for it.
+pub(crate) fn launched_from_python(pid: u32, tstate: u64, l: &PyLayout) {
     // SAFETY: map values are valid for the duration of the program.
-    if unsafe { PY_LAST_LAUNCHER.get(&pid) }.copied() != Some(tstate) {
-        let _ = PY_LAST_LAUNCHER.insert(&pid, &tstate, 0);
+    if unsafe { PY_LAST_LAUNCHER.get(&pid) }.map(|v| v[0]) != Some(tstate) {
+        let id = read::<u64>(tstate + u64::from(l.tstate_thread_id)).unwrap_or(0);
+        let _ = PY_LAST_LAUNCHER.insert(&pid, &[tstate, id], 0);
     }
 }
 
@@ -252,12 +255,13 @@ pub(crate) fn launched_from_python(pid: u32, tstate: u64) {
 /// that last held the GIL (`py_from`).
 pub(crate) fn works_for(pid: u32, me: u64) -> Option<(u64, &'static PyLayout, u32)> {
     // SAFETY: map values are valid for the duration of the program.
-    if let Some(t) = unsafe { PY_LAST_LAUNCHER.get(&pid) }
+    if let Some([t, id]) = unsafe { PY_LAST_LAUNCHER.get(&pid) }
         .copied()
-        .filter(|&t| t != me)
+        .filter(|&[t, _]| t != me)
     {
         if let Some((_, l)) = last_gil_holder(pid) {
-            if crate::python::current_frame_quiet(t, l).is_ok_and(|f| f != 0) {
+            let same = read::<u64>(t + u64::from(l.tstate_thread_id)) == Some(id);
+            if same && crate::python::current_frame_quiet(t, l).is_ok_and(|f| f != 0) {
                 return Some((t, l, py_from::LAST_LAUNCHER));
             }
         }

@@ -66,16 +66,12 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
         if !l.named_from.is_empty() {
             let _ = writeln!(out, "{:>10}  (named from its {})", "", esc(&l.named_from));
         }
-        if !l.call_site.is_empty() && l.call_site_from.is_empty() {
-            let _ = writeln!(out, "{:>10}  ← {}", "", esc(&l.call_site));
-        } else if !l.call_site.is_empty() {
-            let _ = writeln!(
-                out,
-                "{:>10}  ← {} (launched by a thread running no Python: {})",
-                "",
-                esc(&l.call_site),
-                esc(&l.call_site_from)
-            );
+        if !l.call_site.is_empty() {
+            let from = match l.call_site_from.as_str() {
+                "" => String::new(),
+                f => format!(" (launched by a thread running no Python: {})", esc(f)),
+            };
+            let _ = writeln!(out, "{:>10}  ← {}{from}", "", esc(&l.call_site));
         }
         if !l.caller.is_empty() {
             let _ = writeln!(out, "{:>10}  ← native: {}", "", esc(&l.caller));

@@ -124,8 +124,9 @@ pub struct CudaLaunch {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub call_site: String,
     /// Whose frame `call_site` is when not the launching thread's: a thread that ran no
-    /// Python (autograd's, a C++ pool's) is given the frame of "the thread that last held
-    /// the GIL", most often the one waiting in the call that handed it the work.
+    /// Python (autograd's, a C++ pool's) is given the frame of the thread it most likely
+    /// works for, "the thread that last launched from Python" or else "the thread that last
+    /// held the GIL", most often the one waiting in the call that handed it the work.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub call_site_from: String,
     pub pid: u32,

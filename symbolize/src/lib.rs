@@ -6,7 +6,5 @@
 mod stacks;
 mod symbolize;
 
-pub use stacks::{
-    python_location, Captured, Named, Naming, RawStack, Renumbered, Resolver, ELSEWHERE_MARK,
-};
+pub use stacks::{python_location, Captured, Named, Naming, RawStack, Renumbered, Resolver};
 pub use symbolize::{Sym, Symbolizer};

@@ -59,7 +59,7 @@ pub struct RawStack {
 /// Between the Python frames of the thread a thread running no Python works for (the last
 /// to launch from Python, or to hold the GIL) and that thread's own native frames, in a
 /// CUDA launch's stack (`PY_ELSEWHERE`).
-pub const ELSEWHERE_MARK: &str = "[a thread without Python, for the frames above]";
+const ELSEWHERE_MARK: &str = "[a thread without Python, for the frames above]";
 
 /// `RawStack::native` binary of an address outside every mapping.
 const UNMAPPED: u32 = u32::MAX;

@@ -101,7 +101,7 @@ fn launches_right_after_a_library_is_mapped_are_counted() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn(&libs, &[], &[("FAKE_CUDART_LAUNCH_HANDLE", "function")]);
-    let (truth, report) = counted_from_its_cue(&d, app);
+    let (_, truth, report) = counted_from_its_cue(&d, app);
     assert_eq!(report["losses"], serde_json::json!([]));
     let libraries = report["cuda"]["libraries"].as_array().unwrap();
     assert_eq!(libraries.len(), 2, "{libraries:?}");
@@ -123,7 +123,7 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn_program("warm_kernels", &libs, &["4"], &[]);
-    let (truth, report) = counted_from_its_cue(&d, app);
+    let (_, truth, report) = counted_from_its_cue(&d, app);
     let want: BTreeMap<String, u64> = truth["launches"]
         .as_array()
         .unwrap()
@@ -155,9 +155,9 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
     );
 }
 
-/// A `--cuda` counting session on `app`, started before its cue; the program's account and
-/// the session's report, once both are done.
-fn counted_from_its_cue(d: &Daemon, app: App) -> (Value, Value) {
+/// A `--cuda` counting session on `app`, started before its cue; the session's id, the
+/// program's account and the session's report, once both are done.
+fn counted_from_its_cue(d: &Daemon, app: App) -> (String, Value, Value) {
     let pid = app.pid();
     let id = d
         .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
@@ -166,7 +166,7 @@ fn counted_from_its_cue(d: &Daemon, app: App) -> (Value, Value) {
     let truth = app.finish();
     wait_ended(d, &id);
     let report = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
-    (truth, report)
+    (id, truth, report)
 }
 
 /// A report's launch rows as `truth_rows` has them: graphs left out, kernels with no name seen
@@ -555,14 +555,7 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
     let Some(libs) = build(&d) else { return };
     let mut app = App::spawn(&libs, &["warm=1"], &[]);
     assert_eq!(app.cue("go\n"), "registered\n");
-    let pid = app.pid();
-    let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
-        .trim()
-        .to_owned();
-    let truth = app.finish();
-    wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let (id, truth, report) = counted_from_its_cue(&d, app);
     let cuda = &report["cuda"];
     for lib in cuda["libraries"].as_array().unwrap() {
         assert_eq!(lib["found_by"], "start", "{lib}");

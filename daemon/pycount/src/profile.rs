@@ -22,7 +22,7 @@ use std::{
     ffi::{c_char, c_int, c_void, CStr},
     ptr,
     sync::{
-        atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Once, OnceLock,
     },
     time::{Duration, Instant},
@@ -68,6 +68,10 @@ struct Api {
     set_eval: unsafe extern "C" fn(*mut Interpreter, EvalFrame),
     /// `_PyEval_EvalFrameDefault`: the interpreter's own.
     default_eval: EvalFrame,
+    /// 3.11 (which has `Py_Version`; 3.10 has not) links a thread state made without the GIL
+    /// (PyGILState_Ensure) into the list before it sets its `cframe`, the word before
+    /// `c_profilefunc`; setting the function there would crash.
+    linked_early: bool,
 }
 
 /// `name` from the process's symbols, as a function pointer of type `T`.
@@ -97,6 +101,7 @@ fn api() -> Option<&'static Api> {
                 get_eval: sym(c"_PyInterpreterState_GetEvalFrameFunc")?,
                 set_eval: sym(c"_PyInterpreterState_SetEvalFrameFunc")?,
                 default_eval: sym(c"_PyEval_EvalFrameDefault")?,
+                linked_early: sym::<usize>(c"Py_Version").is_some(),
             })
         }
     })
@@ -175,9 +180,7 @@ unsafe extern "C" fn eval_frame(
         if t.cast::<u8>().add(at).cast::<usize>().read() != profile as *const () as usize {
             give_thread(t);
         }
-        // SAFETY: set before the wrapper was, to a function of this signature.
-        let next: EvalFrame = std::mem::transmute(NEXT_EVAL.load(Ordering::Relaxed));
-        next(t, f, throw)
+        next_eval()(t, f, throw)
     }
 }
 
@@ -206,13 +209,28 @@ unsafe fn give_thread(t: *mut ThreadState) {
 /// # Safety
 /// The GIL is held.
 unsafe fn unwrap_eval(api: &Api, interp: *mut Interpreter) {
-    // SAFETY: GIL held; NEXT_EVAL was the interpreter's function before the wrapper.
+    // SAFETY: GIL held.
     unsafe {
         if (api.get_eval)(interp) as usize == eval_frame as *const () as usize {
-            let next: EvalFrame = std::mem::transmute(NEXT_EVAL.load(Ordering::Relaxed));
-            (api.set_eval)(interp, next);
+            (api.set_eval)(interp, next_eval());
         }
     }
+}
+
+/// The function the wrapper replaced.
+fn next_eval() -> EvalFrame {
+    // SAFETY: set before the wrapper was installed (`wrap`), to a function of this signature.
+    unsafe { std::mem::transmute(NEXT_EVAL.load(Ordering::Relaxed)) }
+}
+
+/// Makes the wrapper the interpreter's frame evaluation function, calling on `current`.
+///
+/// # Safety
+/// The GIL is held and `current` is `interp`'s function now.
+unsafe fn wrap(api: &Api, interp: *mut Interpreter, current: EvalFrame) {
+    NEXT_EVAL.store(current as usize, Ordering::Relaxed);
+    // SAFETY: the caller's promise.
+    unsafe { (api.set_eval)(interp, eval_frame) };
 }
 
 /// Puts the profile function on every thread state of the current interpreter, and wraps
@@ -238,8 +256,7 @@ unsafe fn install_all(api: &Api) -> Result<(), String> {
         let interp = (api.interpreter)(me);
         let current = (api.get_eval)(interp);
         if current as usize != eval_frame as *const () as usize {
-            NEXT_EVAL.store(current as usize, Ordering::Relaxed);
-            (api.set_eval)(interp, eval_frame);
+            wrap(api, interp, current);
         }
     }
     Ok(())
@@ -253,16 +270,13 @@ const REFUSED: &str = "an audit hook refused sys.setprofile";
 /// The GIL is held, `me` is the current thread state and `PROFILE_FIELD` is set.
 unsafe fn give_all(api: &Api, me: *mut ThreadState) -> Result<(), String> {
     let field = PROFILE_FIELD.load(Ordering::Relaxed) / size_of::<usize>();
-    // 3.11 links a thread state made without the GIL (PyGILState_Ensure) into the list
-    // before it sets its `cframe`, the word before `c_profilefunc`; setting the function
-    // there would crash. Such a thread gets it from the wrapper, at its first frame.
     // SAFETY: GIL held: the states listed stay while it is; their fields are words.
     unsafe {
-        let linked_early = sym::<usize>(c"Py_Version").is_some();
         let mut t = (api.head)((api.interpreter)(me));
         while !t.is_null() {
             let words = t.cast::<usize>();
-            let unready = linked_early && words.add(field.max(1) - 1).read() == 0;
+            // Not set up yet (`Api::linked_early`): the wrapper gives it at its first frame.
+            let unready = api.linked_early && words.add(field.max(1) - 1).read() == 0;
             let has = words.add(field).read() == profile as *const () as usize;
             if !has && !unready && !set(api, t, Some(profile)) {
                 return Err(REFUSED.into());
@@ -273,9 +287,8 @@ unsafe fn give_all(api: &Api, me: *mut ThreadState) -> Result<(), String> {
     Ok(())
 }
 
-/// Events between looks at whether the interpreter still calls the wrapper.
+/// Events counted between looks at whether the interpreter still calls the wrapper.
 const WRAP_CHECK_EVERY: u32 = 256;
-static EVENTS: AtomicU32 = AtomicU32::new(0);
 
 /// Wraps the frame evaluation function again where a tool put CPython's own back (PyTorch's
 /// dynamo does, once its frames are done), and gives the threads that began meanwhile the
@@ -285,25 +298,22 @@ static EVENTS: AtomicU32 = AtomicU32::new(0);
 /// # Safety
 /// The GIL is held.
 unsafe fn keep_wrapped(api: &Api) {
-    let n = EVENTS.load(Ordering::Relaxed).wrapping_add(1);
-    EVENTS.store(n, Ordering::Relaxed);
-    if !n.is_multiple_of(WRAP_CHECK_EVERY) {
-        return;
-    }
     // SAFETY: GIL held.
     unsafe {
+        if !counter().ticks.is_multiple_of(WRAP_CHECK_EVERY) {
+            return;
+        }
         let me = (api.current)();
         let interp = (api.interpreter)(me);
-        let current = (api.get_eval)(interp) as usize;
-        if current == eval_frame as *const () as usize || current != api.default_eval as usize {
+        let current = (api.get_eval)(interp);
+        if current as usize != api.default_eval as usize {
             return;
         }
         if give_all(api, me).is_err() {
             counter().hand_over();
             return;
         }
-        NEXT_EVAL.store(current, Ordering::Relaxed);
-        (api.set_eval)(interp, eval_frame);
+        wrap(api, interp, current);
     }
 }
 

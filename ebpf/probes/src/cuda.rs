@@ -339,8 +339,8 @@ fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
             (frame, l, py_from::OWN)
         }
         None => {
-            let (other, l, from) = crate::sample::works_for(pid, me)?;
-            (innermost(other, l)?, l, from)
+            let (_, frame, l, from) = crate::sample::works_for(pid, me)?;
+            (past_shim(frame, l)?, l, from)
         }
     };
     let (code, instr, names) = frame_site(frame, l)?;
@@ -349,8 +349,12 @@ fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
 
 /// The innermost Python frame of the thread whose state is `tstate`; None when it runs none.
 fn innermost(tstate: u64, l: &PyLayout) -> Option<u64> {
-    let mut frame = crate::python::current_frame_quiet(tstate, l).ok()?;
-    // 3.12+: a C-stack shim on top (C code called back into Python): its caller is the frame.
+    past_shim(crate::python::current_frame_quiet(tstate, l).ok()?, l)
+}
+
+/// `frame`, or on 3.12+ where it is a C-stack shim on top (C code called back into Python),
+/// its caller; None for no frame.
+fn past_shim(mut frame: u64, l: &PyLayout) -> Option<u64> {
     if frame != 0
         && l.frame_owner != 0
         && user::<u8>(frame + u64::from(l.frame_owner))

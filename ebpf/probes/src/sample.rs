@@ -217,17 +217,18 @@ pub(crate) unsafe fn user_stack(ev: *mut SampleEvent) {
     }
 }
 
-/// The thread state that last took the GIL in `pid`'s interpreter (the newest, as
-/// `thread_state` finds), with the layout. For an event on a thread that runs no Python
-/// (autograd's, a C++ pool's), the thread that handed it the work most often is that one,
-/// waiting in the call that did (`loss.backward()`) with the GIL released.
-pub(crate) fn last_gil_holder(pid: u32) -> Option<(u64, &'static PyLayout)> {
+/// A known Python process's bookkeeping and layout.
+fn py_process(pid: u32) -> Option<(PySampleProc, &'static PyLayout)> {
     // SAFETY: map values are valid for the duration of the program.
     let proc = unsafe { PY_SAMPLE_PROCS.get(&pid) }.copied()?;
     if proc.layout == PY_SAMPLE_NOT_PYTHON {
         return None;
     }
-    let l = crate::python::layout(proc.layout)?;
+    Some((proc, crate::python::layout(proc.layout)?))
+}
+
+/// The thread state that last took the GIL in the process's interpreter (0: none).
+fn gil_holder(proc: &PySampleProc, l: &PyLayout) -> Option<u64> {
     if l.gil_locked == 0 {
         return None;
     }
@@ -236,8 +237,7 @@ pub(crate) fn last_gil_holder(pid: u32) -> Option<(u64, &'static PyLayout)> {
     } else {
         proc.runtime
     };
-    let holder = read::<u64>(base + u64::from(l.gil_holder))?;
-    (holder != 0).then_some((holder, l))
+    read::<u64>(base + u64::from(l.gil_holder))
 }
 
 /// A CUDA launch from Python by thread state `tstate` of `pid`: kept with its thread id, so
@@ -251,24 +251,26 @@ pub(crate) fn launched_from_python(pid: u32, tstate: u64, l: &PyLayout) {
 }
 
 /// For a thread of `pid` that runs no Python (`me`: its thread state, 0 if none), the thread
-/// it works for, with a frame now: the one that last launched from Python, else the one
-/// that last held the GIL (`py_from`).
-pub(crate) fn works_for(pid: u32, me: u64) -> Option<(u64, &'static PyLayout, u32)> {
+/// it most likely works for, and that thread's current frame (never 0): the one that last
+/// launched from Python (it handed the work over: a backward pass's forward pass), else the
+/// one that last held the GIL, most often waiting in the call that handed it the work
+/// (`py_from`).
+pub(crate) fn works_for(pid: u32, me: u64) -> Option<(u64, u64, &'static PyLayout, u32)> {
+    let (proc, l) = py_process(pid)?;
+    let frame = |t: u64| {
+        crate::python::current_frame_quiet(t, l)
+            .ok()
+            .filter(|&f| f != 0)
+    };
     // SAFETY: map values are valid for the duration of the program.
-    if let Some([t, id]) = unsafe { PY_LAST_LAUNCHER.get(&pid) }
-        .copied()
-        .filter(|&[t, _]| t != me)
-    {
-        if let Some((_, l)) = last_gil_holder(pid) {
-            let same = read::<u64>(t + u64::from(l.tstate_thread_id)) == Some(id);
-            if same && crate::python::current_frame_quiet(t, l).is_ok_and(|f| f != 0) {
-                return Some((t, l, py_from::LAST_LAUNCHER));
-            }
+    if let Some([t, id]) = unsafe { PY_LAST_LAUNCHER.get(&pid) }.copied() {
+        let same = read::<u64>(t + u64::from(l.tstate_thread_id)) == Some(id);
+        if let Some(f) = frame(t).filter(|_| t != me && same) {
+            return Some((t, f, l, py_from::LAST_LAUNCHER));
         }
     }
-    let (holder, l) = last_gil_holder(pid)?;
-    (holder != me && crate::python::current_frame_quiet(holder, l).is_ok_and(|f| f != 0))
-        .then_some((holder, l, py_from::GIL_HOLDER))
+    let holder = gil_holder(&proc, l).filter(|&h| h != 0 && h != me)?;
+    Some((holder, frame(holder)?, l, py_from::GIL_HOLDER))
 }
 
 fn read<T>(addr: u64) -> Option<T> {
@@ -322,8 +324,8 @@ pub(crate) fn python_thread(pid: u32) -> PyThread {
 /// `TASKS`: and, in an asyncio task, the tasks awaiting it (the timer's samples, and
 /// off-CPU records sent at a system call's exit: the off-CPU switch and launch programs are
 /// too large for the verifier with them). `ELSEWHERE` (a CUDA launch's stack): a thread
-/// that runs no Python is given the frames of the thread that last held the GIL, which
-/// handed it the work (autograd's threads, a C++ pool's), marked `PY_ELSEWHERE`.
+/// that runs no Python is given the frames of the thread it works for ([`works_for`]:
+/// autograd's threads, a C++ pool's), marked `PY_ELSEWHERE`.
 // Inlined into each program: called from two, `python::<true>` became a function of its own
 // and the verifier's work for both tripled (`cargo xtask bench first-start`).
 #[inline(always)]
@@ -331,11 +333,16 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
     ev: *mut SampleEvent,
     pid: u32,
 ) {
-    let (tstate, layout) = match python_thread(pid) {
+    let (tstate, layout, mut frame) = match python_thread(pid) {
         PyThread::Found(t, l, interp) => {
             // SAFETY: as above.
             unsafe { (*ev).flags |= gil(pid, interp, t, l) };
-            (t, l)
+            let Ok(frame) = crate::python::current_frame_quiet(t, l) else {
+                // SAFETY: as above.
+                unsafe { (*ev).flags |= sample_flag::PY_READ_FAILED };
+                return;
+            };
+            (t, l, frame)
         }
         PyThread::UnknownProcess => {
             // SAFETY: `ev` is this CPU's record.
@@ -344,10 +351,10 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
         }
         PyThread::NotPython => return,
         PyThread::NoThread => match works_for(pid, 0).filter(|_| ELSEWHERE) {
-            Some((holder, l, _)) => {
+            Some((other, frame, l, _)) => {
                 // SAFETY: as above.
                 unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };
-                (holder, l)
+                (other, l, frame)
             }
             None => {
                 // SAFETY: as above.
@@ -356,17 +363,9 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
             }
         },
     };
-    let Ok(mut frame) = crate::python::current_frame_quiet(tstate, layout) else {
-        // SAFETY: as above.
-        unsafe { (*ev).flags |= sample_flag::PY_READ_FAILED };
-        return;
-    };
-    // SAFETY: as above.
-    if ELSEWHERE && frame == 0 && unsafe { (*ev).flags } & sample_flag::PY_ELSEWHERE == 0 {
+    if ELSEWHERE && frame == 0 {
         // A thread state with no frame: a native thread that ran Python once.
-        if let Some(f) = works_for(pid, tstate)
-            .and_then(|(h, l, _)| crate::python::current_frame_quiet(h, l).ok())
-        {
+        if let Some((_, f, _, _)) = works_for(pid, tstate) {
             // SAFETY: as above.
             unsafe { (*ev).flags |= sample_flag::PY_ELSEWHERE };
             frame = f;

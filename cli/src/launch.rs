@@ -173,7 +173,7 @@ const INJECTION: &str = "libtracer_cupti.so";
 pub fn inject_cupti(cmd: &[String]) -> Result<()> {
     const VAR: &str = "CUDA_INJECTION64_PATH";
     if cmd.is_empty() {
-        bail!("--gpu-times needs a command to start (-- CMD ARGS…): CUDA loads the injection library only at a process's start");
+        bail!("--gpu-times needs a process: a command to start (-- CMD ARGS…) or a running one (--pid PID)");
     }
     let exe = std::env::current_exe().context("finding tracerctl's own path")?;
     let dir = exe.parent().context("tracerctl's directory")?;

@@ -127,8 +127,10 @@ struct StartArgs {
     /// not two; no rows for the runtime's entry points).
     #[arg(long, requires = "cuda")]
     cuda_driver_only: bool,
-    /// With --cuda and -- CMD: GPU execution time per kernel, from CUPTI: the command runs with
-    /// tracer's injection library (CUDA_INJECTION64_PATH=…/libtracer_cupti.so).
+    /// With --cuda: GPU execution time per kernel, from CUPTI. With -- CMD the command runs with
+    /// tracer's injection library (CUDA_INJECTION64_PATH=…/libtracer_cupti.so); with --pid
+    /// tracerd loads that library into the running process (ptrace) and turns CUPTI on there
+    /// until the session ends.
     #[arg(long, requires = "cuda")]
     gpu_times: bool,
     /// Sampling: samples per second on each CPU (default 99).
@@ -335,7 +337,7 @@ fn main() -> ExitCode {
     }
     // `-- CMD` is forked before any thread exists (tokio's included).
     if let Command::Start(a) = &cli.command {
-        if a.gpu_times {
+        if a.gpu_times && a.pid.is_none() {
             if let Err(e) = launch::inject_cupti(&a.command) {
                 return fail(&e);
             }
@@ -579,6 +581,8 @@ fn start_request(
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
             cuda_stacks: args.cuda_stacks,
             cuda_driver_only: args.cuda_driver_only,
+            // A launched command's is its launcher's (`inject_cupti`).
+            gpu_times: args.gpu_times && args.pid.is_some(),
         }),
         sampling: (args.frequency.is_some() || args.push.is_some() || args.off_cpu || args.asyncio)
             .then(|| SamplingOptions {

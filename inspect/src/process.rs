@@ -231,6 +231,19 @@ pub enum MappedFileError {
     },
 }
 
+/// A library of tracer's that tracerd has processes load, beside tracerd's executable, if it
+/// is there.
+pub fn beside_tracerd(name: &str) -> Result<std::path::PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("finding tracerd's executable: {e}"))?;
+    // As `cargo build` leaves it, then the installed layout (/usr/bin, /usr/lib/tracer).
+    let beside = exe.with_file_name(name);
+    let installed = exe.with_file_name("../lib/tracer").join(name);
+    [beside, installed]
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| format!("{name} is neither beside tracerd nor in ../lib/tracer"))
+}
+
 /// A path the daemon can open the file of mapping `m` of `pid` through.
 ///
 /// /proc/PID/maps prints a path as the reader (the daemon) sees it when the file is reachable

@@ -7,7 +7,10 @@
  * "done", and waits for stdin to close before it exits: 0 when everything it checked held.
  *
  * usage: cuda_app [n1=10] [n2=6] [n3=5] [n4=4] [n5=3] [n6=2] [graph=1] [k=8] [b1=4096] [m=2]
- *                 [b2=1024] [bad=1] [hold=0] [init=0] [warm=0] */
+ *                 [b2=1024] [bad=1] [hold=0] [init=0] [subscribe=0] [warm=0]
+ *
+ * After "done", a line "cupti" prints what the fake CUPTI holds then, as JSON (null where no
+ * CUPTI is loaded): {"subscribed":0|1,"kind":N,"callbacks":0|1}. */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
 #include "fake_cupti_abi.h"
@@ -55,6 +58,8 @@ static struct {
                 "the first CUDA call (a program that imports CUDA long before it uses it)"},
     {"init", 0, "1: with hold=1, cuInit before printing \"loaded\" (a program that initializes "
                 "CUDA, loading any CUDA_INJECTION64_PATH library, long before its first launch)"},
+    {"subscribe", 0, "1: with init=1, take CUPTI's one subscriber slot before printing \"loaded\" "
+                     "(a process torch.profiler or Nsight holds)"},
     {"warm", 0, "1: once the kernels are registered and matmul's handle is fetched, print "
                 "\"registered\" and wait for a line (a warm process a tracer attaches to later)"},
 };
@@ -393,6 +398,30 @@ static void record_alloc(const char *layer, const char *api, const char *dapi, c
     if (rc) fail(api, rc);
 }
 
+/* Holds CUPTI's subscriber slot for the process's life, as a profiler would. */
+static void subscribe_cupti(void) {
+    void *h = dlopen("libcupti.so.13", RTLD_NOW | RTLD_GLOBAL);
+    CUptiResult (*sub)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *) =
+        h ? (CUptiResult(*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *))dlsym(h, "cuptiSubscribe")
+          : NULL;
+    static CUpti_SubscriberHandle held;
+    if (!sub || sub(&held, NULL, NULL) != CUPTI_SUCCESS) fail("cuptiSubscribe", -1);
+}
+
+/* Prints what the fake CUPTI holds now (see the usage above). */
+static void print_cupti_state(void) {
+    void *h = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
+    fake_cupti_state_fn state = h ? (fake_cupti_state_fn)dlsym(h, "fake_cupti_state") : NULL;
+    if (!state) {
+        printf("null\n");
+    } else {
+        int subscribed, kind, callbacks;
+        state(&subscribed, &kind, &callbacks);
+        printf("{\"subscribed\":%d,\"kind\":%d,\"callbacks\":%d}\n", subscribed, kind, callbacks);
+    }
+    fflush(stdout);
+}
+
 static void run(void) {
     const long n1 = param("n1"), n3 = param("n3"), n4 = param("n4"), n5 = param("n5"),
                n6 = param("n6"), ngraph = param("graph"), k = param("k"), b1 = param("b1"),
@@ -413,6 +442,7 @@ static void run(void) {
         if (param("init")) {
             CUresult (*init)(unsigned int) = (CUresult(*)(unsigned int))dlsym(hdrv, "cuInit");
             if (!init || init(0) != CUDA_SUCCESS) fail("cuInit", -1);
+            if (param("subscribe")) subscribe_cupti();
         }
         printf("loaded\n");
         fflush(stdout);
@@ -1066,6 +1096,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
 
     while (fgets(line, sizeof line, stdin)) {
+        if (strcmp(line, "cupti\n") == 0) print_cupti_state();
     }
     /* what nvcc's atexit handler and a module's owner would do */
     if (triton_module) cu.cuModuleUnload(triton_module);

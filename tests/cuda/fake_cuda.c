@@ -246,9 +246,15 @@ static void *image_lookup(struct fk_image *img, const char *name) {
 
 /* ---- CUDA_INJECTION64_PATH and CUPTI ---------------------------------------------------- */
 
-/* The fake CUPTI's hook, once an injected library loaded it: launches that succeed report the
- * kernel there, as the real driver's instrumentation makes CUPTI records. */
+/* The fake CUPTI's hook, set while its kernel records are on (by an injected library at cuInit,
+ * or one loaded into the running process later): launches that succeed report the kernel there,
+ * as the real driver's instrumentation makes CUPTI records. */
 static fake_cupti_kernel_ran_fn cupti_kernel_ran;
+
+API void fake_cuda_cupti_hook(fake_cupti_kernel_ran_fn ran) {
+    FRAME();
+    __atomic_store_n(&cupti_kernel_ran, ran, __ATOMIC_RELEASE);
+}
 
 /* As the real driver does at cuInit: load the library CUDA_INJECTION64_PATH names and call its
  * InitializeInjection. */
@@ -262,9 +268,7 @@ static void inject(void) {
                 h ? "no InitializeInjection" : dlerror());
         return;
     }
-    init();
-    void *cupti = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
-    if (cupti) cupti_kernel_ran = (fake_cupti_kernel_ran_fn)dlsym(cupti, "fake_cupti_kernel_ran");
+    init(); /* its cuptiActivityEnable hooks the fake CUPTI in */
 }
 
 static uint32_t stream_id(CUstream s) {
@@ -276,13 +280,14 @@ static uint32_t stream_id(CUstream s) {
 /* A launch that succeeded, for CUPTI. */
 static void ran(const void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                 unsigned bz, unsigned shmem, CUstream s) {
-    if (!cupti_kernel_ran) return;
+    fake_cupti_kernel_ran_fn report = __atomic_load_n(&cupti_kernel_ran, __ATOMIC_ACQUIRE);
+    if (!report) return;
     pthread_mutex_lock(&lock);
     const char *name = launchable_name(f);
     uint32_t id = stream_ok(s) ? stream_id(s) : 0;
     pthread_mutex_unlock(&lock);
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
-    if (name) cupti_kernel_ran(name, id, grid, block, shmem);
+    if (name) report(name, id, grid, block, shmem);
 }
 
 API CUresult cuInit(unsigned int Flags) {

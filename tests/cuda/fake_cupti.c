@@ -12,6 +12,7 @@
 #define _GNU_SOURCE
 #include "fake_cupti_abi.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,8 @@ static uint8_t *buffer;
 static size_t buffer_size, buffer_used;
 static uint32_t next_correlation = 1;
 static int dropped_reported;
+static int subscribed; /* one subscriber, as CUPTI allows */
+static struct CUpti_Subscriber_st { int unused; } the_subscriber;
 
 static struct {
     char *name; /* the record's name pointer: one per kernel, kept for the process's life */
@@ -63,11 +66,64 @@ API CUptiResult cuptiActivityRegisterCallbacks(CUpti_BuffersCallbackRequestFunc 
     return CUPTI_SUCCESS;
 }
 
+/* Attaches to (or, with NULL, detaches from) the fake driver, which tells us of each kernel it
+ * runs; a process whose driver is not loaded yet is attached by the driver at cuInit. */
+API void fake_cupti_kernel_ran(const char *name, uint32_t stream_id, const unsigned grid[3],
+                               const unsigned block[3], unsigned shared_mem);
+static void hook_driver(fake_cupti_kernel_ran_fn ran) {
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    fake_cuda_cupti_hook_fn hook = drv ? (fake_cuda_cupti_hook_fn)dlsym(drv, "fake_cuda_cupti_hook") : NULL;
+    if (hook) hook(ran);
+    if (drv) dlclose(drv);
+}
+
 API CUptiResult cuptiActivityEnable(CUpti_ActivityKind kind) {
     if (kind != CUPTI_ACTIVITY_KIND_KERNEL && kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL)
         return CUPTI_ERROR_INVALID_KIND;
     kernel_kind = kind;
+    hook_driver(fake_cupti_kernel_ran);
     return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback,
+                               void *userdata) {
+    (void)callback, (void)userdata;
+    if (!subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    int taken = subscribed;
+    subscribed = 1;
+    pthread_mutex_unlock(&lock);
+    if (taken) return CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED;
+    *subscriber = &the_subscriber;
+    return CUPTI_SUCCESS;
+}
+
+API CUptiResult cuptiUnsubscribe(CUpti_SubscriberHandle subscriber) {
+    if (subscriber != &the_subscriber) return CUPTI_ERROR_INVALID_PARAMETER;
+    pthread_mutex_lock(&lock);
+    subscribed = 0;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+/* Detaches from the process: no records, no buffer callbacks, no driver hook (a subscriber
+ * is the subscriber's to let go). */
+API CUptiResult cuptiFinalize(void) {
+    hook_driver(NULL);
+    pthread_mutex_lock(&lock);
+    kernel_kind = 0;
+    requested = NULL;
+    completed = NULL;
+    pthread_mutex_unlock(&lock);
+    return CUPTI_SUCCESS;
+}
+
+API void fake_cupti_state(int *is_subscribed, int *kind, int *callbacks) {
+    pthread_mutex_lock(&lock);
+    *is_subscribed = subscribed;
+    *kind = kernel_kind;
+    *callbacks = completed != NULL;
+    pthread_mutex_unlock(&lock);
 }
 
 API CUptiResult cuptiActivityDisable(CUpti_ActivityKind kind) {
@@ -88,6 +144,9 @@ API CUptiResult cuptiGetResultString(CUptiResult result, const char **str) {
     case CUPTI_ERROR_INVALID_PARAMETER: *str = "CUPTI_ERROR_INVALID_PARAMETER"; break;
     case CUPTI_ERROR_INVALID_KIND: *str = "CUPTI_ERROR_INVALID_KIND"; break;
     case CUPTI_ERROR_MAX_LIMIT_REACHED: *str = "CUPTI_ERROR_MAX_LIMIT_REACHED"; break;
+    case CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED:
+        *str = "CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED";
+        break;
     default: *str = "CUPTI_ERROR_UNKNOWN"; break;
     }
     return CUPTI_SUCCESS;

@@ -14,6 +14,7 @@ typedef int CUptiResult; /* enum */
 #define CUPTI_ERROR_INVALID_KIND 21
 #define CUPTI_ERROR_MAX_LIMIT_REACHED 12
 #define CUPTI_ERROR_NOT_INITIALIZED 15
+#define CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED 39
 
 typedef int CUpti_ActivityKind; /* enum */
 #define CUPTI_ACTIVITY_KIND_MEMCPY 1
@@ -89,11 +90,26 @@ CUptiResult cuptiActivityGetNumDroppedRecords(void *context, uint32_t streamId, 
 CUptiResult cuptiGetTimestamp(uint64_t *timestamp);
 CUptiResult cuptiGetResultString(CUptiResult result, const char **str);
 
+/* cupti_callbacks.h: one subscriber per process; cupti.h: detaching CUPTI. */
+typedef struct CUpti_Subscriber_st *CUpti_SubscriberHandle;
+typedef void (*CUpti_CallbackFunc)(void *userdata, int domain, uint32_t cbid, const void *cbdata);
+CUptiResult cuptiSubscribe(CUpti_SubscriberHandle *subscriber, CUpti_CallbackFunc callback,
+                           void *userdata);
+CUptiResult cuptiUnsubscribe(CUpti_SubscriberHandle subscriber);
+CUptiResult cuptiFinalize(void);
+
 /* ---- test-only: the fake driver tells the fake CUPTI that a kernel ran ------------------- */
 
 typedef void (*fake_cupti_kernel_ran_fn)(const char *name, uint32_t stream_id,
                                          const unsigned grid[3], const unsigned block[3],
                                          unsigned shared_mem);
+/* The fake driver's hook for the fake CUPTI (`fake_cuda_cupti_hook`): set when kernel records
+ * are enabled, NULL when CUPTI is finalized, as the real CUPTI attaches to and detaches from the
+ * driver. */
+typedef void (*fake_cuda_cupti_hook_fn)(fake_cupti_kernel_ran_fn ran);
+/* What the fake CUPTI holds now: a subscriber, the kernel kind enabled (0: none), buffer
+ * callbacks registered. */
+typedef void (*fake_cupti_state_fn)(int *subscribed, int *kind, int *callbacks);
 /* The fake CUPTI's own tally, per kernel name (i-th name; 0 past the last). */
 typedef int (*fake_cupti_tally_fn)(int i, const char **name, unsigned long long *executions,
                                    unsigned long long *total_ns);

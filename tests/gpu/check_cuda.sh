@@ -9,7 +9,9 @@
 # tracer came, so the runtime rows are named from symbols; the stacks show where launches
 # come from. The third starts the program with --gpu-times (CUPTI through tracer's injection
 # library): GPU time per kernel, next to the profiler's: each kernel as often as the
-# profiler saw it, and the two random-number kernels.
+# profiler saw it, and the two random-number kernels. The fourth turns GPU times on in the
+# warm process (--gpu-times --pid), then, once the session has ended, runs torch.profiler in
+# that same process: it must find CUPTI free, and both see the same kernels.
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -60,22 +62,20 @@ $CTL start --mode=counting --cuda --gpu-times --format json -o "$STATE/times.jso
   -- python3 "$HERE/torch_launches.py"
 $CTL report "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["session"]["id"])' "$STATE/times.json")" \
   --format kernels --limit 20 | sed -n '/GPU kernel times/,$p'
-python3 - "$STATE/times.json" "$STATE/profiler" <<'PY'
-import json, re, sys
-c = json.load(open(sys.argv[1]))["cuda"]
-print("status:", [g["status"] for g in c.get("gpu_times", [])])
-ours = {}
-for k in c.get("gpu_kernels", []):
-    n, ns = ours.get(k["kernel"], (0, 0))
-    ours[k["kernel"]] = (n + k["executions"], ns + k["total_ns"])
-prof = {}
-for line in open(sys.argv[2]):
-    m = re.match(r"\s+(\d+)\s+([\d.]+)\s+(.*)$", line)
-    if m:
-        prof[m.group(3)] = (int(m.group(1)), float(m.group(2)))
-print("executions: tracer", sum(n for n, _ in ours.values()), "profiler + 2", 2 + sum(n for n, _ in prof.values()))
-for name, (n, ns) in sorted(ours.items(), key=lambda kv: -kv[1][1])[:15]:
-    p = prof.get(name[:110])
-    pavg = f"{p[1] / p[0]:9.2f}" if p else "        -"
-    print(f"{n:6d} {ns / n / 1e3:9.2f} us avg | profiler {p[0] if p else '-':>5} {pavg} us avg  {name[:90]}")
-PY
+# The profiler saw the counted run only: the two random-number kernels are extra.
+python3 "$HERE/compare_gpu_times.py" "$STATE/times.json" "$STATE/profiler" 2 "profiler + 2"
+echo "== tracer --cuda --gpu-times --pid on the warm process, then torch.profiler in it"
+rm -f "$STATE/ready" "$STATE/go" "$STATE/again"
+python3 "$HERE/torch_launches.py" --wait "$STATE/ready" "$STATE/go" "$STATE/again" --then-profile \
+  > "$STATE/after" &
+WORK=$!
+while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
+ID=$($CTL start --mode=counting --cuda --gpu-times --pid $WORK)
+touch "$STATE/go"
+sleep 3
+$CTL stop "$ID" > /dev/null
+touch "$STATE/again"
+wait $WORK
+$CTL report "$ID" --format json -o "$STATE/attached.json"
+python3 "$HERE/compare_gpu_times.py" "$STATE/attached.json" "$STATE/after" 0 \
+  "torch.profiler after it, same process"

@@ -1,7 +1,9 @@
 """CUDA work whose kernel count torch.profiler gives: 100 x (matmul, relu, div) and 20
 convolutions, after a warm-up outside the count. With --profile, runs the counted part under
 torch.profiler and prints the number of GPU kernels it saw, and per kernel name its count and
-GPU time."""
+GPU time. With --wait READY GO [AGAIN] --then-profile: warm, counted once when GO appears,
+then profiled once more in the same process when AGAIN appears (after a tracer session on it
+has ended)."""
 import sys
 
 import torch
@@ -23,7 +25,21 @@ def main():
     conv = torch.nn.Conv2d(3, 16, 3).cuda()
     torch.backends.cudnn.benchmark = False
     work(a, x, conv)  # warm-up: library loading, cuBLAS/cuDNN handles, autotuning
-    if "--profile" in sys.argv:
+    if "--wait" in sys.argv:
+        # Warm: tell the runner, wait until a session is attached, then do the counted part;
+        # with --then-profile, wait for a third file and profile it once more.
+        import os
+        import time
+        ready, go, *again = sys.argv[sys.argv.index("--wait") + 1:][:3]
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        work(a, x, conv)
+        if "--then-profile" not in sys.argv:
+            return
+        while not os.path.exists(again[0]):
+            time.sleep(0.01)
+    if "--profile" in sys.argv or "--then-profile" in sys.argv:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -39,15 +55,6 @@ def main():
         # count, GPU time in µs, name: what tracer's --gpu-times table is compared with.
         for n, (c, us) in sorted(names.items(), key=lambda kv: -kv[1][1]):
             print(f"  {c:5d} {us:12.1f}  {n[:110]}")
-    elif "--wait" in sys.argv:
-        # Warm: tell the runner, wait until a session is attached, then do the counted part.
-        import os
-        import time
-        ready, go = sys.argv[sys.argv.index("--wait") + 1:][:2]
-        open(ready, "w").close()
-        while not os.path.exists(go):
-            time.sleep(0.01)
-        work(a, x, conv)
 
 
 main()

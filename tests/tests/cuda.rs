@@ -1451,6 +1451,154 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
     assert_eq!(gpu_per_kernel(&report), observed);
 }
 
+/// `--gpu-times --pid`: a process that initialized CUDA long before, without the injection
+/// library, gets GPU times without a restart. tracerd loads the library with ptrace and turns
+/// CUPTI on before the start is answered; the report's GPU times must be the fake CUPTI's own
+/// tally. A session stopped while the process lives turns CUPTI off and detaches it (the fake
+/// CUPTI's state says what is left: no subscriber, no kind, no callbacks), with the last
+/// records in the report; a later session turns it on again. A process where another tool
+/// holds CUPTI's subscriber slot is refused, with the reason, and its slot left alone.
+#[test]
+fn gpu_times_without_a_restart() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let gpu_times = |pid: &str| -> Vec<String> {
+        [
+            "start",
+            "--mode=counting",
+            "--cuda",
+            "--gpu-times",
+            "--pid",
+            pid,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let start = |pid: &str| {
+        let args = gpu_times(pid);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        d.ok(&args).trim().to_owned()
+    };
+    let report = |id: &str| -> Value {
+        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    };
+    let status = |r: &Value| {
+        r["cuda"]["gpu_times"][0]["status"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let no_cuda_cupti = serde_json::json!({"subscribed": 0, "kind": 0, "callbacks": 0});
+
+    // Stopped while the process lives: its last records are in the report, CUPTI is left
+    // detached.
+    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let id = start(&app.pid());
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(app.cue(""), "done\n");
+    let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(on["subscribed"], 1, "{on}");
+    assert_ne!(on["kind"], 0, "{on}");
+    d.ok(&["stop", &id]);
+    let r = report(&id);
+    let observed = cupti_observed(&truth);
+    let launched: u64 = observed.values().map(|v| v.0).sum();
+    assert!(launched > 0, "{truth}");
+    assert_eq!(
+        gpu_per_kernel(&r),
+        observed,
+        "every execution, the last ones too"
+    );
+    let line = status(&r);
+    assert!(
+        line.starts_with(&format!(
+            "off: turned off at the session's end; {launched} kernel records handed over, 0 dropped"
+        )),
+        "{line}"
+    );
+    let loaded = r["cuda"]["libraries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["path"].as_str().unwrap().ends_with("/libtracer_cupti.so"))
+        .expect("the injection library among the libraries probed");
+    assert_eq!(loaded["found_by"], "loaded", "{loaded}");
+    let off: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(off, no_cuda_cupti, "CUPTI left as before the session");
+
+    // Again: the library is there already, and turned on once more.
+    let again = start(&app.pid());
+    let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(on["subscribed"], 1, "{on}");
+    d.ok(&["stop", &again]);
+    let line = status(&report(&again));
+    assert!(
+        line.starts_with("off: turned off at the session's end; 0 kernel records handed over"),
+        "{line}"
+    );
+    let off: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(off, no_cuda_cupti);
+    drop(app);
+
+    // The process exits during the session: its exit hands the rest over.
+    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    let id = start(&app.pid());
+    let truth = app.finish();
+    wait_ended(&d, &id);
+    let r = report(&id);
+    assert_eq!(gpu_per_kernel(&r), cupti_observed(&truth));
+    assert!(status(&r).contains("at exit"), "{}", status(&r));
+
+    // Another tool holds CUPTI: refused, and its hold left as it was.
+    let mut app = App::spawn(&libs, &["hold=1", "init=1", "subscribe=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    let args = gpu_times(&app.pid());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = d.run(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("another CUPTI subscriber holds this process"),
+        "{err}"
+    );
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(app.cue(""), "done\n");
+    let held: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(
+        held,
+        serde_json::json!({"subscribed": 1, "kind": 0, "callbacks": 0})
+    );
+    let listed = d.ok(&["list"]);
+    assert!(
+        !listed.contains("running"),
+        "a refused start leaves no session: {listed}"
+    );
+    drop(app);
+
+    // tracerd killed while records are on: the kernel takes its probes out, and the library,
+    // seeing its probe point unprobed for 5 s, turns CUPTI off itself.
+    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    let args = gpu_times(&app.pid());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut d = d;
+    d.ok(&args);
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(app.cue(""), "done\n");
+    d.kill();
+    wait_until(20, "CUPTI turned off without tracerd", || {
+        serde_json::from_str::<Value>(&app.cue("cupti\n")).unwrap() == no_cuda_cupti
+    });
+}
+
 /// A report's GPU time rows summed per kernel: (executions, total ns).
 fn gpu_per_kernel(report: &Value) -> BTreeMap<String, (u64, u64)> {
     let mut per: BTreeMap<String, (u64, u64)> = BTreeMap::new();

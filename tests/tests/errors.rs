@@ -124,7 +124,11 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
                 "--pid",
                 &pid,
             ],
-            "--gpu-times needs a command to start",
+            "has not loaded CUDA's driver (libcuda)",
+        ),
+        (
+            &["start", "--mode=counting", "--cuda", "--gpu-times", "--all"],
+            "--gpu-times needs a process",
         ),
         (
             &[

@@ -9,6 +9,9 @@ use tracer_common::CuptiKernel;
 
 type CuptiResult = u32;
 const CUPTI_SUCCESS: CuptiResult = 0;
+/// `CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED`: another tool (torch.profiler's kineto,
+/// Nsight Systems or Compute, cuda-gdb) holds CUPTI's one subscriber slot in this process.
+pub const ERROR_MULTIPLE_SUBSCRIBERS: CuptiResult = 39;
 
 /// `CUpti_ActivityKind`: `CUPTI_ACTIVITY_KIND_KERNEL` serializes kernels;
 /// `CONCURRENT_KERNEL` lets them overlap as they would untraced, so it is tried first.
@@ -38,6 +41,25 @@ mod kernel {
 
 type BufferRequested = extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
 type BufferCompleted = extern "C" fn(*mut c_void, u32, *mut u8, usize, usize);
+/// `CUpti_CallbackFunc`: (userdata, domain, callback id, callback data).
+type Callback = extern "C" fn(*mut c_void, u32, u32, *const c_void);
+/// `CUpti_SubscriberHandle`.
+pub(crate) struct Subscriber(*mut c_void);
+// SAFETY: an opaque handle CUPTI hands out, used from whichever thread holds it.
+unsafe impl Send for Subscriber {}
+
+/// What attaching to a running process adds: CUPTI's one subscriber slot, taken to learn
+/// that no other tool holds it (and to keep one from starting meanwhile), and the calls that
+/// undo everything at the end.
+pub(crate) struct Attach {
+    subscribe: unsafe extern "C" fn(*mut *mut c_void, Callback, *mut c_void) -> CuptiResult,
+    unsubscribe: unsafe extern "C" fn(*mut c_void) -> CuptiResult,
+    disable: unsafe extern "C" fn(u32) -> CuptiResult,
+    finalize: unsafe extern "C" fn() -> CuptiResult,
+}
+
+/// The subscriber's callback: nothing is enabled on it, so CUPTI never calls it.
+extern "C" fn no_callback(_: *mut c_void, _: u32, _: u32, _: *const c_void) {}
 
 /// CUPTI's entry points, from dlsym.
 pub(crate) struct Cupti {
@@ -48,6 +70,8 @@ pub(crate) struct Cupti {
     get_timestamp: unsafe extern "C" fn(*mut u64) -> CuptiResult,
     dropped: unsafe extern "C" fn(*mut c_void, u32, *mut usize) -> CuptiResult,
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
+    /// The calls only attaching needs; `None` where this CUPTI lacks one (said when used).
+    attach: Result<Attach, String>,
 }
 
 /// dlsym of `name` in `lib`, as a function pointer type `F`.
@@ -77,7 +101,57 @@ impl Cupti {
             get_timestamp: need(lib, "cuptiGetTimestamp")?,
             dropped: need(lib, "cuptiActivityGetNumDroppedRecords")?,
             result_string: sym(lib, "cuptiGetResultString"),
+            attach: (|| {
+                Ok(Attach {
+                    subscribe: need(lib, "cuptiSubscribe")?,
+                    unsubscribe: need(lib, "cuptiUnsubscribe")?,
+                    disable: need(lib, "cuptiActivityDisable")?,
+                    finalize: need(lib, "cuptiFinalize")?,
+                })
+            })(),
         })
+    }
+
+    fn attach(&self) -> Result<&Attach, String> {
+        self.attach.as_ref().map_err(Clone::clone)
+    }
+
+    /// Takes CUPTI's subscriber slot; the error says who may hold it.
+    pub fn subscribe(&self) -> Result<Subscriber, String> {
+        let a = self.attach()?;
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: CUPTI fills `handle`; the callback has CUPTI's prototype.
+        let r = unsafe { (a.subscribe)(&mut handle, no_callback, std::ptr::null_mut()) };
+        if r == ERROR_MULTIPLE_SUBSCRIBERS {
+            return Err("another CUPTI subscriber holds this process (torch.profiler, Nsight Systems or Compute, cuda-gdb): GPU times are refused rather than taken from it".into());
+        }
+        self.check("cuptiSubscribe", r)?;
+        Ok(Subscriber(handle))
+    }
+
+    /// Turns kernel records of `kind` (if any) off, lets the subscriber slot go and detaches CUPTI
+    /// from the process (`cuptiFinalize`), as a profiler that ends does. Errors are said,
+    /// and every step is tried.
+    pub fn detach(&self, kind: Option<u32>, subscriber: Subscriber) -> Result<(), String> {
+        let a = self.attach()?;
+        // SAFETY (each): plain calls with a kind and the handle CUPTI gave.
+        let steps = [
+            (
+                "cuptiActivityDisable",
+                kind.map_or(CUPTI_SUCCESS, |k| unsafe { (a.disable)(k) }),
+            ),
+            ("cuptiUnsubscribe", unsafe { (a.unsubscribe)(subscriber.0) }),
+            ("cuptiFinalize", unsafe { (a.finalize)() }),
+        ];
+        let errors: Vec<String> = steps
+            .into_iter()
+            .filter_map(|(what, r)| self.check(what, r).err())
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
     }
 
     fn check(&self, what: &str, r: CuptiResult) -> Result<(), String> {
@@ -102,15 +176,16 @@ impl Cupti {
         self.check("cuptiActivityRegisterCallbacks", r)
     }
 
-    /// Turns on kernel records: concurrent ones, else serialized ones. Which it got.
-    pub fn enable_kernel_records(&self) -> Result<&'static str, String> {
+    /// Turns on kernel records: concurrent ones, else serialized ones. Which it got, in
+    /// words and as the kind.
+    pub fn enable_kernel_records(&self) -> Result<(&'static str, u32), String> {
         // SAFETY: plain calls.
         if unsafe { (self.enable)(ACTIVITY_KIND_CONCURRENT_KERNEL) } == CUPTI_SUCCESS {
-            return Ok("concurrent kernel");
+            return Ok(("concurrent kernel", ACTIVITY_KIND_CONCURRENT_KERNEL));
         }
         let r = unsafe { (self.enable)(ACTIVITY_KIND_KERNEL) };
         self.check("cuptiActivityEnable(KERNEL)", r)?;
-        Ok("kernel (serialized)")
+        Ok(("kernel (serialized)", ACTIVITY_KIND_KERNEL))
     }
 
     pub fn flush(&self, forced: bool) {

@@ -7,8 +7,12 @@
 //!
 //! What happened is kept in the exported `tracer_cupti_status` (a NUL-terminated line), which
 //! tracerd reads from the process's memory when it finds the library mapped.
+//!
+//! tracerd may also load it into a running process (`--gpu-times --pid`): then it turns
+//! CUPTI on and off when tracerd asks (`attach.rs`).
 
 mod api;
+mod attach;
 mod find;
 
 use std::{
@@ -116,6 +120,8 @@ static CUPTI: OnceLock<Cupti> = OnceLock::new();
 static FLUSHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Set by the exit handler: the periodic flush starts no more.
 static EXITING: AtomicBool = AtomicBool::new(false);
+/// Kernel records are on: the exit handler has something to hand over.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// Buffers being handed over now, on any thread (CUPTI's own included).
 static COMPLETING: AtomicU64 = AtomicU64::new(0);
 /// How long the exit handler waits for buffers other threads are handing over.
@@ -158,10 +164,11 @@ fn start() -> Result<String, String> {
     // registered (fixed in 13.1): an offset, measured again at each buffer, instead.
     CLOCK_OFFSET.store(clock_offset(&cupti), Ordering::Relaxed);
     cupti.register_buffers(buffer_requested, buffer_completed)?;
-    let kind = cupti.enable_kernel_records()?;
+    let (kind, _) = cupti.enable_kernel_records()?;
     let _ = CUPTI.set(cupti);
     // SAFETY: plain syscall wrapper.
     OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+    ACTIVE.store(true, Ordering::SeqCst);
     std::thread::Builder::new()
         .name("tracer-cupti".into())
         .spawn(|| loop {
@@ -189,29 +196,12 @@ fn start() -> Result<String, String> {
 /// with its initialization) still learns how CUPTI was set up.
 extern "C" fn flush_at_exit() {
     // SAFETY: plain syscall wrapper.
-    if OWNER.load(Ordering::Relaxed) != unsafe { libc::getpid() } {
+    if OWNER.load(Ordering::Relaxed) != unsafe { libc::getpid() } || !ACTIVE.load(Ordering::SeqCst)
+    {
         return;
     }
-    if let Some(c) = CUPTI.get() {
-        // A buffer another thread is handing over when the process exits would be lost
-        // half-way, with the process: the exit waits for it (bounded: a stuck flush must not
-        // hold the program's exit for long).
-        EXITING.store(true, Ordering::SeqCst);
-        let deadline = std::time::Instant::now() + EXIT_WAIT;
-        let held = loop {
-            match FLUSHING.try_lock() {
-                Ok(g) => break Some(g),
-                Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
-                Err(_) if std::time::Instant::now() >= deadline => break None,
-                Err(_) => std::thread::sleep(Duration::from_millis(1)),
-            }
-        };
-        c.flush(true);
-        drop(held);
-        while COMPLETING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+    EXITING.store(true, Ordering::SeqCst);
+    flush_all();
     let (kernels, dropped) = counts();
     let line = format!(
         "{}; at exit: {kernels} kernel records handed over, {dropped} dropped",
@@ -219,6 +209,27 @@ extern "C" fn flush_at_exit() {
     );
     set_status(&line);
     announce(&line);
+}
+
+/// Hands over everything CUPTI holds, waiting (bounded: a stuck flush must not hold the
+/// program's exit, or tracerd, for long) for a periodic flush under way and for buffers
+/// other threads are handing over, which would otherwise be lost half-way.
+fn flush_all() {
+    let Some(c) = CUPTI.get() else { return };
+    let deadline = std::time::Instant::now() + EXIT_WAIT;
+    let held = loop {
+        match FLUSHING.try_lock() {
+            Ok(g) => break Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+            Err(_) if std::time::Instant::now() >= deadline => break None,
+            Err(_) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    };
+    c.flush(true);
+    drop(held);
+    while COMPLETING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// CLOCK_MONOTONIC now, ns.

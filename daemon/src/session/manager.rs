@@ -113,6 +113,9 @@ struct Ending {
     unsaved: HashMap<String, std::sync::Arc<Report>>,
     /// The unsaved reports are being written (`Saved`).
     saving: bool,
+    /// `stop` requests for sessions still running until their GPU times are off
+    /// (`GpuTimesOff`), answered at their end.
+    stops: HashMap<String, Vec<Reply<SessionInfo>>>,
 }
 
 /// Looks for processes that run off this task.
@@ -316,11 +319,10 @@ impl Manager {
         match request {
             Request::Start { req, caller, reply } => self.prepare(*req, caller, reply),
             Request::Stop { id, caller, reply } => match self.stop(&id, caller) {
-                Ok(None) => {
-                    if let Some(c) = self.ending.closing.get_mut(&id) {
-                        c.stops.push(reply);
-                    }
-                }
+                Ok(None) => match self.ending.closing.get_mut(&id) {
+                    Some(c) => c.stops.push(reply),
+                    None => self.ending.stops.entry(id).or_default().push(reply),
+                },
                 done => {
                     let _ = reply.send(done.map(|info| info.expect("answered")));
                 }
@@ -411,6 +413,13 @@ impl Manager {
             Done::PythonScanned(pids) => self.python_scanned(&pids),
             Done::Inspected(found) => self.py.add_inspected(found),
             Done::Expire { id } => self.finish(&id, EndReason::Duration, None),
+            Done::GpuTimesOff {
+                id,
+                pid,
+                status,
+                reason,
+                error,
+            } => self.gpu_times_off(&id, pid, status, reason, error),
             Done::Named { id, done } => self.named(&id, *done),
             Done::Saved(ids) => self.saved(ids),
             Done::Deleted { id, stored, reply } => self.deleted(&id, stored, reply),
@@ -526,7 +535,8 @@ impl Manager {
         if self.running.contains_key(id) {
             self.finish(id, EndReason::Stopped, None);
         }
-        if self.ending.closing.contains_key(id) {
+        // Ending (or about to: its GPU times being turned off first): answered at its end.
+        if self.ending.closing.contains_key(id) || self.running.contains_key(id) {
             return Ok(None);
         }
         Ok(Some(self.finished[id].clone()))

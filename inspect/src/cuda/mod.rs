@@ -2,8 +2,10 @@
 //! runtime API) and libcuda (the driver API), and how launches' kernel handles get names
 //! from the calls that create them.
 
+mod injection;
 mod registered;
 
+pub use injection::Injection;
 pub use registered::registered_kernels;
 
 use std::{collections::HashMap, path::Path};
@@ -111,32 +113,7 @@ pub fn injection_status(
     file: &Path,
     maps: &[&crate::process::MapEntry],
 ) -> Result<String, String> {
-    use object::{Object, ObjectSegment, ObjectSymbol};
-    const STATUS_LEN: usize = 256;
-    let data = crate::binary::map(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    let elf = object::File::parse(&*data).map_err(|e| e.to_string())?;
-    let sym = elf
-        .dynamic_symbols()
-        .find(|s| s.name() == Ok("tracer_cupti_status"))
-        .ok_or("no tracer_cupti_status symbol: not tracer's injection library")?;
-    // The load bias, from the mapping of the file's start: the first loadable segment's.
-    // (File offsets are ambiguous: a data page's bytes may be mapped by two segments.)
-    let first = elf
-        .segments()
-        .find(|seg| seg.file_range().0 == 0)
-        .ok_or("no segment maps the file's start")?;
-    let bias = maps
-        .iter()
-        .find(|m| m.offset == 0)
-        .map(|m| m.start.wrapping_sub(first.address() & !0xfff))
-        .ok_or("the library's first page is not mapped")?;
-    let line = c_string(pid, bias.wrapping_add(sym.address()), STATUS_LEN)
-        .map_err(|e| format!("reading pid {pid}'s memory: {e}"))?;
-    // Mid-dlopen the address may still show other bytes of the file.
-    if line.is_empty() || line.chars().any(|c| c.is_control() || c == '\u{fffd}') {
-        return Err("the library was still being loaded".into());
-    }
-    Ok(line)
+    Injection::find(pid, file, maps)?.status()
 }
 
 /// A kernel name CUPTI keeps in process `pid`'s memory at `addr` (live views name GPU
@@ -148,7 +125,7 @@ pub fn name_in_process(pid: u32, addr: u64) -> Option<String> {
 
 /// A NUL-terminated string in process `pid`'s memory, at most `max` bytes of it, read a page
 /// at a time: a string may end just before an unmapped page.
-fn c_string(pid: u32, addr: u64, max: usize) -> std::io::Result<String> {
+pub(crate) fn c_string(pid: u32, addr: u64, max: usize) -> std::io::Result<String> {
     const PAGE: u64 = 4096;
     let mut out = Vec::new();
     let mut at = addr;

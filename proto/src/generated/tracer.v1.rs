@@ -79,6 +79,18 @@ pub struct CountingOptions {
     /// With `python`: count every process with uprobes only, loading no code into any.
     #[prost(bool, tag = "9")]
     pub python_uprobes_only: bool,
+    /// With `cuda`, for a running process named by pid (not launched, not all): each kernel's
+    /// GPU time, from CUPTI turned on inside the process for the session. tracerd loads its
+    /// injection library (libtracer_cupti.so, beside tracerd) into the process with ptrace
+    /// where it is not there yet, as a debugger would (the same rules as loading a counter: the
+    /// caller may trace the process, and Yama's ptrace scope is obeyed), turns kernel records
+    /// on before the start is answered and off at the session's end, leaving CUPTI detached.
+    /// FAILED_PRECONDITION, with the reason, where that cannot be done: CUDA not initialized in
+    /// the process, another CUPTI subscriber there (torch.profiler, Nsight), another root
+    /// directory (a container). A launched command gets GPU times from its launcher, which
+    /// sets CUDA_INJECTION64_PATH (INVALID_ARGUMENT here).
+    #[prost(bool, tag = "10")]
+    pub gpu_times: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -9,11 +9,16 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub mod gpu_times;
+mod job;
 pub mod watch;
+
+use job::injection_status;
+pub use job::{CudaJob, CudaProbed};
 
 use tracer_common::{cuda_api as api, cuda_cookie, py_from, CudaNameEvent};
 
-use tracer_bpf::{Bpf, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
+use tracer_bpf::{Bpf, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
 use tracer_inspect::cuda::{self, Names};
 use tracer_inspect::unwind::ProcMaps;
 use tracer_report::{
@@ -41,94 +46,6 @@ pub const LOOK_ALL_EVERY: Duration = Duration::from_secs(10);
 
 /// A mapped library by (device major, minor, inode).
 type LibraryId = (u32, u32, u64);
-
-/// Attaching one CUDA library's probes for one session, on a thread other than the
-/// manager's: its symbol table is read (libcuda's is large) and its probes attached.
-pub struct CudaJob {
-    /// The session's slot, which its probes count into.
-    pub slot: u8,
-    id: LibraryId,
-    /// Where the file is reachable from here.
-    path: std::path::PathBuf,
-    /// Its path in the process.
-    mapped: String,
-    pid: u32,
-    found_by: String,
-    /// (symbol, cookie, read at return) of each entry point to probe.
-    points: Vec<(&'static str, u64, bool)>,
-}
-
-/// What [`CudaJob::run`] attached.
-pub struct CudaProbed {
-    pub job: CudaJob,
-    pub links: ProbeSet,
-    warning: Option<String>,
-    /// How long resolving and attaching took.
-    took: Duration,
-}
-
-impl CudaJob {
-    /// Resolves the entry points and attaches them: all of a library's probes or none (a
-    /// library that does not load fails on every entry point, and says it once).
-    pub fn run(self, attacher: &CudaAttacher) -> CudaProbed {
-        let began = Instant::now();
-        let symbols: Vec<&str> = self.points.iter().map(|p| p.0).collect();
-        let mut warning = None;
-        let offsets =
-            tracer_inspect::native::resolve_exact(&self.path, &symbols).unwrap_or_else(|e| {
-                warning = Some(format!("{}: {e}", self.mapped));
-                HashMap::new()
-            });
-        // Not every version exports every variant.
-        let probes: Vec<(u64, u64, bool)> = self
-            .points
-            .iter()
-            .filter_map(|&(symbol, cookie, at_return)| {
-                Some((*offsets.get(symbol)?, cookie, at_return))
-            })
-            .collect();
-        let links = match attacher.attach(&self.path, &probes) {
-            Ok(set) => set,
-            Err(e) => {
-                warning.get_or_insert_with(|| format!("{}: {e}", self.mapped));
-                ProbeSet::default()
-            }
-        };
-        CudaProbed {
-            job: self,
-            links,
-            warning,
-            took: began.elapsed(),
-        }
-    }
-}
-
-/// The CUPTI injection library's status line in `pid`, mapping the library `id` at `path`
-/// (`maps`: the process's mappings, read here if not given).
-fn injection_status(
-    pid: u32,
-    path: &std::path::Path,
-    id: LibraryId,
-    maps: Option<&ProcMaps>,
-) -> String {
-    let read;
-    let maps = match maps {
-        Some(m) => Ok(m),
-        None => {
-            read = ProcMaps::read(pid);
-            read.as_ref().map_err(ToString::to_string)
-        }
-    };
-    let status = maps.and_then(|maps| {
-        let mine: Vec<_> = maps
-            .entries()
-            .iter()
-            .filter(|e| (e.dev.0, e.dev.1, e.inode) == id)
-            .collect();
-        cuda::injection_status(pid, path, &mine)
-    });
-    status.unwrap_or_else(|e| format!("error: its status could not be read: {e}"))
-}
 
 /// How a session's launches are probed.
 #[derive(Clone, Copy, Debug, Default)]
@@ -198,6 +115,8 @@ pub struct CudaSession {
     /// pid → the status line read when this session found the library in the process: the
     /// processes whose GPU times this session reports.
     injected: HashMap<u32, String>,
+    /// `--gpu-times` in a running process.
+    pub gpu_times: gpu_times::State,
 }
 
 impl CudaSession {
@@ -263,6 +182,7 @@ impl CudaSession {
             gpu_names: HashMap::new(),
             announced: HashMap::new(),
             injected: HashMap::new(),
+            gpu_times: gpu_times::State::None,
         }
     }
 
@@ -361,7 +281,11 @@ impl CudaSession {
             if !self.libs.contains_key(&id) {
                 self.probing_libs
                     .insert(id, cupti.then_some(pid).into_iter().collect());
-                jobs.push(self.job(lib, id, path, &m.path, pid, found_by));
+                let mut job = self.job(lib, id, path, &m.path, pid, found_by);
+                if lib == cuda::Library::Cupti {
+                    job.enable = self.enable(pid, false);
+                }
+                jobs.push(job);
                 continue;
             }
             if cupti {
@@ -369,10 +293,44 @@ impl CudaSession {
                 self.injected.insert(pid, status);
             }
         }
+        // Asked for GPU times, and no injection library mapped: it is probed, then loaded.
+        if let Some(enable) = self.enable(pid, true) {
+            match self.injection_job(enable) {
+                Ok(job) => jobs.push(job),
+                Err(e) => self.warnings.push(e),
+            }
+        }
         if maps_cuda {
             self.callers.keep(pid, &maps);
         }
         (maps_cuda, jobs)
+    }
+
+    /// The session's ask for GPU times in `pid`, taken by the job that loads (`load`) or
+    /// finds the injection library.
+    fn enable(&mut self, pid: u32, load: bool) -> Option<gpu_times::Enable> {
+        match std::mem::take(&mut self.gpu_times) {
+            gpu_times::State::Asked(ask) if ask.pid == pid => Some(gpu_times::Enable { ask, load }),
+            other => {
+                self.gpu_times = other;
+                None
+            }
+        }
+    }
+
+    /// The job that probes tracer's injection library, not loaded into the process yet,
+    /// then loads it and turns GPU times on.
+    fn injection_job(&mut self, enable: gpu_times::Enable) -> Result<CudaJob, String> {
+        use std::os::unix::fs::MetadataExt;
+        let path = enable.ask.library.clone();
+        let meta = std::fs::metadata(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+        self.probing_libs.insert(id, Vec::new());
+        let mapped = path.to_string_lossy().into_owned();
+        let pid = enable.ask.pid;
+        let mut job = self.job(cuda::Library::Cupti, id, path, &mapped, pid, "loaded");
+        job.enable = Some(enable);
+        Ok(job)
     }
 
     /// Whether libraries found are still being probed (a start is answered once they are in).
@@ -420,17 +378,20 @@ impl CudaSession {
             pid,
             found_by: found_by.to_owned(),
             points,
+            enable: None,
         }
     }
 
     /// A library's probes, attached by its [`CudaJob`]; the CUPTI status of the processes
-    /// that were found mapping it meanwhile is read now that they are in.
-    pub fn adopt(&mut self, probed: CudaProbed) {
+    /// that were found mapping it meanwhile is read now that they are in. Why GPU times
+    /// could not be turned on, where the job was to.
+    pub fn adopt(&mut self, probed: CudaProbed) -> Result<(), String> {
         let CudaProbed {
             job,
             links,
             warning,
             took,
+            enabled,
         } = probed;
         self.warnings.extend(warning);
         let ms = took.as_secs_f64() * 1e3;
@@ -450,6 +411,57 @@ impl CudaSession {
             let status = injection_status(pid, &job.path, job.id, None);
             self.injected.insert(pid, status);
         }
+        let (Some(enabled), Some(enable)) = (enabled, job.enable) else {
+            return Ok(());
+        };
+        let ask = enable.ask;
+        match enabled? {
+            gpu_times::Enabled::On(status) => {
+                self.injected.insert(ask.pid, status);
+                self.gpu_times = gpu_times::State::On(ask);
+            }
+            gpu_times::Enabled::Injected(status) => {
+                self.injected.insert(ask.pid, status);
+            }
+        }
+        Ok(())
+    }
+
+    /// A warning for the report.
+    pub fn warn(&mut self, warning: String) {
+        self.warnings.push(warning);
+    }
+
+    /// Whether GPU times are being turned off before the session ends.
+    pub fn switching_off(&self) -> bool {
+        matches!(self.gpu_times, gpu_times::State::Switching)
+    }
+
+    /// The process whose GPU times this session turned on, to turn off before it ends (on a
+    /// blocking thread, `gpu_times::turn_off`, then [`Self::switched_off`]); once.
+    pub fn switch_off(&mut self) -> Option<u32> {
+        match std::mem::take(&mut self.gpu_times) {
+            // Gone: its exit handed everything over.
+            gpu_times::State::On(ask) if !tracer_inspect::process::alive(ask.pid) => {
+                gpu_times::gone(ask.pid);
+                None
+            }
+            gpu_times::State::On(ask) => {
+                self.gpu_times = gpu_times::State::Switching;
+                Some(ask.pid)
+            }
+            other => {
+                self.gpu_times = other;
+                None
+            }
+        }
+    }
+
+    /// GPU times in `pid` are off (or could not be turned off: said in the report).
+    pub fn switched_off(&mut self, pid: u32, status: Result<String, String>) {
+        self.gpu_times = gpu_times::State::None;
+        let line = status.unwrap_or_else(|e| format!("error: turning GPU times off: {e}"));
+        self.announced.insert(pid, line);
     }
 
     /// The launches and copies so far, named, left in the kernel (for live metrics; native
@@ -502,6 +514,16 @@ impl Source for CudaSession {
 
     fn end(mut self: Box<Self>, at: &mut Ending<'_, '_>) -> Ended {
         let slot = at.slot;
+        if let Some(pid) = self.switch_off() {
+            // Ended without its GPU times turned off first (its start refused after all):
+            // off now, whatever CUPTI still held going nowhere.
+            std::thread::spawn(move || {
+                if let Err(e) = gpu_times::turn_off(pid) {
+                    tracing::warn!(pid, %e, "turning GPU times off");
+                }
+            });
+            self.warnings.push("GPU times were turned off after the session's last reading: kernels that ran since are not in this report".into());
+        }
         // Its libraries still being probed come off when they come back (`CudaReleased`);
         // the slot stays taken until then.
         for _ in 0..self.libraries_probing() {

@@ -243,6 +243,13 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
                 "--cuda-stacks and --cuda-driver-only shape how CUDA launches are probed: they need --cuda".into(),
             ));
     }
+    if options.gpu_times
+        && (!options.cuda || target.launched || !matches!(target.kind, Some(target::Kind::Pid(_))))
+    {
+        return Err(Error::InvalidArgument(
+            "--gpu-times turns CUPTI on in a running process: it needs --cuda and --pid (a command started under tracer gets it from its launcher)".into(),
+        ));
+    }
     if options.python_uprobes_only && !options.python {
         return Err(Error::InvalidArgument(
             "--python-uprobes-only says how Python calls are counted: it needs --python".into(),

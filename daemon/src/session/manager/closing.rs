@@ -8,7 +8,7 @@
 
 use super::*;
 use crate::{
-    session::{source::Ending, tracing::TraceEnd, Finished, ReportPart, Threads},
+    session::{cuda::gpu_times, source::Ending, tracing::TraceEnd, Finished, ReportPart, Threads},
     store::{writer::Writer, StoreError},
 };
 use tracer_report::{trace, CudaReport, Report};
@@ -87,8 +87,57 @@ impl Manager {
     /// Ends a running session: final readings here, the report named and stored off this
     /// task (`close`).
     pub(super) fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
+        let cuda = self
+            .running
+            .get_mut(id)
+            .and_then(|s| s.sources.cuda.as_mut());
+        if let Some(c) = cuda {
+            if c.switching_off() {
+                // Ends once they are off, as first asked.
+                return;
+            }
+            // GPU times the session turned on in its process go off first, while it still
+            // counts: CUPTI hands its last records over then.
+            if let Some(pid) = c.switch_off() {
+                if self.shutting_down {
+                    c.switched_off(pid, gpu_times::turn_off(pid));
+                } else {
+                    let (tx, id) = (self.done.clone(), id.to_owned());
+                    tokio::task::spawn_blocking(move || {
+                        let status = gpu_times::turn_off(pid);
+                        let _ = tx.send(Done::GpuTimesOff {
+                            id,
+                            pid,
+                            status,
+                            reason,
+                            error,
+                        });
+                    });
+                    return;
+                }
+            }
+        }
         if let Some((closing, pending)) = self.end(id, reason, error) {
             self.close(id, closing, pending);
+        }
+    }
+
+    /// A session's GPU times are off: it ends as it was asked to.
+    pub(super) fn gpu_times_off(
+        &mut self,
+        id: &str,
+        pid: u32,
+        status: Result<String, String>,
+        reason: EndReason,
+        error: Option<String>,
+    ) {
+        let cuda = self
+            .running
+            .get_mut(id)
+            .and_then(|s| s.sources.cuda.as_mut());
+        if let Some(c) = cuda {
+            c.switched_off(pid, status);
+            self.finish(id, reason, error);
         }
     }
 
@@ -202,6 +251,10 @@ impl Manager {
             return;
         }
         let (tx, id, writer) = (self.done.clone(), id.to_owned(), self.writer.clone());
+        let mut closing = closing;
+        closing
+            .stops
+            .extend(self.ending.stops.remove(&id).unwrap_or_default());
         self.ending.closing.insert(id.clone(), closing);
         tokio::task::spawn_blocking(move || {
             let done = Box::new(pending.settle(&id, &writer));

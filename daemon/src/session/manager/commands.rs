@@ -87,6 +87,15 @@ pub(super) enum Done {
     },
     /// A session's duration is up (its timer).
     Expire { id: String },
+    /// GPU times in a session's process are off (`--gpu-times --pid`): the session ends now,
+    /// as it was asked to, with its last records counted.
+    GpuTimesOff {
+        id: String,
+        pid: u32,
+        status: Result<String, String>,
+        reason: tracer_proto::EndReason,
+        error: Option<String>,
+    },
     /// The processes that map a CUDA library, found off the manager's task for the CUDA
     /// sessions on every process.
     CudaScanned(Vec<u32>),

@@ -68,7 +68,10 @@ impl Manager {
             .get_mut(session)
             .and_then(|s| s.sources.cuda.as_mut())
         {
-            c.adopt(probed);
+            if let Err(why) = c.adopt(probed) {
+                self.gpu_times_refused(session, why);
+                return;
+            }
             if !c.probing() {
                 if let Some(start) = self.starts.cuda_probing.remove(session) {
                     self.record(start.info, start.record, start.reply);
@@ -86,6 +89,27 @@ impl Manager {
         tracer_bpf::release(vec![probed.links], move || {
             let _ = tx.send(Done::CudaReleased(slot));
         });
+    }
+
+    /// GPU times could not be turned on in a session's process: its start, waiting for its
+    /// CUDA libraries, is refused with the reason, and the session goes.
+    fn gpu_times_refused(&mut self, session: &str, why: String) {
+        let Some(start) = self.starts.cuda_probing.remove(session) else {
+            // Answered already: the report says why.
+            if let Some(c) = self
+                .running
+                .get_mut(session)
+                .and_then(|s| s.sources.cuda.as_mut())
+            {
+                c.warn(why);
+            }
+            return;
+        };
+        drop(self.end(session, tracer_proto::EndReason::Error, Some(why.clone())));
+        self.discard(session);
+        let _ = start
+            .reply
+            .send(Err(crate::error::Error::FailedPrecondition(why)));
     }
 
     /// Probes that came back after their session ended are off: what they counted goes

@@ -267,6 +267,17 @@ impl Manager {
         }
         let (scope, pid) = checks::scope(&asked.target, &caller)?;
         let owner_uid = caller.acting_uid("starting a session")?;
+        // Checked before anything is taken: loading into the process is ptrace's to allow.
+        let gpu_times = match pid.filter(|_| asked.options.gpu_times) {
+            Some(pid) => {
+                caller.may_load_into(pid)?;
+                let who = caller.clone();
+                let may_load: cuda::gpu_times::MayLoad =
+                    std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
+                Some(cuda::gpu_times::check(pid, may_load).map_err(Error::FailedPrecondition)?)
+            }
+            None => None,
+        };
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !asked.target.launched);
@@ -323,6 +334,10 @@ impl Manager {
             }
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
+        if let (Some(ask), Some(c)) = (gpu_times, session.sources.cuda.as_mut()) {
+            // Done by the job that probes the injection library, at the first look below.
+            c.gpu_times = cuda::gpu_times::State::Asked(ask);
+        }
         let (cuda, records_calls) = (
             session.sources.cuda.is_some(),
             session.measure.records_calls(),

@@ -498,14 +498,4 @@ impl Drop for Mapping {
     }
 }
 
-/// The library beside tracerd's executable, if it is there.
-pub(super) fn beside_tracerd(name: &str) -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("finding tracerd's executable: {e}"))?;
-    // As `cargo build` leaves it, then the installed layout (/usr/bin, /usr/lib/tracer).
-    let beside = exe.with_file_name(name);
-    let installed = exe.with_file_name("../lib/tracer").join(name);
-    [beside, installed]
-        .into_iter()
-        .find(|p| p.is_file())
-        .ok_or_else(|| format!("{name} is neither beside tracerd nor in ../lib/tracer"))
-}
+pub(super) use crate::process::beside_tracerd;

@@ -1428,8 +1428,16 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
         &[("CUDA_INJECTION64_PATH", injection.to_str().unwrap())],
     );
     assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    // `--gpu-times` asks for what the process has already: nothing is loaded or turned on.
     let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &app.pid()])
+        .ok(&[
+            "start",
+            "--mode=counting",
+            "--cuda",
+            "--gpu-times",
+            "--pid",
+            &app.pid(),
+        ])
         .trim()
         .to_owned();
     let status = d.ok(&["status", &id]);
@@ -1457,7 +1465,9 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
 /// tally. A session stopped while the process lives turns CUPTI off and detaches it (the fake
 /// CUPTI's state says what is left: no subscriber, no kind, no callbacks), with the last
 /// records in the report; a later session turns it on again. A process where another tool
-/// holds CUPTI's subscriber slot is refused, with the reason, and its slot left alone.
+/// holds CUPTI's subscriber slot is refused, with the reason, and its slot left alone, as is
+/// one that CUDA will load the library into itself. A SIGKILLed tracerd's process turns
+/// CUPTI off by itself.
 #[test]
 fn gpu_times_without_a_restart() {
     if !root_or_skip() {
@@ -1582,6 +1592,29 @@ fn gpu_times_without_a_restart() {
     );
     drop(app);
 
+    // The injection library named in the environment but not loaded yet (CUDA not
+    // initialized): CUDA will load it, so nothing is loaded now.
+    let injection = tracer_tests::bin_dir().join("libtracer_cupti.so");
+    let mut app = App::spawn(
+        &libs,
+        &["hold=1"],
+        &[("CUDA_INJECTION64_PATH", injection.to_str().unwrap())],
+    );
+    assert_eq!(
+        app.cue("go\n"),
+        "loaded\n",
+        "the driver mapped, not initialized"
+    );
+    let args = gpu_times(&app.pid());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = d.run(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("which CUDA loads when the process initializes it"),
+        "{err}"
+    );
+    drop(app);
+
     // tracerd killed while records are on: the kernel takes its probes out, and the library,
     // seeing its probe point unprobed for 5 s, turns CUPTI off itself.
     let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
@@ -1593,6 +1626,13 @@ fn gpu_times_without_a_restart() {
     let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
     assert_eq!(truth["ok"], true, "the program's own checks");
     assert_eq!(app.cue(""), "done\n");
+    // Stopped (SIGTERM): tracerd turns it off as it ends its sessions.
+    d.restart();
+    let off: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(off, no_cuda_cupti, "turned off by a tracerd stopping");
+    d.ok(&args);
+    let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(on["subscribed"], 1, "{on}");
     d.kill();
     wait_until(20, "CUPTI turned off without tracerd", || {
         serde_json::from_str::<Value>(&app.cue("cupti\n")).unwrap() == no_cuda_cupti

@@ -9,7 +9,7 @@
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
-    sync::{LazyLock, Mutex},
+    sync::{Arc, LazyLock, Mutex},
     time::Duration,
 };
 
@@ -25,8 +25,16 @@ const ANSWER_WAIT: Duration = Duration::from_secs(10);
 /// How long a thread of the process may take to stop where loading is safe.
 const LOAD_WAIT: Duration = Duration::from_secs(1);
 
-/// Sessions holding records on, per process (each turned on before it counts here).
-static HOLDERS: LazyLock<Mutex<HashMap<u32, usize>>> = LazyLock::new(Mutex::default);
+/// Per process: the sessions holding its records on (each turned on before it counts
+/// here), behind a lock of its own, held while that process is asked anything (one
+/// process that is slow to answer holds up no other).
+static HOLDERS: LazyLock<Mutex<HashMap<u32, Arc<Mutex<usize>>>>> = LazyLock::new(Mutex::default);
+
+/// `pid`'s holders.
+fn holders(pid: u32) -> Arc<Mutex<usize>> {
+    let mut all = HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
+    all.entry(pid).or_default().clone()
+}
 
 /// Whether the session's caller may have code loaded into a process now (ptrace's attach
 /// right, Yama): asked again just before the library is loaded.
@@ -87,10 +95,18 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
             "pid {pid} has not loaded CUDA's driver (libcuda): --gpu-times --pid turns CUPTI on in a process that has initialized CUDA"
         ));
     }
-    if let Some(other) = other_injection(pid) {
-        return Err(format!(
-            "pid {pid} runs with CUDA_INJECTION64_PATH={other}: another tool's injection library holds CUPTI there"
-        ));
+    match injection_env(pid) {
+        Some(Named::Ours(path)) => {
+            return Err(format!(
+                "pid {pid} runs with CUDA_INJECTION64_PATH={path}, which CUDA loads when the process initializes it: a --cuda session gets its GPU times from then on, without --gpu-times"
+            ))
+        }
+        Some(Named::Other(path)) => {
+            return Err(format!(
+                "pid {pid} runs with CUDA_INJECTION64_PATH={path}: another tool's injection library holds CUPTI there"
+            ))
+        }
+        None => {}
     }
     let root = |p: &str| {
         use std::os::unix::fs::MetadataExt;
@@ -109,15 +125,29 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
     })
 }
 
-/// The injection library the process's environment names, if it is not tracer's.
-fn other_injection(pid: u32) -> Option<String> {
+/// An injection library the process's environment names.
+enum Named {
+    Ours(String),
+    Other(String),
+}
+
+/// The injection library the process's (initial) environment names, if any.
+fn injection_env(pid: u32) -> Option<Named> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
     let value = env
         .split(|&b| b == 0)
         .find_map(|kv| kv.strip_prefix(b"CUDA_INJECTION64_PATH="))?;
     let value = String::from_utf8_lossy(value).into_owned();
-    let ours = Path::new(&value).file_name() == Some(INJECTION_LIBRARY.as_ref());
-    (!value.is_empty() && !ours).then_some(value)
+    if value.is_empty() {
+        return None;
+    }
+    Some(
+        if Path::new(&value).file_name() == Some(INJECTION_LIBRARY.as_ref()) {
+            Named::Ours(value)
+        } else {
+            Named::Other(value)
+        },
+    )
 }
 
 /// Turning records on, after the library's probes are attached.
@@ -130,7 +160,8 @@ pub struct Enable {
 impl Enable {
     pub fn run(&self) -> Result<Enabled, String> {
         let pid = self.ask.pid;
-        let mut holders = HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
+        let holders = holders(pid);
+        let mut held = holders.lock().unwrap_or_else(|e| e.into_inner());
         if self.load {
             // Asked again: the process may have changed hands since the start's check.
             (self.ask.may_load)(pid)?;
@@ -144,8 +175,7 @@ impl Enable {
         if status.starts_with("ok:") {
             return Ok(Enabled::Injected(status));
         }
-        let held = holders.get(&pid).copied().unwrap_or(0);
-        let status = if held > 0 && status.starts_with("on:") {
+        let status = if *held > 0 && status.starts_with("on:") {
             status
         } else {
             injection.request(true, ANSWER_WAIT)?
@@ -154,7 +184,7 @@ impl Enable {
             let why = status.strip_prefix("error: ").unwrap_or(&status);
             return Err(format!("GPU times in pid {pid}: {why}"));
         }
-        holders.insert(pid, held + 1);
+        *held += 1;
         Ok(Enabled::On(status))
     }
 }
@@ -162,25 +192,22 @@ impl Enable {
 /// Lets go of a session's hold on `pid`'s records: the last one turns them off, after
 /// CUPTI has handed everything over. The status line then.
 pub fn turn_off(pid: u32) -> Result<String, String> {
-    let mut holders = HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
-    match holders.get_mut(&pid) {
-        Some(n) if *n > 1 => {
-            *n -= 1;
-            return Ok("on: kept on for another session".into());
-        }
-        _ => {
-            holders.remove(&pid);
-        }
+    let holders = holders(pid);
+    let mut held = holders.lock().unwrap_or_else(|e| e.into_inner());
+    if *held > 1 {
+        *held -= 1;
+        return Ok("on: kept on for another session".into());
     }
+    *held = 0;
     find(pid)?.request(false, ANSWER_WAIT)
 }
 
 /// `pid` exited: nobody holds its records any more.
 pub fn gone(pid: u32) {
-    HOLDERS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&pid);
+    let mut all = HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(h) = all.remove(&pid) {
+        *h.lock().unwrap_or_else(|e| e.into_inner()) = 0;
+    }
 }
 
 /// tracer's injection library in `pid`.

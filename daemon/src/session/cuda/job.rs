@@ -43,6 +43,13 @@ pub struct CudaProbed {
     pub(super) enabled: Option<Result<gpu_times::Enabled, String>>,
 }
 
+impl CudaProbed {
+    /// The process whose GPU times the job turned on, if it did.
+    pub fn turned_on(&self) -> Option<u32> {
+        matches!(self.enabled, Some(Ok(gpu_times::Enabled::On(_)))).then_some(self.job.pid)
+    }
+}
+
 impl CudaJob {
     /// Resolves the entry points and attaches them: all of a library's probes or none (a
     /// library that does not load fails on every entry point, and says it once).

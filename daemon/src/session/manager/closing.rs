@@ -92,7 +92,7 @@ impl Manager {
             .get_mut(id)
             .and_then(|s| s.sources.cuda.as_mut());
         if let Some(c) = cuda {
-            if c.switching_off() {
+            if c.switching_off() && !self.shutting_down {
                 // Ends once they are off, as first asked.
                 return;
             }

@@ -5,7 +5,7 @@
 use aya::maps::{MapData, RingBuf};
 
 use super::{Done, Manager};
-use crate::session::cuda::{watch, CudaProbed, CudaSession};
+use crate::session::cuda::{gpu_times, watch, CudaProbed, CudaSession};
 
 impl Manager {
     pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
@@ -78,6 +78,14 @@ impl Manager {
                 }
             }
             return;
+        }
+        if let Some(pid) = probed.turned_on() {
+            // Its session ended while they were being turned on: off again.
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = gpu_times::turn_off(pid) {
+                    tracing::warn!(pid, %e, "turning GPU times off");
+                }
+            });
         }
         let slot = probed.job.slot;
         if probed.links.is_empty() {

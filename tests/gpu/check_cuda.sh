@@ -11,7 +11,10 @@
 # library): GPU time per kernel, next to the profiler's: each kernel as often as the
 # profiler saw it, and the two random-number kernels. The fourth turns GPU times on in the
 # warm process (--gpu-times --pid), then, once the session has ended, runs torch.profiler in
-# that same process: it must find CUPTI free, and both see the same kernels.
+# that same process: it must find CUPTI free, and both see the same kernels. The fifth
+# attaches to a warm training loop (backward passes launch from autograd's threads): driver
+# launches against the profiler's kernels for the same steps, and by whose call site they
+# carry (none should be left without).
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -79,3 +82,35 @@ wait $WORK
 $CTL report "$ID" --format json -o "$STATE/attached.json"
 python3 "$HERE/compare_gpu_times.py" "$STATE/attached.json" "$STATE/after" 0 \
   "torch.profiler after it, same process"
+echo "== tracer --cuda --pid on a warm training loop (backward on autograd's threads), then torch.profiler in it"
+rm -f "$STATE/ready" "$STATE/go" "$STATE/again"
+python3 "$HERE/torch_launches.py" --train --wait "$STATE/ready" "$STATE/go" "$STATE/again" \
+  --then-profile > "$STATE/train-profiler" &
+WORK=$!
+while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
+ID=$($CTL start --mode=counting --cuda --pid $WORK)
+touch "$STATE/go"
+sleep 5
+$CTL stop "$ID" > /dev/null
+touch "$STATE/again"
+wait $WORK
+$CTL report "$ID" --format json -o "$STATE/train.json"
+python3 - "$STATE/train.json" "$STATE/train-profiler" <<'PY'
+import collections, json, re, sys
+c = json.load(open(sys.argv[1]))["cuda"]
+driver = [l for l in c["launches"] if l["api"].startswith("cuLaunch") or l["api"] == "cuGraphLaunch"]
+prof = None
+for line in open(sys.argv[2]):
+    m = re.search(r"PROFILER_KERNELS (\d+)", line)
+    if m:
+        prof = int(m.group(1))
+print("driver launches:", sum(l["launches"] for l in driver), "torch.profiler kernels (same steps, after):", prof)
+sites = collections.Counter()
+for l in driver:
+    sites[l.get("call_site_from") or ("own thread" if l.get("call_site") else "none")] += l["launches"]
+print("driver launches by call site:", dict(sites))
+named = collections.Counter(l.get("named_from") or "naming call" for l in driver)
+print("driver rows by where their name came from:", dict(named), "unnamed rows:", c["unnamed"])
+for l in sorted(driver, key=lambda l: -l["launches"])[:8]:
+    print(f'{l["launches"]:5d} {l["kernel"][:70]:70s} {l.get("call_site", "-")[:60]} {l.get("call_site_from", "")}')
+PY

@@ -3,7 +3,9 @@ convolutions, after a warm-up outside the count. With --profile, runs the counte
 torch.profiler and prints the number of GPU kernels it saw, and per kernel name its count and
 GPU time. With --wait READY GO [AGAIN] --then-profile: warm, counted once when GO appears,
 then profiled once more in the same process when AGAIN appears (after a tracer session on it
-has ended)."""
+has ended). With --train, the counted part is three training steps instead (a transformer
+encoder layer, a loss, loss.backward() on autograd's own threads, AdamW): launches made on
+threads that run no Python, whose call sites are the line that called backward()."""
 import sys
 
 import torch
@@ -18,13 +20,33 @@ def work(a, x, conv):
     return b, y
 
 
+def train(model, opt, batch):
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = model(batch).pow(2).mean()
+        loss.backward()  # the backward pass launches from autograd's device threads
+        opt.step()
+    torch.cuda.synchronize()
+    return loss
+
+
 def main():
     torch.manual_seed(0)
     a = torch.randn(512, 512, device="cuda")
     x = torch.randn(8, 3, 64, 64, device="cuda")
     conv = torch.nn.Conv2d(3, 16, 3).cuda()
     torch.backends.cudnn.benchmark = False
-    work(a, x, conv)  # warm-up: library loading, cuBLAS/cuDNN handles, autotuning
+    if "--train" in sys.argv:
+        model = torch.nn.Sequential(
+            torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True),
+            torch.nn.Linear(256, 256),
+        ).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        batch = torch.randn(16, 64, 256, device="cuda")
+        counted = lambda: train(model, opt, batch)  # noqa: E731
+    else:
+        counted = lambda: work(a, x, conv)  # noqa: E731
+    counted()  # warm-up: library loading, cuBLAS/cuDNN handles, autotuning
     if "--wait" in sys.argv:
         # Warm: tell the runner, wait until a session is attached, then do the counted part;
         # with --then-profile, wait for a third file and profile it once more.
@@ -34,7 +56,7 @@ def main():
         open(ready, "w").close()
         while not os.path.exists(go):
             time.sleep(0.01)
-        work(a, x, conv)
+        counted()
         if "--then-profile" not in sys.argv:
             return
         while not os.path.exists(again[0]):
@@ -43,7 +65,7 @@ def main():
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            work(a, x, conv)
+            counted()
         kernels = [e for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]

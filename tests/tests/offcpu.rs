@@ -84,6 +84,17 @@ fn wall_clock_shares_and_reasons_match_the_programs_own_timing_and_py_spy() {
     let truth = own_timing(&printed);
     let ours = parse_folded(&std::fs::read_to_string(out.path()).unwrap());
     let tracer = shares(&ours);
+    // Shown on a failure: what the shares leave out (the timer threads' stacks, and any of
+    // the main thread's whose Python frames were not read).
+    let mut outside: Vec<&(Vec<String>, u64)> = ours
+        .iter()
+        .filter(|(f, _)| !f.iter().any(|f| f.starts_with("<module> (")))
+        .collect();
+    outside.sort_by_key(|l| std::cmp::Reverse(l.1));
+    for (frames, n) in outside.iter().take(5) {
+        let tail = frames[frames.len().saturating_sub(4)..].join(";");
+        println!("outside the main thread's Python, weight {n}: …{tail}");
+    }
 
     let (theirs, spy) = py_spy_record(
         "100",

@@ -325,8 +325,14 @@ fn device_may_differ(path: &std::path::Path) -> bool {
     })
 }
 
+/// Whether `pid` has tracerd's root directory: paths mean the same file to both.
+pub fn same_root(pid: u32) -> bool {
+    let id = |p: &str| fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    id(&format!("/proc/{pid}/root")).is_some_and(|r| Some(r) == id("/"))
+}
+
 /// (major, minor) of the device holding a file, as /proc/PID/maps prints it.
-fn device(meta: &fs::Metadata) -> (u32, u32) {
+pub fn device(meta: &fs::Metadata) -> (u32, u32) {
     let dev = meta.dev();
     (libc::major(dev), libc::minor(dev))
 }

@@ -19,6 +19,26 @@ set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/tracerd.sh"
+# attached_then_profiled SECONDS REPORT PROFILER_OUT FLAGS [WORKLOAD ARGS…]: the warm
+# torch_launches.py attached with `--cuda FLAGS`, counted for SECONDS, the session stopped
+# and its JSON report written to REPORT; then torch.profiler in the same process, its listing
+# in PROFILER_OUT.
+attached_then_profiled() {
+  secs=$1 report=$2 out=$3 flags=$4
+  shift 4
+  rm -f "$STATE/ready" "$STATE/go" "$STATE/again"
+  python3 "$HERE/torch_launches.py" "$@" --wait "$STATE/ready" "$STATE/go" "$STATE/again" \
+    --then-profile > "$out" &
+  work=$!
+  while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
+  id=$($CTL start --mode=counting --cuda $flags --pid $work)
+  touch "$STATE/go"
+  sleep "$secs"
+  $CTL stop "$id" > /dev/null
+  touch "$STATE/again"
+  wait $work
+  $CTL report "$id" --format json -o "$report"
+}
 echo "== torch.profiler (the counted run)"
 python3 "$HERE/torch_launches.py" --profile | tee "$STATE/profiler" | head -30
 echo "== tracer --cuda, the whole program (warm-up and counted run)"
@@ -68,33 +88,11 @@ $CTL report "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["
 # The profiler saw the counted run only: the two random-number kernels are extra.
 python3 "$HERE/compare_gpu_times.py" "$STATE/times.json" "$STATE/profiler" 2 "profiler + 2"
 echo "== tracer --cuda --gpu-times --pid on the warm process, then torch.profiler in it"
-rm -f "$STATE/ready" "$STATE/go" "$STATE/again"
-python3 "$HERE/torch_launches.py" --wait "$STATE/ready" "$STATE/go" "$STATE/again" --then-profile \
-  > "$STATE/after" &
-WORK=$!
-while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
-ID=$($CTL start --mode=counting --cuda --gpu-times --pid $WORK)
-touch "$STATE/go"
-sleep 3
-$CTL stop "$ID" > /dev/null
-touch "$STATE/again"
-wait $WORK
-$CTL report "$ID" --format json -o "$STATE/attached.json"
+attached_then_profiled 3 "$STATE/attached.json" "$STATE/after" --gpu-times
 python3 "$HERE/compare_gpu_times.py" "$STATE/attached.json" "$STATE/after" 0 \
   "torch.profiler after it, same process"
 echo "== tracer --cuda --pid on a warm training loop (backward on autograd's threads), then torch.profiler in it"
-rm -f "$STATE/ready" "$STATE/go" "$STATE/again"
-python3 "$HERE/torch_launches.py" --train --wait "$STATE/ready" "$STATE/go" "$STATE/again" \
-  --then-profile > "$STATE/train-profiler" &
-WORK=$!
-while [ ! -e "$STATE/ready" ]; do sleep 0.1; done
-ID=$($CTL start --mode=counting --cuda --pid $WORK)
-touch "$STATE/go"
-sleep 5
-$CTL stop "$ID" > /dev/null
-touch "$STATE/again"
-wait $WORK
-$CTL report "$ID" --format json -o "$STATE/train.json"
+attached_then_profiled 5 "$STATE/train.json" "$STATE/train-profiler" "" --train
 python3 - "$STATE/train.json" "$STATE/train-profiler" <<'PY'
 import collections, json, re, sys
 c = json.load(open(sys.argv[1]))["cuda"]

@@ -1475,7 +1475,7 @@ fn gpu_times_without_a_restart() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let gpu_times = |pid: &str| -> Vec<String> {
+    fn gpu_times(pid: &str) -> [&str; 6] {
         [
             "start",
             "--mode=counting",
@@ -1484,14 +1484,8 @@ fn gpu_times_without_a_restart() {
             "--pid",
             pid,
         ]
-        .map(str::to_owned)
-        .to_vec()
-    };
-    let start = |pid: &str| {
-        let args = gpu_times(pid);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        d.ok(&args).trim().to_owned()
-    };
+    }
+    let start = |pid: &str| d.ok(&gpu_times(pid)).trim().to_owned();
     let report = |id: &str| -> Value {
         serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
     };
@@ -1568,9 +1562,8 @@ fn gpu_times_without_a_restart() {
     // Another tool holds CUPTI: refused, and its hold left as it was.
     let mut app = App::spawn(&libs, &["hold=1", "init=1", "subscribe=1"], &[]);
     assert_eq!(app.cue("go\n"), "loaded\n");
-    let args = gpu_times(&app.pid());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = d.run(&args);
+    let pid = app.pid();
+    let out = d.run(&gpu_times(&pid));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -1605,9 +1598,8 @@ fn gpu_times_without_a_restart() {
         "loaded\n",
         "the driver mapped, not initialized"
     );
-    let args = gpu_times(&app.pid());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = d.run(&args);
+    let pid = app.pid();
+    let out = d.run(&gpu_times(&pid));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("which CUDA loads when the process initializes it"),
@@ -1619,10 +1611,9 @@ fn gpu_times_without_a_restart() {
     // seeing its probe point unprobed for 5 s, turns CUPTI off itself.
     let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
     assert_eq!(app.cue("go\n"), "loaded\n");
-    let args = gpu_times(&app.pid());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let pid = app.pid();
     let mut d = d;
-    d.ok(&args);
+    d.ok(&gpu_times(&pid));
     let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
     assert_eq!(truth["ok"], true, "the program's own checks");
     assert_eq!(app.cue(""), "done\n");
@@ -1630,7 +1621,7 @@ fn gpu_times_without_a_restart() {
     d.restart();
     let off: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
     assert_eq!(off, no_cuda_cupti, "turned off by a tracerd stopping");
-    d.ok(&args);
+    d.ok(&gpu_times(&pid));
     let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
     assert_eq!(on["subscribed"], 1, "{on}");
     d.kill();

@@ -19,15 +19,14 @@ use std::{
     os::unix::fs::FileExt,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Once, OnceLock,
+        OnceLock,
     },
     time::Duration,
 };
 
 use super::{
     announce, api::Subscriber, buffer_completed, buffer_requested, clock_offset, counts, find,
-    flush_all, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, EXITING, FLUSHING, FLUSH_EVERY,
-    OWNER,
+    flush_all, flush_now, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, EXITING, FLUSH_EVERY,
 };
 
 /// tracerd's request: odd turns kernel records on, even turns them off.
@@ -114,14 +113,7 @@ impl On {
                 return Err(undone.map_or(e.clone(), |u| format!("{e}; undoing: {u}")));
             }
         };
-        // SAFETY: plain syscall wrapper.
-        OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
-        ACTIVE.store(true, Ordering::SeqCst);
-        static AT_EXIT: Once = Once::new();
-        // SAFETY: registering a plain extern "C" function.
-        AT_EXIT.call_once(|| unsafe {
-            libc::atexit(super::flush_at_exit);
-        });
+        super::activate();
         let path = CUPTI_PATH.get().map_or("?", String::as_str);
         Ok(Self {
             subscriber,
@@ -196,14 +188,8 @@ fn serve() {
             continue;
         }
         let Some(o) = on.as_ref() else { continue };
-        {
-            let _held = FLUSHING.lock().unwrap_or_else(|e| e.into_inner());
-            if EXITING.load(Ordering::SeqCst) {
-                return;
-            }
-            if let Some(c) = CUPTI.get() {
-                c.flush(false);
-            }
+        if !flush_now() {
+            return;
         }
         if o.probe.as_ref().is_none_or(Probe::probed) {
             unprobed = Duration::ZERO;

@@ -166,29 +166,46 @@ fn start() -> Result<String, String> {
     cupti.register_buffers(buffer_requested, buffer_completed)?;
     let (kind, _) = cupti.enable_kernel_records()?;
     let _ = CUPTI.set(cupti);
-    // SAFETY: plain syscall wrapper.
-    OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
-    ACTIVE.store(true, Ordering::SeqCst);
+    activate();
     std::thread::Builder::new()
         .name("tracer-cupti".into())
         .spawn(|| loop {
             std::thread::sleep(FLUSH_EVERY);
-            let _held = FLUSHING.lock().unwrap_or_else(|e| e.into_inner());
-            if EXITING.load(Ordering::SeqCst) {
+            if !flush_now() {
                 return;
-            }
-            if let Some(c) = CUPTI.get() {
-                c.flush(false);
             }
         })
         .map_err(|e| format!("flush thread: {e}"))?;
-    // Records still buffered at exit are handed over before the process goes.
-    // SAFETY: registering a plain extern "C" function.
-    unsafe { libc::atexit(flush_at_exit) };
     Ok(format!(
         "ok: CUPTI from {path}; {kind} records, flushed every {} ms",
         FLUSH_EVERY.as_millis()
     ))
+}
+
+/// Kernel records are on in this process: records still buffered at its exit are handed
+/// over before it goes.
+fn activate() {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    // SAFETY: plain syscall wrapper.
+    OWNER.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+    ACTIVE.store(true, Ordering::SeqCst);
+    // SAFETY: registering a plain extern "C" function.
+    AT_EXIT.call_once(|| unsafe {
+        libc::atexit(flush_at_exit);
+    });
+}
+
+/// The periodic flush: hands over CUPTI's full buffers, unless the process is exiting (then
+/// false, and the exit handler hands the rest over).
+fn flush_now() -> bool {
+    let _held = FLUSHING.lock().unwrap_or_else(|e| e.into_inner());
+    if EXITING.load(Ordering::SeqCst) {
+        return false;
+    }
+    if let Some(c) = CUPTI.get() {
+        c.flush(false);
+    }
+    true
 }
 
 /// Hands over what CUPTI still holds, then says it all again with the totals: a session that

@@ -81,16 +81,23 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
             .iter()
             .any(|m| cuda::library(Path::new(&m.path)) == Some(kind))
     };
-    if maps_one(cuda::Library::Cupti) {
-        // Ours already (a launched command's, or a session's before): it is asked there.
-        let library = process::beside_tracerd(INJECTION_LIBRARY)?;
-        return Ok(Ask {
-            pid,
-            library,
-            may_load,
-        });
+    // Ours mapped already (a launched command's, or a session's before): it is asked there,
+    // and nothing is loaded.
+    if !maps_one(cuda::Library::Cupti) {
+        loadable(pid, maps_one(cuda::Library::Driver))?;
     }
-    if !maps_one(cuda::Library::Driver) {
+    let library = process::beside_tracerd(INJECTION_LIBRARY)?;
+    Ok(Ask {
+        pid,
+        library,
+        may_load,
+    })
+}
+
+/// Whether tracerd's injection library may be loaded into `pid` (`driver`: it maps CUDA's
+/// driver), or why not.
+fn loadable(pid: u32, driver: bool) -> Result<(), String> {
+    if !driver {
         return Err(format!(
             "pid {pid} has not loaded CUDA's driver (libcuda): --gpu-times --pid turns CUPTI on in a process that has initialized CUDA"
         ));
@@ -108,21 +115,12 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
         }
         None => {}
     }
-    let root = |p: &str| {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok()
-    };
-    if root(&format!("/proc/{pid}/root")) != root("/proc/self/root") {
+    if !process::same_root(pid) {
         return Err(format!(
             "pid {pid} runs under another root directory (a container), where tracerd's {INJECTION_LIBRARY} is not: start the program under tracer with --gpu-times -- CMD"
         ));
     }
-    let library = process::beside_tracerd(INJECTION_LIBRARY)?;
-    Ok(Ask {
-        pid,
-        library,
-        may_load,
-    })
+    Ok(())
 }
 
 /// An injection library the process's environment names.
@@ -200,6 +198,16 @@ pub fn turn_off(pid: u32) -> Result<String, String> {
     }
     *held = 0;
     find(pid)?.request(false, ANSWER_WAIT)
+}
+
+/// [`turn_off`] on a thread of its own, for a session that cannot wait for it: what CUPTI
+/// still holds goes nowhere.
+pub fn turn_off_detached(pid: u32) {
+    std::thread::spawn(move || {
+        if let Err(e) = turn_off(pid) {
+            tracing::warn!(pid, %e, "turning GPU times off");
+        }
+    });
 }
 
 /// `pid` exited: nobody holds its records any more.

@@ -324,7 +324,8 @@ impl CudaSession {
         use std::os::unix::fs::MetadataExt;
         let path = enable.ask.library.clone();
         let meta = std::fs::metadata(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+        let (major, minor) = tracer_inspect::process::device(&meta);
+        let id = (major, minor, meta.ino());
         self.probing_libs.insert(id, Vec::new());
         let mapped = path.to_string_lossy().into_owned();
         let pid = enable.ask.pid;
@@ -414,16 +415,15 @@ impl CudaSession {
         let (Some(enabled), Some(enable)) = (enabled, job.enable) else {
             return Ok(());
         };
-        let ask = enable.ask;
-        match enabled? {
+        let pid = enable.ask.pid;
+        let status = match enabled? {
             gpu_times::Enabled::On(status) => {
-                self.injected.insert(ask.pid, status);
-                self.gpu_times = gpu_times::State::On(ask);
+                self.gpu_times = gpu_times::State::On(enable.ask);
+                status
             }
-            gpu_times::Enabled::Injected(status) => {
-                self.injected.insert(ask.pid, status);
-            }
-        }
+            gpu_times::Enabled::Injected(status) => status,
+        };
+        self.injected.insert(pid, status);
         Ok(())
     }
 
@@ -515,13 +515,8 @@ impl Source for CudaSession {
     fn end(mut self: Box<Self>, at: &mut Ending<'_, '_>) -> Ended {
         let slot = at.slot;
         if let Some(pid) = self.switch_off() {
-            // Ended without its GPU times turned off first (its start refused after all):
-            // off now, whatever CUPTI still held going nowhere.
-            std::thread::spawn(move || {
-                if let Err(e) = gpu_times::turn_off(pid) {
-                    tracing::warn!(pid, %e, "turning GPU times off");
-                }
-            });
+            // Ended without its GPU times turned off first (its start refused after all).
+            gpu_times::turn_off_detached(pid);
             self.warnings.push("GPU times were turned off after the session's last reading: kernels that ran since are not in this report".into());
         }
         // Its libraries still being probed come off when they come back (`CudaReleased`);

@@ -81,11 +81,7 @@ impl Manager {
         }
         if let Some(pid) = probed.turned_on() {
             // Its session ended while they were being turned on: off again.
-            tokio::task::spawn_blocking(move || {
-                if let Err(e) = gpu_times::turn_off(pid) {
-                    tracing::warn!(pid, %e, "turning GPU times off");
-                }
-            });
+            gpu_times::turn_off_detached(pid);
         }
         let slot = probed.job.slot;
         if probed.links.is_empty() {

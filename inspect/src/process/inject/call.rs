@@ -145,7 +145,7 @@ impl Call<'_> {
 
     /// Whether the process maps the library now.
     fn loaded(&self, pid: u32) -> bool {
-        let dev = (libc::major(self.lib.dev()), libc::minor(self.lib.dev()));
+        let dev = crate::process::device(self.lib);
         ProcMaps::read(pid).is_ok_and(|maps| {
             maps.entries().iter().any(|e| {
                 e.path.strip_suffix(" (deleted)").unwrap_or(&e.path) == self.path

@@ -8,7 +8,7 @@
 use std::{
     fs,
     io::Write,
-    os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt},
+    os::unix::fs::{DirBuilderExt, OpenOptionsExt},
     path::{Path, PathBuf},
     sync::{atomic::Ordering, OnceLock},
 };
@@ -92,11 +92,6 @@ fn plain(name: &str) -> bool {
     })
 }
 
-fn same_root(pid: u32) -> bool {
-    let id = |p: &str| fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    id(&format!("/proc/{pid}/root")).is_some_and(|r| Some(r) == id("/"))
-}
-
 /// Writes down `dir` (`name`, in `pid`'s `/tmp`), and its library once made.
 pub(super) fn record(pid: u32, name: &str, dir: &Dir, library: (u64, u64)) {
     let Some(journal) = JOURNAL.get() else { return };
@@ -106,7 +101,7 @@ pub(super) fn record(pid: u32, name: &str, dir: &Dir, library: (u64, u64)) {
         owner: dir.owner,
         dir: dir.id(),
         library,
-        host_root: same_root(pid),
+        host_root: crate::process::same_root(pid),
     };
     let written = fs::OpenOptions::new()
         .write(true)

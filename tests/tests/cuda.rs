@@ -1607,6 +1607,23 @@ fn gpu_times_without_a_restart() {
     );
     drop(app);
 
+    // Another tool's injection library in the environment (CUDA not initialized, so the
+    // fake driver has not tried to load it): refused, nothing loaded.
+    let mut app = App::spawn(
+        &libs,
+        &["hold=1"],
+        &[("CUDA_INJECTION64_PATH", "/opt/other-tool/libinjection.so")],
+    );
+    assert_eq!(app.cue("go\n"), "loaded\n");
+    let pid = app.pid();
+    let out = d.run(&gpu_times(&pid));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("another tool's injection library holds CUPTI there"),
+        "{err}"
+    );
+    drop(app);
+
     // tracerd killed while records are on: the kernel takes its probes out, and the library,
     // seeing its probe point unprobed for 5 s, turns CUPTI off itself.
     let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);

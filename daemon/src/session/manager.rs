@@ -130,6 +130,8 @@ struct Scans {
     late: Vec<python::LateCheck>,
     /// Handovers to the probes waiting for theirs likewise (answered then).
     handovers: Vec<python::WaitingHandover>,
+    /// Processes held at exec while the sampler reads their new program (`SampledExec`).
+    sampled: Vec<u32>,
 }
 
 type CodeRing = AsyncFd<RingBuf<MapData>>;
@@ -412,6 +414,7 @@ impl Manager {
             }
             Done::PythonScanned(pids) => self.python_scanned(&pids),
             Done::Inspected(found) => self.py.add_inspected(found),
+            Done::SampledExec(pid) => self.sampled_exec(pid),
             Done::Expire { id } => self.finish(&id, EndReason::Duration, None),
             Done::GpuTimesOff {
                 id,

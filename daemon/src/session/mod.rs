@@ -248,6 +248,16 @@ impl Session {
         matches!(self.target.kind, Some(tracer_proto::target::Kind::Pid(_)))
     }
 
+    /// Whether the processes it follows stop at each exec for the daemon (EXEC_HOLD): an
+    /// unprivileged owner's, to check the new program's credentials; CUDA's, to locate
+    /// launches in the executable mapped then; sampling's, to read the new interpreter before
+    /// its first sample. (Python counting holds them in its own mask.)
+    fn waits_at_exec(&self) -> bool {
+        self.owner_uid != 0
+            || self.sources.cuda.is_some()
+            || self.measure.mode() == tracer_proto::Mode::Sampling
+    }
+
     fn losses(&self, now: &[u64; loss::COUNT as usize]) -> Vec<Loss> {
         if self.slot.is_none() {
             return Vec::new();

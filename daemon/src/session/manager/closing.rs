@@ -173,6 +173,7 @@ impl Manager {
         let mut info = s.info(&losses);
         let shown = info.clone();
         let export_prometheus = s.measure.exports_prometheus();
+        let held_at_exec = s.sources.python.is_some() || s.waits_at_exec();
         // Counters close, sampling stops, a trace is left to close; what they measured is
         // named off this task (`close`).
         let Finished {
@@ -184,7 +185,7 @@ impl Manager {
         // from the maps opened again, the slot held until then; probes detached later
         // (`release_after`). `s` has left `running`: its bits go from the masks first.
         self.update_cuda_masks();
-        if s.sources.python.is_some() || s.owner_uid != 0 || s.sources.cuda.is_some() {
+        if held_at_exec {
             // Its processes no longer wait at exec either.
             self.update_python_masks();
         }

@@ -71,6 +71,8 @@ pub(super) enum Done {
     },
     /// The machine's interpreters, inspected at start off this task.
     Inspected(crate::session::python::Inspected),
+    /// The sampler has read the new program of a process held at its exec.
+    SampledExec(u32),
     /// The unsaved reports the store took, written off the manager's task.
     Saved(Vec<String>),
     /// A started session's running record, written off the manager's task.

@@ -15,6 +15,7 @@ impl Manager {
         let mut execs = Vec::new();
         let mut crossed = Vec::new();
         let mut exited_sampled = false;
+        let mut exec_sampled = false;
         for s in self.running.values_mut().filter(|s| s.follows_pid()) {
             let Some(slot) = s.slot else { continue };
             if ev.sessions & (1 << slot) == 0 {
@@ -40,6 +41,7 @@ impl Manager {
             }
             if ev.kind == PROC_EVENT_EXEC {
                 s.sources.each().for_each(|source| source.exec(ev.pid));
+                exec_sampled |= s.measure.mode() == tracer_proto::Mode::Sampling;
             }
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => {
@@ -105,6 +107,17 @@ impl Manager {
         for id in execs {
             waits |= !self.check_session_process(&id, ev.pid, Met::AtExec, None);
         }
+        if exec_sampled {
+            // Held at its exec (EXEC_HOLD): its first samples find its interpreter read, even
+            // for a process that lives a few milliseconds in a binary not seen before.
+            waits = true;
+            self.scans.sampled.push(ev.pid);
+            let (looker, tx, pid) = (self.sampling.looker(), self.done.clone(), ev.pid);
+            tokio::task::spawn_blocking(move || {
+                looker.look(pid);
+                let _ = tx.send(Done::SampledExec(pid));
+            });
+        }
         if ev.kind == PROC_EVENT_EXEC && !waits {
             // The probe stopped it if a Python session follows it (EXEC_HOLD). One whose new
             // interpreter is being probed off this task goes on once that is done.
@@ -168,6 +181,15 @@ impl Manager {
             }
         }
         done
+    }
+
+    /// A process held at its exec goes on once the sampler has read its new program, unless
+    /// its interpreter is still being probed (then `recheck_late` continues it).
+    pub(super) fn sampled_exec(&mut self, pid: u32) {
+        self.scans.sampled.retain(|&p| p != pid);
+        if !self.scans.late.iter().any(|l| l.pid == pid) {
+            self.continue_held(pid);
+        }
     }
 
     /// Backstop for exit events the kernel could not deliver (counted as losses): processes

@@ -170,7 +170,8 @@ impl Manager {
             self.check_session_process(&w.session, w.pid, met, None);
         }
         for w in waited.iter().filter(|w| w.met == Met::AtExec) {
-            if !self.scans.late.iter().any(|l| l.pid == w.pid) {
+            if !self.scans.late.iter().any(|l| l.pid == w.pid) && !self.scans.sampled.contains(&w.pid)
+            {
                 self.continue_held(w.pid);
             }
         }
@@ -214,13 +215,14 @@ impl Manager {
     /// counting Python in followed processes; `all`: everywhere), so that no call of a program
     /// in a chroot or container (an interpreter not known beforehand) is lost; and in every
     /// session of an unprivileged user, for the daemon to check the new program's credentials
-    /// before it runs an instruction; and in CUDA sessions, whose launches are located in the
-    /// executable mapped then (a process may launch and exit before its rows are read).
+    /// before it runs an instruction; in CUDA sessions, whose launches are located in the
+    /// executable mapped then (a process may launch and exit before its rows are read); and
+    /// in sampling sessions, whose first samples of a new program need its interpreter read.
     pub(super) fn update_exec_hold(&mut self, python: u64, all: u64) {
         let unprivileged = self
             .running
             .values()
-            .filter(|s| (s.owner_uid != 0 || s.sources.cuda.is_some()) && s.follows_pid())
+            .filter(|s| s.waits_at_exec() && s.follows_pid())
             .filter_map(|s| s.slot)
             .fold(0u64, |m, slot| m | 1 << slot);
         if let Err(e) = self.bpf.set_exec_hold(python | unprivileged, all) {

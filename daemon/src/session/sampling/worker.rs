@@ -222,6 +222,12 @@ impl Sampling {
         }
     }
 
+    /// A handle that reads a process's new program for the probes off the manager's task
+    /// (reading an interpreter binary not seen before takes tens of milliseconds).
+    pub fn looker(&self) -> Looker {
+        Looker(Arc::clone(&self.state))
+    }
+
     /// The CPython version `pid` runs, if it is known to run one.
     pub fn version(&self, pid: u32) -> Option<&'static Version> {
         lock(&self.state).version(pid)
@@ -315,6 +321,17 @@ impl Sampling {
         st.versions.remove(&pid);
         st.no_tasks.remove(&pid);
         st.resolver.forget(pid);
+    }
+}
+
+/// Reads a process's program for the sampling probes, on any thread ([`Sampling::looker`]).
+pub struct Looker(Arc<Mutex<State>>);
+
+impl Looker {
+    /// What [`Sampling::watch`] does, for a process just past its exec: its old program's
+    /// entry is gone (the exec tracepoint removed it).
+    pub fn look(&self, pid: u32) {
+        lock(&self.0).check_process(pid);
     }
 }
 

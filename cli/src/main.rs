@@ -147,7 +147,7 @@ struct StartArgs {
     /// not drawn).
     #[arg(long, value_name = "DURATION", value_parser = duration::parse_us, requires = "off_cpu")]
     off_cpu_min: Option<u64>,
-    /// Sampling, CPython 3.14+: a sample in an asyncio task starts with the tasks awaiting
+    /// Sampling, CPython 3.11+: a sample in an asyncio task starts with the tasks awaiting
     /// it (outermost first, each `[task: NAME]` and the line where it awaits), then the
     /// task's own frames, in place of the event loop's.
     #[arg(long)]

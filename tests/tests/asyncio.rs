@@ -1,8 +1,9 @@
-//! asyncio task stacks in sampling profiles (`--asyncio`, CPython 3.14+), end to end: a
+//! asyncio task stacks in sampling profiles (`--asyncio`, CPython 3.11+), end to end: a
 //! program with a known tree of tasks (`asyncio_tree.py`), its stacks against the tree that
-//! CPython's own `python -m asyncio pstree` shows, its shares against the program's own
-//! timing and against CPython 3.15's sampler (`profiling.sampling --async-aware`); older
-//! interpreters say they have none.
+//! CPython's own `python -m asyncio pstree` shows (3.14+) or the program prints from
+//! asyncio's own objects (3.11–3.13), its shares against the program's own timing and
+//! against CPython 3.15's sampler (`profiling.sampling --async-aware`); 3.10 says it has
+//! none.
 
 use std::{
     collections::BTreeMap,
@@ -132,10 +133,32 @@ fn sample(d: &Daemon, pid: u32, out: &Path, extra: &[&str]) {
     d.ok(&args);
 }
 
+/// Each leaf task's chain as the program itself prints it (`tree`: from `all_tasks()`,
+/// each task's `_fut_waiter` and its coroutines' `cr_await`), for interpreters that have no
+/// `python -m asyncio pstree`.
+fn printed_chains(out: &mut BufReader<std::process::ChildStdout>) -> BTreeMap<String, Vec<String>> {
+    let mut chains = BTreeMap::new();
+    while chains.len() < 2 {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let (leaf, chain) = line
+            .trim()
+            .strip_prefix("chain ")
+            .and_then(|l| l.split_once(": "))
+            .unwrap_or_else(|| panic!("no chain printed: {line:?}"));
+        chains.insert(
+            leaf.to_owned(),
+            chain.split(';').map(str::to_owned).collect(),
+        );
+    }
+    chains
+}
+
 /// Runs the tree on `python` (`args`: how long, how its leaves work), samples it (`extra`
 /// options besides `--asyncio`) and checks what is under the leaves' `work` function: at
 /// least `min_total`, and at least `chain_pct`% of it under the chain pstree shows for its
-/// leaf; leaf-a's share within 5 points of the program's own timing.
+/// leaf (or, with `tree` in `args`, the program prints); leaf-a's share within 5 points of
+/// the program's own timing.
 fn check_tree(
     d: &Daemon,
     python: &Path,
@@ -146,8 +169,11 @@ fn check_tree(
     chain_pct: u64,
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let (child, out) = start_tree(python, args);
-    let truth = pstree_chains(python, child.pid());
+    let (child, mut out) = start_tree(python, args);
+    let truth = match args.contains(&"tree") {
+        true => printed_chains(&mut out),
+        false => pstree_chains(python, child.pid()),
+    };
     let file = dir.path().join("ours.folded");
     sample(d, child.pid(), &file, extra);
     let own = own_share(child, out);
@@ -181,9 +207,39 @@ fn task_stacks_are_the_tree_asyncio_pstree_shows_on_3_14_and_3_15() {
     }
 }
 
+/// 3.11–3.13 publish no offsets for their tasks: tracer's own table of their structs, the
+/// running task found from its `Handle._run`, and who awaits a task from its done-callbacks
+/// (through `gather`'s here) give the chains the program itself sees, on every such
+/// interpreter here (pyenv's, and Debian's stripped 3.11).
+#[test]
+fn task_stacks_on_3_11_to_3_13_are_the_tree_the_program_sees() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    for python in older() {
+        check_tree(&d, &python, &["6", "tree"], &[], "spin (", 500, 97);
+    }
+}
+
+/// CPython 3.11–3.13 here: pyenv's, and Debian's stripped 3.11.
+fn older() -> Vec<std::path::PathBuf> {
+    let older: Vec<_> = interpreters()
+        .into_iter()
+        .filter(|p| {
+            ["3.11", "3.12", "3.13"]
+                .iter()
+                .any(|v| p.to_string_lossy().ends_with(v))
+        })
+        .collect();
+    assert!(older.len() >= 3, "CPython 3.11–3.13 expected: {older:?}");
+    older
+}
+
 /// Leaves that block the loop (`time.sleep` in a coroutine): with `--off-cpu`, the time
 /// each blocks is under its own task chain, as pstree shows it, in the program's own
-/// proportions. These records go out at the sleep's system call exit.
+/// proportions, on 3.14+ and on 3.11–3.13. These records go out at the sleep's system call
+/// exit.
 #[test]
 fn time_a_task_blocks_the_loop_is_under_its_task_chain() {
     if !root_or_skip() {
@@ -194,6 +250,18 @@ fn time_a_task_blocks_the_loop_is_under_its_task_chain() {
         // Every sleep (1-2 ms) a record of its own.
         let extra = ["--off-cpu", "--off-cpu-min", "100us"];
         check_tree(&d, &python, &["6", "block"], &extra, "block (", 1, 95);
+    }
+    for python in older() {
+        let extra = ["--off-cpu", "--off-cpu-min", "100us"];
+        check_tree(
+            &d,
+            &python,
+            &["6", "block", "tree"],
+            &extra,
+            "block (",
+            1,
+            95,
+        );
     }
 }
 
@@ -292,9 +360,9 @@ fn older_interpreters_and_other_modes_say_they_have_no_task_stacks() {
     );
     let Some(old) = interpreters()
         .into_iter()
-        .find(|p| p.to_string_lossy().contains("python3.12"))
+        .find(|p| p.to_string_lossy().contains("python3.10"))
     else {
-        tracer_testkit::skip("no CPython 3.12 (pyenv)");
+        tracer_testkit::skip("no CPython 3.10 (pyenv)");
         return;
     };
     let (child, out) = start_tree(&old, &["3"]);
@@ -315,7 +383,7 @@ fn older_interpreters_and_other_modes_say_they_have_no_task_stacks() {
         .unwrap_or_else(|e| panic!("{e}: {printed}"));
     let text = report.to_string();
     assert!(
-        text.contains("asyncio task stacks need CPython 3.14"),
+        text.contains("asyncio task stacks need CPython 3.11"),
         "no note: {text}"
     );
     // The event loop's frames stay.

@@ -476,7 +476,14 @@ impl Programs {
                 let _ = load(&code, &mut log);
                 let text = String::from_utf8_lossy(&log);
                 let text = text.trim_end_matches('\0').trim();
-                let tail: Vec<&str> = text.lines().rev().take(3).collect();
+                // The refusal is the line before the verifier's "processed N insns" summary
+                // (lines may follow it), else the log's last lines.
+                let lines: Vec<&str> = text.lines().collect();
+                let end = lines
+                    .iter()
+                    .position(|l| l.starts_with("processed "))
+                    .map_or(lines.len(), |i| i + 1);
+                let tail: Vec<&str> = lines[..end].iter().rev().take(3).copied().collect();
                 let log = if tail.is_empty() {
                     String::new()
                 } else {

@@ -175,7 +175,7 @@ mod tests {
             core::mem::size_of::<super::PyStack>(),
             8 + 64 * super::PY_STACK_DEPTH
         );
-        assert_eq!(core::mem::size_of::<super::PyAsyncLayout>(), 13 * 4);
+        assert_eq!(core::mem::size_of::<super::PyAsyncLayout>(), 22 * 4);
         assert_eq!(core::mem::size_of::<super::PyCallKey>(), 24);
         assert_eq!(core::mem::size_of::<super::PyEdgeKey>(), 40);
         assert_eq!(

@@ -119,8 +119,9 @@ pub struct PySampleProc {
     pub origin: u32,
 }
 
-/// Value of `PY_ASYNC_PROCS`: how to read a 3.14+ process's asyncio tasks, from its
-/// `_asyncio` module's `.AsyncioDebug` section and the interpreter's `_Py_DebugOffsets`.
+/// Value of `PY_ASYNC_PROCS`: how to read a process's asyncio tasks. On 3.14+, from its
+/// `_asyncio` module's `.AsyncioDebug` section and the interpreter's `_Py_DebugOffsets`; on
+/// 3.11–3.13 (`legacy`), from tracer's table of their private structs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyAsyncLayout {
@@ -136,7 +137,7 @@ pub struct PyAsyncLayout {
     pub gen_iframe: u32,
     pub gen_frame_state: u32,
     /// `_PyInterpreterFrame.stackpointer`: a coroutine suspended in an await has what it
-    /// awaits two slots below.
+    /// awaits two slots below. Legacy: `stacktop`, an `int` counting slots from `localsplus`.
     pub frame_stackpointer: u32,
     pub ob_type: u32,
     /// `PySetObject`: its table of (key, hash) entries.
@@ -145,6 +146,28 @@ pub struct PyAsyncLayout {
     /// `gi_frame_state` (an `int8_t`) of a coroutine suspended inside an `await`: -1 on
     /// 3.14, 2 from 3.15 (renumbered).
     pub yield_from_state: u32,
+    /// 1 on 3.11–3.13, whose thread state names no running task and whose tasks keep no
+    /// `awaited_by`: the running task is found from the frames (the `Handle._run` below a
+    /// task's coroutine holds a callback bound to it), and who awaits a task from its
+    /// done-callbacks (a task's wakeup, or `gather`'s `_done_callback`), each candidate
+    /// checked against the task's own fields (`task_coro`, `task_fut_waiter`). The fields
+    /// below are read only then.
+    pub legacy: u32,
+    /// `_PyInterpreterFrame.localsplus`: a method's `self` is its first slot.
+    pub frame_localsplus: u32,
+    /// `co_flags` in a code object (a coroutine's has `CO_COROUTINE`).
+    pub code_flags: u32,
+    /// `events.Handle`'s `_callback` slot.
+    pub handle_callback: u32,
+    /// Within a future: its first done-callback and the list of the others.
+    pub fut_callback0: u32,
+    pub fut_callbacks: u32,
+    /// Within a task: the future it awaits (NULL: none).
+    pub task_fut_waiter: u32,
+    /// `PyFunctionObject.func_closure`: a tuple of cells; and which of `gather`'s
+    /// `_done_callback` holds its future (`outer`; free variables are sorted by name).
+    pub func_closure: u32,
+    pub gather_outer: u32,
 }
 /// Tasks followed from the running one to the outermost awaiting it.
 pub const PY_ASYNC_TASKS_MAX: u32 = 16;

@@ -12,6 +12,7 @@ mod proc;
 mod python;
 pub(crate) mod sample;
 mod shared;
+mod tasks;
 mod trace;
 
 #[cfg(not(test))]

@@ -22,12 +22,14 @@ use aya_ebpf::{
 };
 use tracer_common::{
     loss, py_from, py_kind, py_names_id, sample_cookie, sample_flag, PyAsyncLayout, PyLayout,
-    PySampleFrame, PySampleProc, SampleEvent, PY_ASYNC_TASKS_MAX, PY_FRAME_ENTRY,
-    PY_FRAME_OWNER_NOT_PYTHON, PY_FRAME_SHIM, PY_FRAME_TASK, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH,
-    SAMPLE_STACK_BYTES, SAMPLE_STACK_OFFSET,
+    PySampleFrame, PySampleProc, SampleEvent, PY_FRAME_ENTRY, PY_FRAME_OWNER_NOT_PYTHON,
+    PY_FRAME_SHIM, PY_SAMPLE_NOT_PYTHON, SAMPLE_PY_DEPTH, SAMPLE_STACK_BYTES, SAMPLE_STACK_OFFSET,
 };
 
-use crate::shared::{count_loss, TRACKED};
+use crate::{
+    shared::{count_loss, read, TRACKED},
+    tasks::{self, PY_ASYNC_PROCS},
+};
 
 /// 32 MiB: ≥ 480 samples (a record is ≈ 3 KiB plus the stack bytes copied, at most 64 KiB),
 /// a quarter second of 999 Hz on both CPUs of a small machine at the deepest stacks.
@@ -49,11 +51,6 @@ pub(crate) static SAMPLE_KSTACKS: StackTrace = StackTrace::with_max_entries(16_3
 /// by the daemon when a process is first sampled; removed at exec and exit.
 #[map]
 static PY_SAMPLE_PROCS: HashMap<u32, PySampleProc> = HashMap::with_max_entries(65_536, 0);
-
-/// Process id → how to read its asyncio tasks (3.14+ processes whose `_asyncio` offsets
-/// the daemon found). Removed with the process's `PY_SAMPLE_PROCS` entry.
-#[map]
-static PY_ASYNC_PROCS: HashMap<u32, PyAsyncLayout> = HashMap::with_max_entries(16_384, 0);
 
 /// `task_struct.thread.fsbase`, patched in by the loader from the kernel's BTF.
 #[no_mangle]
@@ -273,11 +270,6 @@ pub(crate) fn works_for(pid: u32, me: u64) -> Option<(u64, u64, &'static PyLayou
     Some((holder, frame(holder)?, l, py_from::GIL_HOLDER))
 }
 
-fn read<T>(addr: u64) -> Option<T> {
-    // SAFETY: bpf_probe_read_user copes with any address; a bad one is an error, not a fault.
-    unsafe { bpf_probe_read_user(addr as *const T) }.ok()
-}
-
 /// Where the current thread's Python state is, if its process runs a known CPython.
 pub(crate) enum PyThread {
     /// Its thread state, the layout, and the interpreter state the thread was found in.
@@ -377,7 +369,12 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
     } else {
         None
     };
-    let task = asyncio.map_or(0, |a| running_task(tstate, a));
+    // 3.11–3.13: the running task is found by the walk, from its frames.
+    let legacy = asyncio.filter(|a| a.legacy != 0);
+    let task = match asyncio {
+        Some(a) if a.legacy == 0 => tasks::running_task(tstate, a),
+        _ => 0,
+    };
     let task_frame = match asyncio {
         Some(a) if task != 0 => read::<u64>(task + u64::from(a.task_coro))
             .filter(|&c| c != 0)
@@ -392,6 +389,10 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
         failed: false,
         task_frame,
         task_at: 0,
+        legacy_pid: legacy.map_or(0, |_| pid),
+        code_flags: legacy.map_or(0, |a| a.code_flags),
+        coro_frame: 0,
+        task,
     };
     // SAFETY: `walk_step` only touches `walk`, which outlives the call.
     unsafe {
@@ -410,175 +411,10 @@ pub(crate) unsafe fn python<const TASKS: bool, const ELSEWHERE: bool>(
             (*ev).flags |= sample_flag::PY_TRUNCATED;
         }
     }
-    if let (Some(a), true) = (asyncio, task != 0 && !walk.failed && walk.frame == 0) {
+    if let (Some(a), true) = (asyncio, walk.task != 0 && !walk.failed && walk.frame == 0) {
         // SAFETY: as above.
-        unsafe { tasks(ev, layout, a, task, walk.depth) };
+        unsafe { tasks::tasks(ev, layout, a, walk.task, walk.depth) };
     }
-}
-
-/// The task the thread runs now (0: none), if it runs an event loop.
-fn running_task(tstate: u64, a: &PyAsyncLayout) -> u64 {
-    match read::<u64>(tstate + u64::from(a.tstate_running_loop)) {
-        Some(l) if l != 0 => read(tstate + u64::from(a.tstate_running_task)).unwrap_or(0),
-        _ => 0,
-    }
-}
-
-struct Tasks {
-    ev: *mut SampleEvent,
-    layout: *const PyLayout,
-    asyncio: *const PyAsyncLayout,
-    /// The task last written, and the coroutine of its chain to write next (0: go on to
-    /// the task awaiting it).
-    task: u64,
-    coro: u64,
-    depth: u32,
-    tasks: u32,
-}
-
-/// After the thread's frames: the running task, then each task awaiting the one before,
-/// with its coroutine chain (where it awaits), up to the outermost.
-unsafe fn tasks(ev: *mut SampleEvent, layout: &PyLayout, a: &PyAsyncLayout, task: u64, depth: u32) {
-    if depth as usize >= SAMPLE_PY_DEPTH {
-        return;
-    }
-    let mut t = Tasks {
-        ev,
-        layout,
-        asyncio: a,
-        task,
-        coro: 0,
-        depth,
-        tasks: 1,
-    };
-    put(&mut t, task_marker(task, a));
-    // SAFETY: `task_step` only touches `t`, which outlives the call.
-    unsafe {
-        bpf_loop(
-            SAMPLE_PY_DEPTH as u32,
-            task_step as *mut c_void,
-            (&mut t as *mut Tasks).cast(),
-            0,
-        );
-        (*ev).py_depth = t.depth;
-    }
-}
-
-fn task_marker(task: u64, a: &PyAsyncLayout) -> PySampleFrame {
-    PySampleFrame {
-        code: task | PY_FRAME_TASK,
-        instr: read(task + u64::from(a.task_name)).unwrap_or(0),
-        names: 0,
-    }
-}
-
-fn put(t: &mut Tasks, f: PySampleFrame) {
-    let i = (t.depth as usize) & (SAMPLE_PY_DEPTH - 1);
-    // SAFETY: `ev` is this CPU's record; `i` is masked into the array.
-    unsafe { (*t.ev).py[i] = f };
-    t.depth += 1;
-}
-
-#[inline(never)]
-extern "C" fn task_step(_: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `ctx` is the `Tasks` that `tasks` passed; the layouts are map values.
-    let t = unsafe { &mut *ctx.cast::<Tasks>() };
-    let (l, a) = unsafe { (&*t.layout, &*t.asyncio) };
-    if t.depth as usize >= SAMPLE_PY_DEPTH {
-        // SAFETY: `ev` is this CPU's record.
-        unsafe { (*t.ev).flags |= sample_flag::PY_TRUNCATED };
-        return 1;
-    }
-    if t.coro == 0 {
-        if t.tasks >= PY_ASYNC_TASKS_MAX {
-            // SAFETY: as above.
-            unsafe { (*t.ev).flags |= sample_flag::PY_TRUNCATED };
-            return 1;
-        }
-        let next = awaiter(t.task, a);
-        if next == 0 {
-            return 1;
-        }
-        put(t, task_marker(next, a));
-        t.task = next;
-        t.coro = read(next + u64::from(a.task_coro)).unwrap_or(0);
-        t.tasks += 1;
-        return 0;
-    }
-    let frame = t.coro + u64::from(a.gen_iframe);
-    let Some(code) = read::<u64>(frame + u64::from(l.frame_code)).map(|e| l.code_of(e)) else {
-        t.coro = 0;
-        return 0;
-    };
-    let qualname = read::<u64>(code + u64::from(l.code_qualname)).unwrap_or(0);
-    let filename = read::<u64>(code + u64::from(l.code_filename)).unwrap_or(0);
-    put(
-        t,
-        PySampleFrame {
-            code,
-            instr: read::<u64>(frame + u64::from(l.frame_instr)).unwrap_or(0),
-            names: py_names_id(qualname, filename),
-        },
-    );
-    let state = read::<i8>(t.coro + u64::from(a.gen_frame_state)).unwrap_or(0);
-    t.coro = if state as u8 as u32 == a.yield_from_state {
-        awaited(t.coro, frame, l, a)
-    } else {
-        0
-    };
-    0
-}
-
-/// What a coroutine suspended in an `await` awaits, if that is a coroutine too (not a
-/// future or another awaitable, where its chain ends): at the top of its frame's stack
-/// (3.14), or one slot below (later versions keep another value above it). Whichever
-/// holds an object of the coroutine's own type.
-fn awaited(coro: u64, frame: u64, l: &PyLayout, a: &PyAsyncLayout) -> u64 {
-    let sp = l.code_of(read::<u64>(frame + u64::from(a.frame_stackpointer)).unwrap_or(0));
-    if sp < 16 {
-        return 0;
-    }
-    let ty = u64::from(a.ob_type);
-    let Some(own) = read::<u64>(coro + ty) else {
-        return 0;
-    };
-    let mut below = 8;
-    while below <= 16 {
-        let next = read::<u64>(sp - below).map_or(0, |r| l.code_of(r));
-        if next != 0 && read::<u64>(next + ty) == Some(own) {
-            return next;
-        }
-        below += 8;
-    }
-    0
-}
-
-/// The task awaiting `task` (0: none): its `awaited_by`, a task or a set of tasks, of
-/// which the first in the set's table is taken.
-fn awaiter(task: u64, a: &PyAsyncLayout) -> u64 {
-    let by = read::<u64>(task + u64::from(a.task_awaited_by)).unwrap_or(0);
-    if by == 0 || read::<u8>(task + u64::from(a.task_awaited_by_is_set)).unwrap_or(0) == 0 {
-        return by;
-    }
-    let ty = u64::from(a.ob_type);
-    let Some(task_type) = read::<u64>(task + ty) else {
-        return 0;
-    };
-    let table = read::<u64>(by + u64::from(a.set_table)).unwrap_or(0);
-    let mask = read::<i64>(by + u64::from(a.set_mask)).unwrap_or(-1);
-    // A small set's table has 8 entries of (key, hash); a dummy (deleted) key is no task.
-    let mut i = 0;
-    while i < 8 {
-        if i > mask {
-            break;
-        }
-        let key = read::<u64>(table + (i as u64) * 16).unwrap_or(0);
-        if key != 0 && read::<u64>(key + ty) == Some(task_type) {
-            return key;
-        }
-        i += 1;
-    }
-    0
 }
 
 struct Find {
@@ -667,6 +503,16 @@ struct Walk {
     /// The running asyncio task's coroutine frame (0: none), and 1 + its index once met.
     task_frame: u64,
     task_at: u32,
+    /// 3.11–3.13 with `--asyncio`, the process (else 0): the running task is looked for in
+    /// the walk, as the caller of the outermost coroutine frame (`coro_frame`, its index
+    /// `task_at`), a coroutine's code told by its `co_flags` (at `code_flags`). Scalars, not
+    /// the layout's pointer: a pointer read back from the caller's stack is no map value to
+    /// the verifier.
+    legacy_pid: u32,
+    code_flags: u32,
+    coro_frame: u64,
+    /// The running task (0: none found).
+    task: u64,
 }
 
 /// One frame: its code object, current instruction and run-start flags, then its caller.
@@ -705,6 +551,17 @@ extern "C" fn walk_step(_: u64, ctx: *mut c_void) -> i64 {
     let filename = read::<u64>(code + u64::from(l.code_filename)).unwrap_or(0);
     if w.frame == w.task_frame {
         w.task_at = w.depth + 1;
+    }
+    if w.legacy_pid != 0 && w.task == 0 && flags & PY_FRAME_SHIM == 0 {
+        let coroutine = tasks::is_coroutine(code, w.code_flags);
+        if !coroutine && w.coro_frame != 0 {
+            w.task = tasks::stepped_task(w.legacy_pid, w.frame, w.coro_frame);
+        }
+        if coroutine {
+            (w.coro_frame, w.task_at) = (w.frame, w.depth + 1);
+        } else {
+            (w.coro_frame, w.task_at) = (0, if w.task != 0 { w.task_at } else { 0 });
+        }
     }
     let i = (w.depth as usize) & (SAMPLE_PY_DEPTH - 1);
     // SAFETY: `ev` is this CPU's record; `i` is masked into the array.

@@ -1,7 +1,7 @@
 //! What every program shares: which sessions follow which process, and the loss counters.
 
 use aya_ebpf::{
-    helpers::bpf_get_current_pid_tgid,
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::map,
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
 };
@@ -21,6 +21,12 @@ pub(crate) static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(loss:
 /// work). Few keys: a cause and a set of sessions.
 #[map]
 static SLOT_LOSSES: PerCpuHashMap<LossKey, u64> = PerCpuHashMap::with_max_entries(4096, 0);
+
+/// A `T` at user address `addr`, if it can be read.
+pub(crate) fn read<T>(addr: u64) -> Option<T> {
+    // SAFETY: bpf_probe_read_user copes with any address; a bad one is an error, not a fault.
+    unsafe { bpf_probe_read_user(addr as *const T) }.ok()
+}
 
 pub(crate) fn global(v: &u32) -> u32 {
     // SAFETY: reading a plain static; volatile so the loader's patched value is used, not the default.

@@ -1,9 +1,10 @@
-//! asyncio tasks (CPython 3.14+): where a thread's running task, a task's coroutine and
-//! the tasks awaiting it are. The `_asyncio` module publishes its own offsets in an ELF
-//! section, `.AsyncioDebug` (what `python -m asyncio pstree` reads); the interpreter's
+//! asyncio tasks: where a thread's running task, a task's coroutine and the tasks awaiting
+//! it are. From 3.14 the `_asyncio` module publishes its own offsets in an ELF section,
+//! `.AsyncioDebug` (what `python -m asyncio pstree` reads); the interpreter's
 //! `_Py_DebugOffsets` give the coroutine and frame fields. `_asyncio` is built into some
 //! interpreters and a `lib-dynload` extension in others, read from the file before the
-//! program imports it, so that a process is looked at once.
+//! program imports it, so that a process is looked at once. 3.11–3.13 publish nothing:
+//! their private structs' offsets are tracer's table ([`legacy`]).
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +15,7 @@ use super::debug_offsets::DebugOffsets;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AsyncioError {
-    #[error("asyncio task stacks need CPython 3.14 or later")]
+    #[error("asyncio task stacks need CPython 3.11 or later")]
     TooOld,
     #[error("this interpreter is free-threaded")]
     FreeThreaded,
@@ -36,16 +37,22 @@ const THREAD_RUNNING_LOOP: usize = 10;
 const THREAD_RUNNING_TASK: usize = 11;
 
 /// How the sampler reads tasks of processes running the interpreter at `interpreter` (the
-/// binary or libpython holding `_PyRuntime`), whose ELF is `file`.
-pub fn layout(interpreter: &Path, file: &object::File) -> Result<PyAsyncLayout, AsyncioError> {
-    let offsets = DebugOffsets::read(file)
-        .ok()
-        .flatten()
-        .filter(|d| d.minor() >= 14)
-        .ok_or(AsyncioError::TooOld)?;
-    if offsets.free_threaded {
+/// binary or libpython holding `_PyRuntime`), whose ELF is `file`, CPython 3.`minor`.
+pub fn layout(
+    interpreter: &Path,
+    file: &object::File,
+    minor: u32,
+) -> Result<PyAsyncLayout, AsyncioError> {
+    let offsets = DebugOffsets::read(file).ok().flatten();
+    if offsets.as_ref().is_some_and(|d| d.free_threaded) {
         return Err(AsyncioError::FreeThreaded);
     }
+    if (11..=13).contains(&minor) {
+        return legacy(minor).ok_or(AsyncioError::TooOld);
+    }
+    let offsets = offsets
+        .filter(|d| d.minor() >= 14)
+        .ok_or(AsyncioError::TooOld)?;
     let (path, words) = match section_words(file) {
         Some(w) => (interpreter.to_owned(), w),
         None => extension(interpreter, offsets.minor())?,
@@ -87,7 +94,46 @@ fn build(debug: impl Fn(&str) -> Option<u32>, w: &[u64]) -> Result<PyAsyncLayout
         ob_type: debug("pyobject.ob_type")?,
         set_table: debug("set_object.table")?,
         set_mask: debug("set_object.mask")?,
-        yield_from_state: 0,
+        ..PyAsyncLayout::default()
+    })
+}
+
+/// 3.11–3.13's private layouts (x86-64 release builds; each field found in a running
+/// interpreter of each version by the object it must hold): `_PyInterpreterFrame`'s
+/// `stacktop` and `localsplus`, the coroutine's embedded frame and `gi_frame_state`, the C
+/// future's `fut_callback0`/`fut_callbacks` and the C task's `task_fut_waiter`, `task_coro`
+/// and `task_name` (3.13 dropped two of the future's fields), `co_flags`,
+/// `PyFunctionObject.func_closure` and the cell of `gather`'s `_done_callback` holding
+/// its future, and `events.Handle._callback` (its `__slots__`, stored
+/// sorted: `_args` first). A suspended coroutine's `gi_frame_state` is -1 on each (3.13
+/// names it `FRAME_SUSPENDED_YIELD_FROM`; 3.11/3.12 use it for any suspension, and the
+/// awaited object's type tells an `await` apart).
+fn legacy(minor: u32) -> Option<PyAsyncLayout> {
+    let (gen_iframe, gen_frame_state, task_fut_waiter) = match minor {
+        11 => (80, 75, 128),
+        12 => (72, 67, 128),
+        13 => (72, 67, 112),
+        _ => return None,
+    };
+    Some(PyAsyncLayout {
+        task_coro: task_fut_waiter + 8,
+        task_name: task_fut_waiter + 16,
+        gen_iframe,
+        gen_frame_state,
+        frame_stackpointer: 64,
+        ob_type: 8,
+        yield_from_state: u32::from(-1i8 as u8),
+        legacy: 1,
+        frame_localsplus: 72,
+        code_flags: 48,
+        handle_callback: 24,
+        fut_callback0: 24,
+        fut_callbacks: 40,
+        task_fut_waiter,
+        func_closure: 72,
+        // `children`, `nfinished`, `nfuts`, `outer`, `return_exceptions` on each.
+        gather_outer: 3,
+        ..PyAsyncLayout::default()
     })
 }
 

@@ -178,7 +178,7 @@ impl Runtime {
             asyncio: if probes {
                 Err("not looked for".into())
             } else {
-                super::asyncio::layout(path, &file).map_err(|e| e.to_string())
+                super::asyncio::layout(path, &file, version.minor).map_err(|e| e.to_string())
             },
         })
     }

@@ -166,7 +166,7 @@ pub struct SamplingOptions {
     /// TLS for <https://,> parcas:// and otlps:// endpoints.
     #[prost(message, optional, tag = "6")]
     pub push_tls: ::core::option::Option<PushTls>,
-    /// asyncio (CPython 3.14+): a sample taken in a task starts with the tasks awaiting it,
+    /// asyncio (CPython 3.11+): a sample taken in a task starts with the tasks awaiting it,
     /// outermost first, each a frame of kind "task" followed by its coroutines (where it
     /// awaits), then the running task's own frames; the event loop's frames below the task are
     /// left out. Samples outside tasks, and processes of older versions, are unchanged (the

@@ -5,11 +5,11 @@
 
 pub mod binary;
 pub mod container;
-pub mod creds;
+mod creds;
 pub mod cuda;
 pub mod demangle;
 pub mod native;
-pub mod pinned;
+mod pinned;
 pub mod plt;
 pub mod process;
 pub mod python;

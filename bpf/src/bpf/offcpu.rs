@@ -9,6 +9,7 @@ use std::{
     path::Path,
 };
 
+use aya::maps::IterableMap;
 use perf_event_open_sys as sys;
 use tracer_common::{OffCpuConfig, OffCpuThread};
 
@@ -67,9 +68,11 @@ impl Bpf {
         if self.off_cpu.sessions.is_empty() {
             self.off_cpu.attached = None;
             // What threads carried goes with the last session, not into the next one.
-            let tids: Vec<u32> = self.offcpu_threads.keys().filter_map(Result::ok).collect();
-            for tid in tids {
-                let _ = self.offcpu_threads.remove(&tid);
+            let tids: Vec<u32> = self.off_cpu_threads().into_iter().map(|(t, _)| t).collect();
+            if crate::batch::delete(self.offcpu_threads.map().fd().as_fd(), &tids).is_err() {
+                for tid in tids {
+                    let _ = self.offcpu_threads.remove(&tid);
+                }
             }
         }
     }
@@ -166,11 +169,25 @@ impl Bpf {
     /// Every thread off the CPU now, with its bookkeeping (its process, since when, why):
     /// what a trace's timeline still owes at its end.
     pub fn off_cpu_away(&self) -> Vec<(u32, OffCpuThread)> {
-        let tids: Vec<u32> = self.offcpu_threads.keys().filter_map(Result::ok).collect();
-        tids.into_iter()
-            .filter_map(|tid| Some((tid, self.offcpu_threads.get(&tid, 0).ok()?)))
+        self.off_cpu_threads()
+            .into_iter()
             .filter(|(_, t)| t.since_ns != 0)
             .collect()
+    }
+
+    /// Every thread's entry: in batches (a few syscalls for the map's 65,536 entries, where
+    /// one at a time took two each), else one at a time.
+    fn off_cpu_threads(&self) -> Vec<(u32, OffCpuThread)> {
+        match crate::batch::entries(self.offcpu_threads.map().fd().as_fd()) {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::debug!(%e, "batch map reads: reading one entry at a time");
+                let tids: Vec<u32> = self.offcpu_threads.keys().filter_map(Result::ok).collect();
+                tids.into_iter()
+                    .filter_map(|tid| Some((tid, self.offcpu_threads.get(&tid, 0).ok()?)))
+                    .collect()
+            }
+        }
     }
 
     /// Of `tids`, those off the CPU now and since how long, with the time each carried: what

@@ -68,12 +68,7 @@ impl Bpf {
         if self.off_cpu.sessions.is_empty() {
             self.off_cpu.attached = None;
             // What threads carried goes with the last session, not into the next one.
-            let tids: Vec<u32> = self.off_cpu_threads().into_iter().map(|(t, _)| t).collect();
-            if crate::batch::delete(self.offcpu_threads.map().fd().as_fd(), &tids).is_err() {
-                for tid in tids {
-                    let _ = self.offcpu_threads.remove(&tid);
-                }
-            }
+            super::maps::slot_entries(&mut self.offcpu_threads, |_| true, true);
         }
     }
 

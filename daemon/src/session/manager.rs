@@ -134,6 +134,14 @@ struct Scans {
     sampled: Vec<u32>,
 }
 
+impl Scans {
+    /// Whether something still holds `pid` at its exec: its interpreter's probes, or the
+    /// sampler's read of its program.
+    fn holding(&self, pid: u32) -> bool {
+        self.late.iter().any(|l| l.pid == pid) || self.sampled.contains(&pid)
+    }
+}
+
 type CodeRing = AsyncFd<RingBuf<MapData>>;
 
 /// What the manager's task waits on besides its timers.

@@ -187,7 +187,7 @@ impl Manager {
     /// its interpreter is still being probed (then `recheck_late` continues it).
     pub(super) fn sampled_exec(&mut self, pid: u32) {
         self.scans.sampled.retain(|&p| p != pid);
-        if !self.scans.late.iter().any(|l| l.pid == pid) {
+        if !self.scans.holding(pid) {
             self.continue_held(pid);
         }
     }

@@ -170,9 +170,7 @@ impl Manager {
             self.check_session_process(&w.session, w.pid, met, None);
         }
         for w in waited.iter().filter(|w| w.met == Met::AtExec) {
-            if !self.scans.late.iter().any(|l| l.pid == w.pid)
-                && !self.scans.sampled.contains(&w.pid)
-            {
+            if !self.scans.holding(w.pid) {
                 self.continue_held(w.pid);
             }
         }

@@ -216,10 +216,7 @@ impl Sampling {
     /// Makes the probes able to read `pid`'s Python stacks (`PY_SAMPLE_PROCS`), if not yet
     /// or no more (an exec removes it): CUDA launches read their Python call site there.
     pub fn watch(&self, pid: u32) {
-        let mut st = lock(&self.state);
-        if st.maps.python_procs.get(&pid, 0).is_err() {
-            st.check_process(pid);
-        }
+        lock(&self.state).watch(pid);
     }
 
     /// A handle that reads a process's new program for the probes off the manager's task
@@ -277,10 +274,7 @@ impl Sampling {
                 .name("sampling-look".into())
                 .spawn(move || {
                     for pid in pids {
-                        let mut st = lock(&state);
-                        if st.maps.python_procs.get(&pid, 0).is_err() {
-                            st.check_process(pid);
-                        }
+                        lock(&state).watch(pid);
                     }
                 });
             if let Err(e) = looked {
@@ -328,14 +322,21 @@ impl Sampling {
 pub struct Looker(Arc<Mutex<State>>);
 
 impl Looker {
-    /// What [`Sampling::watch`] does, for a process just past its exec: its old program's
-    /// entry is gone (the exec tracepoint removed it).
+    /// [`Sampling::watch`], on a thread of the caller's.
     pub fn look(&self, pid: u32) {
-        lock(&self.0).check_process(pid);
+        lock(&self.0).watch(pid);
     }
 }
 
 impl State {
+    /// Reads `pid`'s program for the probes unless its entry is there already (an exec
+    /// removes it; a drain may have read the new program first).
+    fn watch(&mut self, pid: u32) {
+        if self.maps.python_procs.get(&pid, 0).is_err() {
+            self.check_process(pid);
+        }
+    }
+
     fn drain(&mut self) {
         // pid → when it was last looked at in this batch: once for a definite answer; a
         // process whose libpython is not mapped yet again every millisecond.

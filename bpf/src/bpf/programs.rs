@@ -474,26 +474,10 @@ impl Programs {
             Err(source) => {
                 let mut log = vec![0u8; 1 << 20];
                 let _ = load(&code, &mut log);
-                let text = String::from_utf8_lossy(&log);
-                let text = text.trim_end_matches('\0').trim();
-                // The refusal is the line before the verifier's "processed N insns" summary
-                // (lines may follow it), else the log's last lines.
-                let lines: Vec<&str> = text.lines().collect();
-                let end = lines
-                    .iter()
-                    .position(|l| l.starts_with("processed "))
-                    .map_or(lines.len(), |i| i + 1);
-                let tail: Vec<&str> = lines[..end].iter().rev().take(3).copied().collect();
-                let log = if tail.is_empty() {
-                    String::new()
-                } else {
-                    let tail: Vec<&str> = tail.into_iter().rev().collect();
-                    format!(" (verifier: {})", tail.join(" / "))
-                };
                 return Err(ProgramsError::Load {
                     name: name.into(),
                     source,
-                    log,
+                    log: refusal(&String::from_utf8_lossy(&log)),
                 });
             }
         };
@@ -587,4 +571,34 @@ fn map_fd(map: &Map) -> BorrowedFd<'_> {
         Unsupported,
         XskMap
     )
+}
+
+/// What a verifier's log says of its refusal, for the error: the lines up to its
+/// "processed N insns" summary (lines may follow it), else the log's last lines.
+fn refusal(log: &str) -> String {
+    let lines: Vec<&str> = log.trim_end_matches('\0').trim().lines().collect();
+    let end = lines
+        .iter()
+        .position(|l| l.starts_with("processed "))
+        .map_or(lines.len(), |i| i + 1);
+    let tail = &lines[end.saturating_sub(3)..end];
+    if tail.is_empty() {
+        String::new()
+    } else {
+        format!(" (verifier: {})", tail.join(" / "))
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    #[test]
+    fn the_refusal_is_the_line_before_the_summary_even_with_lines_after_it() {
+        let log = "0: (7b) r1 = 0\n1572: (61) r1 = *(u32 *)(r9 +60)\nR9 invalid mem access 'scalar'\nprocessed 10737 insns (limit 1000000)\n633: call bpf_map_lookup_elem#1\nfrom 633 to 634: safe\n\0\0";
+        assert_eq!(
+            super::refusal(log),
+            " (verifier: 1572: (61) r1 = *(u32 *)(r9 +60) / R9 invalid mem access 'scalar' / processed 10737 insns (limit 1000000))"
+        );
+        assert_eq!(super::refusal("a\nb\nc\nd"), " (verifier: b / c / d)");
+        assert_eq!(super::refusal("\0\0"), "");
+    }
 }

@@ -581,7 +581,9 @@ fn a_killed_daemon_leaves_the_program_running_as_before() {
         .unwrap_or(0);
     // 5: ORPHANED (tracer_common::inproc::state).
     assert_eq!(state, 5, "counter state");
+    // What the next tracerd would sweep (a_restarted_daemon_sweeps_what_a_killed_one_left).
     let _ = std::fs::remove_dir_all(counts.parent().unwrap());
+    let _ = std::fs::remove_dir_all(format!("/tmp/tracer-{id}-{pid}-code"));
 }
 
 /// `--export prometheus`: while the session runs, tracerd's endpoint shows the in-process

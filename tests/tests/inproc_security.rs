@@ -28,6 +28,20 @@ fn become_user(uid: u32, gid: u32) -> String {
     )
 }
 
+/// Python run as `uid`:`gid` that calls `fib(10)` until `go` exists (printing `ready` first),
+/// then runs `then`.
+fn member_script(uid: u32, gid: u32, go: &Path, then: &str) -> String {
+    format!(
+        "{become}\
+         import glob, os, time\n\
+         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         print('ready', flush=True)\n\
+         while not os.path.exists({go:?}):\n    fib(10); time.sleep(0.001)\n\
+         {then}",
+        become = become_user(uid, gid),
+    )
+}
+
 /// A directory in the daemon's where the member's processes may write (their signals to the
 /// test).
 fn shared_dir(d: &Daemon) -> PathBuf {
@@ -210,13 +224,8 @@ fn forged_names_and_busy_flags_cost_tracerd_little() {
     let plant = shared_dir(&d).join("plant");
     let planted = shared_dir(&d).join("planted");
     // Header: busy at 16; entries from 4096, 56 bytes each, names (offset, len) at 40 and 48.
-    let code = format!(
-        "{become}\
-         import glob, os, time\n\
-         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
-         print('ready', flush=True)\n\
-         while not os.path.exists({plant:?}):\n    fib(10); time.sleep(0.001)\n\
-         me = glob.glob(f'/tmp/tracer-*-{{os.getpid()}}/counts.{{os.getpid()}}')[0]\n\
+    let then = format!(
+        "me = glob.glob(f'/tmp/tracer-*-{{os.getpid()}}/counts.{{os.getpid()}}')[0]\n\
          d = os.path.dirname(me)\n\
          size = os.path.getsize(me)\n\
          big = (8 << 20) - 65536\n\
@@ -237,9 +246,9 @@ fn forged_names_and_busy_flags_cost_tracerd_little() {
          \x20   os.truncate(p, size)\n\
          open({planted:?}, 'w').close()\n\
          while True:\n    time.sleep(1)\n",
-        become = become_user(uid, gid),
         planted = planted.display().to_string(),
     );
+    let code = member_script(uid, gid, &plant, &then);
     let (_attacker, pid) = spawn_ready(&py, &code);
     let id = start(&d, &ctl, (uid, gid), true, pid);
     std::fs::write(&plant, b"").unwrap();
@@ -355,9 +364,13 @@ fn a_restarted_daemon_sweeps_what_a_killed_one_left() {
     let id = start(&d, Path::new(""), (uid, gid), false, pid);
     let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
     assert!(dir.exists(), "{}", dir.display());
+    let code_dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}-code"));
+    assert!(code_dir.exists(), "{}", code_dir.display());
     d.kill();
     d.restart();
-    wait_until(20, "the killed daemon's directory to go", || !dir.exists());
+    wait_until(20, "the killed daemon's directories to go", || {
+        !dir.exists() && !code_dir.exists()
+    });
     std::fs::write(&go, b"").unwrap();
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
@@ -404,4 +417,66 @@ fn a_clean_session_leaves_no_module_behind() {
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     assert!(child.0.wait().unwrap().success());
     assert_eq!(rest, "None None False\n");
+}
+
+/// The code the counted process runs for tracer (the start script, the counter library) lies
+/// in a directory of root's beside the user's: the process's user can neither change, delete
+/// nor rename it, nor add a file there, between its writing and its loading; the session
+/// counts as usual, and both directories go at its end.
+#[test]
+fn the_user_cannot_replace_the_code_it_runs() {
+    let Some((py, uid, gid)) = setup() else {
+        return;
+    };
+    let d = Daemon::start();
+    let go = shared_dir(&d).join("go");
+    let done = shared_dir(&d).join("tried");
+    let then = format!(
+        "code = glob.glob(f'/tmp/tracer-*-{{os.getpid()}}-code')[0]\n\
+         st = os.stat(code)\n\
+         tried = [f'{{st.st_uid}} {{oct(st.st_mode & 0o7777)}} {{sorted(os.listdir(code))}}']\n\
+         def attempt(what, f):\n\
+         \x20   try:\n        f(); tried.append(what + ': done')\n\
+         \x20   except PermissionError:\n        tried.append(what + ': refused')\n\
+         start = os.path.join(code, 'start.py')\n\
+         attempt('write', lambda: open(start, 'a').close())\n\
+         attempt('unlink', lambda: os.unlink(start))\n\
+         attempt('create', lambda: open(os.path.join(code, 'x.py'), 'w').close())\n\
+         attempt('rename', lambda: os.rename(code, code + '-moved'))\n\
+         with open({done:?}, 'w') as f:\n    f.write('\\n'.join(tried))\n\
+         for _ in range(100):\n    fib(10); time.sleep(0.001)\n",
+        done = done.display().to_string(),
+    );
+    let code = member_script(uid, gid, &go, &then);
+    let mut child = ChildGuard::spawn_ready(Command::new(&py).arg("-c").arg(&code));
+    let pid = child.pid();
+    let id = start(&d, Path::new(""), (uid, gid), false, pid);
+    std::fs::write(&go, b"").unwrap();
+    assert!(child.0.wait().unwrap().success());
+    let tried = std::fs::read_to_string(&done).unwrap();
+    assert_eq!(
+        tried,
+        "0 0o755 ['_tracer_pycount.so', 'start.py']\n\
+         write: refused\nunlink: refused\ncreate: refused\nrename: refused",
+    );
+    let r = report(&d, &id);
+    let (way, why) = counted_way(&r, pid);
+    assert_eq!(way, "in-process", "{why}");
+    // At least the 100 fib(10) after the attempts: 177 calls each.
+    let fib: u64 = r["python"]["functions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["qualname"] == "fib")
+        .map(|f| f["ncalls"].as_u64().unwrap())
+        .sum();
+    assert!(fib >= 100 * 177, "{fib}: {}", r["python"]);
+    for dir in [
+        format!("/tmp/tracer-{id}-{pid}"),
+        format!("/tmp/tracer-{id}-{pid}-code"),
+    ] {
+        wait_until(10, "the session's directories to go", || {
+            !Path::new(&dir).exists()
+        });
+    }
 }

@@ -1,7 +1,8 @@
 //! In-process counting of a running CPython 3.10–3.13 process (`--pid`), which has no PEP 768:
-//! tracer's loader (`daemon/pystart`), copied into the counter's directory, is loaded into the
-//! process with ptrace ([`crate::process::inject`]), and runs the start script on a thread of
-//! its own as soon as it can take the GIL: at once where every thread waits in native code.
+//! tracer's loader (`daemon/pystart`), copied into the counter's code directory, is loaded
+//! into the process with ptrace ([`crate::process::inject`]), and runs the start script on a
+//! thread of its own as soon as it can take the GIL: at once where every thread waits in
+//! native code.
 
 use std::{fs, time::Duration};
 
@@ -30,7 +31,7 @@ pub(super) fn start_loaded(
     counter.loaded = Loaded::Ptrace;
     // Asked again just before: the process may have changed hands since `make` checked.
     let loaded = (counter.may_trace)(pid)
-        .and_then(|()| run_with_loader(&counter.files.dir, &counter.name, pid, "start"))
+        .and_then(|()| run_with_loader(&counter.files.dir, pid, "start"))
         .and_then(|()| counter.watch_handovers(handover));
     if let Err(why) = loaded {
         counter.discard();
@@ -61,13 +62,14 @@ fn fail_pending(counter: &Counter, why: String) -> String {
     why
 }
 
-/// Has `pid` run `STEM.py` of the directory `name` (written already): tracer's loader is
+/// Has `pid` run `STEM.py` of the code directory (written already): tracer's loader is
 /// copied there as `STEM.so` and loaded with ptrace.
-pub(super) fn run_with_loader(dir: &Dir, name: &str, pid: u32, stem: &str) -> Result<(), String> {
+pub(super) fn run_with_loader(dir: &Dir, pid: u32, stem: &str) -> Result<(), String> {
     let loader = files::beside_tracerd(super::PRELOAD)?;
     let loader = fs::read(&loader).map_err(|e| format!("reading {}: {e}", loader.display()))?;
-    dir.create(&format!("{stem}.so"), 0o644, &loader)?;
-    let path = format!("/tmp/{name}/{stem}.so");
+    let file = format!("{stem}.so");
+    dir.create_code(&file, &loader)?;
+    let path = dir.code_path(&file);
     inject::load_library(pid, &path, LOAD_WAIT)
         .map_err(|e| format!("loading tracer's loader with ptrace: {e}"))
 }

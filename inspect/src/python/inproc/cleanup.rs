@@ -31,7 +31,7 @@ impl Counter {
     /// directory and journal entry go now.
     pub(super) fn discard(self) {
         self.ended.store(true, Ordering::SeqCst);
-        self.files.dir.remove(&self.name);
+        self.files.dir.remove();
         journal::forget(&self.name);
     }
 }
@@ -72,21 +72,21 @@ pub(super) fn cleanup_later(
                         std::thread::sleep(Duration::from_millis(50));
                     }
                     let file = Path::new(path).file_name().and_then(|n| n.to_str());
-                    dir.unlink(file.unwrap_or(""));
+                    dir.unlink_code(file.unwrap_or(""));
                     // Its loader, where one ran it (before 3.14): mapped, it needs no name.
                     if let Some(stem) = file.and_then(|f| f.strip_suffix(".py")) {
-                        dir.unlink(&format!("{stem}.so"));
+                        dir.unlink_code(&format!("{stem}.so"));
                     }
                     false
                 });
                 // Once every process that could run something here is gone, nothing is
                 // needed; while one lives, only an empty directory goes.
                 if !pids.iter().any(|&p| alive(p)) {
-                    dir.remove(&name);
+                    dir.remove();
                     journal::forget(&name);
                     break;
                 }
-                if pending.is_empty() && dir.remove_if_empty(&name) {
+                if pending.is_empty() && dir.remove_if_empty() {
                     journal::forget(&name);
                     break;
                 }
@@ -95,7 +95,7 @@ pub(super) fn cleanup_later(
                     for (pin, _, path) in &pending {
                         if remote_exec::withdraw(pin, path).is_ok() {
                             let file = Path::new(path).file_name().and_then(|n| n.to_str());
-                            dir.unlink(file.unwrap_or(""));
+                            dir.unlink_code(file.unwrap_or(""));
                         }
                     }
                     tracing::warn!(dir = %name, "in-process counter files left after {} s; the next start of tracerd sweeps them", CLEANUP_WAIT.as_secs());

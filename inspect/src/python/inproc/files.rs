@@ -1,6 +1,6 @@
 //! The counter's directory and files, as tracerd touches them. The directory lies in the
 //! counted process's `/tmp` and belongs to the process's user, who may change anything in
-//! it: tracerd makes it, and makes, opens and deletes files in it, as that user (its
+//! it (the code the process runs lies beside it, root's: [`super::code_dir`]): tracerd makes it, and makes, opens and deletes files in it, as that user (its
 //! file-system ids, [`as_user`]), so that it can do there nothing the user could not; only
 //! in a `/tmp` (and a root) that no other user could swap; relative to held descriptors,
 //! following no symbolic link; files it reads must be regular files, and what it reads is
@@ -8,7 +8,6 @@
 //! instead of killing tracerd.
 
 use std::{
-    ffi::CString,
     fs::File,
     io::{Read, Write},
     os::{
@@ -21,89 +20,22 @@ use std::{
 
 use tracer_common::inproc::{self, Header, StrRef};
 
-fn c_name(name: &str) -> std::io::Result<CString> {
-    if name.contains('/') || name == "." || name == ".." || name.is_empty() {
-        return Err(std::io::Error::other("not a plain file name"));
-    }
-    CString::new(name).map_err(std::io::Error::other)
-}
-
-fn check(ret: libc::c_int) -> std::io::Result<libc::c_int> {
-    if ret < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
+use super::{
+    at::{c_name, check, mount_id, open_dir_at, unsafe_parent},
+    code_dir::{self, CodeDir},
+};
 
 pub(super) use crate::creds::{as_user, Ids};
 
-/// Why a directory on the way to the counter's files could let someone other than root or
-/// `uid` replace them; None: it could not. `what` names it for the message.
-fn unsafe_parent(m: &std::fs::Metadata, uid: u32, what: &str) -> Option<String> {
-    const STICKY: u32 = 0o1000;
-    if !m.is_dir() {
-        return Some(format!("{what} is not a directory"));
-    }
-    if m.uid() != 0 && m.uid() != uid {
-        return Some(format!(
-            "{what} belongs to uid {}, neither root nor the process's user",
-            m.uid()
-        ));
-    }
-    if m.mode() & 0o022 != 0 && m.mode() & STICKY == 0 {
-        return Some(format!(
-            "{what} (mode {:o}) is writable by others and not sticky: another user could replace tracer's files",
-            m.mode() & 0o7777
-        ));
-    }
-    None
-}
-
-/// The mount a descriptor lies on (0 where the kernel cannot say).
-fn mount_id(f: &File) -> u64 {
-    // SAFETY: `st` is written by the call; an empty path with AT_EMPTY_PATH names the fd.
-    let mut st = unsafe { std::mem::zeroed::<libc::statx>() };
-    // SAFETY: as above.
-    let r = unsafe {
-        libc::statx(
-            f.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            libc::STATX_MNT_ID,
-            &raw mut st,
-        )
-    };
-    if r == 0 && st.stx_mask & libc::STATX_MNT_ID != 0 {
-        st.stx_mnt_id
-    } else {
-        0
-    }
-}
-
-/// Opens `name` in `dir` as a directory, following no link at its last component.
-fn open_dir_at(dir: &File, name: &str) -> std::io::Result<File> {
-    let c = c_name(name)?;
-    // SAFETY: plain syscall; the descriptor returned is owned by the File.
-    let fd = check(unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    })?;
-    // SAFETY: a fresh descriptor nobody else owns.
-    Ok(unsafe { File::from_raw_fd(fd) })
-}
-
 /// `/tmp` of `pid`'s root (through `/proc/PID/root`: its chroot, container and mounts),
 /// checked: neither it nor the root may be replaceable by another user than root or `uid`.
-fn process_tmp(pid: u32, uid: u32) -> Result<File, String> {
+/// The root too, for [`code_dir::may_make`].
+fn process_tmp(pid: u32, uid: u32) -> Result<(File, File), String> {
     tmp_under(Path::new(&format!("/proc/{pid}/root")), uid)
 }
 
-/// `/tmp` under `root`, checked as for [`process_tmp`].
-fn tmp_under(root: &Path, uid: u32) -> Result<File, String> {
+/// The root and its `/tmp` under `root`, checked as for [`process_tmp`].
+fn tmp_under(root: &Path, uid: u32) -> Result<(File, File), String> {
     let root = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
@@ -118,25 +50,30 @@ fn tmp_under(root: &Path, uid: u32) -> Result<File, String> {
     if let Some(why) = unsafe_parent(&m, uid, "the process's /tmp") {
         return Err(why);
     }
-    Ok(tmp)
+    Ok((root, tmp))
 }
 
-/// An open directory, the one holding it, and the user tracerd acts as in it.
+/// The counter's open directory (the user's: the counts files), the one holding it, the
+/// user tracerd acts as in it, and the code directory beside it ([`CodeDir`]).
 pub(super) struct Dir {
     this: File,
     parent: File,
+    /// Its name in `parent`.
+    name: String,
     pub(super) owner: Ids,
-    /// (device, inode): what a process must find at the directory's path before it is asked
-    /// to run a file in it.
+    /// (device, inode): what a process must find at the directory's path.
     id: (u64, u64),
+    /// None: made by a tracerd of before code directories, which put the code here.
+    code: Option<CodeDir>,
 }
 
 impl Dir {
     /// Makes `name` in `/tmp` of `pid`'s root, mode 0700, as `owner` (the process's user), in
     /// a `/tmp` checked by [`process_tmp`]: a `/tmp` the user may not write is refused by the
-    /// kernel itself, whatever is mounted there.
+    /// kernel itself, whatever is mounted there. Then the code directory beside it, root's.
     pub(super) fn make(pid: u32, name: &str, owner: Ids) -> Result<Self, String> {
-        let tmp = process_tmp(pid, owner.0)?;
+        let (root, tmp) = process_tmp(pid, owner.0)?;
+        code_dir::may_make(&root, &tmp, owner.0)?;
         let c = c_name(name).map_err(|e| e.to_string())?;
         let this = as_user(owner, || {
             // SAFETY: plain syscall on a descriptor we hold and a NUL-terminated name.
@@ -144,38 +81,60 @@ impl Dir {
             open_dir_at(&tmp, name)
         })
         .map_err(|e| format!("creating it as uid {}: {e}", owner.0))?;
-        let dir = Self {
+        let mut dir = Self {
             id: (0, 0),
             this,
             parent: tmp,
+            name: name.to_owned(),
             owner,
+            code: None,
         };
         let m = dir.this.metadata().map_err(|e| e.to_string())?;
         let p = dir.parent.metadata().map_err(|e| e.to_string())?;
         // Nothing mounted over it between the two calls.
         if m.uid() != owner.0 || m.dev() != p.dev() || mount_id(&dir.this) != mount_id(&dir.parent)
         {
-            dir.remove(name);
+            dir.remove();
             return Err(
                 "the directory made is not the one found (a mount or a swap in between)".into(),
             );
         }
-        Ok(Self {
-            id: (m.dev(), m.ino()),
-            ..dir
-        })
+        dir.id = (m.dev(), m.ino());
+        match CodeDir::make(&dir.parent, code_dir::name_of(name)) {
+            Ok(code) => dir.code = Some(code),
+            Err(why) => {
+                dir.remove();
+                return Err(why);
+            }
+        }
+        Ok(dir)
     }
 
     /// A directory made before (by a tracerd since killed): `name` in `/tmp` under `root`, if
-    /// it is still the one made, `id`, and still `owner`'s.
+    /// it is still the one made, `id`, and still `owner`'s; with its code directory, `code`
+    /// (None: a tracerd of before code directories made it), if that is still the one made.
     pub(super) fn existing(
         root: &Path,
         name: &str,
         owner: Ids,
         id: (u64, u64),
+        code: Option<(u64, u64)>,
     ) -> Result<Self, String> {
-        let tmp = tmp_under(root, owner.0)?;
-        let this = open_dir_at(&tmp, name).map_err(|e| format!("/tmp/{name}: {e}"))?;
+        let (_, tmp) = tmp_under(root, owner.0)?;
+        let code = code
+            .map(|code| CodeDir::existing(&tmp, code_dir::name_of(name), code))
+            .transpose()?;
+        let this = match open_dir_at(&tmp, name) {
+            Ok(this) => this,
+            Err(e) => {
+                // Its start script ran and deleted it (a session ended before that), or its
+                // user did: nothing runs the code any more.
+                if let Some(code) = code {
+                    code.remove();
+                }
+                return Err(format!("/tmp/{name}: {e}"));
+            }
+        };
         let m = this.metadata().map_err(|e| e.to_string())?;
         if (m.dev(), m.ino()) != id || m.uid() != owner.0 {
             return Err(format!("/tmp/{name} is not the directory tracer made"));
@@ -183,8 +142,10 @@ impl Dir {
         Ok(Self {
             this,
             parent: tmp,
+            name: name.to_owned(),
             owner,
             id,
+            code,
         })
     }
 
@@ -193,18 +154,56 @@ impl Dir {
         self.id
     }
 
-    /// Whether `pid` finds this very directory at `/tmp/NAME` (its root, its mounts), in a
-    /// `/tmp` only root or the owner could swap: checked before it is asked to run a file
-    /// here.
-    pub(super) fn seen_by(&self, pid: u32, name: &str) -> Result<(), String> {
-        let tmp = process_tmp(pid, self.owner.0)?;
+    /// The code directory's (device, inode), where it has one.
+    pub(super) fn code_id(&self) -> Option<(u64, u64)> {
+        self.code.as_ref().map(CodeDir::id)
+    }
+
+    /// Whether `pid` finds this very directory at `/tmp/NAME` (its root, its mounts), and its
+    /// code directory beside it, in a `/tmp` only root or the owner could swap: checked
+    /// before it is asked to run a file from there.
+    pub(super) fn seen_by(&self, pid: u32) -> Result<(), String> {
+        let (_, tmp) = process_tmp(pid, self.owner.0)?;
+        let name = &self.name;
         let found = open_dir_at(&tmp, name)
             .and_then(|d| d.metadata())
             .map_err(|e| format!("its /tmp/{name}: {e}"))?;
         if (found.dev(), found.ino()) != self.id {
             return Err(format!("its /tmp/{name} is not the directory tracer made"));
         }
-        Ok(())
+        match &self.code {
+            Some(code) => code.seen_in(&tmp),
+            None => Ok(()),
+        }
+    }
+
+    /// The path of a file of the user's directory, as the process sees it.
+    pub(super) fn path(&self, file: &str) -> String {
+        format!("/tmp/{}/{file}", self.name)
+    }
+
+    /// The path of a code file, as the process sees it.
+    pub(super) fn code_path(&self, file: &str) -> String {
+        match &self.code {
+            Some(code) => code.path(file),
+            None => self.path(file),
+        }
+    }
+
+    /// Creates the code file `file` (not there before), which the process may read and not
+    /// change: in the code directory, root's.
+    pub(super) fn create_code(&self, file: &str, bytes: &[u8]) -> Result<File, String> {
+        match &self.code {
+            Some(code) => code.create(file, bytes),
+            None => self.create(file, 0o644, bytes),
+        }
+    }
+
+    pub(super) fn unlink_code(&self, file: &str) {
+        match &self.code {
+            Some(code) => code.unlink(file),
+            None => self.unlink(file),
+        }
     }
 
     /// `openat` of `name` in the directory, following no link, as the caller's ids.
@@ -296,25 +295,38 @@ impl Dir {
             .unwrap_or_default()
     }
 
-    /// Deletes its files (a bounded number: the owner may fill it), then itself (`name` in
-    /// its parent).
-    pub(super) fn remove(&self, name: &str) {
+    /// Deletes its files (a bounded number: the owner may fill it), then itself; and the code
+    /// directory.
+    pub(super) fn remove(&self) {
         for f in self.names().into_iter().take(MAX_NAMES) {
             self.unlink(&f);
         }
-        self.remove_if_empty(name);
+        self.remove_if_empty();
+        if let Some(code) = &self.code {
+            code.remove();
+        }
     }
 
-    /// Removes the directory if it is empty; whether it did.
-    pub(super) fn remove_if_empty(&self, name: &str) -> bool {
-        as_user(self.owner, || {
-            let c = c_name(name)?;
+    /// Removes the directory if it is empty (or gone: its start script deleted it), and then
+    /// the code directory, whose files nothing runs any more; whether it did.
+    pub(super) fn remove_if_empty(&self) -> bool {
+        let removed = as_user(self.owner, || {
+            let c = c_name(&self.name)?;
             // SAFETY: plain syscall; fails on a directory that is not empty.
             check(unsafe {
                 libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR)
             })
-        })
-        .is_ok()
+        });
+        let gone = match removed {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        };
+        if gone {
+            if let Some(code) = &self.code {
+                code.remove();
+            }
+        }
+        gone
     }
 
     /// (pid, file name) of the counts files in it, at most `most` (the owner may make any

@@ -37,8 +37,9 @@ pub fn set_journal(dir: &Path) -> std::io::Result<()> {
 }
 
 /// One directory made: its process (pid and start time), owner, (device, inode), the
-/// library's (device, inode) once made, and whether the process's root was tracerd's (so
-/// that the directory can be reached after the process is gone).
+/// library's (device, inode) once made, whether the process's root was tracerd's (so that
+/// the directory can be reached after the process is gone), and its code directory's
+/// (device, inode) (None: written by a tracerd of before code directories).
 #[derive(Debug, PartialEq, Eq)]
 struct Entry {
     pid: u32,
@@ -47,12 +48,17 @@ struct Entry {
     dir: (u64, u64),
     library: (u64, u64),
     host_root: bool,
+    code: Option<(u64, u64)>,
 }
 
 impl Entry {
     fn line(&self) -> String {
+        let code = self
+            .code
+            .map(|(d, i)| format!(" {d} {i}"))
+            .unwrap_or_default();
         format!(
-            "{} {} {} {} {} {} {} {} {}\n",
+            "{} {} {} {} {} {} {} {} {}{code}\n",
             self.pid,
             self.start,
             self.owner.0,
@@ -71,7 +77,10 @@ impl Entry {
             .map(str::parse)
             .collect::<Result<_, _>>()
             .ok()?;
-        let &[pid, start, uid, gid, dd, di, ld, li, host] = n.as_slice() else {
+        let (&[pid, start, uid, gid, dd, di, ld, li, host], code) = (match n.as_slice() {
+            [fields @ .., cd, ci] if n.len() == 11 => (fields, Some((*cd, *ci))),
+            fields => (fields, None),
+        }) else {
             return None;
         };
         Some(Self {
@@ -81,6 +90,7 @@ impl Entry {
             dir: (dd, di),
             library: (ld, li),
             host_root: host == 1,
+            code,
         })
     }
 }
@@ -102,6 +112,7 @@ pub(super) fn record(pid: u32, name: &str, dir: &Dir, library: (u64, u64)) {
         dir: dir.id(),
         library,
         host_root: crate::process::same_root(pid),
+        code: dir.code_id(),
     };
     let written = fs::OpenOptions::new()
         .write(true)
@@ -153,23 +164,23 @@ fn sweep_one(name: &str, e: &Entry) -> String {
         if !e.host_root {
             return format!("{name}: its process is gone, and its /tmp with it");
         }
-        return match Dir::existing(Path::new("/"), name, e.owner, e.dir) {
+        return match Dir::existing(Path::new("/"), name, e.owner, e.dir, e.code) {
             Ok(dir) => {
-                dir.remove(name);
+                dir.remove();
                 format!("{name}: removed (its process is gone)")
             }
             Err(why) => format!("{name}: left alone: {why}"),
         };
     }
     let root = PathBuf::from(format!("/proc/{}/root", e.pid));
-    let dir = match Dir::existing(&root, name, e.owner, e.dir) {
+    let dir = match Dir::existing(&root, name, e.owner, e.dir, e.code) {
         Ok(d) => d,
         Err(why) => return format!("{name}: left alone: {why}"),
     };
-    let removal = remove_counter(name, e, &dir);
+    let removal = remove_counter(e, &dir);
     let said = format!("{name}: {removal}");
-    dir.unlink(LIBRARY_AS);
-    dir.unlink("start.py");
+    dir.unlink_code(LIBRARY_AS);
+    dir.unlink_code("start.py");
     let scripts = match removal {
         Removal::Asked(pin, own, path) => vec![(pin, own, path)],
         Removal::Not(_) => Vec::new(),
@@ -199,7 +210,7 @@ impl std::fmt::Display for Removal {
 
 /// Stops the process's counter and asks it to remove it, if it runs as the directory's owner,
 /// may be traced by that owner, and loaded the counter from this directory.
-fn remove_counter(name: &str, e: &Entry, dir: &Dir) -> Removal {
+fn remove_counter(e: &Entry, dir: &Dir) -> Removal {
     let own = own_pid(e.pid).unwrap_or(e.pid);
     let file = format!("{}{own}", inproc::FILE_PREFIX);
     let Some(map) = dir
@@ -234,7 +245,7 @@ fn remove_counter(name: &str, e: &Entry, dir: &Dir) -> Removal {
         if !maps_file(e.pid, e.library) {
             return Err("it has not loaded tracer's counter from this directory".into());
         }
-        dir.seen_by(e.pid, name)?;
+        dir.seen_by(e.pid)?;
         if !pin.alive() {
             return Err("it exited".into());
         }
@@ -245,15 +256,12 @@ fn remove_counter(name: &str, e: &Entry, dir: &Dir) -> Removal {
         Err(why) => return Removal::Not(why),
     };
     let script_name = format!("remove.{own}.py");
-    let counts = format!("/tmp/{name}/{file}");
-    if let Err(why) = dir.create(
-        &script_name,
-        0o644,
-        remove_script(h.tool_id, &counts).as_bytes(),
-    ) {
+    let counts = dir.path(&file);
+    let script = remove_script(h.tool_id, &counts, &dir.code_path(LIBRARY_AS));
+    if let Err(why) = dir.create_code(&script_name, script.as_bytes()) {
         return Removal::Not(why);
     }
-    let path = format!("/tmp/{name}/{script_name}");
+    let path = dir.code_path(&script_name);
     match remote_exec::request(&pin, &path) {
         Ok(_) => Removal::Asked(pin, own, path),
         Err(e) => Removal::Not(e.to_string()),
@@ -273,8 +281,13 @@ mod tests {
             dir: (64, 99),
             library: (64, 100),
             host_root: true,
+            code: Some((64, 101)),
         };
         assert_eq!(Entry::parse(&e.line()), Some(e));
+        // Written by a tracerd of before code directories.
+        let old = Entry::parse("7 123 1000 1000 64 99 64 100 1").unwrap();
+        assert_eq!(old.code, None);
+        assert_eq!(Entry::parse("7 123 1000 1000 64 99 64 100 1 5"), None);
         assert_eq!(Entry::parse("1 2 3"), None);
         assert!(plain("tracer-0a1b2c-42"));
         assert!(!plain("tracer-../etc"));

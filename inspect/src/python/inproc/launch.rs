@@ -32,7 +32,7 @@ pub fn launch(
     let env = vec![
         (
             "LD_PRELOAD".to_owned(),
-            format!("/tmp/{}/{PRELOAD_AS}", counter.name),
+            counter.files.dir.code_path(PRELOAD_AS),
         ),
         (SCRIPT_VAR.to_owned(), start_path),
     ];
@@ -55,7 +55,7 @@ impl Counter {
             return false;
         };
         let script = format!("{SCRIPT_VAR}={}", self.start_path());
-        let preload = format!("/tmp/{}/{PRELOAD_AS}", self.name);
+        let preload = self.files.dir.code_path(PRELOAD_AS);
         let mut vars = env.split(|&b| b == 0);
         let (mut has_script, mut has_preload) = (false, false);
         for v in &mut vars {
@@ -74,7 +74,7 @@ impl Counter {
     /// Whether `pid` finds this counter's directory at the path its loader names (a process
     /// that chroot'ed or entered another mount namespace on the way does not).
     pub fn seen_by(&self, pid: u32) -> bool {
-        self.files.dir.seen_by(pid, &self.name).is_ok()
+        self.files.dir.seen_by(pid).is_ok()
     }
 
     /// Takes the loader out of the environment of `pid`, held at its exec before the dynamic
@@ -107,7 +107,7 @@ impl Counter {
         mem.read_exact_at(&mut env, start)
             .map_err(|e| format!("reading its environment: {e}"))?;
         let script = format!("{SCRIPT_VAR}={}", self.start_path());
-        let preload = format!("/tmp/{}/{PRELOAD_AS}", self.name);
+        let preload = self.files.dir.code_path(PRELOAD_AS);
         let mut at = 0usize;
         for entry in env.split(|&b| b == 0) {
             let here = start + at as u64;

@@ -2,9 +2,9 @@
 //! ~1 µs a call, a `sys.monitoring` C callback tens of nanoseconds.
 //!
 //! tracerd makes a directory in the process's `/tmp` (reached through `/proc/PID/root`, so
-//! chroots and containers see it at the same path) as the process's user ([`files`]), puts
-//! the counter library (`libtracer_pycount.so`, built from `daemon/pycount`) and a counts file
-//! there (`tracer_common::inproc`), and asks the interpreter to run a start script (PEP 768,
+//! chroots and containers see it at the same path) as the process's user ([`files`]), with a
+//! counts file (`tracer_common::inproc`), and beside it a directory of root's ([`code_dir`])
+//! with the counter library (`libtracer_pycount.so`, built from `daemon/pycount`), and asks the interpreter to run a start script (PEP 768,
 //! [`super::remote_exec`]). The script loads the library as an extension module, takes a
 //! free `sys.monitoring` tool id and registers the library's callbacks; the library takes
 //! the file over (PENDING → RUNNING). At the end tracerd stops the counter (RUNNING →
@@ -13,12 +13,14 @@
 //! deleted once they have run. A process that cannot do this is counted with uprobes, and
 //! [`start`]'s error says why.
 //!
-//! Everything in that directory is the process's user's to change, so nothing read there is
+//! Everything in the user's directory is that user's to change, so nothing read there is
 //! trusted: a process is asked to run a file only after [`Counter::may_run`]'s checks, and
 //! reading is bounded ([`Budget`]). docs/SECURITY.md has the threat model.
 
+mod at;
 mod attach;
 mod cleanup;
+mod code_dir;
 mod files;
 mod handover;
 mod journal;
@@ -231,7 +233,6 @@ pub fn start(
                 pin,
                 script: Some(start_path),
                 files: counter.files.clone(),
-                name: counter.name.clone(),
                 may_trace: counter.may_trace.clone(),
                 asked,
                 exe,
@@ -317,13 +318,13 @@ fn make(
         .map_err(|e| format!("making {target_dir} in the process's root: {e}"))?;
     journal::record(pid, &name, &dir, (0, 0));
     let fail = |why: String| {
-        dir.remove(&name);
+        dir.remove();
         journal::forget(&name);
         why
     };
     let lib =
         fs::read(&library).map_err(|e| fail(format!("reading {}: {e}", library.display())))?;
-    let lib = dir.create(LIBRARY_AS, 0o644, &lib).map_err(fail)?;
+    let lib = dir.create_code(LIBRARY_AS, &lib).map_err(fail)?;
     let lib_id = lib
         .metadata()
         .map(|m| {
@@ -333,8 +334,7 @@ fn make(
         .map_err(|e| fail(e.to_string()))?;
     journal::record(pid, &name, &dir, lib_id);
     if let Some(preload) = preload {
-        dir.create(launch::PRELOAD_AS, 0o644, preload)
-            .map_err(fail)?;
+        dir.create_code(launch::PRELOAD_AS, preload).map_err(fail)?;
     }
     // Named as the counter names its children's: by the pid its own namespace knows.
     let own = own_pid(pid).unwrap_or(pid);
@@ -356,13 +356,14 @@ fn make(
     unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), header) };
     let script = start_script(
         &target_dir,
-        &format!("{target_dir}/{file_name}"),
-        &format!("{target_dir}/{LIBRARY_AS}"),
+        &dir.path(&file_name),
+        &dir.code_path(LIBRARY_AS),
         at_exit,
     );
-    dir.create("start.py", 0o644, script.as_bytes())
+    dir.create_code("start.py", script.as_bytes())
         .map_err(fail)?;
-    dir.seen_by(pid, &name).map_err(fail)?;
+    dir.seen_by(pid).map_err(fail)?;
+    let start_path = dir.code_path("start.py");
     let counter = Counter {
         pid,
         files: Arc::new(Files {
@@ -383,7 +384,7 @@ fn make(
             Loaded::RemoteExec
         },
     };
-    Ok((counter, format!("{target_dir}/start.py")))
+    Ok((counter, start_path))
 }
 
 /// A counts file found in a counter's directory, mapped and checked.
@@ -547,7 +548,7 @@ impl Counter {
 
     /// The start script's path, as the process sees it.
     pub fn start_path(&self) -> String {
-        format!("/tmp/{}/start.py", self.name)
+        self.files.dir.code_path("start.py")
     }
 
     /// Whether its start request is still pending: no thread of the process has reached a
@@ -576,8 +577,9 @@ impl Counter {
     /// Whether tracerd may ask `pid` (one of the session's processes) to run a file from the
     /// counter's directory, checked now (pids are reused): the session's owner may trace it,
     /// it runs as the directory's owner and nobody else (who alone besides root can write
-    /// there), it has loaded the counter from this directory (the counted process or a child
-    /// it forked), and it finds this directory at the path it will open. The process pinned,
+    /// there), it has loaded the counter from this session's code directory (the counted
+    /// process or a child it forked), and it finds both directories at the paths it will
+    /// open. The process pinned,
     /// for the request; or why not.
     fn may_run(&self, pid: u32) -> Result<Pinned, String> {
         let pin = Pinned::open(pid).map_err(|e| format!("pinning it: {e}"))?;
@@ -592,7 +594,7 @@ impl Counter {
         if !maps_file(pid, self.library) {
             return Err("it has not loaded tracer's counter from this session's directory".into());
         }
-        self.files.dir.seen_by(pid, &self.name)?;
+        self.files.dir.seen_by(pid)?;
         if !pin.alive() {
             return Err("it exited".into());
         }
@@ -619,7 +621,7 @@ impl Counter {
         // session gone and deletes the files itself.
         if self.files.map.cancel().is_ok() {
             if let Ok(pin) = Pinned::open(self.pid) {
-                let _ = remote_exec::withdraw(&pin, &format!("/tmp/{}/start.py", self.name));
+                let _ = remote_exec::withdraw(&pin, &self.start_path());
             }
             let counts = Counts {
                 pid: self.pid,
@@ -694,7 +696,6 @@ impl Counter {
             ));
         }
         let mut scripts = Vec::new();
-        let target_dir = format!("/tmp/{}", self.name);
         for (pid, own, tool) in removals {
             if !alive(pid) {
                 continue;
@@ -707,18 +708,18 @@ impl Counter {
                     continue;
                 }
             };
-            let counts = format!("{target_dir}/{}{own}", inproc::FILE_PREFIX);
+            let counts = files.dir.path(&format!("{}{own}", inproc::FILE_PREFIX));
             let name = format!("remove.{own}.py");
-            let script = remove_script(tool, &counts);
-            if files.dir.create(&name, 0o644, script.as_bytes()).is_ok() {
-                let path = format!("{target_dir}/{name}");
+            let script = remove_script(tool, &counts, &files.dir.code_path(LIBRARY_AS));
+            if files.dir.create_code(&name, script.as_bytes()).is_ok() {
+                let path = files.dir.code_path(&name);
                 let asked = match remote_exec::request(&pin, &path) {
                     Err(remote_exec::RemoteExecError::Unsupported { .. })
                         if self.loaded != Loaded::RemoteExec =>
                     {
                         // Before 3.14: tracer's loader runs it, loaded as the start's was.
                         let stem = format!("remove.{own}");
-                        attach::run_with_loader(&files.dir, &self.name, pid, &stem)
+                        attach::run_with_loader(&files.dir, pid, &stem)
                     }
                     Ok(_) => Ok(()),
                     Err(e) => Err(e.to_string()),
@@ -730,10 +731,10 @@ impl Counter {
             }
         }
         // The library is loaded where it will be; the start script has run or been withdrawn.
-        files.dir.unlink(LIBRARY_AS);
-        files.dir.unlink(launch::PRELOAD_AS);
-        files.dir.unlink("start.so");
-        files.dir.unlink("start.py");
+        files.dir.unlink_code(LIBRARY_AS);
+        files.dir.unlink_code(launch::PRELOAD_AS);
+        files.dir.unlink_code("start.so");
+        files.dir.unlink_code("start.py");
         cleanup_later(files.dir.clone(), self.name.clone(), scripts, pids);
         Finished {
             counts: out,

@@ -24,8 +24,6 @@ pub(super) struct Watch {
     /// (None: a launch, whose loader runs it).
     pub(super) script: Option<String>,
     pub(super) files: Arc<Files>,
-    /// The directory's name.
-    pub(super) name: String,
     pub(super) may_trace: MayTrace,
     /// Thread states asked already.
     pub(super) asked: Vec<u64>,
@@ -49,7 +47,6 @@ impl Counter {
             pin,
             script: None,
             files: self.files.clone(),
-            name: self.name.clone(),
             may_trace: self.may_trace.clone(),
             asked: Vec::new(),
             exe: None,
@@ -124,7 +121,7 @@ impl Watch {
             || self.exe.is_none()
             || exe_of(pid) != self.exe
             || (self.may_trace)(pid).is_err()
-            || self.files.dir.seen_by(pid, &self.name).is_err()
+            || self.files.dir.seen_by(pid).is_err()
         {
             return;
         }

@@ -132,11 +132,11 @@ const CANCELLED: u32 = state::CANCELLED;
 /// Written by the start script when the library does not load (a musl libc, say).
 pub(super) const LOAD_ERROR: &str = "load-error";
 
-/// Frees the tool id, drops the counter's references, and deletes the process's counts file
-/// last: tracerd takes the file's absence as "done".
-pub(super) fn remove_script(tool: u32, counts: &str) -> String {
+/// Frees the tool id, drops the counter's references (the module loaded from `library`),
+/// and deletes the process's counts file last: tracerd takes the file's absence as "done".
+pub(super) fn remove_script(tool: u32, counts: &str, library: &str) -> String {
     format!(
-        r#"def _tracer_pycount_remove(tool, counts):
+        r#"def _tracer_pycount_remove(tool, counts, library):
     import sys, os
     monitoring = sys.monitoring
     try:
@@ -155,7 +155,7 @@ pub(super) fn remove_script(tool: u32, counts: &str) -> String {
         pass
     # Loading an extension module lists it there, whatever the loader asked.
     try:
-        if getattr(sys.modules.get("_tracer_pycount"), "__file__", "").startswith(os.path.dirname(counts) + "/"):
+        if getattr(sys.modules.get("_tracer_pycount"), "__file__", "") == library:
             del sys.modules["_tracer_pycount"]
     except BaseException:
         pass
@@ -163,9 +163,10 @@ pub(super) fn remove_script(tool: u32, counts: &str) -> String {
         os.unlink(counts)
     except BaseException:
         pass
-_tracer_pycount_remove({tool}, {})
+_tracer_pycount_remove({tool}, {}, {})
 "#,
-        py_str(counts)
+        py_str(counts),
+        py_str(library)
     )
 }
 
@@ -180,7 +181,9 @@ mod tests {
             r#"_tracer_pycount("/tmp/a b", "/tmp/a b/counts.1", "/tmp/a \"b\"/lib.so", True)"#
         ));
         assert!(s.contains("monitoring.set_events(tool, E.PY_START"));
-        let r = remove_script(3, "/tmp/x/counts.7");
-        assert!(r.ends_with("_tracer_pycount_remove(3, \"/tmp/x/counts.7\")\n"));
+        let r = remove_script(3, "/tmp/x/counts.7", "/tmp/x-code/lib.so");
+        assert!(
+            r.ends_with("_tracer_pycount_remove(3, \"/tmp/x/counts.7\", \"/tmp/x-code/lib.so\")\n")
+        );
     }
 }

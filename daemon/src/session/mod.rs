@@ -185,6 +185,14 @@ impl Sources {
         [native, cuda, python].into_iter().flatten()
     }
 
+    /// Every source the session has, to ask.
+    pub fn all(&self) -> impl Iterator<Item = &dyn Source> {
+        let native = self.native.as_ref().map(|s| s as &dyn Source);
+        let cuda = self.cuda.as_ref().map(|s| s as &dyn Source);
+        let python = self.python.as_ref().map(|s| s as &dyn Source);
+        [native, cuda, python].into_iter().flatten()
+    }
+
     /// Every source, taken out of the session to end (in [`Self::each`]'s order).
     pub fn take(&mut self) -> Vec<Box<dyn Source>> {
         let native = self.native.take().map(|s| Box::new(s) as Box<dyn Source>);
@@ -249,13 +257,20 @@ impl Session {
     }
 
     /// Whether the processes it follows stop at each exec for the daemon (EXEC_HOLD): an
-    /// unprivileged owner's, to check the new program's credentials; CUDA's, to locate
-    /// launches in the executable mapped then; sampling's, to read the new interpreter before
-    /// its first sample. (Python counting holds them in its own mask.)
+    /// unprivileged owner's, to check the new program's credentials; its sources' (Python's,
+    /// to probe a new interpreter; CUDA's, to locate launches in the executable mapped then);
+    /// sampling's, to read the new interpreter before its first sample.
     fn waits_at_exec(&self) -> bool {
-        self.owner_uid != 0
-            || self.sources.cuda.is_some()
-            || self.measure.mode() == tracer_proto::Mode::Sampling
+        self.owner_uid != 0 || self.sources.all().any(Source::holds_at_exec) || self.samples()
+    }
+
+    /// Whether the sampler reads its processes (for samples, or for its sources' names).
+    fn uses_sampler(&self) -> bool {
+        self.samples() || self.sources.all().any(Source::uses_sampler)
+    }
+
+    fn samples(&self) -> bool {
+        self.measure.mode() == tracer_proto::Mode::Sampling
     }
 
     fn losses(&self, now: &[u64; loss::COUNT as usize]) -> Vec<Loss> {

@@ -19,6 +19,18 @@ pub trait Source: Send {
     /// A followed process is gone.
     fn exited(&mut self, _pid: u32) {}
 
+    /// Whether the processes the session follows stop at each exec for it (EXEC_HOLD), so
+    /// that it looks at the new program before that runs an instruction.
+    fn holds_at_exec(&self) -> bool {
+        false
+    }
+
+    /// Whether it names what it counts with what the sampler read of the processes (which
+    /// must then hear of their exits).
+    fn uses_sampler(&self) -> bool {
+        false
+    }
+
     /// Its part of a running session's report so far, read without taking anything out of
     /// the kernel's maps.
     fn interim(&self, _at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {

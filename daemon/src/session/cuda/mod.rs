@@ -123,13 +123,15 @@ impl CudaSession {
     /// Opens `--cuda` (in `options`) for a session in `at.slot`: the probes are loaded
     /// before the start is answered, for loading them at the first library mapped would let
     /// the program run seconds ahead of them; launch stacks (`--cuda-stacks`) go through the
-    /// sampling ring and worker, one sample a launch. `tracks`: as for `new`.
+    /// sampling ring and worker, one sample a launch. `tracks`: as for `new`; `times`:
+    /// GPU times asked in a running process (`--gpu-times --pid`), checked already.
     pub fn open(
         bpf: &mut Bpf,
         sampling: &super::sampling::Sampling,
         options: &tracer_proto::CountingOptions,
         at: &super::Opening<'_>,
         tracks: Option<Box<dyn crate::gpu::Tracks>>,
+        times: Option<gpu_times::Ask>,
     ) -> Self {
         if let Err(e) = bpf.load_cuda() {
             tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
@@ -152,7 +154,12 @@ impl CudaSession {
             stacks: options.cuda_stacks,
             driver_only: options.cuda_driver_only,
         };
-        Self::new(at.slot, at.pid.is_none(), probing, period, tracks)
+        let mut session = Self::new(at.slot, at.pid.is_none(), probing, period, tracks);
+        if let Some(ask) = times {
+            // Done by the job that probes the injection library, at the first look.
+            session.gpu_times = gpu_times::State::Asked(ask);
+        }
+        session
     }
 
     /// `gpu_period`: how often GPU metrics are read; `tracks`: where a tracing session
@@ -490,6 +497,17 @@ impl CudaSession {
 }
 
 impl Source for CudaSession {
+    /// Launches are located in the executable mapped at the exec: a process may launch and
+    /// exit before its rows are read.
+    fn holds_at_exec(&self) -> bool {
+        true
+    }
+
+    /// Its launch stacks go through the sampler, one sample a launch.
+    fn uses_sampler(&self) -> bool {
+        true
+    }
+
     fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {
         // Named from the kernel names received, not their native callers: those are named
         // from libraries' symbol tables of hundreds of MB, work for the end.

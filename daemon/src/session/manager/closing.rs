@@ -173,7 +173,7 @@ impl Manager {
         let mut info = s.info(&losses);
         let shown = info.clone();
         let export_prometheus = s.measure.exports_prometheus();
-        let held_at_exec = s.sources.python.is_some() || s.waits_at_exec();
+        let held_at_exec = s.waits_at_exec();
         // Counters close, sampling stops, a trace is left to close; what they measured is
         // named off this task (`close`).
         let Finished {

@@ -41,7 +41,7 @@ impl Manager {
             }
             if ev.kind == PROC_EVENT_EXEC {
                 s.sources.each().for_each(|source| source.exec(ev.pid));
-                exec_sampled |= s.measure.mode() == tracer_proto::Mode::Sampling;
+                exec_sampled |= s.samples();
             }
             match ev.kind {
                 PROC_EVENT_FORK if s.live.insert(ev.pid) => {
@@ -49,10 +49,7 @@ impl Manager {
                     crate::container::note(ev.pid, true);
                 }
                 PROC_EVENT_EXIT => {
-                    if s.measure.mode() == tracer_proto::Mode::Sampling || s.sources.cuda.is_some()
-                    {
-                        exited_sampled = true;
-                    }
+                    exited_sampled |= s.uses_sampler();
                     if s.live.remove(&ev.pid) {
                         s.exited += 1;
                         s.sources.each().for_each(|source| source.exited(ev.pid));
@@ -152,15 +149,13 @@ impl Manager {
         if inproc && matches!(met, Met::Late | Met::Unprobed) {
             return true;
         }
-        let Some(mut py) = s.sources.python.take() else {
+        let checked = self.with_python(id, |py, slot, probing| {
+            (met == Met::AtExec && probing.launched_exec(py, slot, pid))
+                || probing.check(py, pid, met, found)
+        });
+        let Some(done) = checked else {
             return true;
         };
-        let mut probing = self.probing();
-        let done = (met == Met::AtExec && probing.launched_exec(&mut py, slot, pid))
-            || probing.check(&mut py, pid, met, found);
-        if let Some(s) = self.running.get_mut(id) {
-            s.sources.python = Some(py);
-        }
         if !done {
             match self
                 .scans

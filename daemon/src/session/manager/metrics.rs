@@ -7,6 +7,7 @@ use tracer_proto::{SessionInfo, SessionState};
 
 use super::Manager;
 use crate::metrics::{self, gauge, Sample};
+use crate::session::source::Reading;
 use tracer_report::Report;
 
 /// How long an exported session's final counts stay on the endpoint after it ends: long
@@ -23,18 +24,23 @@ impl Ended {
     pub fn new(info: &SessionInfo, report: &Report) -> Self {
         let mut samples = vec![info_sample(info)];
         samples.extend(session_samples(info));
-        samples.extend(metrics::session_counts(
-            &info.id,
-            &info.counters,
-            report.python.as_ref().map_or(&[], |p| &p.functions),
-            report.native.as_ref().map_or(&[], |n| &n.calls),
-            report.cuda.as_ref(),
-        ));
+        samples.extend(counts(info, report));
         Ended {
             at: Instant::now(),
             samples,
         }
     }
+}
+
+/// A session's counts in its report (interim or final).
+fn counts(info: &SessionInfo, report: &Report) -> Vec<Sample> {
+    metrics::session_counts(
+        &info.id,
+        &info.counters,
+        report.python.as_ref().map_or(&[], |p| &p.functions),
+        report.native.as_ref().map_or(&[], |n| &n.calls),
+        report.cuda.as_ref(),
+    )
 }
 
 fn info_sample(info: &SessionInfo) -> Sample {
@@ -129,41 +135,22 @@ impl Manager {
             if !s.measure.exports_prometheus() {
                 continue;
             }
-            let slot = s.slot;
-            let native = match (&s.sources.native, slot) {
-                (Some(n), Some(slot)) => n.live(&mut self.bpf, slot),
-                _ => Vec::new(),
-            };
-            let cuda = s.sources.cuda.as_ref().map(|c| c.live(&mut self.bpf));
-            let python = match slot.filter(|_| s.sources.python.is_some()) {
-                Some(slot) => {
-                    let counts = crate::session::python::counts(&mut self.bpf, slot, false);
-                    let s = &self.running[&id];
-                    s.sources
-                        .python
-                        .as_ref()
-                        .map(|py| {
-                            let mut f = py.functions(counts, Vec::new()).0;
-                            // Read off this task; here only the last reading is taken.
-                            let followed: std::collections::HashSet<u32> =
-                                s.live.iter().chain(&py.gone).copied().collect();
-                            for c in &py.inproc {
-                                let live = c.peek(followed.clone());
-                                f.extend(crate::session::python::inproc_functions(&live).0);
-                            }
-                            f
-                        })
-                        .unwrap_or_default()
+            // What each source reads for an interim report, as the ended session's report
+            // gives it (`Ended`): the same series, running or ended.
+            let mut report = Report::default();
+            if let Some(slot) = s.slot {
+                let mut at = Reading {
+                    bpf: &mut self.bpf,
+                    slot,
+                    live: &s.live,
+                };
+                for source in s.sources.each() {
+                    if let Some(part) = source.interim(&mut at) {
+                        part.fill(&mut report);
+                    }
                 }
-                None => Vec::new(),
-            };
-            samples.extend(metrics::session_counts(
-                &id,
-                &info.counters,
-                &python,
-                &native,
-                cuda.as_ref(),
-            ));
+            }
+            samples.extend(counts(&info, &report));
         }
         for e in self.exported.values() {
             samples.extend(e.samples.iter().cloned());

@@ -8,7 +8,9 @@ use super::{Done, Manager};
 use crate::session::python::{
     probing::Probing,
     watch::{self, Met},
+    Probes, PySession,
 };
+use tracer_bpf::Bpf;
 use tracer_inspect::python::memory;
 
 /// Where a handover's answer goes (`Done::InprocHandover`).
@@ -33,15 +35,23 @@ impl Manager {
     /// The interpreters' probes and the kernel maps, lent to a Python session's work;
     /// probes it attaches off this task come back as `Done::LateProbed`.
     pub(super) fn probing(&mut self) -> Probing<'_> {
-        let tx = self.done.clone();
-        Probing {
-            probes: &mut self.py,
-            bpf: &mut self.bpf,
-            // A manager gone (shutdown) drops the probes there, off its task.
-            attached: std::sync::Arc::new(move |a| {
-                let _ = tx.send(Done::LateProbed(a));
-            }),
-        }
+        probing(&mut self.py, &mut self.bpf, &self.done)
+    }
+
+    /// Lends session `id`'s Python source to `work`, with the interpreters' probes; None
+    /// where the session has ended or counts no Python.
+    pub(super) fn with_python<T>(
+        &mut self,
+        id: &str,
+        work: impl FnOnce(&mut PySession, Option<u8>, &mut Probing<'_>) -> T,
+    ) -> Option<T> {
+        let s = self.running.get_mut(id)?;
+        let py = s.sources.python.as_mut()?;
+        Some(work(
+            py,
+            s.slot,
+            &mut probing(&mut self.py, &mut self.bpf, &self.done),
+        ))
     }
 
     /// A pending in-process start settled: the report says so, and a process whose
@@ -52,7 +62,7 @@ impl Manager {
             return;
         };
         let slot = s.slot;
-        let Some(mut py) = s.sources.python.take() else {
+        let Some(py) = s.sources.python.as_mut() else {
             return;
         };
         let entry = py
@@ -78,16 +88,9 @@ impl Manager {
                 }
                 tracing::info!(pid, %why, "in-process counting refused late; counting with uprobes");
                 py.checked.remove(&pid);
-                if let Some(s) = self.running.get_mut(id) {
-                    s.sources.python = Some(py);
-                }
                 self.check_session_process(id, pid, Met::Late, None);
-                return;
             }
             (_, None) => {}
-        }
-        if let Some(s) = self.running.get_mut(id) {
-            s.sources.python = Some(py);
         }
     }
 
@@ -126,35 +129,16 @@ impl Manager {
     }
 
     fn hand_over(&mut self, id: &str, pid: u32) -> Result<(), String> {
-        let s = self.running.get_mut(id).ok_or("its session ended")?;
-        let (Some(slot), Some(mut py)) = (s.slot, s.sources.python.take()) else {
-            return Err("its session counts no Python".into());
-        };
-        let done = self.probing().hand_to_probes(&mut py, slot, pid);
-        match &done {
-            Ok(()) => {
-                py.handed.insert(pid);
-                let why = "counted in-process until the program set a profile function of its own (cProfile, sys.setprofile, a profiler), which takes the place of tracer's on CPython 3.10 and 3.11; with uprobes from then on, the program held meanwhile: no call was missed or counted twice".to_owned();
-                match py.counted.iter_mut().find(|c| c.pid == pid) {
-                    Some(c) => {
-                        c.way = "in-process, then uprobes".into();
-                        c.why = why;
-                    }
-                    None => py.counted.push(tracer_report::CountedWay {
-                        pid,
-                        way: "in-process, then uprobes".into(),
-                        why,
-                    }),
-                }
-            }
-            Err(why) => py.warnings.push(format!(
-                "pid {pid}: its calls after it set a profile function of its own (which takes the place of tracer's on CPython 3.10 and 3.11) were not counted: handing it over to the probes failed: {why}"
-            )),
+        if !self.running.contains_key(id) {
+            return Err("its session ended".into());
         }
-        if let Some(s) = self.running.get_mut(id) {
-            s.sources.python = Some(py);
-        }
-        done
+        self.with_python(id, |py, slot, probing| {
+            let slot = slot.ok_or("its session counts no Python")?;
+            let done = probing.hand_to_probes(py, slot, pid);
+            handed(py, pid, &done);
+            done
+        })
+        .unwrap_or_else(|| Err("its session counts no Python".into()))
     }
 
     /// Checks again the processes whose interpreter was being probed off this task; a
@@ -232,5 +216,47 @@ impl Manager {
     /// Names of code objects the probes met first, into their sessions.
     pub(super) fn drain_codes(&mut self, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) {
         watch::drain_codes(ring, &mut self.running, &self.py);
+    }
+}
+
+/// What a handover of `pid` to the probes did (`done`), into the session's Python report.
+fn handed(py: &mut PySession, pid: u32, done: &Result<(), String>) {
+    match done {
+            Ok(()) => {
+                py.handed.insert(pid);
+                let why = "counted in-process until the program set a profile function of its own (cProfile, sys.setprofile, a profiler), which takes the place of tracer's on CPython 3.10 and 3.11; with uprobes from then on, the program held meanwhile: no call was missed or counted twice".to_owned();
+                match py.counted.iter_mut().find(|c| c.pid == pid) {
+                    Some(c) => {
+                        c.way = "in-process, then uprobes".into();
+                        c.why = why;
+                    }
+                    None => py.counted.push(tracer_report::CountedWay {
+                        pid,
+                        way: "in-process, then uprobes".into(),
+                        why,
+                    }),
+                }
+            }
+            Err(why) => py.warnings.push(format!(
+                "pid {pid}: its calls after it set a profile function of its own (which takes the place of tracer's on CPython 3.10 and 3.11) were not counted: handing it over to the probes failed: {why}"
+            )),
+        }
+}
+
+/// The interpreters' probes and the kernel maps, lent; probes attached off the manager's
+/// task come back as `Done::LateProbed`.
+fn probing<'a>(
+    probes: &'a mut Probes,
+    bpf: &'a mut Bpf,
+    done: &tokio::sync::mpsc::UnboundedSender<Done>,
+) -> Probing<'a> {
+    let tx = done.clone();
+    Probing {
+        probes,
+        bpf,
+        // A manager gone (shutdown) drops the probes there, off its task.
+        attached: std::sync::Arc::new(move |a| {
+            let _ = tx.send(Done::LateProbed(a));
+        }),
     }
 }

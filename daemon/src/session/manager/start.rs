@@ -326,7 +326,8 @@ impl Manager {
             place,
             scope: &scope,
         };
-        let sources = match self.open_sources(&plan, natives, attached, prepared, python_found) {
+        let opened = self.open_sources(&plan, natives, attached, prepared, python_found, gpu_times);
+        let sources = match opened {
             Ok(s) => s,
             Err(e) => {
                 self.abandon(slot, attached);
@@ -334,10 +335,6 @@ impl Manager {
             }
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
-        if let (Some(ask), Some(c)) = (gpu_times, session.sources.cuda.as_mut()) {
-            // Done by the job that probes the injection library, at the first look below.
-            c.gpu_times = cuda::gpu_times::State::Asked(ask);
-        }
         let (cuda, records_calls) = (
             session.sources.cuda.is_some(),
             session.measure.records_calls(),
@@ -373,6 +370,7 @@ impl Manager {
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
         python_found: Option<Vec<FoundPython>>,
+        gpu_times: Option<cuda::gpu_times::Ask>,
     ) -> Result<Opened, Error> {
         let Plan {
             id,
@@ -471,6 +469,7 @@ impl Manager {
                 options,
                 &opening(slot),
                 tracks,
+                gpu_times,
             )
         });
         Ok(Opened {

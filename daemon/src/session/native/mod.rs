@@ -6,7 +6,7 @@ use super::{
     ReportPart,
 };
 use crate::error::Error;
-use tracer_bpf::{Bpf, NativeAttacher, NativeMaps, ProbeSet};
+use tracer_bpf::{NativeAttacher, NativeMaps, ProbeSet};
 use tracer_inspect::native::NativeTarget;
 use tracer_report::{NativeCalls, NativeProbe, NativeReport};
 
@@ -90,11 +90,6 @@ impl NativeSession {
             .iter()
             .map(|t| format!("{}:{}", t.display, t.symbol))
             .collect()
-    }
-
-    /// The counts so far, left in the kernel.
-    pub fn live(&self, bpf: &mut Bpf, slot: u8) -> Vec<NativeCalls> {
-        self.named(bpf.native_counts(slot, false))
     }
 
     fn named(&self, counts: Vec<(u32, u32, u64)>) -> Vec<NativeCalls> {

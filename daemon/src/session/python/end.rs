@@ -15,6 +15,12 @@ use crate::session::{
 };
 
 impl Source for PySession {
+    /// A new program's interpreter is probed before it runs (a chroot's or container's,
+    /// not known beforehand), so that none of its calls is lost.
+    fn holds_at_exec(&self) -> bool {
+        true
+    }
+
     fn exited(&mut self, pid: u32) {
         // Its in-process counter's file is read at the end: the pid is kept for that.
         if !self.inproc.is_empty() && self.gone.len() < MAX_GONE {

@@ -191,11 +191,15 @@ impl Dir {
     }
 
     /// Creates the code file `file` (not there before), which the process may read and not
-    /// change: in the code directory, root's.
+    /// change: in the code directory, root's. None in a directory made by a tracerd of before
+    /// code directories: its user could change what is put there.
     pub(super) fn create_code(&self, file: &str, bytes: &[u8]) -> Result<File, String> {
         match &self.code {
             Some(code) => code.create(file, bytes),
-            None => self.create(file, 0o644, bytes),
+            None => Err(format!(
+                "/tmp/{} was made by an older tracerd, with no directory for code the process's user cannot change",
+                self.name
+            )),
         }
     }
 

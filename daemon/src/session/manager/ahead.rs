@@ -11,7 +11,7 @@ use crate::{
     error::Error,
     session::{
         native::NativeSession,
-        python::watch::{self, FoundPython, Met},
+        python::watch::{self, FoundPython},
     },
 };
 use tracer_inspect::native::NativeTarget;
@@ -301,22 +301,6 @@ impl Manager {
                 self.release(Some(slot));
                 self.python_start_done(ahead.python_ahead, true);
                 let _ = reply.send(Err(e));
-            }
-        }
-    }
-
-    /// A scan's Python processes, looked at for the sessions on every process.
-    pub(super) fn python_scanned(&mut self, found: &[FoundPython]) {
-        self.scans.python = false;
-        let ids: Vec<String> = self
-            .running
-            .iter()
-            .filter(|(_, s)| s.sources.python.is_some() && !s.follows_pid())
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in ids {
-            for f in found {
-                self.check_session_process(&id, f.pid, Met::Late, Some(f));
             }
         }
     }

@@ -5,8 +5,8 @@
 use tracer_common::{ProcEvent, PROC_EVENT_EXEC, PROC_EVENT_EXIT, PROC_EVENT_FORK};
 use tracer_proto::{target, EndReason};
 
-use super::{python::LateCheck, Done, Manager};
-use crate::session::python::watch::{self, FoundPython, Met};
+use super::{Done, Manager};
+use crate::session::python::watch::Met;
 use tracer_inspect::process;
 
 impl Manager {
@@ -73,11 +73,10 @@ impl Manager {
                                 ended.push(s.id.clone());
                             }
                         }
-                        _ if s.sources.python.is_some() => execs.push(s.id.clone()),
-                        _ => {}
+                        _ => execs.push(s.id.clone()),
                     }
                 }
-                PROC_EVENT_EXEC if s.sources.python.is_some() => execs.push(s.id.clone()),
+                PROC_EVENT_EXEC => execs.push(s.id.clone()),
                 _ => {}
             }
         }
@@ -90,20 +89,8 @@ impl Manager {
                 return;
             }
         }
-        if ev.kind == PROC_EVENT_EXEC {
-            // Sessions counting Python everywhere hear of execs of `python…` programs.
-            execs.extend(
-                self.running
-                    .values()
-                    .filter(|s| !s.follows_pid() && s.sources.python.is_some())
-                    .filter(|s| s.slot.is_some_and(|slot| ev.sessions & (1 << slot) != 0))
-                    .map(|s| s.id.clone()),
-            );
-        }
-        let mut waits = false;
-        for id in execs {
-            waits |= !self.check_session_process(&id, ev.pid, Met::AtExec, None);
-        }
+        // Its new program, checked for the sessions that count Python there.
+        let mut waits = ev.kind == PROC_EVENT_EXEC && !self.python_exec(ev.pid, ev.sessions, execs);
         if exec_sampled {
             // Held at its exec (EXEC_HOLD): its first samples find its interpreter read, even
             // for a process that lives a few milliseconds in a binary not seen before.
@@ -128,56 +115,6 @@ impl Manager {
         }
     }
 
-    /// Probes the interpreter `pid` runs for session `id` (`found`: as a scan read it).
-    /// False when that waits for its probes to be attached off this task: the check is kept
-    /// in `scans.late` until then.
-    pub(super) fn check_session_process(
-        &mut self,
-        id: &str,
-        pid: u32,
-        met: Met,
-        found: Option<&FoundPython>,
-    ) -> bool {
-        let Some(s) = self.running.get_mut(id) else {
-            return true;
-        };
-        let slot = s.slot;
-        // Forked by a process counted in-process, it counts so too (the kernel marked it):
-        // its interpreter is probed if a handover hands it to the probes, not now, when the
-        // report would say that its calls so far went uncounted.
-        let inproc = slot.is_some_and(|slot| self.bpf.inproc_of(pid) & 1 << slot != 0);
-        if inproc && matches!(met, Met::Late | Met::Unprobed) {
-            return true;
-        }
-        let checked = self.with_python(id, |py, slot, probing| {
-            (met == Met::AtExec && probing.launched_exec(py, slot, pid))
-                || probing.check(py, pid, met, found)
-        });
-        let Some(done) = checked else {
-            return true;
-        };
-        if !done {
-            match self
-                .scans
-                .late
-                .iter_mut()
-                .find(|l| l.session == id && l.pid == pid)
-            {
-                // A sweep may have found the process first (`Late`) while its exec event was
-                // still on its way: held at its exec now, it must be continued once checked
-                // (`recheck_late`), or it stays stopped.
-                Some(l) if met == Met::AtExec => l.met = Met::AtExec,
-                Some(_) => {}
-                None => self.scans.late.push(LateCheck {
-                    session: id.to_owned(),
-                    pid,
-                    met,
-                }),
-            }
-        }
-        done
-    }
-
     /// A process held at its exec goes on once the sampler has read its new program, unless
     /// its interpreter is still being probed (then `recheck_late` continues it).
     pub(super) fn sampled_exec(&mut self, pid: u32) {
@@ -188,7 +125,8 @@ impl Manager {
     }
 
     /// Backstop for exit events the kernel could not deliver (counted as losses): processes
-    /// that are gone are treated as exited. Also continues processes left stopped at exec.
+    /// that are gone are treated as exited. Also continues processes left stopped at exec,
+    /// and looks for Python processes that appeared.
     pub(super) fn sweep(&mut self) {
         self.continue_forgotten();
         let mut ended = Vec::new();
@@ -216,35 +154,7 @@ impl Manager {
             self.finish(&id, EndReason::TargetExited, None);
         }
         self.save_unsaved();
-        // Python processes that appeared, or exec'd an interpreter, since the last look: a
-        // session's own now, and for sessions on every process, those a scan of every
-        // process's mappings off this task finds (`PythonScanned`).
-        let ids: Vec<String> = self
-            .running
-            .iter()
-            .filter(|(_, s)| s.sources.python.is_some() && s.follows_pid())
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in ids {
-            let Some(s) = self.running.get(&id) else {
-                continue;
-            };
-            let pids: Vec<u32> = s.live.iter().copied().collect();
-            for pid in pids {
-                self.check_session_process(&id, pid, Met::Late, None);
-            }
-        }
-        let everyone = self
-            .running
-            .values()
-            .any(|s| s.sources.python.is_some() && !s.follows_pid());
-        if everyone && !self.scans.python {
-            self.scans.python = true;
-            let tx = self.done.clone();
-            tokio::task::spawn_blocking(move || {
-                let _ = tx.send(Done::PythonScanned(watch::processes()));
-            });
-        }
+        self.python_sweep();
     }
 
     /// A process stays stopped at its exec only while its check waits for its interpreter's
@@ -252,7 +162,9 @@ impl Manager {
     /// (`kept_stopped`); one stopped at its mapping of a CUDA library, while the library's
     /// probes are on their way (`cuda_held`). One held long with none pending was lost track
     /// of (a bug, as the one fixed in `check_session_process`); it goes on rather than stay
-    /// stopped for good.
+    /// stopped for good. So does one whose reading for the sampler (`scans.sampled`) takes
+    /// that long: its first samples may then lack its interpreter, which beats a program
+    /// stopped for as long as a reading hangs.
     fn continue_forgotten(&mut self) {
         let held = self.bpf.held();
         // Gone from the map once they exit.

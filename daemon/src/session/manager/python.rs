@@ -1,13 +1,14 @@
-//! The manager's side of Python counting, where the session table is needed: in-process
-//! starts that settle late, handovers to the probes, processes waiting for probes attached
-//! off this task, which slots count Python (and hold processes at exec), and the names of
-//! code objects the probes send. What is done with one process's interpreter is
+//! The manager's side of Python counting, where the session table is needed: which
+//! processes' interpreters are checked (at their exec, by the sweep, from a scan of every
+//! process), in-process starts that settle late, handovers to the probes, processes waiting
+//! for probes attached off this task, which slots count Python (and hold processes at exec),
+//! and the names of code objects the probes send. What is done with one process's interpreter is
 //! `session::python::probing`.
 
 use super::{Done, Manager};
 use crate::session::python::{
     probing::Probing,
-    watch::{self, Met},
+    watch::{self, FoundPython, Met},
     Probes, PySession,
 };
 use tracer_bpf::Bpf;
@@ -52,6 +53,132 @@ impl Manager {
             s.slot,
             &mut probing(&mut self.py, &mut self.bpf, &self.done),
         ))
+    }
+
+    /// A process exec'd, held there (EXEC_HOLD) for the sessions of `sessions` (slots) that
+    /// follow it, `heard` the ones that follow it by pid: its new program is checked for
+    /// those that count Python, and for those counting Python everywhere. Whether every check
+    /// is done: otherwise it waits for probes attached off this task (`scans.late`).
+    pub(super) fn python_exec(&mut self, pid: u32, sessions: u64, heard: Vec<String>) -> bool {
+        let mut ids: Vec<String> = heard
+            .into_iter()
+            .filter(|id| {
+                self.running
+                    .get(id)
+                    .is_some_and(|s| s.sources.python.is_some())
+            })
+            .collect();
+        // Sessions counting Python everywhere hear of execs of `python…` programs.
+        ids.extend(
+            self.running
+                .values()
+                .filter(|s| !s.follows_pid() && s.sources.python.is_some())
+                .filter(|s| s.slot.is_some_and(|slot| sessions & (1 << slot) != 0))
+                .map(|s| s.id.clone()),
+        );
+        let mut done = true;
+        for id in ids {
+            done &= self.check_session_process(&id, pid, Met::AtExec, None);
+        }
+        done
+    }
+
+    /// The sweep's look for Python processes that appeared, or exec'd an interpreter, since
+    /// the last: a session's own now, and for sessions on every process, those a scan of
+    /// every process's mappings off this task finds (`PythonScanned`).
+    pub(super) fn python_sweep(&mut self) {
+        let ids: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(_, s)| s.sources.python.is_some() && s.follows_pid())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            let Some(s) = self.running.get(&id) else {
+                continue;
+            };
+            let pids: Vec<u32> = s.live.iter().copied().collect();
+            for pid in pids {
+                self.check_session_process(&id, pid, Met::Late, None);
+            }
+        }
+        let everyone = self
+            .running
+            .values()
+            .any(|s| s.sources.python.is_some() && !s.follows_pid());
+        if everyone && !self.scans.python {
+            self.scans.python = true;
+            let tx = self.done.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.send(Done::PythonScanned(watch::processes()));
+            });
+        }
+    }
+
+    /// A scan's Python processes, looked at for the sessions on every process.
+    pub(super) fn python_scanned(&mut self, found: &[FoundPython]) {
+        self.scans.python = false;
+        let ids: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(_, s)| s.sources.python.is_some() && !s.follows_pid())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            for f in found {
+                self.check_session_process(&id, f.pid, Met::Late, Some(f));
+            }
+        }
+    }
+
+    /// Probes the interpreter `pid` runs for session `id` (`found`: as a scan read it).
+    /// False when that waits for its probes to be attached off this task: the check is kept
+    /// in `scans.late` until then.
+    pub(super) fn check_session_process(
+        &mut self,
+        id: &str,
+        pid: u32,
+        met: Met,
+        found: Option<&FoundPython>,
+    ) -> bool {
+        let Some(s) = self.running.get_mut(id) else {
+            return true;
+        };
+        let slot = s.slot;
+        // Forked by a process counted in-process, it counts so too (the kernel marked it):
+        // its interpreter is probed if a handover hands it to the probes, not now, when the
+        // report would say that its calls so far went uncounted.
+        let inproc = slot.is_some_and(|slot| self.bpf.inproc_of(pid) & 1 << slot != 0);
+        if inproc && matches!(met, Met::Late | Met::Unprobed) {
+            return true;
+        }
+        let checked = self.with_python(id, |py, slot, probing| {
+            (met == Met::AtExec && probing.launched_exec(py, slot, pid))
+                || probing.check(py, pid, met, found)
+        });
+        let Some(done) = checked else {
+            return true;
+        };
+        if !done {
+            match self
+                .scans
+                .late
+                .iter_mut()
+                .find(|l| l.session == id && l.pid == pid)
+            {
+                // A sweep may have found the process first (`Late`) while its exec event was
+                // still on its way: held at its exec now, it must be continued once checked
+                // (`recheck_late`), or it stays stopped.
+                Some(l) if met == Met::AtExec => l.met = Met::AtExec,
+                Some(_) => {}
+                None => self.scans.late.push(LateCheck {
+                    session: id.to_owned(),
+                    pid,
+                    met,
+                }),
+            }
+        }
+        done
     }
 
     /// A pending in-process start settled: the report says so, and a process whose

@@ -273,6 +273,23 @@ impl Session {
         self.measure.mode() == tracer_proto::Mode::Sampling
     }
 
+    /// Its sources' parts of a report so far, read without taking anything out of the
+    /// kernel's maps (`Source::interim`).
+    fn sources_so_far(&mut self, bpf: &mut Bpf) -> Vec<Box<dyn ReportPart>> {
+        let Some(slot) = self.slot else {
+            return Vec::new();
+        };
+        let mut at = source::Reading {
+            bpf,
+            slot,
+            live: &self.live,
+        };
+        self.sources
+            .each()
+            .filter_map(|source| source.interim(&mut at))
+            .collect()
+    }
+
     fn losses(&self, now: &[u64; loss::COUNT as usize]) -> Vec<Loss> {
         if self.slot.is_none() {
             return Vec::new();

@@ -6,7 +6,6 @@
 //! from symbol tables of libraries of hundreds of MB at the end.
 
 use super::*;
-use crate::session::source::Reading;
 
 impl Manager {
     pub(super) fn interim(&mut self, id: &str) -> Result<Fetched, Error> {
@@ -18,18 +17,7 @@ impl Manager {
         let info = s.info(&losses);
         let report = build_report(&info, s.followed, s.command.clone());
         let mut parts: Vec<_> = s.measure.interim(&self.sampling).into_iter().collect();
-        if let Some(slot) = s.slot {
-            let mut at = Reading {
-                bpf: &mut self.bpf,
-                slot,
-                live: &s.live,
-            };
-            parts.extend(
-                s.sources
-                    .each()
-                    .filter_map(|source| source.interim(&mut at)),
-            );
-        }
+        parts.extend(s.sources_so_far(&mut self.bpf));
         Ok(Fetched::Interim(Box::new(report), parts))
     }
 }

@@ -7,7 +7,6 @@ use tracer_proto::{SessionInfo, SessionState};
 
 use super::Manager;
 use crate::metrics::{self, gauge, Sample};
-use crate::session::source::Reading;
 use tracer_report::Report;
 
 /// How long an exported session's final counts stay on the endpoint after it ends: long
@@ -138,17 +137,8 @@ impl Manager {
             // What each source reads for an interim report, as the ended session's report
             // gives it (`Ended`): the same series, running or ended.
             let mut report = Report::default();
-            if let Some(slot) = s.slot {
-                let mut at = Reading {
-                    bpf: &mut self.bpf,
-                    slot,
-                    live: &s.live,
-                };
-                for source in s.sources.each() {
-                    if let Some(part) = source.interim(&mut at) {
-                        part.fill(&mut report);
-                    }
-                }
+            for part in s.sources_so_far(&mut self.bpf) {
+                part.fill(&mut report);
             }
             samples.extend(counts(&info, &report));
         }

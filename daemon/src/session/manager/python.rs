@@ -2,8 +2,8 @@
 //! processes' interpreters are checked (at their exec, by the sweep, from a scan of every
 //! process), in-process starts that settle late, handovers to the probes, processes waiting
 //! for probes attached off this task, which slots count Python (and hold processes at exec),
-//! and the names of code objects the probes send. What is done with one process's interpreter is
-//! `session::python::probing`.
+//! and the names of code objects the probes send. What is done with one process's
+//! interpreter is `session::python::probing`.
 
 use super::{Done, Manager};
 use crate::session::python::{
@@ -349,25 +349,25 @@ impl Manager {
 /// What a handover of `pid` to the probes did (`done`), into the session's Python report.
 fn handed(py: &mut PySession, pid: u32, done: &Result<(), String>) {
     match done {
-            Ok(()) => {
-                py.handed.insert(pid);
-                let why = "counted in-process until the program set a profile function of its own (cProfile, sys.setprofile, a profiler), which takes the place of tracer's on CPython 3.10 and 3.11; with uprobes from then on, the program held meanwhile: no call was missed or counted twice".to_owned();
-                match py.counted.iter_mut().find(|c| c.pid == pid) {
-                    Some(c) => {
-                        c.way = "in-process, then uprobes".into();
-                        c.why = why;
-                    }
-                    None => py.counted.push(tracer_report::CountedWay {
-                        pid,
-                        way: "in-process, then uprobes".into(),
-                        why,
-                    }),
+        Ok(()) => {
+            py.handed.insert(pid);
+            let why = "counted in-process until the program set a profile function of its own (cProfile, sys.setprofile, a profiler), which takes the place of tracer's on CPython 3.10 and 3.11; with uprobes from then on, the program held meanwhile: no call was missed or counted twice".to_owned();
+            match py.counted.iter_mut().find(|c| c.pid == pid) {
+                Some(c) => {
+                    c.way = "in-process, then uprobes".into();
+                    c.why = why;
                 }
+                None => py.counted.push(tracer_report::CountedWay {
+                    pid,
+                    way: "in-process, then uprobes".into(),
+                    why,
+                }),
             }
-            Err(why) => py.warnings.push(format!(
-                "pid {pid}: its calls after it set a profile function of its own (which takes the place of tracer's on CPython 3.10 and 3.11) were not counted: handing it over to the probes failed: {why}"
-            )),
         }
+        Err(why) => py.warnings.push(format!(
+            "pid {pid}: its calls after it set a profile function of its own (which takes the place of tracer's on CPython 3.10 and 3.11) were not counted: handing it over to the probes failed: {why}"
+        )),
+    }
 }
 
 /// The interpreters' probes and the kernel maps, lent; probes attached off the manager's

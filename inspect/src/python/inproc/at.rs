@@ -9,6 +9,7 @@ use std::{
         fd::{AsRawFd, FromRawFd},
         unix::fs::MetadataExt,
     },
+    path::PathBuf,
 };
 
 /// `name` as a C string, if it is a plain file name (no path, neither `.` nor `..`).
@@ -84,4 +85,57 @@ pub(super) fn open_dir_at(dir: &File, name: &str) -> std::io::Result<File> {
     })?;
     // SAFETY: a fresh descriptor nobody else owns.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// `openat` of `name` in `dir`, following no link, as the caller's ids.
+pub(super) fn open_file_at(
+    dir: &File,
+    name: &str,
+    flags: libc::c_int,
+    mode: u32,
+) -> std::io::Result<File> {
+    let c = c_name(name)?;
+    // SAFETY: plain syscall; the descriptor returned is owned by the File.
+    let fd = check(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode,
+        )
+    })?;
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Deletes `name` in `dir` (a directory, with `AT_REMOVEDIR`), following no link.
+pub(super) fn unlink_at(dir: &File, name: &str, flags: libc::c_int) -> std::io::Result<()> {
+    let c = c_name(name)?;
+    // SAFETY: plain syscall; unlinkat never follows a link, and fails on a directory that
+    // is not empty.
+    check(unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), flags) }).map(drop)
+}
+
+/// The names in `dir`.
+pub(super) fn names(dir: &File) -> Vec<String> {
+    let listing = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    std::fs::read_dir(listing)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether `tmp` (a process's `/tmp`) holds the very directory `id` (device, inode) at
+/// `name`: checked before the process is asked to run a file from there.
+pub(super) fn found_at(tmp: &File, name: &str, id: (u64, u64)) -> Result<(), String> {
+    let found = open_dir_at(tmp, name)
+        .and_then(|d| d.metadata())
+        .map_err(|e| format!("its /tmp/{name}: {e}"))?;
+    if (found.dev(), found.ino()) != id {
+        return Err(format!("its /tmp/{name} is not the directory tracer made"));
+    }
+    Ok(())
 }

@@ -13,13 +13,14 @@ use std::{
     fs::{File, Metadata},
     io::Write,
     os::{
-        fd::{AsRawFd, FromRawFd},
+        fd::AsRawFd,
         unix::fs::{MetadataExt, PermissionsExt},
     },
-    path::PathBuf,
 };
 
-use super::at::{c_name, check, mount_id, open_dir_at, unsafe_parent};
+use super::at::{
+    c_name, check, found_at, mount_id, names, open_dir_at, open_file_at, unlink_at, unsafe_parent,
+};
 
 /// The code directory's name beside the counter's directory `name`.
 pub(super) fn name_of(name: &str) -> String {
@@ -131,37 +132,14 @@ impl CodeDir {
 
     /// Whether `tmp` (a process's `/tmp`) holds this very directory.
     pub(super) fn seen_in(&self, tmp: &File) -> Result<(), String> {
-        let found = open_dir_at(tmp, &self.name)
-            .and_then(|d| d.metadata())
-            .map_err(|e| format!("its /tmp/{}: {e}", self.name))?;
-        if (found.dev(), found.ino()) != self.id {
-            return Err(format!(
-                "its /tmp/{} is not the directory tracer made",
-                self.name
-            ));
-        }
-        Ok(())
+        found_at(tmp, &self.name, self.id)
     }
 
     /// Creates `file` (not there before), root's, mode 0644, with `bytes`.
     pub(super) fn create(&self, file: &str, bytes: &[u8]) -> Result<File, String> {
         let made = (|| {
-            let c = c_name(file)?;
-            // SAFETY: plain syscall; the descriptor returned is owned by the File.
-            let fd = check(unsafe {
-                libc::openat(
-                    self.this.as_raw_fd(),
-                    c.as_ptr(),
-                    libc::O_RDWR
-                        | libc::O_CREAT
-                        | libc::O_EXCL
-                        | libc::O_NOFOLLOW
-                        | libc::O_CLOEXEC,
-                    0o644,
-                )
-            })?;
-            // SAFETY: a fresh descriptor nobody else owns.
-            let mut f = unsafe { File::from_raw_fd(fd) };
+            let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL;
+            let mut f = open_file_at(&self.this, file, flags, 0o644)?;
             // Whatever tracerd's umask is: the process's user reads it.
             f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
             f.write_all(bytes)?;
@@ -171,29 +149,15 @@ impl CodeDir {
     }
 
     pub(super) fn unlink(&self, file: &str) {
-        if let Ok(c) = c_name(file) {
-            // SAFETY: plain syscall; unlinkat never follows a link.
-            unsafe { libc::unlinkat(self.this.as_raw_fd(), c.as_ptr(), 0) };
-        }
+        let _ = unlink_at(&self.this, file, 0);
     }
 
     /// Deletes its files (only tracerd writes there), then itself.
     pub(super) fn remove(&self) {
-        let listing = PathBuf::from(format!("/proc/self/fd/{}", self.this.as_raw_fd()));
-        let names: Vec<String> = std::fs::read_dir(listing)
-            .map(|rd| {
-                rd.filter_map(Result::ok)
-                    .filter_map(|e| e.file_name().into_string().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        for f in names {
+        for f in names(&self.this) {
             self.unlink(&f);
         }
-        if let Ok(c) = c_name(&self.name) {
-            // SAFETY: plain syscall; fails on a directory that is not empty.
-            unsafe { libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR) };
-        }
+        let _ = unlink_at(&self.parent, &self.name, libc::AT_REMOVEDIR);
     }
 }
 

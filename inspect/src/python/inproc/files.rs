@@ -1,7 +1,8 @@
 //! The counter's directory and files, as tracerd touches them. The directory lies in the
 //! counted process's `/tmp` and belongs to the process's user, who may change anything in
-//! it (the code the process runs lies beside it, root's: [`super::code_dir`]): tracerd makes it, and makes, opens and deletes files in it, as that user (its
-//! file-system ids, [`as_user`]), so that it can do there nothing the user could not; only
+//! it (the code the process runs lies beside it, root's: [`super::code_dir`]): tracerd
+//! makes it, and makes, opens and deletes files in it, as that user (its file-system ids,
+//! [`as_user`]), so that it can do there nothing the user could not; only
 //! in a `/tmp` (and a root) that no other user could swap; relative to held descriptors,
 //! following no symbolic link; files it reads must be regular files, and what it reads is
 //! bounds-checked. A mapping whose file the user shrinks reads as zeros ([`super::sigbus`])
@@ -11,17 +12,20 @@ use std::{
     fs::File,
     io::{Read, Write},
     os::{
-        fd::{AsRawFd, FromRawFd},
+        fd::AsRawFd,
         unix::fs::{MetadataExt, OpenOptionsExt},
     },
-    path::{Path, PathBuf},
+    path::Path,
     sync::atomic::AtomicU32,
 };
 
 use tracer_common::inproc::{self, Header, StrRef};
 
 use super::{
-    at::{c_name, check, mount_id, open_dir_at, unsafe_parent},
+    at::{
+        c_name, check, found_at, mount_id, names, open_dir_at, open_file_at, unlink_at,
+        unsafe_parent,
+    },
     code_dir::{self, CodeDir},
 };
 
@@ -164,13 +168,7 @@ impl Dir {
     /// before it is asked to run a file from there.
     pub(super) fn seen_by(&self, pid: u32) -> Result<(), String> {
         let (_, tmp) = process_tmp(pid, self.owner.0)?;
-        let name = &self.name;
-        let found = open_dir_at(&tmp, name)
-            .and_then(|d| d.metadata())
-            .map_err(|e| format!("its /tmp/{name}: {e}"))?;
-        if (found.dev(), found.ino()) != self.id {
-            return Err(format!("its /tmp/{name} is not the directory tracer made"));
-        }
+        found_at(&tmp, &self.name, self.id)?;
         match &self.code {
             Some(code) => code.seen_in(&tmp),
             None => Ok(()),
@@ -210,26 +208,15 @@ impl Dir {
         }
     }
 
-    /// `openat` of `name` in the directory, following no link, as the caller's ids.
-    fn open_at(&self, name: &str, flags: libc::c_int, mode: u32) -> std::io::Result<File> {
-        let c = c_name(name)?;
-        // SAFETY: plain syscall; the descriptor returned is owned by the File.
-        let fd = check(unsafe {
-            libc::openat(
-                self.this.as_raw_fd(),
-                c.as_ptr(),
-                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                mode,
-            )
-        })?;
-        // SAFETY: a fresh descriptor nobody else owns.
-        Ok(unsafe { File::from_raw_fd(fd) })
-    }
-
     /// Creates `name` (not there before) as the owner, mode `mode`, and writes `bytes`.
     pub(super) fn create(&self, name: &str, mode: u32, bytes: &[u8]) -> Result<File, String> {
         as_user(self.owner, || {
-            let mut f = self.open_at(name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, mode)?;
+            let mut f = open_file_at(
+                &self.this,
+                name,
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL,
+                mode,
+            )?;
             f.write_all(bytes)?;
             Ok(f)
         })
@@ -240,7 +227,7 @@ impl Dir {
     pub(super) fn open(&self, name: &str, write: bool) -> std::io::Result<File> {
         let access = if write { libc::O_RDWR } else { libc::O_RDONLY };
         as_user(self.owner, || {
-            let f = self.open_at(name, access | libc::O_NONBLOCK, 0)?;
+            let f = open_file_at(&self.this, name, access | libc::O_NONBLOCK, 0)?;
             if !f.metadata()?.is_file() {
                 return Err(std::io::Error::other("not a regular file"));
             }
@@ -281,22 +268,11 @@ impl Dir {
     }
 
     pub(super) fn unlink(&self, name: &str) {
-        let _ = as_user(self.owner, || {
-            let c = c_name(name)?;
-            // SAFETY: plain syscall; unlinkat never follows a link.
-            check(unsafe { libc::unlinkat(self.this.as_raw_fd(), c.as_ptr(), 0) })
-        });
+        let _ = as_user(self.owner, || unlink_at(&self.this, name, 0));
     }
 
     fn names(&self) -> Vec<String> {
-        let listing = PathBuf::from(format!("/proc/self/fd/{}", self.this.as_raw_fd()));
-        std::fs::read_dir(listing)
-            .map(|rd| {
-                rd.filter_map(Result::ok)
-                    .filter_map(|e| e.file_name().into_string().ok())
-                    .collect()
-            })
-            .unwrap_or_default()
+        names(&self.this)
     }
 
     /// Deletes its files (a bounded number: the owner may fill it), then itself; and the code
@@ -315,11 +291,7 @@ impl Dir {
     /// the code directory, whose files nothing runs any more; whether it did.
     pub(super) fn remove_if_empty(&self) -> bool {
         let removed = as_user(self.owner, || {
-            let c = c_name(&self.name)?;
-            // SAFETY: plain syscall; fails on a directory that is not empty.
-            check(unsafe {
-                libc::unlinkat(self.parent.as_raw_fd(), c.as_ptr(), libc::AT_REMOVEDIR)
-            })
+            unlink_at(&self.parent, &self.name, libc::AT_REMOVEDIR)
         });
         let gone = match removed {
             Ok(_) => true,

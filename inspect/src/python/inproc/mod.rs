@@ -4,8 +4,8 @@
 //! tracerd makes a directory in the process's `/tmp` (reached through `/proc/PID/root`, so
 //! chroots and containers see it at the same path) as the process's user ([`files`]), with a
 //! counts file (`tracer_common::inproc`), and beside it a directory of root's ([`code_dir`])
-//! with the counter library (`libtracer_pycount.so`, built from `daemon/pycount`), and asks the interpreter to run a start script (PEP 768,
-//! [`super::remote_exec`]). The script loads the library as an extension module, takes a
+//! with the counter library (`libtracer_pycount.so`, built from `daemon/pycount`), and asks
+//! the interpreter to run a start script (PEP 768, [`super::remote_exec`]). The script loads the library as an extension module, takes a
 //! free `sys.monitoring` tool id and registers the library's callbacks; the library takes
 //! the file over (PENDING → RUNNING). At the end tracerd stops the counter (RUNNING →
 //! STOPPED), reads the file, and asks the interpreter to run a removal script, which frees

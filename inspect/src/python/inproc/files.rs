@@ -487,3 +487,33 @@ impl Drop for Mapping {
 }
 
 pub(super) use crate::process::beside_tracerd;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory a tracerd of before code directories made (its journal line names no code
+    /// directory) gets no code written into it: its user could change it.
+    #[test]
+    fn an_older_tracerds_directory_gets_no_code() {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            tracer_testkit::skip("the directory's checks want root's /tmp");
+            return;
+        }
+        let base = std::env::temp_dir().join(format!("older-dir-test-{}", std::process::id()));
+        let dir = base.join("tmp/tracer-old-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (p, mode) in [(&base, 0o755), (&base.join("tmp"), 0o1777)] {
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .unwrap();
+        }
+        let m = std::fs::metadata(&dir).unwrap();
+        let old = Dir::existing(&base, "tracer-old-1", (0, 0), (m.dev(), m.ino()), None).unwrap();
+        let refused = old.create_code("remove.1.py", b"print()").unwrap_err();
+        assert!(refused.contains("made by an older tracerd"), "{refused}");
+        assert!(!dir.join("remove.1.py").exists());
+        assert_eq!(old.code_path("start.py"), "/tmp/tracer-old-1/start.py");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}

@@ -42,6 +42,8 @@ use tracer_inspect::python::{
 
 const CUDA_CALL: &str = "tracer_cuda_call";
 const CUDA_RETURN: &str = "tracer_cuda_return";
+/// The probe points of tracer's CUPTI injection library.
+const CUPTI_CALL: &str = "tracer_cupti_call";
 const NATIVE_CALL: &str = "tracer_native_call";
 /// The uprobe programs that run at a function's return (uretprobes).
 const PY_ENTRY: &str = "tracer_py_eval_entry";
@@ -50,7 +52,7 @@ const PY_OPCODE: &str = "tracer_py_opcode";
 const AT_RETURN: [&str; 2] = [PY_RETURN, CUDA_RETURN];
 /// The programs each kind of probe needs, loaded at its first use.
 const PY_PROGRAMS: [&str; 3] = [PY_ENTRY, PY_RETURN, PY_OPCODE];
-const CUDA_PROGRAMS: [&str; 2] = [CUDA_CALL, CUDA_RETURN];
+const CUDA_PROGRAMS: [&str; 3] = [CUDA_CALL, CUDA_RETURN, CUPTI_CALL];
 const NATIVE_PROGRAMS: [&str; 1] = [NATIVE_CALL];
 const SAMPLE: &str = "tracer_sample";
 const SAMPLE_PROGRAMS: [&str; 1] = [SAMPLE];

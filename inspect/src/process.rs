@@ -4,6 +4,7 @@
 pub mod blocked;
 pub mod inject;
 mod maps;
+pub mod memory;
 
 pub use maps::{MapEntry, ProcMaps};
 

@@ -19,7 +19,8 @@ USER_CFLAGS=${CFLAGS:+yes}
 # -O2 with frame pointers, without shrink-wrapping, sibling calls or the scheduling pass that
 # moves instructions into the prologue: every exported function is a real, non-inlined symbol
 # (noinline in the sources) that starts with `push %rbp; mov %rsp,%rbp` on x86-64 (after
-# `endbr64` in the CET-built driver).
+# `endbr64` in the CET-built driver); except the runtime's __cudaLaunchKernel*, which jump on
+# to cudaLaunchKernel* as the real ones do.
 CFLAGS=${CFLAGS:--O2 -g -fno-omit-frame-pointer -fno-shrink-wrap -fno-optimize-sibling-calls \
 -fno-schedule-insns2}
 WARN="-std=gnu11 -Wall -Wextra -Wno-unused-parameter"
@@ -49,9 +50,9 @@ ln -sf libcudart.so.13 "$OUT/libcudart.so"
 # The app is linked against neither library: it dlopen()s them by soname after its cue.
 $CC $CFLAGS $WARN -o "$OUT/cuda_app" "$HERE/cuda_app.c" '-Wl,-rpath,$ORIGIN' -ldl -lpthread
 # A process whose kernels are registered at load, nvcc's way, by a stripped binary linked
-# against the runtime (as PyTorch's libraries are).
+# against the runtime (as PyTorch's libraries are) and the driver.
 $CC $CFLAGS $WARN -s -o "$OUT/warm_kernels" "$HERE/warm_kernels.c" -L"$OUT" -l:libcudart.so.13 \
-  '-Wl,-rpath,$ORIGIN'
+  -l:libcuda.so.1 '-Wl,-rpath,$ORIGIN'
 # Launches from a thread that runs no Python, for tests/scripts/cuda_calls.py.
 $CC $CFLAGS $WARN -fPIC -shared -o "$OUT/libworker_launch.so" "$HERE/worker_launch.c" -lpthread
 # The launch-bound loop of `cargo xtask bench cuda`, built the same way.
@@ -63,7 +64,11 @@ if [ -z "$USER_CFLAGS" ] && [ "$(uname -m)" = x86_64 ] && command -v objdump >/d
   for lib in libcuda.so.1 libcudart.so.13; do
     exports=$(nm -D --defined-only "$OUT/$lib" | awk '$2 == "T" { printf "%s ", $3 }')
     objdump -d --no-show-raw-insn "$OUT/$lib" | awk -v lib="$lib" -v exports="$exports" '
-      BEGIN { n = split(exports, e, " "); for (i = 1; i <= n; i++) want[e[i]] = 1 }
+      BEGIN {
+        n = split(exports, e, " ")
+        # nvcc 13 stubs launch through these; they jump to cudaLaunchKernel* (unprobed).
+        for (i = 1; i <= n; i++) if (e[i] !~ /^__cudaLaunchKernel/) want[e[i]] = 1
+      }
       /^[0-9a-f]+ <.*>:$/ { name = substr($2, 2, length($2) - 3); n = 0; next }
       name in want && /^ +[0-9a-f]+:/ {
         n++; sub(/^ +[0-9a-f]+:[ \t]+/, ""); gsub(/[ \t]+/, " ")

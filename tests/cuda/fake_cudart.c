@@ -409,13 +409,15 @@ API cudaError_t cudaLaunchKernelExC_ptsz(const cudaLaunchConfig_t *config, const
 }
 
 /* nvcc 13's stubs call these with the handle from __cudaGetKernel; like the real runtime's,
- * they go on to cudaLaunchKernel / cudaLaunchKernel_ptsz. */
-API cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim, void **args,
+ * they jump on to cudaLaunchKernel / cudaLaunchKernel_ptsz (a tail call: the launch's return
+ * address is the stub's, as tracer sees it with the real runtime). */
+#define TAIL __attribute__((optimize("optimize-sibling-calls")))
+API TAIL cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim, void **args,
                                    size_t sharedMem, cudaStream_t stream) {
     return cudaLaunchKernel((const void *)kernel, gridDim, blockDim, args, sharedMem, stream);
 }
 
-API cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim,
+API TAIL cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim,
                                         void **args, size_t sharedMem, cudaStream_t stream) {
     return cudaLaunchKernel_ptsz((const void *)kernel, gridDim, blockDim, args, sharedMem, stream);
 }

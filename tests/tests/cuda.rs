@@ -113,8 +113,11 @@ fn launches_right_after_a_library_is_mapped_are_counted() {
 
 /// A process whose kernels were registered before the session, by a stripped binary (no
 /// symbol names a host function) linked against the runtime, as PyTorch's libraries are: its
-/// runtime launches are named from the binary's registration code, as the program
-/// registered them; the driver's launches underneath carry the same names.
+/// launches are named from the binary's registration code, as the program registered them,
+/// at the runtime's entry points and at the driver's underneath. Also where the handles were
+/// made before the session: CUDA 13 stubs' runtime handles and the driver's functions under
+/// them (named through the statics the stubs keep them in), and a driver function got by
+/// symbol and kept in a static, launched with `cuLaunchKernelEx` as cluster launchers do.
 #[test]
 fn kernels_registered_before_the_session_are_named_from_registration_code() {
     if !root_or_skip() {
@@ -124,34 +127,46 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
     let Some(libs) = build(&d) else { return };
     let app = App::spawn_program("warm_kernels", &libs, &["4"], &[]);
     let (_, truth, report) = counted_from_its_cue(&d, app);
-    let want: BTreeMap<String, u64> = truth["launches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| {
-            let kernel = demangle(l["kernel"].as_str().unwrap());
-            (kernel, l["count"].as_u64().unwrap())
-        })
-        .collect();
-    for api in ["cudaLaunchKernel", "cuLaunchKernel"] {
-        let mut got: BTreeMap<String, u64> = BTreeMap::new();
-        for l in report["cuda"]["launches"].as_array().unwrap() {
-            if l["api"] != api {
-                continue;
-            }
-            // The fake runtime loads its kernels into the driver at first use, in the
-            // session: the driver's are named by the calls that make them.
-            if api == "cudaLaunchKernel" {
+    let want = |runtime_only: bool| -> BTreeMap<String, u64> {
+        truth["launches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| !runtime_only || l["runtime"] == true)
+            .map(|l| {
+                let kernel = demangle(l["kernel"].as_str().unwrap());
+                (kernel, l["count"].as_u64().unwrap())
+            })
+            .collect()
+    };
+    let (mut runtime, mut driver) = (BTreeMap::new(), BTreeMap::new());
+    for l in report["cuda"]["launches"].as_array().unwrap() {
+        let into = match l["api"].as_str().unwrap() {
+            "cudaLaunchKernel" => {
                 assert_eq!(l["named_from"], "registration code", "{l}");
+                &mut runtime
             }
-            *got.entry(l["kernel"].as_str().unwrap().to_owned())
-                .or_default() += l["launches"].as_u64().unwrap();
-        }
-        assert_eq!(got, want, "{api}");
+            // The fake runtime loads its kernels into the driver at first use: in the
+            // session for the CUDA 12 stubs (the driver's rows named by the calls that make
+            // them), before it for the others.
+            "cuLaunchKernel" | "cuLaunchKernelEx" => {
+                assert_ne!(l["named_from"], "launching function", "{l}");
+                &mut driver
+            }
+            other => panic!("a launch through {other}: {l}"),
+        };
+        *into
+            .entry(l["kernel"].as_str().unwrap().to_owned())
+            .or_default() += l["launches"].as_u64().unwrap();
     }
+    assert_eq!(runtime, want(true), "at the runtime's entry points");
+    assert_eq!(driver, want(false), "at the driver's");
     assert!(
-        want.keys().any(|k| k.contains("std::array<char*, 3ul>")),
-        "named as c++filt names them: {want:?}"
+        want(false)
+            .keys()
+            .any(|k| k.contains("std::array<char*, 3ul>")),
+        "named as c++filt names them: {:?}",
+        want(false)
     );
 }
 

@@ -3,12 +3,12 @@
 
 use std::{os::fd::OwnedFd, path::Path};
 
-use tracer_common::{native_cookie, py_role};
+use tracer_common::{cuda_api, native_cookie, py_role};
 use tracer_inspect::python::runtime::Runtime;
 
 use super::{
     programs, publish_layout, BpfError, AT_RETURN, CUDA_CALL, CUDA_PROGRAMS, CUDA_RETURN,
-    NATIVE_CALL, NATIVE_PROGRAMS, PY_ENTRY, PY_OPCODE, PY_PROGRAMS, PY_RETURN,
+    CUPTI_CALL, NATIVE_CALL, NATIVE_PROGRAMS, PY_ENTRY, PY_OPCODE, PY_PROGRAMS, PY_RETURN,
 };
 
 /// Uprobes that come off together; dropping the set detaches them. That waits for the
@@ -156,7 +156,11 @@ impl CudaAttacher {
     /// `cuda_cookie::make(slot, all, api)`.
     pub fn attach(&self, binary: &Path, probes: &[(u64, u64, bool)]) -> Result<ProbeSet, BpfError> {
         load_all(&self.programs, &CUDA_PROGRAMS)?;
-        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (CUDA_CALL, o, c)).collect();
+        let program = |cookie: u64| match (cookie & cuda_api::MASK) as u32 {
+            cuda_api::CUPTI_KERNEL | cuda_api::CUPTI_DROPPED | cuda_api::CUPTI_STATUS => CUPTI_CALL,
+            _ => CUDA_CALL,
+        };
+        let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (program(c), o, c)).collect();
         points.extend(
             probes
                 .iter()

@@ -2,9 +2,18 @@
 //! their process's mappings when a row is new (the binary kept open) and named with the
 //! symbolizer when the session ends, also for processes gone by then.
 
-use std::{collections::HashMap, fs::File, os::fd::AsRawFd, path::PathBuf};
+use std::{
+    collections::HashMap,
+    fs::File,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    path::PathBuf,
+    sync::Arc,
+};
 
-use tracer_inspect::unwind::{MapEntry, ProcMaps};
+use tracer_inspect::{
+    cuda::Registrations,
+    unwind::{MapEntry, ProcMaps},
+};
 use tracer_symbolize::{Sym, Symbolizer};
 
 /// (pid, address).
@@ -92,8 +101,9 @@ impl Callers {
         Some(b)
     }
 
-    /// Names every located address, one symbolizer call per binary.
-    pub(super) fn name_all(&self) -> HashMap<ProcAddr, Named> {
+    /// Names every located address, one symbolizer call per binary. `read`: binaries whose
+    /// registrations were read already, by (device, inode).
+    pub(super) fn name_all(&self, read: &HashMap<(u64, u64), Arc<Registrations>>) -> NativeNames {
         let mut symbolizer = Symbolizer::new();
         // Binary → (pid, address) and its file offset.
         let mut per_binary: HashMap<usize, Vec<(ProcAddr, u64)>> = HashMap::new();
@@ -105,7 +115,7 @@ impl Callers {
                     .push((key, l.file_offset));
             }
         }
-        let mut out = HashMap::new();
+        let mut out = NativeNames::default();
         for (b, items) in per_binary {
             let (display, file) = &self.binaries[b];
             let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
@@ -113,23 +123,68 @@ impl Callers {
             let syms = symbolizer.user(&path, &offsets);
             // Kernels registered before the session: their host functions need not have
             // symbols (a stripped library), the registration code names them.
-            let registered = tracer_inspect::binary::map(&path)
-                .map(|data| tracer_inspect::cuda::registered_kernels(&data))
-                .unwrap_or_default();
+            let id = file.metadata().map(|m| (m.dev(), m.ino()));
+            let registered = match id.ok().and_then(|id| read.get(&id)) {
+                Some(r) => r.clone(),
+                None => Arc::new(
+                    tracer_inspect::binary::map(&path)
+                        .map(|data| Registrations::read(&data))
+                        .unwrap_or_default(),
+                ),
+            };
             let base = display.rsplit('/').next().unwrap_or(display);
             for ((key, off), sym) in items.into_iter().zip(syms) {
-                out.insert(
+                out.addrs.insert(
                     key,
                     Named {
                         text: describe(sym.as_ref(), base, off),
                         sym,
-                        registered: registered.get(&off).cloned(),
+                        registered: registered.kernels.get(&off).cloned(),
                     },
                 );
             }
         }
         out
     }
+
+    /// The executable files `pid` maps, as last read and kept: (index, the file kept open, an
+    /// address of the process in it, and that address's offset in the file), once each.
+    pub(super) fn binaries_of(&self, pid: u32) -> Vec<(usize, &File, u64, u64)> {
+        let mut out: Vec<(usize, &File, u64, u64)> = Vec::new();
+        let Some(maps) = self.maps.get(&pid) else {
+            return out;
+        };
+        for m in maps
+            .entries()
+            .iter()
+            .filter(|m| m.executable && m.is_file())
+        {
+            let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+            if let Some(&b) = self.by_inode.get(&id) {
+                if !out.iter().any(|o| o.0 == b) {
+                    out.push((b, &self.binaries[b].1, m.start, m.offset));
+                }
+            }
+        }
+        out
+    }
+
+    /// The binary `pid`'s address `addr` was located in (its index, and the file kept
+    /// open), with the address's offset in it.
+    pub(super) fn binary_of(&self, pid: u32, addr: u64) -> Option<(usize, &File, u64)> {
+        let l = (*self.addrs.get(&(pid, addr))?)?;
+        Some((l.binary, &self.binaries[l.binary].1, l.file_offset))
+    }
+}
+
+/// What a CUDA session's native addresses are, once named.
+#[derive(Default)]
+pub(super) struct NativeNames {
+    /// (pid, address) → its name.
+    pub addrs: HashMap<ProcAddr, Named>,
+    /// (pid, handle) → the device name registered for the host function whose static keeps
+    /// it: handles got before the session, read from the process while it ran.
+    pub handles: HashMap<ProcAddr, String>,
 }
 
 /// A named address: the symbol, if any, and how reports show it.
@@ -137,7 +192,7 @@ pub(super) struct Named {
     pub sym: Option<Sym>,
     pub text: String,
     /// The device name its binary's registration code registers for a kernel whose host
-    /// function starts here (`tracer_inspect::cuda::registered_kernels`).
+    /// function starts here (`tracer_inspect::cuda::Registrations`).
     pub registered: Option<String>,
 }
 

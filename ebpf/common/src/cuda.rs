@@ -35,6 +35,9 @@ pub mod cuda_api {
     pub const CUDA_GET_KERNEL: u32 = 13;
     /// `__cudaRegisterFunction(module, host_stub, device_fun, device_name, …)`.
     pub const CUDA_REGISTER_FUNCTION: u32 = 14;
+    /// `cudaGetFuncBySymbol(&f, host_stub)`: the driver's function for a host stub, which
+    /// code then launches with `cuLaunchKernel*` (as cluster launches do).
+    pub const CUDA_GET_FUNC_BY_SYMBOL: u32 = 15;
     /// Copies and allocations.
     pub const CUDA_MEMCPY: u32 = 20;
     pub const CUDA_MEMCPY_ASYNC: u32 = 21;
@@ -256,7 +259,7 @@ pub struct GpuKernelStats {
 
 /// Sent on `CUDA_NAMES` when a process names a kernel handle: `handle` is what launches
 /// will pass; `other` is the kernel (`CU_KERNEL_GET_FUNCTION`) or host stub
-/// (`CUDA_GET_KERNEL`, `CUDA_REGISTER_FUNCTION`) it stands for; `name` the device name when
+/// (`CUDA_GET_KERNEL`, `CUDA_GET_FUNC_BY_SYMBOL`, `CUDA_REGISTER_FUNCTION`) it stands for; `name` the device name when
 /// the call carries one.
 #[repr(C)]
 #[derive(Clone, Copy)]

@@ -6,7 +6,7 @@ mod injection;
 mod registered;
 
 pub use injection::Injection;
-pub use registered::registered_kernels;
+pub use registered::Registrations;
 
 use std::{collections::HashMap, path::Path};
 
@@ -71,6 +71,8 @@ pub const RUNTIME: &[EntryPoint] = &[
     entry("cudaDeviceSynchronize", api::CUDA_DEVICE_SYNCHRONIZE, false),
     entry("cudaStreamSynchronize", api::CUDA_STREAM_SYNCHRONIZE, false),
     entry("__cudaGetKernel", api::CUDA_GET_KERNEL, true),
+    entry("cudaGetKernel", api::CUDA_GET_KERNEL, true),
+    entry("cudaGetFuncBySymbol", api::CUDA_GET_FUNC_BY_SYMBOL, true),
     entry("__cudaRegisterFunction", api::CUDA_REGISTER_FUNCTION, false),
 ];
 
@@ -162,7 +164,7 @@ pub struct Names {
     /// registration.
     named: HashMap<(u32, u64), String>,
     /// (pid, handle) → the handle it stands for: a function for its kernel, a runtime
-    /// kernel for its host stub.
+    /// kernel or a function got by symbol for its host stub.
     stands_for: HashMap<(u32, u64), u64>,
 }
 
@@ -175,7 +177,7 @@ impl Names {
             | api::CUDA_REGISTER_FUNCTION => {
                 self.named.insert((ev.pid, ev.handle), name);
             }
-            api::CU_KERNEL_GET_FUNCTION | api::CUDA_GET_KERNEL => {
+            api::CU_KERNEL_GET_FUNCTION | api::CUDA_GET_KERNEL | api::CUDA_GET_FUNC_BY_SYMBOL => {
                 self.stands_for.insert((ev.pid, ev.handle), ev.other);
             }
             _ => {}
@@ -270,6 +272,12 @@ mod tests {
         assert_eq!(n.name(7, 0xa0), Some("_Z4reluPfi"));
         assert_eq!(n.name(7, 0xc0), Some("_Z4reluPfi"));
         assert_eq!(n.name(7, 0xd0), Some("triton_poi_fused_add_0"));
+        n.on_event(&ev(api::CUDA_GET_FUNC_BY_SYMBOL, 0xf0, 0x1000, ""));
+        assert_eq!(
+            n.name(7, 0xf0),
+            Some("_Z4reluPfi"),
+            "a function got by symbol"
+        );
         assert_eq!(n.name(8, 0xd0), None, "handles are per process");
         assert_eq!(demangle("_Z4reluPfi"), "relu(float*, int)");
         assert_eq!(demangle("triton_poi_fused_add_0"), "triton_poi_fused_add_0");

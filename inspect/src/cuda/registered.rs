@@ -7,6 +7,11 @@
 //! the function's PLT stub, or through its GOT slot) and the instructions before it are
 //! followed to the values of `hostFun` and `deviceName`. What a call site does not show
 //! plainly (a value computed or loaded from memory) is left unread, never guessed.
+//!
+//! CUDA 13's host stubs launch a runtime handle instead of `hostFun`: each stub keeps it in a
+//! static of its own, filled at its first launch by `__cudaGetKernel(&handle, hostFun)`. Those
+//! calls are read the same way, and the statics' values in a running process
+//! ([`Registrations::handles`]) tell which kernel each handle is.
 
 use std::collections::HashMap;
 
@@ -14,6 +19,9 @@ use iced_x86::{Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register}
 use object::{Object, ObjectSection, ObjectSegment, SectionFlags};
 
 const REGISTER: &str = "__cudaRegisterFunction";
+/// Calls that write a handle for a host function through their first argument: CUDA 13's
+/// stubs' own, the public one, and the driver function's for a host function.
+const GET_HANDLE: [&str; 3] = ["__cudaGetKernel", "cudaGetKernel", "cudaGetFuncBySymbol"];
 
 /// How far before a call its arguments are looked for: nvcc's calls set six registers and
 /// push four words just before each call.
@@ -22,83 +30,196 @@ const WINDOW: u64 = 128;
 /// The longest device name read.
 const MAX_NAME: usize = 4096;
 
-/// Host function (its file offset) → the device name registered for it, for every call of
-/// `__cudaRegisterFunction` in `data` (an ELF binary) whose arguments are plain.
-pub fn registered_kernels(data: &[u8]) -> HashMap<u64, String> {
-    let mut out = HashMap::new();
-    let Ok(file) = object::File::parse(data) else {
-        return out;
-    };
-    if file.architecture() != object::Architecture::X86_64 {
-        return out;
+/// What a binary's code registers with the CUDA runtime.
+#[derive(Default)]
+pub struct Registrations {
+    /// Host function (its file offset) → the device name registered for it.
+    pub kernels: HashMap<u64, String>,
+    /// CUDA 13's handle statics: (the static's virtual address, its host function's file
+    /// offset), for host functions registered above.
+    handle_slots: Vec<(u64, u64)>,
+    /// (file offset, size in the file, virtual address) of each loaded segment.
+    segments: Vec<(u64, u64, u64)>,
+}
+
+impl Registrations {
+    /// Every call of `__cudaRegisterFunction` and `__cudaGetKernel` in `data` (an ELF binary)
+    /// whose arguments are plain.
+    pub fn read(data: &[u8]) -> Self {
+        let mut out = Self::default();
+        let Ok(file) = object::File::parse(data) else {
+            return out;
+        };
+        if file.architecture() != object::Architecture::X86_64 {
+            return out;
+        }
+        out.segments = file
+            .segments()
+            .map(|s| {
+                let (start, size) = s.file_range();
+                (start, size, s.address())
+            })
+            .collect();
+        let callees = Callees::of(&file, data);
+        if callees.is_empty() {
+            return out;
+        }
+        let mut slots = Vec::new();
+        for section in file.sections() {
+            let executable = matches!(section.flags(), SectionFlags::Elf { sh_flags }
+                if sh_flags & u64::from(object::elf::SHF_EXECINSTR) != 0);
+            let name = section.name().unwrap_or("");
+            if !executable || name.starts_with(".plt") {
+                continue;
+            }
+            let (Ok(code), base) = (section.data(), section.address()) else {
+                continue;
+            };
+            for i in 0..code.len() {
+                if code[i] != 0xe8 && code[i] != 0xff {
+                    continue;
+                }
+                let at = base + i as u64;
+                let Some(callee) = callees.called(at, &code[i..]) else {
+                    continue;
+                };
+                let Some(regs) = arguments(code, base, at, callee) else {
+                    continue;
+                };
+                let Some(host) = regs.get(&Register::RSI).and_then(|&h| out.offset(h)) else {
+                    continue;
+                };
+                if callee == REGISTER {
+                    let name = regs.get(&Register::RCX).or(regs.get(&Register::RDX));
+                    if let Some(name) = name.and_then(|&n| string(&file, n)) {
+                        out.kernels.insert(host, name);
+                    }
+                } else if let Some(&slot) = regs.get(&Register::RDI) {
+                    slots.push((slot, host));
+                }
+            }
+        }
+        slots.retain(|(_, host)| out.kernels.contains_key(host));
+        out.handle_slots = slots;
+        out
     }
-    let plt = crate::plt::Plt::read(data);
-    let stubs: Vec<(u64, u64)> = plt
-        .stubs_of(REGISTER)
-        .filter_map(|(start, end)| Some((vaddr(&file, start)?, vaddr(&file, end - 1)? + 1)))
-        .collect();
-    let slots: Vec<u64> = crate::plt::slots(&file)
-        .into_iter()
-        .filter(|(_, name)| name == REGISTER)
-        .map(|(slot, _)| slot)
-        .collect();
-    if stubs.is_empty() && slots.is_empty() {
-        return out;
+
+    /// The virtual address of a file offset, through the segment that maps it.
+    pub fn vaddr(&self, off: u64) -> Option<u64> {
+        self.segments.iter().find_map(|&(start, size, addr)| {
+            (start..start + size)
+                .contains(&off)
+                .then(|| addr + (off - start))
+        })
     }
-    let calls_register = |at: u64, code: &[u8]| -> Option<usize> {
+
+    /// The file offset of a virtual address, through the segment that maps it.
+    fn offset(&self, addr: u64) -> Option<u64> {
+        self.segments.iter().find_map(|&(start, size, at)| {
+            (at..at + size).contains(&addr).then(|| start + (addr - at))
+        })
+    }
+
+    /// Runtime handle → device name, from the handle statics of a process that maps this
+    /// binary `bias` bytes above its virtual addresses (a statics still 0 was never launched).
+    /// The statics are read as they are; a handle is only ever looked up, never followed.
+    pub fn handles(&self, pid: u32, bias: u64) -> std::io::Result<HashMap<u64, String>> {
+        let addrs: Vec<u64> = self
+            .handle_slots
+            .iter()
+            .map(|&(slot, _)| slot.wrapping_add(bias))
+            .collect();
+        let words = crate::process::memory::words(pid, &addrs)?;
+        Ok(self
+            .handle_slots
+            .iter()
+            .zip(words)
+            .filter_map(|(&(_, host), word)| {
+                let handle = word.filter(|&w| w != 0)?;
+                Some((handle, self.kernels.get(&host)?.clone()))
+            })
+            .collect())
+    }
+
+    /// Whether the binary keeps CUDA 13 handle statics for registered kernels.
+    pub fn has_handles(&self) -> bool {
+        !self.handle_slots.is_empty()
+    }
+}
+
+/// The PLT stubs and GOT slots through which a binary calls the runtime's registration
+/// functions.
+struct Callees {
+    /// (start, end, name) of each PLT stub, as virtual addresses.
+    stubs: Vec<(u64, u64, &'static str)>,
+    /// (GOT slot, name).
+    slots: Vec<(u64, &'static str)>,
+}
+
+impl Callees {
+    fn of(file: &object::File, data: &[u8]) -> Self {
+        let plt = crate::plt::Plt::read(data);
+        let got = crate::plt::slots(file);
+        let mut out = Self {
+            stubs: Vec::new(),
+            slots: Vec::new(),
+        };
+        for name in std::iter::once(REGISTER).chain(GET_HANDLE) {
+            out.stubs
+                .extend(plt.stubs_of(name).filter_map(|(start, end)| {
+                    Some((vaddr(file, start)?, vaddr(file, end - 1)? + 1, name))
+                }));
+            out.slots.extend(
+                got.iter()
+                    .filter(|(_, n)| n.as_str() == name)
+                    .map(|(slot, _)| (*slot, name)),
+            );
+        }
+        out
+    }
+
+    fn is_empty(&self) -> bool {
+        self.stubs.is_empty() && self.slots.is_empty()
+    }
+
+    /// The function the instruction at `at` (`code` from there) calls, if one of ours.
+    fn called(&self, at: u64, code: &[u8]) -> Option<&'static str> {
         match code {
             // call rel32
             [0xe8, rel @ ..] if rel.len() >= 4 => {
                 let rel = i32::from_le_bytes(rel[..4].try_into().ok()?);
                 let target = (at + 5).wrapping_add_signed(rel.into());
-                stubs
+                self.stubs
                     .iter()
-                    .any(|&(s, e)| (s..e).contains(&target))
-                    .then_some(5)
+                    .find(|&&(s, e, _)| (s..e).contains(&target))
+                    .map(|&(_, _, n)| n)
             }
             // call *disp32(%rip)
             [0xff, 0x15, disp @ ..] if disp.len() >= 4 => {
                 let disp = i32::from_le_bytes(disp[..4].try_into().ok()?);
                 let slot = (at + 6).wrapping_add_signed(disp.into());
-                slots.contains(&slot).then_some(6)
+                self.slots
+                    .iter()
+                    .find(|&&(s, _)| s == slot)
+                    .map(|&(_, n)| n)
             }
             _ => None,
         }
-    };
-    for section in file.sections() {
-        let executable = matches!(section.flags(), SectionFlags::Elf { sh_flags }
-            if sh_flags & u64::from(object::elf::SHF_EXECINSTR) != 0);
-        let name = section.name().unwrap_or("");
-        if !executable || name.starts_with(".plt") {
-            continue;
-        }
-        let (Ok(code), base) = (section.data(), section.address()) else {
-            continue;
-        };
-        for i in 0..code.len() {
-            if code[i] != 0xe8 && code[i] != 0xff {
-                continue;
-            }
-            let at = base + i as u64;
-            if calls_register(at, &code[i..]).is_none() {
-                continue;
-            }
-            let Some((host, name)) = arguments(code, base, at) else {
-                continue;
-            };
-            let (Some(host), Some(name)) = (offset(&file, host), string(&file, name)) else {
-                continue;
-            };
-            out.insert(host, name);
-        }
     }
-    out
 }
 
-/// `hostFun` and `deviceName` (else `deviceFun`) as set up before the call at `call`: the
-/// instructions from a start that decodes onto the call exactly, followed through
-/// `lea reg, [rip+X]` and register moves; anything else that writes a register forgets it.
-fn arguments(code: &[u8], base: u64, call: u64) -> Option<(u64, u64)> {
+/// The argument registers known at the call at `call` to `callee`: the instructions from a start that
+/// decodes onto the call exactly, followed through `lea reg, [rip+X]` and register moves;
+/// anything else that writes a register forgets it.
+fn arguments(code: &[u8], base: u64, call: u64, callee: &str) -> Option<HashMap<Register, u64>> {
+    let complete = |regs: &HashMap<Register, u64>| {
+        regs.contains_key(&Register::RSI)
+            && if callee == REGISTER {
+                regs.contains_key(&Register::RCX) || regs.contains_key(&Register::RDX)
+            } else {
+                regs.contains_key(&Register::RDI)
+            }
+    };
     let first = call.saturating_sub(WINDOW).max(base);
     (first..call).find_map(|start| {
         let mut decoder = Decoder::with_ip(
@@ -117,12 +238,7 @@ fn arguments(code: &[u8], base: u64, call: u64) -> Option<(u64, u64)> {
             follow(&ins, &mut regs);
         }
         // Only a start whose last instruction ends at the call lines up with the code.
-        if ins.next_ip() != call {
-            return None;
-        }
-        let host = *regs.get(&Register::RSI)?;
-        let name = regs.get(&Register::RCX).or(regs.get(&Register::RDX))?;
-        Some((host, *name))
+        (ins.next_ip() == call && complete(&regs)).then_some(regs)
     })
 }
 
@@ -166,16 +282,6 @@ fn vaddr(file: &object::File, off: u64) -> Option<u64> {
         (start..start + size)
             .contains(&off)
             .then(|| s.address() + (off - start))
-    })
-}
-
-/// The file offset of a virtual address, through the segment that maps it.
-fn offset(file: &object::File, addr: u64) -> Option<u64> {
-    file.segments().find_map(|s| {
-        let (start, size) = s.file_range();
-        (s.address()..s.address() + size)
-            .contains(&addr)
-            .then(|| start + (addr - s.address()))
     })
 }
 

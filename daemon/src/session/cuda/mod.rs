@@ -10,23 +10,23 @@ use std::{
 };
 
 pub mod gpu_times;
+mod handles;
 mod job;
+mod report;
 pub mod watch;
 
 use job::injection_status;
 pub use job::{CudaJob, CudaProbed};
 
-use tracer_common::{cuda_api as api, cuda_cookie, py_from, CudaNameEvent};
+use tracer_common::{cuda_api as api, cuda_cookie, CudaNameEvent};
 
 use tracer_bpf::{Bpf, CudaCounts, CudaMaps, GpuKernelTimes, ProbeSet};
 use tracer_inspect::cuda::{self, Names};
 use tracer_inspect::unwind::ProcMaps;
-use tracer_report::{
-    CudaLaunch, CudaLibrary, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus,
-};
+use tracer_report::{CudaLibrary, CudaReport};
 
 use super::{
-    callers::{Callers, Named, ProcAddr},
+    callers::{Callers, NativeNames, ProcAddr},
     slots::LastCounts,
     source::{Ended, Ending, Named as Part, Reading, Source},
     ReportPart,
@@ -56,26 +56,6 @@ pub struct Probing {
     pub driver_only: bool,
 }
 
-/// Each launch row's GPU time per execution, from the GPU rows of its kernel and
-/// configuration (in its process, over devices).
-fn gpu_averages(rows: &mut [CudaLaunch], gpu: &[GpuKernelTime]) {
-    /// (pid, kernel, grid, block).
-    type Config<'a> = (u32, &'a str, [u32; 3], [u32; 3]);
-    let mut by: HashMap<Config, (u64, u64)> = HashMap::new();
-    for g in gpu {
-        let e = by
-            .entry((g.pid, g.kernel.as_str(), g.grid, g.block))
-            .or_default();
-        e.0 += g.executions;
-        e.1 += g.total_ns;
-    }
-    for r in rows {
-        if let Some(&(n, ns)) = by.get(&(r.pid, r.kernel.as_str(), r.grid, r.block)) {
-            r.gpu_avg_ns = Some(ns / n.max(1));
-        }
-    }
-}
-
 /// A kernel launch at the runtime's entry points (whose handle may lead to a host stub).
 fn runtime_kernel_launch(which: u32) -> bool {
     matches!(which, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX)
@@ -102,6 +82,8 @@ pub struct CudaSession {
     /// (pid, code, instruction, names id) → "qualname (file:line)", read when first seen.
     call_sites: HashMap<(u32, u64, u64, u64), String>,
     callers: Callers,
+    /// Handles got before the session, read from the statics that keep them.
+    handles: handles::Handles,
     /// (pid, driver handle) → (runtime handle, runtime caller) of the runtime launch it was
     /// made in (`ROW_LINK`).
     links: HashMap<ProcAddr, (u64, u64)>,
@@ -183,6 +165,7 @@ impl CudaSession {
             names: Names::default(),
             call_sites: HashMap::new(),
             callers: Callers::default(),
+            handles: handles::Handles::default(),
             links: HashMap::new(),
             warnings: Vec::new(),
             gpu: crate::gpu::GpuSampler::start(gpu_period, tracks),
@@ -195,15 +178,23 @@ impl CudaSession {
 
     pub fn on_name(&mut self, ev: &CudaNameEvent, sampling: &super::sampling::Sampling) {
         if ev.api == api::LAUNCH_ROW {
-            // The caller, and for the runtime's launches what the handle leads to: a host
-            // stub's symbol names a kernel whose naming calls came before the probes.
+            // The caller, and for the runtime's launches (and driver functions got by
+            // symbol) what the handle leads to: a host stub's registration or symbol names a
+            // kernel whose naming calls came before the probes.
             let mut addrs = vec![ev.other];
-            if runtime_kernel_launch(ev.extra as u32)
-                && self.names.name(ev.pid, ev.handle).is_none()
-            {
-                addrs.push(self.names.last(ev.pid, ev.handle));
+            let stub = self.names.last(ev.pid, ev.handle);
+            let unnamed = self.names.name(ev.pid, ev.handle).is_none();
+            if unnamed && (runtime_kernel_launch(ev.extra as u32) || stub != ev.handle) {
+                addrs.push(stub);
             }
             self.callers.locate(ev.pid, &addrs);
+            // A handle no call was seen making: the caller's code may keep it in a static.
+            let graph = matches!(ev.extra as u32, api::CU_GRAPH | api::CUDA_GRAPH);
+            if unnamed && stub == ev.handle && !graph {
+                if let Some((b, file, off)) = self.callers.binary_of(ev.pid, ev.other) {
+                    self.handles.ask(ev.pid, b, file, ev.other, off);
+                }
+            }
             return;
         }
         if ev.api == api::ROW_LINK {
@@ -309,6 +300,13 @@ impl CudaSession {
         }
         if maps_cuda {
             self.callers.keep(pid, &maps);
+        }
+        // A process that ran CUDA before the session: handles its code keeps in statics, read
+        // while it runs. (One held at its mapping of a library has made none yet.)
+        if maps_cuda && found_by != "mmap" {
+            for (b, file, addr, off) in self.callers.binaries_of(pid) {
+                self.handles.ask(pid, b, file, addr, off);
+            }
         }
         (maps_cuda, jobs)
     }
@@ -474,8 +472,13 @@ impl CudaSession {
     /// The launches and copies so far, named, left in the kernel (for live metrics; native
     /// callers are named at the end only).
     pub fn live(&self, bpf: &mut Bpf) -> CudaReport {
-        let (launches, memory, unnamed) =
-            self.rows(bpf.cuda_counts(self.slot, false), &HashMap::new());
+        let (launches, memory, unnamed) = self.rows(
+            bpf.cuda_counts(self.slot, false),
+            &NativeNames {
+                handles: self.handles.so_far(),
+                ..NativeNames::default()
+            },
+        );
         CudaReport {
             launches,
             memory,
@@ -592,196 +595,5 @@ impl ReportPart for CudaEnd {
             stacks.fill(report);
         }
         report.cuda = Some(self.finish());
-    }
-}
-
-impl CudaSession {
-    fn report(
-        mut self,
-        counts: tracer_bpf::CudaCounts,
-        times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
-    ) -> CudaReport {
-        let native = self.callers.name_all();
-        let (mut rows, memory, unnamed) = self.rows(counts, &native);
-        let gpu_kernels = self.gpu_kernels(times);
-        gpu_averages(&mut rows, &gpu_kernels);
-        // The latest word of each process this session found the library in.
-        let mut gpu_times: Vec<GpuTimesStatus> = std::mem::take(&mut self.injected)
-            .into_iter()
-            .map(|(pid, read)| GpuTimesStatus {
-                pid,
-                status: self.announced.remove(&pid).unwrap_or(read),
-            })
-            .collect();
-        gpu_times.sort_by_key(|g| g.pid);
-        let mut warnings = self.warnings;
-        if self.found.is_empty() {
-            warnings.push("no CUDA library (libcudart.so*, libcuda.so*) was seen mapped by the followed processes".into());
-        }
-        CudaReport {
-            gpu: self.gpu.finish(),
-            libraries: self.found,
-            launches: rows,
-            memory,
-            unnamed,
-            warnings,
-            gpu_kernels,
-            gpu_times,
-        }
-    }
-
-    /// GPU time rows, named from CUPTI's names, most time first.
-    fn gpu_kernels(
-        &self,
-        times: Vec<(tracer_common::GpuKernelKey, tracer_common::GpuKernelStats)>,
-    ) -> Vec<GpuKernelTime> {
-        let mut rows: Vec<GpuKernelTime> = times
-            .into_iter()
-            .map(|(k, s)| GpuKernelTime {
-                pid: k.pid,
-                device: k.device,
-                kernel: self.gpu_names.get(&(k.pid, k.name)).map_or_else(
-                    || format!("[kernel name {:#x} not received]", k.name),
-                    |n| cuda::demangle(n),
-                ),
-                grid: k.grid,
-                block: k.block,
-                executions: s.executions,
-                total_ns: s.total_ns,
-                min_ns: s.min_ns,
-                max_ns: s.max_ns,
-                name_ptr: k.name,
-            })
-            .collect();
-        rows.sort_by(|a, b| {
-            b.total_ns
-                .cmp(&a.total_ns)
-                .then_with(|| a.kernel.cmp(&b.kernel))
-        });
-        rows
-    }
-
-    /// A name for a launch row whose handle no naming call named: a runtime launch's from the
-    /// registration code of the host function its handle leads to, else the symbol there,
-    /// else its caller's; a driver launch made inside a runtime launch (`ROW_LINK`) from
-    /// that runtime launch's. With where it came from.
-    fn fallback_name(
-        &self,
-        k: &tracer_common::CudaLaunchKey,
-        native: &HashMap<ProcAddr, Named>,
-    ) -> Option<(String, &'static str)> {
-        let (func, caller) = if runtime_kernel_launch(k.api) {
-            (k.func, k.caller)
-        } else {
-            *self.links.get(&(k.pid, k.func))?
-        };
-        if let Some(name) = self.names.name(k.pid, func) {
-            return Some((cuda::demangle(name), "runtime launch"));
-        }
-        let symbol = |addr: u64| native.get(&(k.pid, addr)).and_then(|n| n.sym.as_ref());
-        let stub = self.names.last(k.pid, func);
-        // The name its library's code registers for the host function, as the runtime has it.
-        if let Some(name) = native
-            .get(&(k.pid, stub))
-            .and_then(|n| n.registered.as_ref())
-        {
-            return Some((cuda::demangle(name), "registration code"));
-        }
-        // A symbol that starts at the handle's host stub is the kernel's.
-        if let Some(stub) = symbol(stub).filter(|s| s.offset == 0) {
-            return Some((cuda::host_function_kernel(&stub.name), "host stub symbol"));
-        }
-        let c = symbol(caller)?;
-        Some((cuda::host_function_kernel(&c.name), "launching function"))
-    }
-
-    /// Launch and memory rows, named and sorted, and how many launch rows have no name.
-    /// `native`: named native addresses (pid, address), for callers and host stubs.
-    fn rows(
-        &self,
-        (launches, memory): tracer_bpf::CudaCounts,
-        native: &HashMap<ProcAddr, Named>,
-    ) -> (Vec<CudaLaunch>, Vec<CudaMemory>, u64) {
-        let mut unnamed = 0;
-        let mut rows: Vec<CudaLaunch> = launches
-            .into_iter()
-            .map(|(k, n)| {
-                let graph = matches!(k.api, api::CU_GRAPH | api::CUDA_GRAPH);
-                let caller = native.get(&(k.pid, k.caller));
-                let mut named_from = "";
-                let kernel = match self.names.name(k.pid, k.func) {
-                    _ if graph => format!("[graph exec {:#x}]", k.func),
-                    Some(name) => cuda::demangle(name),
-                    None => match self.fallback_name(&k, native) {
-                        Some((name, from)) => {
-                            named_from = from;
-                            name
-                        }
-                        None => {
-                            unnamed += 1;
-                            format!("[kernel handle {:#x}: no name seen: named before tracer probed its library, or not a kernel]", k.func)
-                        }
-                    },
-                };
-                let call_site = match k.py_code {
-                    0 => String::new(),
-                    code => self
-                        .call_sites
-                        .get(&(k.pid, code, k.py_instr, k.py_names))
-                        .cloned()
-                        .unwrap_or_else(|| format!("[code object {code:#x}]")),
-                };
-                let call_site_from = match (k.py_code, k.py_elsewhere) {
-                    (0, _) | (_, py_from::OWN) => "",
-                    (_, py_from::LAST_LAUNCHER) => "the thread that last launched from Python",
-                    _ => "the thread that last held the GIL",
-                };
-                CudaLaunch {
-                    call_site,
-                    call_site_from: call_site_from.into(),
-                    pid: k.pid,
-                    api: cuda::api_name(k.api).into(),
-                    kernel,
-                    named_from: named_from.into(),
-                    caller: caller.map(|c| c.text.clone()).unwrap_or_default(),
-                    row_id: k.row_id(),
-                    handle: k.func,
-                    grid: k.grid,
-                    block: k.block,
-                    shared_mem: k.shared_mem,
-                    stream: k.stream,
-                    launches: n,
-                    gpu_avg_ns: None,
-                }
-            })
-            .collect();
-        rows.sort_by(|a, b| {
-            b.launches
-                .cmp(&a.launches)
-                .then_with(|| a.kernel.cmp(&b.kernel))
-                .then(a.api.cmp(&b.api))
-        });
-        let mut memory: Vec<CudaMemory> = memory
-            .into_iter()
-            .map(|(k, s)| {
-                let (which, direction) = cuda::memcpy_kind(k.kind);
-                let is_copy = matches!(which, api::CUDA_MEMCPY | api::CUDA_MEMCPY_ASYNC);
-                let direction = match which {
-                    _ if is_copy => direction,
-                    api::CU_MEMCPY_HTOD => "host to device",
-                    api::CU_MEMCPY_DTOH => "device to host",
-                    _ => "",
-                };
-                CudaMemory {
-                    pid: k.pid,
-                    api: cuda::api_name(which).into(),
-                    direction: direction.into(),
-                    calls: s.calls,
-                    bytes: s.bytes,
-                }
-            })
-            .collect();
-        memory.sort_by(|a, b| (a.pid, &a.api, &a.direction).cmp(&(b.pid, &b.api, &b.direction)));
-        (rows, memory, unnamed)
     }
 }

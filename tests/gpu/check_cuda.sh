@@ -14,7 +14,8 @@
 # that same process: it must find CUPTI free, and both see the same kernels. The fifth
 # attaches to a warm training loop (backward passes launch from autograd's threads): driver
 # launches against the profiler's kernels for the same steps, and by whose call site they
-# carry (none should be left without).
+# carry (none should be left without), and how many carry the name the profiler gives their
+# kernel.
 set -eu
 BIN=$(cd "$1" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -97,11 +98,13 @@ python3 - "$STATE/train.json" "$STATE/train-profiler" <<'PY'
 import collections, json, re, sys
 c = json.load(open(sys.argv[1]))["cuda"]
 driver = [l for l in c["launches"] if l["api"].startswith("cuLaunch") or l["api"] == "cuGraphLaunch"]
-prof = None
+prof, prof_names = None, set()
 for line in open(sys.argv[2]):
     m = re.search(r"PROFILER_KERNELS (\d+)", line)
     if m:
         prof = int(m.group(1))
+    if line.startswith("PROFILER_NAMES "):
+        prof_names = set(json.loads(line.split(" ", 1)[1]))
 print("driver launches:", sum(l["launches"] for l in driver), "torch.profiler kernels (same steps, after):", prof)
 sites = collections.Counter()
 for l in driver:
@@ -109,6 +112,19 @@ for l in driver:
 print("driver launches by call site:", dict(sites))
 named = collections.Counter(l.get("named_from") or "naming call" for l in driver)
 print("driver rows by where their name came from:", dict(named), "unnamed rows:", c["unnamed"])
+# Issue 39's goal: each launch named exactly as torch.profiler names its kernel.
+kernels = [l for l in driver if l["api"] != "cuGraphLaunch"]
+same = sum(l["launches"] for l in kernels if l["kernel"] in prof_names)
+total = sum(l["launches"] for l in kernels)
+print(f"driver launches named as torch.profiler names them: {same} of {total}"
+      f" ({100 * same / max(total, 1):.1f}%)")
+by_from = collections.Counter()
+for l in kernels:
+    if l["kernel"] not in prof_names:
+        by_from[l.get("named_from") or "naming call"] += l["launches"]
+print("launches named otherwise, by where their name came from:", dict(by_from))
+for l in sorted((l for l in kernels if l["kernel"] not in prof_names), key=lambda l: -l["launches"])[:6]:
+    print(f'  {l["launches"]:5d} {l.get("named_from") or "naming call":20s} {l["kernel"][:100]}')
 for l in sorted(driver, key=lambda l: -l["launches"])[:8]:
     print(f'{l["launches"]:5d} {l["kernel"][:70]:70s} {l.get("call_site", "-")[:60]} {l.get("call_site_from", "")}')
 PY

@@ -70,6 +70,9 @@ def main():
                    if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.startswith(("Memcpy", "Memset"))]
         print("PROFILER_KERNELS", len(kernels))
+        import json
+        # Full names, for check_cuda.sh's comparison of tracer's names with the profiler's.
+        print("PROFILER_NAMES", json.dumps(sorted({k.name for k in kernels})))
         names = {}
         for k in kernels:
             n, us = names.get(k.name, (0, 0.0))

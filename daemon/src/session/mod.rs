@@ -9,7 +9,6 @@
 //! mode's: counting and tracing share them, so they stay on the session and end the same way
 //! whatever the mode.
 
-mod callers;
 pub mod counting;
 pub mod cuda;
 pub mod manager;

@@ -35,33 +35,81 @@ pub(crate) fn tracing(mask: SessionMask) -> SessionMask {
 /// Sends one event to its sessions (`ev.sessions`), or counts it lost for each of them.
 pub(crate) fn emit(ev: &TraceEvent) {
     let Some(mut entry) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
-        count_loss(loss::TRACE_RINGBUF_FULL);
-        let mut m = ev.sessions;
-        for _ in 0..MAX_TRACKED_SESSIONS {
-            if m == 0 {
-                break;
-            }
-            let slot = m.trailing_zeros();
-            m &= m - 1;
-            if let Some(n) = TRACE_DROPS.get_ptr_mut(slot) {
-                // SAFETY: this CPU's value of a live map entry.
-                unsafe { *n += 1 };
-            }
-        }
+        dropped(ev.sessions);
         return;
     };
     let mut ev = *ev;
     // SAFETY: plain helper call.
     ev.cpu = unsafe { bpf_get_smp_processor_id() };
     entry.write(ev);
-    // The reader polls; it is woken once, by the event that makes enough pile up to be worth
-    // a wakeup (the pending bytes count this record and its 8-byte header already).
+    entry.submit(wakeup());
+}
+
+/// What [`emit_in_place`] writes: an event's fields but the CPU, filled in there.
+pub(crate) struct Fields {
+    pub kind: u16,
+    pub flags: u16,
+    pub pid: u32,
+    pub tid: u32,
+    pub sessions: SessionMask,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub a: u64,
+    pub b: u64,
+}
+
+/// [`emit`], with the event written straight into the ring rather than built on the BPF
+/// stack first: for the deepest call chains (a frame popped under an unwinding loop), whose
+/// stack frames together the verifier allows 512 bytes. Inlined, so `f` stays in registers.
+#[inline(always)]
+pub(crate) fn emit_in_place(f: Fields) {
+    let Some(mut entry) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
+        dropped(f.sessions);
+        return;
+    };
+    let p = entry.as_mut_ptr();
+    // SAFETY: `p` is the reserved record, ours until submitted; every field is written.
+    unsafe {
+        (*p).kind = f.kind;
+        (*p).flags = f.flags;
+        (*p).cpu = bpf_get_smp_processor_id();
+        (*p).pid = f.pid;
+        (*p).tid = f.tid;
+        (*p).sessions = f.sessions;
+        (*p).start_ns = f.start_ns;
+        (*p).end_ns = f.end_ns;
+        (*p).a = f.a;
+        (*p).b = f.b;
+    }
+    entry.submit(wakeup());
+}
+
+/// An event the ring had no room for, counted lost for each of its sessions.
+fn dropped(sessions: SessionMask) {
+    count_loss(loss::TRACE_RINGBUF_FULL);
+    let mut m = sessions;
+    for _ in 0..MAX_TRACKED_SESSIONS {
+        if m == 0 {
+            break;
+        }
+        let slot = m.trailing_zeros();
+        m &= m - 1;
+        if let Some(n) = TRACE_DROPS.get_ptr_mut(slot) {
+            // SAFETY: this CPU's value of a live map entry.
+            unsafe { *n += 1 };
+        }
+    }
+}
+
+/// The reader polls; it is woken once, by the event that makes enough pile up to be worth a
+/// wakeup (the pending bytes count this record and its 8-byte header already).
+#[inline(always)]
+fn wakeup() -> u64 {
     let avail = TRACE_EVENTS.query(BPF_RB_AVAIL_DATA);
     let record = (core::mem::size_of::<TraceEvent>() + 8) as u64;
-    let flags = if avail >= TRACE_WAKEUP_BYTES && avail < TRACE_WAKEUP_BYTES + record {
+    if avail >= TRACE_WAKEUP_BYTES && avail < TRACE_WAKEUP_BYTES + record {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
-    };
-    entry.submit(flags);
+    }
 }

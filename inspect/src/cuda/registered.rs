@@ -9,8 +9,9 @@
 //! plainly (a value computed or loaded from memory) is left unread, never guessed.
 //!
 //! CUDA 13's host stubs launch a runtime handle instead of `hostFun`: each stub keeps it in a
-//! static of its own, filled at its first launch by `__cudaGetKernel(&handle, hostFun)`. Those
-//! calls are read the same way, and the statics' values in a running process
+//! static of its own, filled at its first launch by `__cudaGetKernel(&handle, hostFun)`; code
+//! that launches at the driver may keep `cudaGetFuncBySymbol(&f, hostFun)`'s function the same
+//! way. Those calls are read the same way, and the statics' values in a running process
 //! ([`Registrations::handles`]) tell which kernel each handle is.
 
 use std::collections::HashMap;
@@ -35,7 +36,7 @@ const MAX_NAME: usize = 4096;
 pub struct Registrations {
     /// Host function (its file offset) → the device name registered for it.
     pub kernels: HashMap<u64, String>,
-    /// CUDA 13's handle statics: (the static's virtual address, its host function's file
+    /// Handle statics: (the static's virtual address, its host function's file
     /// offset), for host functions registered above.
     handle_slots: Vec<(u64, u64)>,
     /// (file offset, size in the file, virtual address) of each loaded segment.
@@ -120,8 +121,8 @@ impl Registrations {
         })
     }
 
-    /// Runtime handle → device name, from the handle statics of a process that maps this
-    /// binary `bias` bytes above its virtual addresses (a statics still 0 was never launched).
+    /// Handle → device name, from the handle statics of a process that maps this
+    /// binary `bias` bytes above its virtual addresses (a static still 0 was never filled).
     /// The statics are read as they are; a handle is only ever looked up, never followed.
     pub fn handles(&self, pid: u32, bias: u64) -> std::io::Result<HashMap<u64, String>> {
         let addrs: Vec<u64> = self
@@ -141,7 +142,7 @@ impl Registrations {
             .collect())
     }
 
-    /// Whether the binary keeps CUDA 13 handle statics for registered kernels.
+    /// Whether the binary keeps handles of registered kernels in statics.
     pub fn has_handles(&self) -> bool {
         !self.handle_slots.is_empty()
     }

@@ -16,7 +16,7 @@ use std::{
 
 use tracer_inspect::{cuda::Registrations, unwind::ProcMaps};
 
-use super::super::callers::ProcAddr;
+use super::callers::ProcAddr;
 
 /// A binary of a process to read handles from.
 struct Ask {

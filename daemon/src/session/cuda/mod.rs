@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod callers;
 pub mod gpu_times;
 mod handles;
 mod job;
@@ -25,8 +26,9 @@ use tracer_inspect::cuda::{self, Names};
 use tracer_inspect::unwind::ProcMaps;
 use tracer_report::{CudaLibrary, CudaReport};
 
+use callers::{Callers, NativeNames, ProcAddr};
+
 use super::{
-    callers::{Callers, NativeNames, ProcAddr},
     slots::LastCounts,
     source::{Ended, Ending, Named as Part, Reading, Source},
     ReportPart,

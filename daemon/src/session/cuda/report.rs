@@ -9,7 +9,7 @@ use tracer_inspect::cuda;
 use tracer_report::{CudaLaunch, CudaMemory, CudaReport, GpuKernelTime, GpuTimesStatus};
 
 use super::{
-    super::callers::{Named, NativeNames, ProcAddr},
+    callers::{Named, NativeNames, ProcAddr},
     runtime_kernel_launch, CudaSession,
 };
 

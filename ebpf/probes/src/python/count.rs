@@ -59,18 +59,29 @@ pub(super) fn add_edge(key: &PyEdgeKey, e: &PyStackEntry, tt: u64, ct: u64) {
     count_loss(loss::PY_EDGES_FULL);
 }
 
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) fn count(
-    mut mask: SessionMask,
-    pid: u32,
-    code: u64,
-    names: u64,
-    qualname: u64,
-    filename: u64,
-    layout: &PyLayout,
-    primitive: bool,
-) {
+/// A call to count: what [`count`] needs of it (BPF functions take at most five arguments).
+pub(super) struct Call {
+    pub pid: u32,
+    pub primitive: bool,
+    pub code: u64,
+    pub names: u64,
+    pub qualname: u64,
+    pub filename: u64,
+}
+
+/// Counts a call for each of `mask`'s sessions, and names its function on its first call.
+/// Out of line: its locals stay out of `enter`'s frame, under which the verifier adds up the
+/// frames of an unwinding loop's `pop` (512 bytes per call chain).
+#[inline(never)]
+pub(super) fn count(mut mask: SessionMask, call: &Call, layout: &PyLayout) {
+    let &Call {
+        pid,
+        primitive,
+        code,
+        names,
+        qualname,
+        filename,
+    } = call;
     let first = PyCallStats {
         ncalls: 1,
         primitive: u64::from(primitive),

@@ -14,7 +14,7 @@ use tracer_common::{
 
 use super::{
     cookie, current_frame, read, sessions,
-    stack::{enter, leave, pop, pop_inferred_to, PY_STACKS},
+    stack::{enter, leave, pop, pop_inferred_to, LINKED, PY_STACKS},
     PY_TSTATE,
 };
 use crate::shared::count_loss;
@@ -52,8 +52,8 @@ fn try_eval_entry(ctx: &ProbeContext) -> Result<(), ()> {
     // 3.11+ (a throw): the frame's `previous` is only linked inside the eval loop, so the
     // caller is the frame current now.
     let caller = match layout.kind {
-        py_kind::EVAL_ARG_FRAME => None,
-        _ => Some(current_frame(tstate, layout)?),
+        py_kind::EVAL_ARG_FRAME => LINKED,
+        _ => current_frame(tstate, layout)?,
     };
     enter(mask, pid_tgid, frame, layout, caller)
 }
@@ -127,7 +127,7 @@ fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
     if layout.code_instr_version != 0 && runs_again(tstate, frame, layout) {
         return Ok(());
     }
-    enter(mask, pid_tgid, frame, layout, None)
+    enter(mask, pid_tgid, frame, layout, LINKED)
 }
 
 /// 3.12+: this RESUME finds its code object's instrumentation stale (a profiler, tracer or

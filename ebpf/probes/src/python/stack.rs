@@ -16,7 +16,7 @@ use tracer_common::{
 };
 
 use super::{
-    count::{add, add_edge, count, PY_CALLS},
+    count::{add, add_edge, count, Call, PY_CALLS},
     read, sessions, BPF_F_NO_PREALLOC, PY_TSTATE,
 };
 use crate::{shared::count_loss, trace};
@@ -78,16 +78,20 @@ pub(crate) fn forget_thread(tid: u32) {
     let _ = PY_TSTATE.remove(&tid);
 }
 
+/// `enter`'s caller when `frame` links to its caller itself (no frame is at this address).
+pub(super) const LINKED: u64 = u64::MAX;
+
 /// A frame starts or resumes: count the call, push it on the thread's stack.
-/// `caller`: the calling frame where `frame`'s own link to it cannot be read yet.
-/// (Inlined: BPF functions take at most five arguments.)
-#[inline(always)]
+/// `caller`: the calling frame where `frame`'s own link to it cannot be read yet, else
+/// [`LINKED`]. Out of line: its locals would otherwise be part of the programs' own frames,
+/// under which the verifier adds up `leave`'s and `pop`'s (512 bytes per call chain).
+#[inline(never)]
 pub(super) fn enter(
     mask: SessionMask,
     who: u64,
     frame: u64,
     layout: &PyLayout,
-    caller: Option<u64>,
+    caller: u64,
 ) -> Result<(), ()> {
     let (pid, tid) = ((who >> 32) as u32, who as u32);
     let code = layout.code_of(read(frame + u64::from(layout.frame_code))?);
@@ -102,11 +106,11 @@ pub(super) fn enter(
         // Frames above the caller were left by an exception (or, on 3.10, past the kernel's
         // uretprobe nesting limit): no probe saw them go.
         match caller {
-            Some(0) => pop_inferred_to(st, mask, who, now, 0),
-            Some(c) => {
+            LINKED => reconcile(st, mask, who, frame, layout, now),
+            0 => pop_inferred_to(st, mask, who, now, 0),
+            c => {
                 unwind_to(st, mask, who, c, now);
             }
-            None => reconcile(st, mask, who, frame, layout, now),
         }
         let (below, pair_below) = on_stack(st, code, names);
         primitive = !below;
@@ -128,9 +132,15 @@ pub(super) fn enter(
         }
         st.depth += 1;
     }
-    count(
-        mask, pid, code, names, qualname, filename, layout, primitive,
-    );
+    let call = Call {
+        pid,
+        primitive,
+        code,
+        names,
+        qualname,
+        filename,
+    };
+    count(mask, &call, layout);
     Ok(())
 }
 
@@ -422,9 +432,18 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
     }
     let pid = (who >> 32) as u32;
     st.depth -= 1;
-    let Some(&e) = st.entries.get(st.depth as usize) else {
+    // Read in place, not copied: this function's frame is at the bottom of the deepest call
+    // chains (an unwinding loop's callback, `leave`), which the verifier allows 512 bytes.
+    let Some(e) = st
+        .entries
+        .get(st.depth as usize)
+        .map(|e| e as *const PyStackEntry)
+    else {
         return;
     };
+    // SAFETY: an entry of this thread's stack, a live map value that only its own probes
+    // write; the entries below it are the only ones written while it is read.
+    let e = unsafe { &*e };
     let ct = now.saturating_sub(e.start_ns);
     let tt = ct.saturating_sub(e.sub_ns);
     let mut caller = None;
@@ -441,10 +460,9 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
     }
     let traced = trace::tracing(mask);
     if traced != 0 {
-        trace::emit(&TraceEvent {
+        trace::emit_in_place(trace::Fields {
             kind: trace_kind::PY_CALL,
             flags,
-            cpu: 0,
             pid,
             tid: who as u32,
             sessions: traced,

@@ -23,8 +23,9 @@ fn cgroup2() -> Option<PathBuf> {
         .map(|f| PathBuf::from(f[1]))
 }
 
-/// The pod's cgroups, removed (leaf first) on drop.
-struct PodCgroup(Vec<PathBuf>);
+/// The pod's cgroups: the leaf, and those made here, removed (leaf first) on drop (a killed
+/// earlier run may have left some).
+struct PodCgroup(PathBuf, Vec<PathBuf>);
 
 impl PodCgroup {
     fn create(root: &Path) -> Self {
@@ -43,17 +44,17 @@ impl PodCgroup {
                 dirs.push(dir.clone());
             }
         }
-        PodCgroup(dirs)
+        PodCgroup(dir, dirs)
     }
 
     fn leaf(&self) -> &Path {
-        self.0.last().unwrap()
+        &self.0
     }
 }
 
 impl Drop for PodCgroup {
     fn drop(&mut self) {
-        for d in self.0.iter().rev() {
+        for d in self.1.iter().rev() {
             let _ = std::fs::remove_dir(d);
         }
     }

@@ -467,7 +467,16 @@ impl CudaSession {
     /// GPU times in `pid` are off (or could not be turned off: said in the report).
     pub fn switched_off(&mut self, pid: u32, status: Result<String, String>) {
         self.gpu_times = gpu_times::State::None;
-        let line = status.unwrap_or_else(|e| format!("error: turning GPU times off: {e}"));
+        let line = match status {
+            Ok(line) => line,
+            // It exited between `switch_off`'s look and the request: its exit handed
+            // everything over, and its library said so (`announced`).
+            Err(_) if !tracer_inspect::process::alive(pid) => {
+                gpu_times::gone(pid);
+                return;
+            }
+            Err(e) => format!("error: turning GPU times off: {e}"),
+        };
         self.announced.insert(pid, line);
     }
 

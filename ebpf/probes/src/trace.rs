@@ -34,53 +34,23 @@ pub(crate) fn tracing(mask: SessionMask) -> SessionMask {
 
 /// Sends one event to its sessions (`ev.sessions`), or counts it lost for each of them.
 pub(crate) fn emit(ev: &TraceEvent) {
+    emit_in_place(*ev);
+}
+
+/// [`emit`], inlined: the event goes straight into the ring rather than being built on the
+/// BPF stack first, for the deepest call chains (a frame popped under an unwinding loop),
+/// whose stack frames together the verifier allows 512 bytes. `ev.cpu` is filled in here.
+#[inline(always)]
+pub(crate) fn emit_in_place(ev: TraceEvent) {
     let Some(mut entry) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
         dropped(ev.sessions);
         return;
     };
-    let mut ev = *ev;
-    // SAFETY: plain helper call.
-    ev.cpu = unsafe { bpf_get_smp_processor_id() };
-    entry.write(ev);
-    entry.submit(wakeup());
-}
-
-/// What [`emit_in_place`] writes: an event's fields but the CPU, filled in there.
-pub(crate) struct Fields {
-    pub kind: u16,
-    pub flags: u16,
-    pub pid: u32,
-    pub tid: u32,
-    pub sessions: SessionMask,
-    pub start_ns: u64,
-    pub end_ns: u64,
-    pub a: u64,
-    pub b: u64,
-}
-
-/// [`emit`], with the event written straight into the ring rather than built on the BPF
-/// stack first: for the deepest call chains (a frame popped under an unwinding loop), whose
-/// stack frames together the verifier allows 512 bytes. Inlined, so `f` stays in registers.
-#[inline(always)]
-pub(crate) fn emit_in_place(f: Fields) {
-    let Some(mut entry) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
-        dropped(f.sessions);
-        return;
-    };
-    let p = entry.as_mut_ptr();
-    // SAFETY: `p` is the reserved record, ours until submitted; every field is written.
-    unsafe {
-        (*p).kind = f.kind;
-        (*p).flags = f.flags;
-        (*p).cpu = bpf_get_smp_processor_id();
-        (*p).pid = f.pid;
-        (*p).tid = f.tid;
-        (*p).sessions = f.sessions;
-        (*p).start_ns = f.start_ns;
-        (*p).end_ns = f.end_ns;
-        (*p).a = f.a;
-        (*p).b = f.b;
-    }
+    entry.write(TraceEvent {
+        // SAFETY: plain helper call.
+        cpu: unsafe { bpf_get_smp_processor_id() },
+        ..ev
+    });
     entry.submit(wakeup());
 }
 

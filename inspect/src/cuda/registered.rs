@@ -61,7 +61,7 @@ impl Registrations {
                 (start, size, s.address())
             })
             .collect();
-        let callees = Callees::of(&file, data);
+        let callees = Callees::of(&file, data, |off| out.vaddr(off));
         if callees.is_empty() {
             return out;
         }
@@ -158,7 +158,7 @@ struct Callees {
 }
 
 impl Callees {
-    fn of(file: &object::File, data: &[u8]) -> Self {
+    fn of(file: &object::File, data: &[u8], vaddr: impl Fn(u64) -> Option<u64>) -> Self {
         let plt = crate::plt::Plt::read(data);
         let got = crate::plt::slots(file);
         let mut out = Self {
@@ -166,10 +166,10 @@ impl Callees {
             slots: Vec::new(),
         };
         for name in std::iter::once(REGISTER).chain(GET_HANDLE) {
-            out.stubs
-                .extend(plt.stubs_of(name).filter_map(|(start, end)| {
-                    Some((vaddr(file, start)?, vaddr(file, end - 1)? + 1, name))
-                }));
+            out.stubs.extend(
+                plt.stubs_of(name)
+                    .filter_map(|(start, end)| Some((vaddr(start)?, vaddr(end - 1)? + 1, name))),
+            );
             out.slots.extend(
                 got.iter()
                     .filter(|(_, n)| n.as_str() == name)
@@ -274,16 +274,6 @@ fn follow(ins: &Instruction, regs: &mut HashMap<Register, u64>) {
             }
         }
     }
-}
-
-/// The virtual address of a file offset, through the segment that maps it.
-fn vaddr(file: &object::File, off: u64) -> Option<u64> {
-    file.segments().find_map(|s| {
-        let (start, size) = s.file_range();
-        (start..start + size)
-            .contains(&off)
-            .then(|| s.address() + (off - start))
-    })
 }
 
 /// The NUL-terminated name at `addr`: printable ASCII, as device names are.

@@ -7,7 +7,6 @@ use std::{
     fs::File,
     os::{fd::AsRawFd, unix::fs::MetadataExt},
     path::PathBuf,
-    sync::Arc,
 };
 
 use tracer_inspect::{
@@ -82,7 +81,7 @@ impl Callers {
 
     /// The open binary of mapping `m` of `pid`, opened through the process while it lives.
     fn binary(&mut self, pid: u32, m: &MapEntry) -> Option<usize> {
-        let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+        let id = file_id(m);
         if let Some(&b) = self.by_inode.get(&id) {
             return Some(b);
         }
@@ -103,7 +102,7 @@ impl Callers {
 
     /// Names every located address, one symbolizer call per binary. `read`: binaries whose
     /// registrations were read already, by (device, inode).
-    pub(super) fn name_all(&self, read: &HashMap<(u64, u64), Arc<Registrations>>) -> NativeNames {
+    pub(super) fn name_all(&self, read: &HashMap<(u64, u64), Registrations>) -> NativeNames {
         let mut symbolizer = Symbolizer::new();
         // Binary → (pid, address) and its file offset.
         let mut per_binary: HashMap<usize, Vec<(ProcAddr, u64)>> = HashMap::new();
@@ -124,13 +123,15 @@ impl Callers {
             // Kernels registered before the session: their host functions need not have
             // symbols (a stripped library), the registration code names them.
             let id = file.metadata().map(|m| (m.dev(), m.ino()));
+            let unread;
             let registered = match id.ok().and_then(|id| read.get(&id)) {
-                Some(r) => r.clone(),
-                None => Arc::new(
-                    tracer_inspect::binary::map(&path)
+                Some(r) => r,
+                None => {
+                    unread = tracer_inspect::binary::map(&path)
                         .map(|data| Registrations::read(&data))
-                        .unwrap_or_default(),
-                ),
+                        .unwrap_or_default();
+                    &unread
+                }
             };
             let base = display.rsplit('/').next().unwrap_or(display);
             for ((key, off), sym) in items.into_iter().zip(syms) {
@@ -159,7 +160,7 @@ impl Callers {
             .iter()
             .filter(|m| m.executable && m.is_file())
         {
-            let id = (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode);
+            let id = file_id(m);
             if let Some(&b) = self.by_inode.get(&id) {
                 if !out.iter().any(|o| o.0 == b) {
                     out.push((b, &self.binaries[b].1, m.start, m.offset));
@@ -175,6 +176,11 @@ impl Callers {
         let l = (*self.addrs.get(&(pid, addr))?)?;
         Some((l.binary, &self.binaries[l.binary].1, l.file_offset))
     }
+}
+
+/// A mapped file's (device, inode), as `Callers::by_inode` keys it.
+fn file_id(m: &MapEntry) -> (u64, u64) {
+    (u64::from(m.dev.0) << 32 | u64::from(m.dev.1), m.inode)
 }
 
 /// What a CUDA session's native addresses are, once named.

@@ -89,7 +89,7 @@ impl Handles {
 
 /// Binaries' registrations by (device, inode): a library is read once for every process
 /// that maps it.
-pub(super) type Read = HashMap<(u64, u64), Arc<Registrations>>;
+pub(super) type Read = HashMap<(u64, u64), Registrations>;
 
 fn read_all(rx: &mpsc::Receiver<Ask>, found: &Mutex<HashMap<ProcAddr, String>>) -> Read {
     let mut read = Read::new();
@@ -97,17 +97,12 @@ fn read_all(rx: &mpsc::Receiver<Ask>, found: &Mutex<HashMap<ProcAddr, String>>) 
         let Ok(meta) = ask.file.metadata() else {
             continue;
         };
-        let registered = read
-            .entry((meta.dev(), meta.ino()))
-            .or_insert_with(|| {
-                let path = format!("/proc/self/fd/{}", ask.file.as_raw_fd());
-                Arc::new(
-                    tracer_inspect::binary::map(path)
-                        .map(|data| Registrations::read(&data))
-                        .unwrap_or_default(),
-                )
-            })
-            .clone();
+        let registered = read.entry((meta.dev(), meta.ino())).or_insert_with(|| {
+            let path = format!("/proc/self/fd/{}", ask.file.as_raw_fd());
+            tracer_inspect::binary::map(path)
+                .map(|data| Registrations::read(&data))
+                .unwrap_or_default()
+        });
         if !registered.has_handles() {
             continue;
         }

@@ -460,9 +460,10 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
     }
     let traced = trace::tracing(mask);
     if traced != 0 {
-        trace::emit_in_place(trace::Fields {
+        trace::emit_in_place(TraceEvent {
             kind: trace_kind::PY_CALL,
             flags,
+            cpu: 0,
             pid,
             tid: who as u32,
             sessions: traced,

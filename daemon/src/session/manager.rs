@@ -94,9 +94,9 @@ struct Starts {
     /// Starts whose Python probes were attached ahead and that have not started or failed
     /// yet: no other start's failure may take those probes off meanwhile.
     python_ahead: usize,
-    /// Started CUDA sessions answered once the libraries their processes map are probed
-    /// (`CudaProbed`), by session.
-    cuda_probing: HashMap<String, start::Answer>,
+    /// Started sessions answered once their sources' probes are on (`Source::probing`: a
+    /// CUDA session's libraries its processes map, `CudaProbed`), by session.
+    probing: HashMap<String, start::Answer>,
     /// Started sessions whose running record is being written (`Recorded`).
     recording: usize,
 }
@@ -311,8 +311,10 @@ impl Manager {
                     self.drain_kernel_names(kernel_names.get_mut());
                     self.on_proc_event(ev);
                 }
+                // The sweep ends sessions whose processes are gone: their names first.
                 _ = sweep.tick() => {
                     self.drain_codes(codes.get_mut());
+                    self.drain_kernel_names(kernel_names.get_mut());
                     self.sweep();
                 }
                 _ = readings.tick() => {

@@ -25,7 +25,7 @@ use std::{collections::BTreeSet, time::Instant};
 use python::Probes;
 use sampling::Sampling;
 use slots::{Hold, Slots};
-use source::Source;
+use source::{Source, Sources};
 use tracing::{TraceEnd, Tracing};
 
 use tokio::{sync::watch, task::JoinHandle};
@@ -162,42 +162,6 @@ impl Ends<'_> {
                 slots::LastCounts::Read(now(self.bpf))
             }
         }
-    }
-}
-
-/// The sources a session counts with: each kind's own type, for what only that kind does,
-/// and all of them as [`Source`]s for what every kind does.
-#[derive(Default)]
-pub struct Sources {
-    pub python: Option<python::PySession>,
-    pub native: Option<native::NativeSession>,
-    pub cuda: Option<cuda::CudaSession>,
-}
-
-impl Sources {
-    /// Every source the session has. Ended in this order: the native and CUDA probes
-    /// first, then Python, whose counts are read once they stop.
-    pub fn each(&mut self) -> impl Iterator<Item = &mut dyn Source> {
-        let native = self.native.as_mut().map(|s| s as &mut dyn Source);
-        let cuda = self.cuda.as_mut().map(|s| s as &mut dyn Source);
-        let python = self.python.as_mut().map(|s| s as &mut dyn Source);
-        [native, cuda, python].into_iter().flatten()
-    }
-
-    /// Every source the session has, to ask.
-    pub fn all(&self) -> impl Iterator<Item = &dyn Source> {
-        let native = self.native.as_ref().map(|s| s as &dyn Source);
-        let cuda = self.cuda.as_ref().map(|s| s as &dyn Source);
-        let python = self.python.as_ref().map(|s| s as &dyn Source);
-        [native, cuda, python].into_iter().flatten()
-    }
-
-    /// Every source, taken out of the session to end (in [`Self::each`]'s order).
-    pub fn take(&mut self) -> Vec<Box<dyn Source>> {
-        let native = self.native.take().map(|s| Box::new(s) as Box<dyn Source>);
-        let cuda = self.cuda.take().map(|s| Box::new(s) as Box<dyn Source>);
-        let python = self.python.take().map(|s| Box::new(s) as Box<dyn Source>);
-        [native, cuda, python].into_iter().flatten().collect()
     }
 }
 

@@ -425,8 +425,8 @@ fn count_launch(key: &CudaLaunchKey) -> bool {
 }
 
 /// A new runtime row is noted for its thread; a new driver row made inside it (deeper on the
-/// same stack, moments later: not a call the program made after the runtime's returned) is
-/// linked to it.
+/// same stack, moments later, the runtime's return address intact: not a call the program
+/// made after the runtime's returned) is linked to it.
 fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -441,7 +441,13 @@ fn link_rows(key: &CudaLaunchKey, tid: u32, sp: u64) {
                 return;
             };
             let _ = CUDA_NEW_ROWS.remove(&tid);
-            if sp < outer_sp && now.wrapping_sub(at) < LINK_WINDOW_NS {
+            // Inside the runtime's call its return address is still where its entry found
+            // it; a driver call the program makes after a refused runtime launch (one that
+            // passes more arguments on the stack, so deeper) has written its own there.
+            if sp < outer_sp
+                && now.wrapping_sub(at) < LINK_WINDOW_NS
+                && user::<u64>(outer_sp) == Some(caller)
+            {
                 send(key.pid, api::ROW_LINK, key.func, func, caller, 0);
             }
         }

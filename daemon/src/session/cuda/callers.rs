@@ -41,7 +41,7 @@ pub(super) struct Callers {
 impl Callers {
     /// Locates the addresses of `pid` not located yet: through the process's mappings as
     /// last read (a process may launch and exit before its rows are read), read again when
-    /// an address is not in them.
+    /// an address is not in them (a handle, or code mapped since).
     pub(super) fn locate(&mut self, pid: u32, addrs: &[u64]) {
         for &a in addrs {
             if a == 0 || self.addrs.contains_key(&(pid, a)) {
@@ -49,7 +49,8 @@ impl Callers {
             }
             let mut found = self.locate_in_known(pid, a);
             if found.is_none() {
-                if let Ok(m) = ProcMaps::read(pid) {
+                // An exiting process's mappings read empty: they would hide those kept.
+                if let Some(m) = ProcMaps::read(pid).ok().filter(|m| !m.entries().is_empty()) {
                     self.maps.insert(pid, m);
                     found = self.locate_in_known(pid, a);
                 }

@@ -341,11 +341,6 @@ impl CudaSession {
         Ok(job)
     }
 
-    /// Whether libraries found are still being probed (a start is answered once they are in).
-    pub fn probing(&self) -> bool {
-        !self.probing_libs.is_empty()
-    }
-
     /// The libraries being probed: their jobs come back to a session that may have ended.
     pub fn libraries_probing(&self) -> usize {
         self.probing_libs.len()
@@ -520,6 +515,11 @@ impl Source for CudaSession {
     /// Its launch stacks go through the sampler, one sample a launch.
     fn uses_sampler(&self) -> bool {
         true
+    }
+
+    /// Libraries found and still being probed.
+    fn probing(&self) -> bool {
+        !self.probing_libs.is_empty()
     }
 
     fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {

@@ -8,7 +8,7 @@ use std::{collections::HashMap, time::Instant};
 use aya::maps::{MapData, RingBuf};
 use tracer_common::{cuda_api, CudaNameEvent};
 
-use super::{CudaJob, LOOK_ALL_EVERY, LOOK_EVERY};
+use super::{CudaJob, CudaSession, LOOK_ALL_EVERY, LOOK_EVERY};
 use crate::session::{sampling::Sampling, Session};
 
 /// The running sessions, by id.
@@ -49,7 +49,10 @@ pub(in crate::session) fn drain_names(
             });
             continue;
         }
-        for c in running.values_mut().filter_map(|s| s.sources.cuda.as_mut()) {
+        for c in running
+            .values_mut()
+            .filter_map(|s| s.sources.get_mut::<CudaSession>())
+        {
             c.on_name(&ev, sampling);
         }
     }
@@ -72,7 +75,7 @@ pub(in crate::session) fn look_at(
         if follows && !followed && !s.live.contains(&pid) {
             continue;
         }
-        let Some(c) = s.sources.cuda.as_mut() else {
+        let Some(c) = s.sources.get_mut::<CudaSession>() else {
             continue;
         };
         let (maps_cuda, found) = c.look(pid, found_by);
@@ -101,7 +104,7 @@ pub(in crate::session) fn look(
     let found_by = if force { "start" } else { "look" };
     for s in running.values_mut() {
         let follows = s.follows_pid();
-        let Some(c) = s.sources.cuda.as_mut() else {
+        let Some(c) = s.sources.get_mut::<CudaSession>() else {
             continue;
         };
         let pids: Vec<u32> = match (follows, scanned) {
@@ -138,7 +141,7 @@ pub(in crate::session) fn look(
 /// executable mappings are announced.
 pub(in crate::session) fn masks(running: &Running) -> (u64, u64) {
     let (mut cuda, mut all) = (0u64, 0u64);
-    for s in running.values().filter(|s| s.sources.cuda.is_some()) {
+    for s in running.values().filter(|s| s.sources.has::<CudaSession>()) {
         if let Some(slot) = s.slot {
             cuda |= 1 << slot;
             if !s.follows_pid() {

@@ -8,7 +8,11 @@
 
 use super::*;
 use crate::{
-    session::{cuda::gpu_times, source::Ending, tracing::TraceEnd, Finished, ReportPart, Threads},
+    session::{
+        source::{Ending, Source},
+        tracing::TraceEnd,
+        Finished, ReportPart, Threads,
+    },
     store::{writer::Writer, StoreError},
 };
 use tracer_report::{trace, CudaReport, Report};
@@ -87,57 +91,13 @@ impl Manager {
     /// Ends a running session: final readings here, the report named and stored off this
     /// task (`close`).
     pub(super) fn finish(&mut self, id: &str, reason: EndReason, error: Option<String>) {
-        let cuda = self
-            .running
-            .get_mut(id)
-            .and_then(|s| s.sources.cuda.as_mut());
-        if let Some(c) = cuda {
-            if c.switching_off() && !self.shutting_down {
-                // Ends once they are off, as first asked.
-                return;
-            }
-            // GPU times the session turned on in its process go off first, while it still
-            // counts: CUPTI hands its last records over then.
-            if let Some(pid) = c.switch_off() {
-                if self.shutting_down {
-                    c.switched_off(pid, gpu_times::turn_off(pid));
-                } else {
-                    let (tx, id) = (self.done.clone(), id.to_owned());
-                    tokio::task::spawn_blocking(move || {
-                        let status = gpu_times::turn_off(pid);
-                        let _ = tx.send(Done::GpuTimesOff {
-                            id,
-                            pid,
-                            status,
-                            reason,
-                            error,
-                        });
-                    });
-                    return;
-                }
-            }
+        // GPU times the session turned on in its process go off first, while it still
+        // counts: CUPTI hands its last records over then.
+        if self.gpu_times_off_first(id, reason, &error) {
+            return;
         }
         if let Some((closing, pending)) = self.end(id, reason, error) {
             self.close(id, closing, pending);
-        }
-    }
-
-    /// A session's GPU times are off: it ends as it was asked to.
-    pub(super) fn gpu_times_off(
-        &mut self,
-        id: &str,
-        pid: u32,
-        status: Result<String, String>,
-        reason: EndReason,
-        error: Option<String>,
-    ) {
-        let cuda = self
-            .running
-            .get_mut(id)
-            .and_then(|s| s.sources.cuda.as_mut());
-        if let Some(c) = cuda {
-            c.switched_off(pid, status);
-            self.finish(id, reason, error);
         }
     }
 
@@ -151,7 +111,7 @@ impl Manager {
         error: Option<String>,
     ) -> Option<(Closing, Pending)> {
         let mut s = self.running.remove(id)?;
-        if let Some(a) = self.starts.cuda_probing.remove(id) {
+        if let Some(a) = self.starts.probing.remove(id) {
             // Recorded running before it is recorded ended: the store's writes keep order.
             self.record(a.info, a.record, a.reply);
         }
@@ -162,7 +122,8 @@ impl Manager {
             // `s` has left `running`: its bit goes.
             self.update_trace_masks();
         }
-        let threads = match (s.sources.python.is_some(), s.follows_pid()) {
+        let python = s.sources.all().any(Source::counts_python_calls);
+        let threads = match (python, s.follows_pid()) {
             (false, _) => Threads::None,
             (true, true) => Threads::Of(&s.live),
             (true, false) => Threads::InPython,

@@ -4,8 +4,13 @@
 
 use aya::maps::{MapData, RingBuf};
 
+use tracer_proto::EndReason;
+
 use super::{Done, Manager};
-use crate::session::cuda::{gpu_times, watch, CudaProbed, CudaSession};
+use crate::session::{
+    cuda::{gpu_times, watch, CudaProbed, CudaSession},
+    source::Source,
+};
 
 impl Manager {
     pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
@@ -36,8 +41,8 @@ impl Manager {
             || self
                 .running
                 .values()
-                .filter_map(|s| s.sources.cuda.as_ref())
-                .any(CudaSession::probing)
+                .filter_map(|s| s.sources.get::<CudaSession>())
+                .any(Source::probing)
         {
             return;
         }
@@ -66,14 +71,14 @@ impl Manager {
         if let Some(c) = self
             .running
             .get_mut(session)
-            .and_then(|s| s.sources.cuda.as_mut())
+            .and_then(|s| s.sources.get_mut::<CudaSession>())
         {
             if let Err(why) = c.adopt(probed) {
                 self.gpu_times_refused(session, why);
                 return;
             }
             if !c.probing() {
-                if let Some(start) = self.starts.cuda_probing.remove(session) {
+                if let Some(start) = self.starts.probing.remove(session) {
                     self.record(start.info, start.record, start.reply);
                 }
             }
@@ -98,12 +103,12 @@ impl Manager {
     /// GPU times could not be turned on in a session's process: its start, waiting for its
     /// CUDA libraries, is refused with the reason, and the session goes.
     fn gpu_times_refused(&mut self, session: &str, why: String) {
-        let Some(start) = self.starts.cuda_probing.remove(session) else {
+        let Some(start) = self.starts.probing.remove(session) else {
             // Answered already: the report says why.
             if let Some(c) = self
                 .running
                 .get_mut(session)
-                .and_then(|s| s.sources.cuda.as_mut())
+                .and_then(|s| s.sources.get_mut::<CudaSession>())
             {
                 c.warn(why);
             }
@@ -142,6 +147,64 @@ impl Manager {
         let (cuda, all) = watch::masks(&self.running);
         if let Err(e) = self.bpf.set_cuda_sessions(cuda, all) {
             tracing::error!(%e, "updating CUDA session masks");
+        }
+    }
+
+    /// Whether `id`'s end waits for the GPU times it turned on in its process to go off
+    /// (`gpu_times_off` ends it then, as first asked).
+    pub(super) fn gpu_times_off_first(
+        &mut self,
+        id: &str,
+        reason: EndReason,
+        error: &Option<String>,
+    ) -> bool {
+        let Some(c) = self
+            .running
+            .get_mut(id)
+            .and_then(|s| s.sources.get_mut::<CudaSession>())
+        else {
+            return false;
+        };
+        if c.switching_off() && !self.shutting_down {
+            return true;
+        }
+        let Some(pid) = c.switch_off() else {
+            return false;
+        };
+        if self.shutting_down {
+            c.switched_off(pid, gpu_times::turn_off(pid));
+            return false;
+        }
+        let (tx, id, error) = (self.done.clone(), id.to_owned(), error.clone());
+        tokio::task::spawn_blocking(move || {
+            let status = gpu_times::turn_off(pid);
+            let _ = tx.send(Done::GpuTimesOff {
+                id,
+                pid,
+                status,
+                reason,
+                error,
+            });
+        });
+        true
+    }
+
+    /// A session's GPU times are off: it ends as it was asked to.
+    pub(super) fn gpu_times_off(
+        &mut self,
+        id: &str,
+        pid: u32,
+        status: Result<String, String>,
+        reason: EndReason,
+        error: Option<String>,
+    ) {
+        let cuda = self
+            .running
+            .get_mut(id)
+            .and_then(|s| s.sources.get_mut::<CudaSession>());
+        if let Some(c) = cuda {
+            c.switched_off(pid, status);
+            self.finish(id, reason, error);
         }
     }
 }

@@ -47,7 +47,7 @@ impl Manager {
         work: impl FnOnce(&mut PySession, Option<u8>, &mut Probing<'_>) -> T,
     ) -> Option<T> {
         let s = self.running.get_mut(id)?;
-        let py = s.sources.python.as_mut()?;
+        let py = s.sources.get_mut::<PySession>()?;
         Some(work(
             py,
             s.slot,
@@ -65,14 +65,14 @@ impl Manager {
             .filter(|id| {
                 self.running
                     .get(id)
-                    .is_some_and(|s| s.sources.python.is_some())
+                    .is_some_and(|s| s.sources.has::<PySession>())
             })
             .collect();
         // Sessions counting Python everywhere hear of execs of `python…` programs.
         ids.extend(
             self.running
                 .values()
-                .filter(|s| !s.follows_pid() && s.sources.python.is_some())
+                .filter(|s| !s.follows_pid() && s.sources.has::<PySession>())
                 .filter(|s| s.slot.is_some_and(|slot| sessions & (1 << slot) != 0))
                 .map(|s| s.id.clone()),
         );
@@ -90,7 +90,7 @@ impl Manager {
         let ids: Vec<String> = self
             .running
             .iter()
-            .filter(|(_, s)| s.sources.python.is_some() && s.follows_pid())
+            .filter(|(_, s)| s.sources.has::<PySession>() && s.follows_pid())
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
@@ -105,7 +105,7 @@ impl Manager {
         let everyone = self
             .running
             .values()
-            .any(|s| s.sources.python.is_some() && !s.follows_pid());
+            .any(|s| s.sources.has::<PySession>() && !s.follows_pid());
         if everyone && !self.scans.python {
             self.scans.python = true;
             let tx = self.done.clone();
@@ -121,7 +121,7 @@ impl Manager {
         let ids: Vec<String> = self
             .running
             .iter()
-            .filter(|(_, s)| s.sources.python.is_some() && !s.follows_pid())
+            .filter(|(_, s)| s.sources.has::<PySession>() && !s.follows_pid())
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
@@ -189,7 +189,7 @@ impl Manager {
             return;
         };
         let slot = s.slot;
-        let Some(py) = s.sources.python.as_mut() else {
+        let Some(py) = s.sources.get_mut::<PySession>() else {
             return;
         };
         let entry = py
@@ -231,7 +231,7 @@ impl Manager {
         let counts_python = self
             .running
             .get(&id)
-            .is_some_and(|s| s.sources.python.is_some());
+            .is_some_and(|s| s.sources.has::<PySession>());
         if counts_python {
             if let Some(mapped) = memory::runtime_of(pid) {
                 if !self.probing().probed_now(&mapped.path) {

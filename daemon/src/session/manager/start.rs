@@ -23,8 +23,9 @@ use crate::{
         cuda::{self, CudaSession},
         native::NativeSession,
         sampling::SamplingSession,
+        source::{Source, Sources},
         tracing::TracingSession,
-        Measurement, Opening, Session, Sources,
+        Measurement, Opening, Session,
     },
     store::StoreError,
 };
@@ -184,14 +185,13 @@ impl Manager {
         }
         self.python_start_done(python_ahead, started.is_err());
         match started {
-            // Launches before its libraries are probed would be lost to the caller, who
+            // What the caller does before its probes are on would be lost to it, and it
             // goes on once answered (`cuda_probed` records it then).
             Ok((info, record))
                 if self
                     .running
                     .get(&info.id)
-                    .and_then(|s| s.sources.cuda.as_ref())
-                    .is_some_and(cuda::CudaSession::probing) =>
+                    .is_some_and(|s| s.sources.all().any(Source::probing)) =>
             {
                 let id = info.id.clone();
                 let answer = Answer {
@@ -199,7 +199,7 @@ impl Manager {
                     record,
                     reply,
                 };
-                self.starts.cuda_probing.insert(id, answer);
+                self.starts.probing.insert(id, answer);
             }
             Ok((info, record)) => self.record(info, record, reply),
             Err(e) => {
@@ -336,7 +336,7 @@ impl Manager {
         };
         let mut session = self.session(id.clone(), asked, place, sources, loss_base, &caller);
         let (cuda, records_calls) = (
-            session.sources.cuda.is_some(),
+            session.sources.has::<CudaSession>(),
             session.measure.records_calls(),
         );
         let info = session.info(&loss_base);
@@ -474,11 +474,13 @@ impl Manager {
         });
         Ok(Opened {
             measure,
-            sources: Sources {
-                python,
-                native: attached.take().map(|a| a.native),
-                cuda,
-            },
+            sources: Sources::new([
+                python.map(|s| Box::new(s) as Box<dyn Source>),
+                attached
+                    .take()
+                    .map(|a| Box::new(a.native) as Box<dyn Source>),
+                cuda.map(|s| Box::new(s) as Box<dyn Source>),
+            ]),
         })
     }
 
@@ -552,8 +554,8 @@ impl Manager {
             .running
             .values()
             .filter(|s| s.owner_uid == uid)
-            .filter_map(|s| s.sources.native.as_ref())
-            .map(NativeSession::probes)
+            .flat_map(|s| s.sources.all())
+            .map(Source::user_probes)
             .sum::<usize>()
             + self.starts.attaching.get(&uid).copied().unwrap_or(0);
         if !targets.is_empty() && held + targets.len() > limits.per_user {

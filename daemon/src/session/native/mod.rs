@@ -79,11 +79,6 @@ impl NativeSession {
         })
     }
 
-    /// Functions probed.
-    pub fn probes(&self) -> usize {
-        self.links.len()
-    }
-
     /// "BINARY:SYMBOL" of each probe, by probe number.
     pub fn labels(&self) -> Vec<String> {
         self.targets
@@ -170,6 +165,11 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 impl Source for NativeSession {
+    /// One a function probed.
+    fn user_probes(&self) -> usize {
+        self.links.len()
+    }
+
     fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {
         // Counted in the kernel, left there; named from the probes' own list.
         let native = self.report(at.bpf.native_counts(at.slot, false));

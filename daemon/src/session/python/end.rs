@@ -15,6 +15,15 @@ use crate::session::{
 };
 
 impl Source for PySession {
+    /// Its kernel counts are read once the other sources' probes are off.
+    fn ends_last(&self) -> bool {
+        true
+    }
+
+    fn counts_python_calls(&self) -> bool {
+        true
+    }
+
     /// A new program's interpreter is probed before it runs (a chroot's or container's,
     /// not known beforehand), so that none of its calls is lost.
     fn holds_at_exec(&self) -> bool {

@@ -9,7 +9,7 @@ use tracer_common::PyCodeEvent;
 use tracer_inspect::python::memory;
 use tracer_proto::target;
 
-use super::Probes;
+use super::{Probes, PySession};
 use crate::session::Session;
 
 /// When a session met a process whose interpreter it probes.
@@ -71,7 +71,7 @@ pub(in crate::session) fn drain_codes(
         else {
             continue;
         };
-        if let Some(py) = s.sources.python.as_mut() {
+        if let Some(py) = s.sources.get_mut::<PySession>() {
             py.on_code(&ev, probes);
             if let Some(name) = py.name(ev.pid, ev.code, ev.names) {
                 s.measure.named((ev.pid, ev.code, ev.names), name);
@@ -83,7 +83,7 @@ pub(in crate::session) fn drain_codes(
 /// The slots that count Python, and of those the ones on every process.
 pub(in crate::session) fn masks(running: &HashMap<String, Session>) -> (u64, u64) {
     let (mut python, mut all) = (0u64, 0u64);
-    for s in running.values().filter(|s| s.sources.python.is_some()) {
+    for s in running.values().filter(|s| s.sources.has::<PySession>()) {
         if let Some(slot) = s.slot {
             python |= 1 << slot;
             if matches!(s.target.kind, Some(target::Kind::All(_))) {

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cpython;
+mod frames;
 mod layers;
 mod package;
 mod proto;
@@ -45,6 +46,9 @@ enum Task {
     Test,
     /// Only the layout checks `test` starts with: crate layers, import circles, file sizes.
     Layers,
+    /// Build, then print each BPF program's deepest stack (the verifier allows 512 bytes a
+    /// call chain) and the functions on it.
+    Frames,
     /// Build, then a Debian package (tracerd, tracerctl, their libraries, the systemd unit,
     /// /etc/tracer/tracerd.toml, man pages, completions) in target/package/ or --out.
     Package {
@@ -67,6 +71,10 @@ fn main() -> Result<()> {
         Task::PyLayouts => py_layouts(),
         Task::Test => test(),
         Task::Layers => layers::check(&root()),
+        Task::Frames => {
+            build()?;
+            frames::print()
+        }
         Task::Package { out } => {
             build()?;
             package::main(out)

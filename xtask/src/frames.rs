@@ -38,10 +38,11 @@ pub fn print() -> Result<()> {
         bail!("llvm-objdump -dr {} failed", object.display());
     }
     let functions = parse(&String::from_utf8_lossy(&out.stdout));
+    let mut depths = HashMap::new();
     let mut programs: Vec<(u64, String)> = functions
         .keys()
         .filter(|f| f.starts_with("tracer_"))
-        .map(|f| (depth(&functions, f, &mut HashMap::new()), f.clone()))
+        .map(|f| (depth(&functions, f, &mut depths), f.clone()))
         .collect();
     programs.sort();
     let shown = object.strip_prefix(crate::root()).unwrap_or(&object);
@@ -50,7 +51,7 @@ pub fn print() -> Result<()> {
         shown.display()
     );
     for (bytes, program) in &programs {
-        let chain: Vec<String> = path(&functions, program)
+        let chain: Vec<String> = path(&functions, program, &mut depths)
             .iter()
             .map(|f| format!("{} {}", short(f), round(functions[f].frame)))
             .collect();
@@ -197,14 +198,18 @@ fn depth(fs: &BTreeMap<String, Function>, f: &str, memo: &mut HashMap<String, u6
 }
 
 /// `f` and its deepest callees, outermost first.
-fn path(fs: &BTreeMap<String, Function>, f: &str) -> Vec<String> {
+fn path(
+    fs: &BTreeMap<String, Function>,
+    f: &str,
+    depths: &mut HashMap<String, u64>,
+) -> Vec<String> {
     let mut out = vec![f.to_owned()];
     let mut at = f.to_owned();
     while let Some(next) = fs[&at]
         .calls
         .iter()
         .filter(|c| fs.contains_key(*c) && !out.contains(c))
-        .max_by_key(|c| depth(fs, c, &mut HashMap::new()))
+        .max_by_key(|c| depth(fs, c, depths))
     {
         out.push(next.clone());
         at = next.clone();
@@ -273,7 +278,7 @@ Disassembly of section uprobe:
         // 48 + 16 + 32.
         assert_eq!(depth(&fs, "tracer_prog", &mut HashMap::new()), 96);
         assert_eq!(
-            path(&fs, "tracer_prog"),
+            path(&fs, "tracer_prog", &mut HashMap::new()),
             ["tracer_prog", "callback", "leaf"]
         );
     }

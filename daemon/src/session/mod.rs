@@ -227,6 +227,12 @@ impl Session {
         self.owner_uid != 0 || self.sources.all().any(Source::holds_at_exec) || self.samples()
     }
 
+    /// Whether probes of its sources are still being attached: its start is answered once
+    /// none is.
+    fn probing(&self) -> bool {
+        self.sources.all().any(Source::probing)
+    }
+
     /// Whether the sampler reads its processes (for samples, or for its sources' names).
     fn uses_sampler(&self) -> bool {
         self.samples() || self.sources.all().any(Source::uses_sampler)

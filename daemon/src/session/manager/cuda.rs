@@ -77,7 +77,8 @@ impl Manager {
                 self.gpu_times_refused(session, why);
                 return;
             }
-            if !c.probing() {
+            // Answered once none of its sources' probes is on its way.
+            if !self.running.get(session).is_some_and(|s| s.probing()) {
                 if let Some(start) = self.starts.probing.remove(session) {
                     self.record(start.info, start.record, start.reply);
                 }

@@ -187,12 +187,7 @@ impl Manager {
         match started {
             // What the caller does before its probes are on would be lost to it, and it
             // goes on once answered (`cuda_probed` records it then).
-            Ok((info, record))
-                if self
-                    .running
-                    .get(&info.id)
-                    .is_some_and(|s| s.sources.all().any(Source::probing)) =>
-            {
+            Ok((info, record)) if self.running.get(&info.id).is_some_and(Session::probing) => {
                 let id = info.id.clone();
                 let answer = Answer {
                     info,

@@ -81,7 +81,7 @@ fn counts_agree_with_perf_stat() {
     let cmd = [py.to_str().unwrap(), wl.to_str().unwrap()];
     let events = "task-clock,page-faults,context-switches";
     let (mut ours, mut theirs) = (vec![vec![]; 3], vec![vec![]; 3]);
-    for _ in 0..3 {
+    for _ in 0..5 {
         let report = count_command(&d, events, &cmd);
         assert_eq!(report["session"]["end_reason"], "target exited");
         let perf = perf_stat(events, &cmd).expect("perf stat");
@@ -96,10 +96,19 @@ fn counts_agree_with_perf_stat() {
             theirs[i].push(if name == "task-clock" { v * 1e6 } else { v });
         }
     }
-    let (ours, theirs): (Vec<f64>, Vec<f64>) = (
-        ours.into_iter().map(median).collect(),
-        theirs.into_iter().map(median).collect(),
-    );
+    // CPU time is taken at its least over the runs: a shared machine's noise (another
+    // tenant, the hypervisor) only ever adds to it, and it added 40% to two of three runs
+    // of one side in a CI run. Counts are compared at their median.
+    let summary = |v: Vec<Vec<f64>>| -> Vec<f64> {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, runs)| match i {
+                0 => runs.into_iter().fold(f64::INFINITY, f64::min),
+                _ => median(runs),
+            })
+            .collect()
+    };
+    let (ours, theirs) = (summary(ours), summary(theirs));
     println!("tracer {ours:?} vs perf stat {theirs:?}");
     // Page faults are nearly deterministic; CPU time varies with the machine's load;
     // context switches are few and depend on the scheduler.

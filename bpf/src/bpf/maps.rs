@@ -171,7 +171,7 @@ impl PythonMaps {
         let slot = u32::from(slot);
         (
             slot_entries(&mut self.calls, |k| k.slot == slot, true),
-            slot_entries(&mut self.edges, |k| k.slot == slot, true),
+            slot_entries(&mut self.edges, |k| k.call.slot == slot, true),
         )
     }
 }

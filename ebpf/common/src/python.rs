@@ -119,10 +119,8 @@ pub struct PyCallKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PyEdgeKey {
-    pub slot: u32,
-    pub pid: u32,
-    pub code: u64,
-    pub names: u64,
+    /// The callee's key in `PY_CALLS`: the probes build one key and look both up with it.
+    pub call: PyCallKey,
     pub caller_code: u64,
     pub caller_names: u64,
 }

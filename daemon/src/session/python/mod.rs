@@ -517,7 +517,7 @@ impl PySession {
         let mut callers: HashMap<(u32, u64, u64), Vec<PyCaller>> = HashMap::new();
         for (k, st) in edges {
             let (qualname, filename, firstlineno) =
-                match self.names.get(&(k.pid, k.caller_code, k.caller_names)) {
+                match self.names.get(&(k.call.pid, k.caller_code, k.caller_names)) {
                     Some(n) => (n.qualname.clone(), n.filename.clone(), n.firstlineno),
                     // Entered before the session attached: never counted, so never named.
                     None => (
@@ -527,7 +527,7 @@ impl PySession {
                     ),
                 };
             callers
-                .entry((k.pid, k.code, k.names))
+                .entry((k.call.pid, k.call.code, k.call.names))
                 .or_default()
                 .push(PyCaller {
                     qualname,
@@ -596,5 +596,5 @@ pub fn counts(bpf: &mut Bpf, slot: u8, take: bool) -> Vec<(u32, u64, u64, PyCall
 /// Takes a session's calls per (caller, callee) out of the kernel map.
 fn edges(bpf: &mut Bpf, slot: u8) -> Vec<(PyEdgeKey, PyCallStats)> {
     let slot = u32::from(slot);
-    tracer_bpf::slot_entries(&mut bpf.py_edges, |k| k.slot == slot, true)
+    tracer_bpf::slot_entries(&mut bpf.py_edges, |k| k.call.slot == slot, true)
 }

@@ -351,7 +351,9 @@ extern "C" fn scan_code(i: u64, ctx: *mut c_void) -> i64 {
     0
 }
 
-/// Index of `frame` on the stack, topmost first.
+/// Index of `frame` on the stack, topmost first. Out of line, as `on_stack`: the scan's
+/// state stays out of the frames of `enter` and `leave`, which are on the deepest chains.
+#[inline(never)]
 fn find(st: &PyStack, frame: u64) -> Option<u64> {
     let mut s = Scan::new(st);
     s.frame = frame;
@@ -363,6 +365,7 @@ fn find(st: &PyStack, frame: u64) -> Option<u64> {
 
 /// Whether an activation of the function is on the stack already, and whether one called
 /// by the function on top (its caller now) is.
+#[inline(never)]
 fn on_stack(st: &PyStack, code: u64, names: u64) -> (bool, bool) {
     let mut s = Scan::new(st);
     s.code = code;
@@ -445,7 +448,6 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
     // write; the entries below it are the only ones written while it is read.
     let e = unsafe { &*e };
     let ct = now.saturating_sub(e.start_ns);
-    let tt = ct.saturating_sub(e.sub_ns);
     let mut caller = None;
     if let Some(parent) = st
         .depth
@@ -453,40 +455,68 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
         .and_then(|d| st.entries.get_mut(opaque(d as usize)))
     {
         parent.sub_ns += ct;
-        caller = Some((parent.code, parent.names));
+        caller = Some(&*parent);
     }
     if e.pseudo != 0 {
         return;
     }
     let traced = trace::tracing(mask);
     if traced != 0 {
-        trace::emit_in_place(TraceEvent {
-            kind: trace_kind::PY_CALL,
-            flags,
-            cpu: 0,
-            pid,
-            tid: who as u32,
-            sessions: traced,
-            start_ns: e.start_ns,
-            end_ns: now,
-            a: e.code,
-            b: e.names,
-        });
+        trace_return(e, traced, who, now, flags);
     }
+    count_return(e, caller, mask, pid, now);
+}
+
+/// A popped frame's call as one tracing event. Out of line, as `count_return`: the event
+/// and the counts' keys are on the BPF stack one after the other, not together in `pop`'s
+/// frame, which is at the bottom of the deepest call chains (512 bytes each).
+#[inline(never)]
+fn trace_return(e: &PyStackEntry, traced: SessionMask, who: u64, now: u64, flags: u16) {
+    trace::emit_in_place(TraceEvent {
+        kind: trace_kind::PY_CALL,
+        flags,
+        cpu: 0,
+        pid: (who >> 32) as u32,
+        tid: who as u32,
+        sessions: traced,
+        start_ns: e.start_ns,
+        end_ns: now,
+        a: e.code,
+        b: e.names,
+    });
+}
+
+/// A popped frame's times added to its function's counts and its caller → callee pair's,
+/// for each of `mask`'s sessions. `caller`: the calling frame's entry, below it.
+#[inline(never)]
+fn count_return(
+    e: &PyStackEntry,
+    caller: Option<&PyStackEntry>,
+    mask: SessionMask,
+    pid: u32,
+    now: u64,
+) {
+    let ct = now.saturating_sub(e.start_ns);
+    let tt = ct.saturating_sub(e.sub_ns);
+    // One key for both maps, its slot changed per session: `PY_CALLS`' key is its prefix.
+    let mut key = PyEdgeKey {
+        call: PyCallKey {
+            slot: 0,
+            pid,
+            code: e.code,
+            names: e.names,
+        },
+        caller_code: caller.map_or(0, |c| c.code),
+        caller_names: caller.map_or(0, |c| c.names),
+    };
     let mut m = mask;
     for _ in 0..MAX_PY_SESSIONS {
         if m == 0 {
             break;
         }
-        let slot = m.trailing_zeros();
+        key.call.slot = m.trailing_zeros();
         m &= m - 1;
-        let key = PyCallKey {
-            slot,
-            pid,
-            code: e.code,
-            names: e.names,
-        };
-        if let Some(s) = PY_CALLS.get_ptr_mut(&key) {
+        if let Some(s) = PY_CALLS.get_ptr_mut(&key.call) {
             // SAFETY: a live map value.
             unsafe {
                 add(&raw mut (*s).tottime_ns, tt);
@@ -495,16 +525,8 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
                 }
             }
         }
-        if let Some((caller_code, caller_names)) = caller {
-            let edge = PyEdgeKey {
-                slot,
-                pid,
-                code: e.code,
-                names: e.names,
-                caller_code,
-                caller_names,
-            };
-            add_edge(&edge, &e, tt, ct);
+        if caller.is_some() {
+            add_edge(&key, e, tt, ct);
         }
     }
 }

@@ -109,6 +109,8 @@ fn main() {
         }
     }
     fixed_malloc_thresholds();
+    // Before any file is mapped: a traced user may shrink one under tracerd (see sigbus).
+    tracer_inspect::sigbus::install();
     let args = args();
     if let Some(dir) = &args.generate_man {
         let man = clap_mangen::Man::new(Args::command()).section("8");

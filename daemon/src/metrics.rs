@@ -28,6 +28,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Events the kernel side could not record, by cause, since tracerd started",
     ),
     (
+        "tracer_zeroed_file_pages_total",
+        "counter",
+        "Pages of files tracerd maps (binaries, counts files) that shrank under it and read as zeros since tracerd started",
+    ),
+    (
         "tracer_session_info",
         "gauge",
         "Running sessions and recently finished exported ones",

@@ -13,4 +13,5 @@ mod pinned;
 pub mod plt;
 pub mod process;
 pub mod python;
+pub mod sigbus;
 pub mod unwind;

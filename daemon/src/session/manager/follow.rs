@@ -129,6 +129,15 @@ impl Manager {
     /// and looks for Python processes that appeared.
     pub(super) fn sweep(&mut self) {
         self.continue_forgotten();
+        let zeroed = tracer_inspect::sigbus::newly_zeroed();
+        if zeroed > 0 {
+            tracing::warn!(
+                pages = zeroed,
+                "files tracerd had mapped shrank under it (a traced user truncated a binary or \
+                 counts file): those pages read as zeros, so names or counts taken from them \
+                 may be wrong"
+            );
+        }
         let mut ended = Vec::new();
         for s in self
             .running

@@ -123,6 +123,11 @@ impl Manager {
                 *n as f64,
             ));
         }
+        samples.push(gauge(
+            "tracer_zeroed_file_pages_total",
+            vec![],
+            tracer_inspect::sigbus::zeroed_pages() as f64,
+        ));
         let ids: Vec<String> = self.running.keys().cloned().collect();
         for id in ids {
             let Some(s) = self.running.get_mut(&id) else {

@@ -373,7 +373,7 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        super::sigbus::guard(ptr as usize, len);
+        crate::sigbus::guard(ptr as usize, len);
         Ok(Self {
             ptr: ptr.cast(),
             len,
@@ -480,7 +480,7 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        super::sigbus::unguard(self.ptr as usize);
+        crate::sigbus::unguard(self.ptr as usize);
         // SAFETY: our own mapping, unmapped once.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }

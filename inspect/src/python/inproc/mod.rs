@@ -29,7 +29,6 @@ mod pending;
 mod process;
 mod read;
 mod scripts;
-mod sigbus;
 mod view;
 
 pub use cleanup::wait_cleanups;
@@ -398,7 +397,7 @@ struct Found {
 
 /// A found file, mapped: the process's own (`own`), or a child's, mapped now and unmapped
 /// when dropped. One child's at a time: each mapping is guarded against SIGBUS
-/// ([`sigbus`]), and the guard's slots are few.
+/// ([`crate::sigbus`]), and the guard's slots are few.
 enum Mapped<'a> {
     Own(&'a Mapping),
     Child(Mapping),

@@ -12,8 +12,9 @@ pub type Mapped = memmap2::Mmap;
 /// Maps `path` whole.
 pub fn map(path: impl AsRef<Path>) -> io::Result<Mapped> {
     let file = File::open(path)?;
-    // SAFETY: a file rewritten in place while mapped could fault (SIGBUS); binaries are
-    // replaced by rename, as package managers and linkers do, which leaves a mapping intact.
+    // SAFETY: binaries are replaced by rename, as package managers and linkers do, which
+    // leaves a mapping intact; one shrunk in place by its owner faults past its new end, and
+    // tracerd's SIGBUS handler reads those pages as zeros (`crate::sigbus`).
     unsafe { memmap2::Mmap::map(&file) }
 }
 

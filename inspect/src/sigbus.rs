@@ -142,7 +142,6 @@ impl MapsLine {
     /// Takes one byte; true once a line ends that is a non-executable file mapping holding
     /// `addr`.
     fn push(&mut self, b: u8) -> bool {
-        const HEX: u32 = 16;
         match (self.field, b) {
             (_, b'\n') => {
                 let hit =
@@ -151,9 +150,9 @@ impl MapsLine {
                 return hit;
             }
             (0, b'-') => self.field = 1,
-            (0, _) => self.start = hex(self.start, b, HEX),
+            (0, _) => self.start = hex(self.start, b),
             (1, b' ') => self.field = 2,
-            (1, _) => self.end = hex(self.end, b, HEX),
+            (1, _) => self.end = hex(self.end, b),
             (2, b' ') => self.field = 3,
             (2, _) => {
                 self.exec |= self.perm == 2 && b == b'x';
@@ -168,9 +167,10 @@ impl MapsLine {
     }
 }
 
-fn hex(acc: usize, b: u8, radix: u32) -> usize {
-    let d = char::from(b).to_digit(radix).unwrap_or(0) as usize;
-    acc.wrapping_mul(radix as usize).wrapping_add(d)
+/// `acc` with the hex digit `b` appended.
+fn hex(acc: usize, b: u8) -> usize {
+    let d = char::from(b).to_digit(16).unwrap_or(0) as usize;
+    acc.wrapping_mul(16).wrapping_add(d)
 }
 
 /// Installs the handler (once; the handler before it is kept for SIGBUS that is not ours).

@@ -496,6 +496,8 @@ fn count_return(
     pid: u32,
     now: u64,
 ) {
+    // Computed again rather than taken from `pop`: `pop` would then keep it across
+    // `trace_return`, and its frame, on the deepest chains, grows by 16 bytes.
     let ct = now.saturating_sub(e.start_ns);
     let tt = ct.saturating_sub(e.sub_ns);
     // One key for both maps, its slot changed per session: `PY_CALLS`' key is its prefix.

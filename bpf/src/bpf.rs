@@ -9,6 +9,7 @@ mod offcpu;
 mod programs;
 mod tracepoints;
 mod uprobes;
+mod verifier;
 
 pub use maps::GpuKernelTimes;
 use maps::{cuda_counts, gpu_kernel_times, native_counts, reopen};
@@ -21,6 +22,7 @@ pub use tracepoints::ensure_tracefs;
 use tracepoints::{attach, TracepointFormat};
 use uprobes::load_all;
 pub use uprobes::{release, CudaAttacher, Loading, NativeAttacher, ProbeSet, PythonAttacher};
+pub use verifier::{Figures, INSN_LIMIT};
 
 use std::{os::fd::OwnedFd, path::Path};
 
@@ -49,12 +51,15 @@ const NATIVE_CALL: &str = "tracer_native_call";
 const PY_ENTRY: &str = "tracer_py_eval_entry";
 const PY_RETURN: &str = "tracer_py_eval_return";
 const PY_OPCODE: &str = "tracer_py_opcode";
+const PY_OPCODE_EXIT: &str = "tracer_py_opcode_exit";
 const AT_RETURN: [&str; 2] = [PY_RETURN, CUDA_RETURN];
 /// The programs each kind of probe needs, loaded at its first use.
-const PY_PROGRAMS: [&str; 3] = [PY_ENTRY, PY_RETURN, PY_OPCODE];
+const PY_PROGRAMS: [&str; 4] = [PY_ENTRY, PY_RETURN, PY_OPCODE, PY_OPCODE_EXIT];
 const CUDA_PROGRAMS: [&str; 3] = [CUDA_CALL, CUDA_RETURN, CUPTI_CALL];
 const NATIVE_PROGRAMS: [&str; 1] = [NATIVE_CALL];
 const SAMPLE: &str = "tracer_sample";
+/// The sampling program without the asyncio task walk, for kernels that refuse the whole.
+const SAMPLE_PLAIN: &str = "tracer_sample_plain";
 const SAMPLE_PROGRAMS: [&str; 1] = [SAMPLE];
 
 /// The probes' layout array, for layouts found after loading (an interpreter's own debug
@@ -157,7 +162,12 @@ pub struct Bpf {
     multi_missing: Option<String>,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
-    // Owns the programs; attached links live as long as it does.
+    /// Why an exiting thread's Python frames are not unwound (the kernel refused the
+    /// process-exit program that does), if they are not.
+    pub exit_refused: Option<String>,
+    /// The process-following tracepoints' links and events.
+    _tracepoints: Vec<OwnedFd>,
+    // Owns the maps.
     ebpf: Ebpf,
 }
 
@@ -172,53 +182,89 @@ fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
     T::try_from(map).map_err(map_err(name))
 }
 
+/// tracer's object with its maps created and its globals set for this kernel; no program
+/// loaded. Also why Python 3.10 threads cannot be told apart when sampling, if they cannot.
+fn load_object(trace_ring_bytes: u32) -> Result<(Ebpf, Option<String>), BpfError> {
+    ensure_tracefs()?;
+    let newtask = TracepointFormat::read("task", "task_newtask");
+    let exit = TracepointFormat::read("sched", "sched_process_exit");
+    let pid_off = newtask.offset("pid").unwrap_or(8);
+    let flags_off = newtask.offset("clone_flags").unwrap_or(32);
+    let group_dead_off = exit.offset("group_dead").unwrap_or(u32::MAX);
+    let switch = TracepointFormat::read("sched", "sched_switch");
+    let prev_state_off = switch.offset("prev_state").unwrap_or(32);
+    let next_pid_off = switch.offset("next_pid").unwrap_or(56);
+    // Without them off-CPU events name the call, not the kind of fd it waited on.
+    let fd_offsets = crate::btf::fd_offsets().unwrap_or_else(|e| {
+        tracing::warn!(%e, "off-CPU events will not say what an fd is");
+        [u32::MAX; 6]
+    });
+    // Without them a process that maps a CUDA library is not held until it is probed.
+    let file_name_offsets = crate::btf::file_name_offsets().unwrap_or_else(|e| {
+        tracing::warn!(%e, "launches right after a CUDA library is mapped may be missed");
+        [u32::MAX; 2]
+    });
+    let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
+        Ok(off) => (off, None),
+        Err(e) => (u32::MAX, Some(e.to_string())),
+    };
+    // One sample record under construction per CPU (`SAMPLE_SCRATCH`).
+    let cpus = aya::util::nr_cpus().map_err(|(what, e)| {
+        BpfError::Load(Box::new(EbpfError::FileError {
+            path: what.into(),
+            error: e,
+        }))
+    })?;
+    let ebpf = EbpfLoader::new()
+        .map_max_entries("TRACE_EVENTS", trace_ring_bytes)
+        .map_max_entries("SAMPLE_SCRATCH", u32::try_from(cpus).unwrap_or(u32::MAX))
+        .override_global(globals::TASK_FSBASE_OFFSET, &fsbase_off, true)
+        .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
+        .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
+        .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
+        .override_global(globals::SWITCH_PREV_STATE_OFFSET, &prev_state_off, true)
+        .override_global(globals::SWITCH_NEXT_PID_OFFSET, &next_pid_off, true)
+        .override_global(globals::FD_OFFSETS, &fd_offsets, true)
+        .override_global(globals::FILE_NAME_OFFSETS, &file_name_offsets, true)
+        .load(OBJECT)
+        .map_err(|e| BpfError::Load(Box::new(e)))?;
+    Ok((ebpf, fsbase_error))
+}
+
+/// One program of the object as this kernel's verifier took it.
+pub struct Verified {
+    pub name: String,
+    /// The verifier's figures, where it printed them.
+    pub figures: Option<Figures>,
+    /// Why it was refused, if it was.
+    pub refused: Option<String>,
+}
+
+/// Loads every program of tracer's object on this kernel, as the daemon would, and returns
+/// what the verifier said of each; nothing is attached.
+pub fn verify_all() -> Result<Vec<Verified>, BpfError> {
+    let (ebpf, _) = load_object(1 << 20)?;
+    let programs = programs::Programs::new(&ebpf, OBJECT, programs::supported())
+        .map_err(BpfError::Programs)?;
+    Ok(programs
+        .names()
+        .into_iter()
+        .map(|name| {
+            let refused = programs.load(&name).err().map(|e| e.to_string());
+            Verified {
+                figures: programs.figures(&name),
+                name,
+                refused,
+            }
+        })
+        .collect())
+}
+
 impl Bpf {
     /// `trace_ring_bytes`: size of the tracing ring buffer (a power of two, at least a page).
     /// `per_probe`: one perf event per uprobe even where multi-uprobe links exist.
     pub fn load(trace_ring_bytes: u32, per_probe: bool) -> Result<Self, BpfError> {
-        ensure_tracefs()?;
-        let newtask = TracepointFormat::read("task", "task_newtask");
-        let exit = TracepointFormat::read("sched", "sched_process_exit");
-        let pid_off = newtask.offset("pid").unwrap_or(8);
-        let flags_off = newtask.offset("clone_flags").unwrap_or(32);
-        let group_dead_off = exit.offset("group_dead").unwrap_or(u32::MAX);
-        let switch = TracepointFormat::read("sched", "sched_switch");
-        let prev_state_off = switch.offset("prev_state").unwrap_or(32);
-        let next_pid_off = switch.offset("next_pid").unwrap_or(56);
-        // Without them off-CPU events name the call, not the kind of fd it waited on.
-        let fd_offsets = crate::btf::fd_offsets().unwrap_or_else(|e| {
-            tracing::warn!(%e, "off-CPU events will not say what an fd is");
-            [u32::MAX; 6]
-        });
-        // Without them a process that maps a CUDA library is not held until it is probed.
-        let file_name_offsets = crate::btf::file_name_offsets().unwrap_or_else(|e| {
-            tracing::warn!(%e, "launches right after a CUDA library is mapped may be missed");
-            [u32::MAX; 2]
-        });
-        let (fsbase_off, fsbase_error) = match crate::btf::task_fsbase_offset() {
-            Ok(off) => (off, None),
-            Err(e) => (u32::MAX, Some(e.to_string())),
-        };
-        // One sample record under construction per CPU (`SAMPLE_SCRATCH`).
-        let cpus = aya::util::nr_cpus().map_err(|(what, e)| {
-            BpfError::Load(Box::new(EbpfError::FileError {
-                path: what.into(),
-                error: e,
-            }))
-        })?;
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries("TRACE_EVENTS", trace_ring_bytes)
-            .map_max_entries("SAMPLE_SCRATCH", u32::try_from(cpus).unwrap_or(u32::MAX))
-            .override_global(globals::TASK_FSBASE_OFFSET, &fsbase_off, true)
-            .override_global(globals::NEWTASK_PID_OFFSET, &pid_off, true)
-            .override_global(globals::NEWTASK_CLONE_FLAGS_OFFSET, &flags_off, true)
-            .override_global(globals::EXIT_GROUP_DEAD_OFFSET, &group_dead_off, true)
-            .override_global(globals::SWITCH_PREV_STATE_OFFSET, &prev_state_off, true)
-            .override_global(globals::SWITCH_NEXT_PID_OFFSET, &next_pid_off, true)
-            .override_global(globals::FD_OFFSETS, &fd_offsets, true)
-            .override_global(globals::FILE_NAME_OFFSETS, &file_name_offsets, true)
-            .load(OBJECT)
-            .map_err(|e| BpfError::Load(Box::new(e)))?;
+        let (mut ebpf, fsbase_error) = load_object(trace_ring_bytes)?;
         let multi_missing = if per_probe {
             Some("tracerd was started with --per-probe-uprobes")
         } else if !programs::supported() {
@@ -228,33 +274,36 @@ impl Bpf {
         };
         let programs = programs::Programs::new(&ebpf, OBJECT, multi_missing.is_none())
             .map_err(BpfError::Programs)?;
-        attach(&mut ebpf, "tracer_task_newtask", "task", "task_newtask")?;
-        attach(
-            &mut ebpf,
-            "tracer_process_exec",
-            "sched",
-            "sched_process_exec",
-        )?;
-        attach(
-            &mut ebpf,
-            "tracer_process_exit",
-            "sched",
-            "sched_process_exit",
-        )?;
-        // Libraries mapped by processes CUDA sessions watch (filtered in the kernel: idle
-        // while no CUDA session runs).
-        attach(
-            &mut ebpf,
-            "tracer_cuda_mmap_enter",
-            "syscalls",
-            "sys_enter_mmap",
-        )?;
-        attach(
-            &mut ebpf,
-            "tracer_cuda_mmap_exit",
-            "syscalls",
-            "sys_exit_mmap",
-        )?;
+        let mut tracepoints = Vec::new();
+        for (prog, category, name) in [
+            ("tracer_task_newtask", "task", "task_newtask"),
+            ("tracer_process_exec", "sched", "sched_process_exec"),
+            // Libraries mapped by processes CUDA sessions watch (filtered in the kernel:
+            // idle while no CUDA session runs).
+            ("tracer_cuda_mmap_enter", "syscalls", "sys_enter_mmap"),
+            ("tracer_cuda_mmap_exit", "syscalls", "sys_exit_mmap"),
+        ] {
+            tracepoints.extend(attach(&programs, prog, category, name)?);
+        }
+        // Without the exit program no process is followed: where the kernel refuses it, its
+        // variant without the Python unwinding loop serves, and the loss is counted.
+        let exit = ("sched", "sched_process_exit");
+        let exit_refused = match attach(&programs, "tracer_process_exit", exit.0, exit.1) {
+            Ok(fds) => {
+                tracepoints.extend(fds);
+                None
+            }
+            Err(e) => {
+                tracing::warn!(%e, "process exits go without unwinding Python frames");
+                tracepoints.extend(attach(
+                    &programs,
+                    "tracer_process_exit_plain",
+                    exit.0,
+                    exit.1,
+                )?);
+                Some(e.to_string())
+            }
+        };
         let mut layouts: Array<MapData, PyLayout> = take(&mut ebpf, "PY_LAYOUTS")?;
         for v in VERSIONS {
             layouts
@@ -292,6 +341,8 @@ impl Bpf {
             programs,
             multi_missing: multi_missing.map(str::to_owned),
             fsbase_error,
+            exit_refused,
+            _tracepoints: tracepoints,
             ebpf,
         })
     }
@@ -441,14 +492,22 @@ impl Bpf {
         })
     }
 
-    /// The sampling program's fd, the program loaded on first use, for `sampler::Sampler`
-    /// to attach.
-    pub fn sample_program(&mut self) -> Result<OwnedFd, BpfError> {
-        self.load_programs(&SAMPLE_PROGRAMS)?;
-        self.programs.fd(SAMPLE).map_err(|e| BpfError::Program {
-            name: SAMPLE,
-            source: Box::new(e),
-        })
+    /// The sampling program (loaded at once where a start loaded it ahead), and what is
+    /// missing when this kernel refused it and its smaller variant serves instead.
+    pub fn sample_program(&mut self) -> Result<(OwnedFd, Option<String>), BpfError> {
+        let fd = |name: &'static str| {
+            self.programs.fd(name).map_err(|e| BpfError::Program {
+                name,
+                source: Box::new(e),
+            })
+        };
+        let refused = match self.load_programs(&SAMPLE_PROGRAMS) {
+            Ok(()) => return Ok((fd(SAMPLE)?, None)),
+            Err(e) => e,
+        };
+        tracing::warn!(%refused, "sampling goes on without asyncio task stacks");
+        self.load_programs(&[SAMPLE_PLAIN])?;
+        Ok((fd(SAMPLE_PLAIN)?, Some(refused.to_string())))
     }
 
     /// The ring buffer of first-seen code objects; taken once by its reader.
@@ -504,7 +563,7 @@ impl Bpf {
             .into_iter()
             .filter(|(wanted, _)| *wanted)
             .flat_map(|(_, names)| names.iter().copied())
-            .filter(|name| !self.programs.is_loaded(name))
+            .filter(|name| !self.programs.is_settled(name))
             .collect();
         (!names.is_empty()).then(|| Loading {
             programs: self.programs.clone(),
@@ -721,6 +780,7 @@ pub fn loss_cause_name(index: u32) -> &'static str {
         loss::CUDA_NAMES_RINGBUF_FULL => "cuda_names_ringbuf_full",
         loss::CUPTI_RECORDS_DROPPED => "cupti_records_dropped",
         loss::PY_INPROC_FULL => "python_inproc_map_full",
+        loss::PY_THREAD_EXIT_UNWOUND => "python_frames_of_exited_threads_uncounted",
         _ => "unknown",
     }
 }

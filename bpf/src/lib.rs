@@ -11,8 +11,8 @@ pub mod perf;
 pub mod sampler;
 
 pub use bpf::{
-    ensure_tracefs, loss_cause_name, perf_link, publish_layout, release, slot_entries, Bpf,
-    BpfError, CudaAttacher, CudaCounts, CudaMaps, GpuKernelTimes, Loading, NativeAttacher,
-    NativeMaps, OffCpuSession, ProbeSet, PythonAttacher, PythonMaps, SamplingMaps, TracingMaps,
-    TRACEFS,
+    ensure_tracefs, loss_cause_name, perf_link, publish_layout, release, slot_entries, verify_all,
+    Bpf, BpfError, CudaAttacher, CudaCounts, CudaMaps, Figures, GpuKernelTimes, Loading,
+    NativeAttacher, NativeMaps, OffCpuSession, ProbeSet, PythonAttacher, PythonMaps, SamplingMaps,
+    TracingMaps, Verified, INSN_LIMIT, TRACEFS,
 };

@@ -94,6 +94,10 @@ struct Args {
     /// python3.X), one `FILE_OFFSET WHAT` line per probe, and exit.
     #[arg(long, value_name = "PATH")]
     show_python_probes: Option<PathBuf>,
+    /// Load every BPF program on this kernel, as sessions would, print the verifier's
+    /// figures for each (one line a program), and exit: 1 if any is refused.
+    #[arg(long)]
+    check_programs: bool,
 }
 
 fn main() {
@@ -123,6 +127,9 @@ fn main() {
             std::process::exit(1);
         }
         return;
+    }
+    if args.check_programs {
+        std::process::exit(check_programs());
     }
     if let Some(path) = &args.show_python_probes {
         match tracer_inspect::python::runtime::Runtime::inspect(path) {
@@ -184,6 +191,50 @@ fn main() {
     }
 }
 
+/// `--check-programs`: one line a program, `NAME PROCESSED SHARE% STATES PEAK TIME_US STACK`,
+/// then its refusal if refused; the exit status.
+fn check_programs() -> i32 {
+    let verified = match tracer_bpf::verify_all() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("tracerd: {e}");
+            return 1;
+        }
+    };
+    println!(
+        "# {} processed instructions at most; kernel {}",
+        tracer_bpf::INSN_LIMIT,
+        kernel_release()
+    );
+    println!("# program processed share states peak_states time_us stack");
+    let mut refused = 0;
+    for v in &verified {
+        match &v.figures {
+            Some(f) => println!(
+                "{} {} {:.2}% {} {} {} {}",
+                v.name,
+                f.processed,
+                f.share(),
+                f.total_states,
+                f.peak_states,
+                f.time_us,
+                if f.stack.is_empty() { "-" } else { &f.stack }
+            ),
+            None => println!("{} - - - - - -", v.name),
+        }
+        if let Some(why) = &v.refused {
+            refused += 1;
+            println!("refused {}: {why}", v.name);
+        }
+    }
+    i32::from(refused > 0)
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
+}
+
 /// The flags, with the settings file's before them; `--check-config` ends here.
 fn args() -> Args {
     let argv: Vec<OsString> = std::env::args_os().collect();
@@ -217,6 +268,7 @@ fn args() -> Args {
                 "config",
                 "check_config",
                 "show_python_probes",
+                "check_programs",
                 "generate_man",
             ]
             .contains(&id)

@@ -19,6 +19,7 @@ const NOT_SETTINGS: &[&str] = &[
     "config",
     "check_config",
     "show_python_probes",
+    "check_programs",
     "help",
     "version",
 ];

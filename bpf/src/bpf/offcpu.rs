@@ -6,14 +6,12 @@
 use std::{
     io,
     os::fd::{AsFd, OwnedFd},
-    path::Path,
 };
 
 use aya::maps::IterableMap;
-use perf_event_open_sys as sys;
 use tracer_common::{OffCpuConfig, OffCpuThread};
 
-use super::{map_err, programs::perf_link, Bpf, BpfError, TRACEFS};
+use super::{map_err, programs::perf_link, tracepoints::tracepoint, Bpf, BpfError};
 
 const SWITCH: &str = "tracer_offcpu_switch";
 const SYS_EXIT: &str = "tracer_offcpu_sys_exit";
@@ -212,21 +210,4 @@ fn monotonic_ns() -> u64 {
     // SAFETY: a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// A perf event on tracepoint `category:name`, for a program to be linked to.
-fn tracepoint(category: &str, name: &str) -> io::Result<OwnedFd> {
-    let id = std::fs::read_to_string(
-        Path::new(TRACEFS)
-            .join("events")
-            .join(category)
-            .join(name)
-            .join("id"),
-    )?;
-    let mut attr = sys::bindings::perf_event_attr::default();
-    attr.type_ = sys::bindings::PERF_TYPE_TRACEPOINT;
-    attr.config = id.trim().parse().map_err(io::Error::other)?;
-    attr.__bindgen_anon_1.sample_period = 1;
-    // pid -1 on CPU 0, as libbpf opens a tracepoint's event.
-    crate::perf::open_raw(&mut attr, -1, 0)
 }

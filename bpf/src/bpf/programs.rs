@@ -31,6 +31,8 @@ use aya::{maps::Map, Ebpf};
 use aya_obj::{generated::bpf_insn, Function, Object};
 use perf_event_open_sys as sys;
 
+use super::verifier::{self, Figures};
+
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -140,7 +142,8 @@ struct Code<'a> {
     btf: Option<(BorrowedFd<'a>, &'a Function)>,
 }
 
-fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
+/// `log_level`: 0 with an empty `log`, else the verifier's `LOG_*` bits.
+fn load(code: &Code<'_>, log_level: u32, log: &mut [u8]) -> io::Result<OwnedFd> {
     let mut prog_name = [0u8; 16];
     for (d, s) in prog_name.iter_mut().zip(code.name.bytes().take(15)) {
         *d = s;
@@ -150,7 +153,7 @@ fn load(code: &Code<'_>, log: &mut [u8]) -> io::Result<OwnedFd> {
         insn_cnt: u32::try_from(code.insns.len()).unwrap_or(u32::MAX),
         insns: code.insns.as_ptr() as u64,
         license: code.license.as_ptr() as u64,
-        log_level: u32::from(!log.is_empty()),
+        log_level: if log.is_empty() { 0 } else { log_level },
         log_size: u32::try_from(log.len()).unwrap_or(u32::MAX),
         log_buf: if log.is_empty() {
             0
@@ -320,7 +323,7 @@ pub fn supported() -> bool {
         license: &license,
         btf: None,
     };
-    let Ok(prog) = load(&code, &mut []) else {
+    let Ok(prog) = load(&code, 0, &mut []) else {
         return false;
     };
     match link(prog.as_fd(), Path::new("/"), &[0], &[0], false) {
@@ -370,9 +373,27 @@ struct Shared {
     /// Duplicates of the fds of aya's maps, kept open for programs loaded later: relocated
     /// instructions name the maps by these fd numbers.
     _maps: HashMap<String, OwnedFd>,
-    /// Each program of the object, once loaded. Its lock is held while it is verified, so a
-    /// second loader waits for the first instead of verifying it again.
-    loaded: HashMap<String, Mutex<Option<OwnedFd>>>,
+    /// Each program of the object, once loaded or refused. Its lock is held while it is
+    /// verified, so a second loader waits for the first instead of verifying it again.
+    loaded: HashMap<String, Mutex<Slot>>,
+}
+
+/// A program of the object, as far as the kernel has seen it.
+#[derive(Default)]
+enum Slot {
+    #[default]
+    NotLoaded,
+    Loaded {
+        fd: OwnedFd,
+        figures: Option<Figures>,
+    },
+    /// Refused by the verifier: remembered, not verified again at every start (one refused
+    /// at the instruction limit costs seconds of CPU each time).
+    Refused {
+        errno: i32,
+        log: String,
+        figures: Option<Figures>,
+    },
 }
 
 impl Programs {
@@ -410,7 +431,7 @@ impl Programs {
         let loaded = object
             .programs
             .keys()
-            .map(|name| (name.clone(), Mutex::new(None)))
+            .map(|name| (name.clone(), Mutex::new(refused_for_tests(name))))
             .collect();
         Ok(Self(Arc::new(Shared {
             links,
@@ -421,29 +442,54 @@ impl Programs {
         })))
     }
 
-    fn slot(&self, name: &str) -> Result<&Mutex<Option<OwnedFd>>, ProgramsError> {
+    fn slot(&self, name: &str) -> Result<&Mutex<Slot>, ProgramsError> {
         self.0
             .loaded
             .get(name)
             .ok_or_else(|| ProgramsError::NoProgram(name.into()))
     }
 
-    /// Whether `name` is loaded; one being verified on another thread is not yet.
-    pub fn is_loaded(&self, name: &str) -> bool {
+    /// Whether `name` was loaded or refused: a start need not load it ahead.
+    pub fn is_settled(&self, name: &str) -> bool {
         self.slot(name)
             .ok()
             .and_then(|s| s.try_lock().ok())
-            .is_some_and(|fd| fd.is_some())
+            .is_some_and(|slot| !matches!(*slot, Slot::NotLoaded))
     }
 
-    /// Loads `name` (once); the verifier's refusal comes back with its last lines.
+    /// The programs of the object, by name.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.0.loaded.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// The verifier's figures for `name`, loaded or refused (none before it is tried, or
+    /// from a kernel that prints no stats).
+    pub fn figures(&self, name: &str) -> Option<Figures> {
+        let slot = self.slot(name).ok()?.lock().ok()?;
+        match &*slot {
+            Slot::Loaded { figures, .. } | Slot::Refused { figures, .. } => figures.clone(),
+            Slot::NotLoaded => None,
+        }
+    }
+
+    /// Loads `name` (once); the verifier's refusal comes back with its last lines, and
+    /// again, without verifying, at every later call.
     pub fn load(&self, name: &str) -> Result<(), ProgramsError> {
         let mut slot = self
             .slot(name)?
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if slot.is_some() {
-            return Ok(());
+        let refused = |errno: i32, log: &str| ProgramsError::Load {
+            name: name.into(),
+            source: io::Error::from_raw_os_error(errno),
+            log: log.to_owned(),
+        };
+        match &*slot {
+            Slot::Loaded { .. } => return Ok(()),
+            Slot::Refused { errno, log, .. } => return Err(refused(*errno, log)),
+            Slot::NotLoaded => {}
         }
         let object = &self.0.object;
         let program = object
@@ -469,20 +515,37 @@ impl Programs {
             license: &program.license,
             btf: self.0.btf.as_ref().map(|fd| (fd.as_fd(), function)),
         };
-        let fd = match load(&code, &mut []) {
-            Ok(fd) => fd,
-            Err(source) => {
-                let mut log = vec![0u8; 1 << 20];
-                let _ = load(&code, &mut log);
-                return Err(ProgramsError::Load {
-                    name: name.into(),
-                    source,
-                    log: refusal(&String::from_utf8_lossy(&log)),
-                });
+        let mut stats = vec![0u8; verifier::STATS_LOG_BYTES];
+        let loaded = load(&code, verifier::LOG_STATS, &mut stats);
+        let stats = String::from_utf8_lossy(&stats).into_owned();
+        let figures = Figures::parse(&stats, code.insns.len());
+        let source = match loaded {
+            Ok(fd) => {
+                *slot = Slot::Loaded { fd, figures };
+                return Ok(());
             }
+            Err(source) => source,
         };
-        *slot = Some(fd);
-        Ok(())
+        // Refused at the instruction limit, the figures say why; the full log would cost
+        // as much verifying again. Otherwise the verifier stops where the code is wrong,
+        // soon, and its last lines say where.
+        let log = if figures.as_ref().is_some_and(Figures::at_limit) {
+            verifier::refusal(&stats)
+        } else {
+            let mut log = vec![0u8; 1 << 20];
+            let _ = load(&code, verifier::LOG_LEVEL1 | verifier::LOG_STATS, &mut log);
+            verifier::refusal(&String::from_utf8_lossy(&log))
+        };
+        let errno = source.raw_os_error().unwrap_or(libc::EINVAL);
+        // Out of memory or interrupted: worth another try later, unlike a refusal.
+        if ![libc::ENOMEM, libc::EAGAIN, libc::EINTR].contains(&errno) {
+            *slot = Slot::Refused {
+                errno,
+                log: log.clone(),
+                figures,
+            };
+        }
+        Err(refused(errno, &log))
     }
 
     /// A duplicate of the loaded program `name`'s fd (the perf-event program, which
@@ -490,9 +553,10 @@ impl Programs {
     pub fn fd(&self, name: &str) -> io::Result<OwnedFd> {
         let slot = self.slot(name).map_err(io::Error::other)?;
         let prog = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        prog.as_ref()
-            .ok_or_else(|| io::Error::other(format!("{name} is not loaded")))?
-            .try_clone()
+        match &*prog {
+            Slot::Loaded { fd, .. } => fd.try_clone(),
+            _ => Err(io::Error::other(format!("{name} is not loaded"))),
+        }
     }
 
     /// Whether uprobes go on in multi-uprobe links.
@@ -529,6 +593,22 @@ impl Programs {
                     .collect()
             }
         }
+    }
+}
+
+/// Programs named in `TRACER_REFUSE_PROGRAMS` (comma-separated) are taken as refused
+/// without being verified: how the tests see a kernel that refuses one (a smaller variant
+/// must serve, and the report say what is missing).
+fn refused_for_tests(name: &str) -> Slot {
+    let refused = std::env::var("TRACER_REFUSE_PROGRAMS")
+        .is_ok_and(|v| v.split(',').any(|n| n.trim() == name));
+    match refused {
+        true => Slot::Refused {
+            errno: libc::E2BIG,
+            log: " (TRACER_REFUSE_PROGRAMS names it)".into(),
+            figures: None,
+        },
+        false => Slot::NotLoaded,
     }
 }
 
@@ -571,34 +651,4 @@ fn map_fd(map: &Map) -> BorrowedFd<'_> {
         Unsupported,
         XskMap
     )
-}
-
-/// What a verifier's log says of its refusal, for the error: the lines up to its
-/// "processed N insns" summary (lines may follow it), else the log's last lines.
-fn refusal(log: &str) -> String {
-    let lines: Vec<&str> = log.trim_end_matches('\0').trim().lines().collect();
-    let end = lines
-        .iter()
-        .position(|l| l.starts_with("processed "))
-        .map_or(lines.len(), |i| i + 1);
-    let tail = &lines[end.saturating_sub(3)..end];
-    if tail.is_empty() {
-        String::new()
-    } else {
-        format!(" (verifier: {})", tail.join(" / "))
-    }
-}
-
-#[cfg(test)]
-mod refusal_tests {
-    #[test]
-    fn the_refusal_is_the_line_before_the_summary_even_with_lines_after_it() {
-        let log = "0: (7b) r1 = 0\n1572: (61) r1 = *(u32 *)(r9 +60)\nR9 invalid mem access 'scalar'\nprocessed 10737 insns (limit 1000000)\n633: call bpf_map_lookup_elem#1\nfrom 633 to 634: safe\n\0\0";
-        assert_eq!(
-            super::refusal(log),
-            " (verifier: 1572: (61) r1 = *(u32 *)(r9 +60) / R9 invalid mem access 'scalar' / processed 10737 insns (limit 1000000))"
-        );
-        assert_eq!(super::refusal("a\nb\nc\nd"), " (verifier: b / c / d)");
-        assert_eq!(super::refusal("\0\0"), "");
-    }
 }

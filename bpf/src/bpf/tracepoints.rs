@@ -1,30 +1,54 @@
 //! The process-following tracepoints: tracefs mounted where missing, and field offsets read
 //! from its `format` files so that one object fits kernels whose layouts differ.
 
-use std::{fs, path::Path};
+use std::{
+    fs, io,
+    os::fd::{AsFd, OwnedFd},
+    path::Path,
+};
 
-use aya::{programs::TracePoint, Ebpf};
+use perf_event_open_sys as sys;
 
-use super::{BpfError, TRACEFS};
+use super::{programs::Programs, BpfError, TRACEFS};
 
+/// Program `prog` on tracepoint `category:name`, loaded and attached by tracer's loader (so
+/// that its verifier figures are known, a refusal remembered, and a smaller variant can be
+/// put in its place): the link, then its event; dropping both detaches it.
 pub(super) fn attach(
-    ebpf: &mut Ebpf,
+    programs: &Programs,
     prog: &'static str,
     category: &str,
     name: &str,
-) -> Result<(), BpfError> {
-    let err = |e| BpfError::Program {
+) -> Result<[OwnedFd; 2], BpfError> {
+    programs.load(prog).map_err(|e| BpfError::Program {
+        name: prog,
+        source: Box::new(e),
+    })?;
+    let err = |e: io::Error| BpfError::Program {
         name: prog,
         source: Box::new(e),
     };
-    let tp: &mut TracePoint = ebpf
-        .program_mut(prog)
-        .expect("program in object")
-        .try_into()
-        .map_err(err)?;
-    tp.load().map_err(err)?;
-    tp.attach(category, name).map_err(err)?;
-    Ok(())
+    let fd = programs.fd(prog).map_err(err)?;
+    let event = tracepoint(category, name).map_err(err)?;
+    let link = super::programs::perf_link(fd.as_fd(), event.as_fd(), 0).map_err(err)?;
+    Ok([link, event])
+}
+
+/// A perf event on tracepoint `category:name`, for a program to be linked to.
+pub(super) fn tracepoint(category: &str, name: &str) -> io::Result<OwnedFd> {
+    let id = fs::read_to_string(
+        Path::new(TRACEFS)
+            .join("events")
+            .join(category)
+            .join(name)
+            .join("id"),
+    )?;
+    let mut attr = sys::bindings::perf_event_attr::default();
+    attr.type_ = sys::bindings::PERF_TYPE_TRACEPOINT;
+    attr.config = id.trim().parse().map_err(io::Error::other)?;
+    attr.__bindgen_anon_1.sample_period = 1;
+    // pid -1 on CPU 0, as libbpf opens a tracepoint's event.
+    crate::perf::open_raw(&mut attr, -1, 0)
 }
 
 /// Mounts tracefs when it is not (a fresh boot may lack it); tracepoints and uprobes need it.

@@ -8,7 +8,8 @@ use tracer_inspect::python::runtime::Runtime;
 
 use super::{
     programs, publish_layout, BpfError, AT_RETURN, CUDA_CALL, CUDA_PROGRAMS, CUDA_RETURN,
-    CUPTI_CALL, NATIVE_CALL, NATIVE_PROGRAMS, PY_ENTRY, PY_OPCODE, PY_PROGRAMS, PY_RETURN,
+    CUPTI_CALL, NATIVE_CALL, NATIVE_PROGRAMS, PY_ENTRY, PY_OPCODE, PY_OPCODE_EXIT, PY_PROGRAMS,
+    PY_RETURN,
 };
 
 /// Uprobes that come off together; dropping the set detaches them. That waits for the
@@ -135,7 +136,7 @@ impl PythonAttacher {
             points.push((PY_RETURN, &rt.eval_entry, exit));
         }
         points.extend(rt.resume.iter().map(|p| (PY_OPCODE, p, entry)));
-        points.extend(rt.exit.iter().map(|p| (PY_OPCODE, p, exit)));
+        points.extend(rt.exit.iter().map(|p| (PY_OPCODE_EXIT, p, exit)));
         let points: Vec<_> = points
             .into_iter()
             .map(|(name, p, cookie)| (name, p.file_offset, cookie))

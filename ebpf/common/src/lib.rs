@@ -102,8 +102,12 @@ pub mod loss {
     /// `PY_INPROC` was full: a forked child of a process counted in-process was not marked,
     /// so another session's Python uprobes may count its calls too.
     pub const PY_INPROC_FULL: u32 = 16;
+    /// A thread exited with Python frames on its shadow stack and the process-exit program
+    /// in use is the variant without the unwinding loop (the kernel refused the whole):
+    /// those frames' calls are not counted.
+    pub const PY_THREAD_EXIT_UNWOUND: u32 = 17;
     /// Number of loss causes (size of the `LOSSES` array).
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 18;
 }
 
 /// Capacity of the `TRACKED` map (followed processes, all sessions together).

@@ -115,16 +115,31 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
 /// `sched:sched_process_exit`: the last thread of a followed process is exiting.
 #[tracepoint]
 pub fn tracer_process_exit(ctx: TracePointContext) -> u32 {
-    match try_process_exit(&ctx) {
+    match try_process_exit::<true>(&ctx) {
         Ok(()) => 0,
         Err(()) => 1,
     }
 }
 
-fn try_process_exit(ctx: &TracePointContext) -> Result<(), ()> {
+/// `tracer_process_exit` without unwinding an exiting thread's Python frames (a
+/// `bpf_loop`, Linux 5.17+): what tracerd attaches where the kernel refuses the whole, so
+/// that processes are still followed; frames left on such a thread are counted lost.
+#[tracepoint]
+pub fn tracer_process_exit_plain(ctx: TracePointContext) -> u32 {
+    match try_process_exit::<false>(&ctx) {
+        Ok(()) => 0,
+        Err(()) => 1,
+    }
+}
+
+fn try_process_exit<const UNWIND: bool>(ctx: &TracePointContext) -> Result<(), ()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
-    crate::python::forget_thread(tid);
+    if UNWIND {
+        crate::python::forget_thread(tid);
+    } else {
+        crate::python::drop_thread(tid);
+    }
     let group_dead = match global(&EXIT_GROUP_DEAD_OFFSET) {
         // Older kernels lack `group_dead`: take the leader's exit as the process's.
         u32::MAX => tgid == tid,

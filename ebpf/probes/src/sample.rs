@@ -71,11 +71,19 @@ const REGS_SP: usize = 152;
 
 #[perf_event]
 pub fn tracer_sample(ctx: PerfEventContext) -> u32 {
-    let _ = try_sample(&ctx);
+    let _ = try_sample::<true>(&ctx);
     0
 }
 
-fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
+/// `tracer_sample` without the asyncio task walk: what sampling loads where the kernel
+/// refuses the whole, so that a sampling session loses its task stacks, not its samples.
+#[perf_event]
+pub fn tracer_sample_plain(ctx: PerfEventContext) -> u32 {
+    let _ = try_sample::<false>(&ctx);
+    0
+}
+
+fn try_sample<const TASKS: bool>(ctx: &PerfEventContext) -> Result<(), ()> {
     // SAFETY: plain helper call on this program's context.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
     let slot = (cookie & sample_cookie::SLOT_MASK) as u32;
@@ -110,7 +118,7 @@ fn try_sample(ctx: &PerfEventContext) -> Result<(), ()> {
             -1
         };
         user_stack(ev);
-        python::<true, false>(ev, pid);
+        python::<TASKS, false>(ev, pid);
     }
     // The user stack id is not used: frame-pointer walks are wrong without frame pointers.
     let _ = BPF_F_USER_STACK;
@@ -519,7 +527,7 @@ struct Walk {
 /// `TASKS`: and, on 3.11–3.13 with `--asyncio`, the running task, compiled only into the
 /// programs that walk tasks (the others' verification took up to 3.6 times as long).
 #[inline(never)]
-extern "C" fn walk_step<const TASKS: bool>(_: u64, ctx: *mut c_void) -> i64 {
+extern "C" fn walk_step<const TASKS: bool>(index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `ctx` is the `Walk` that `python` passed; the layout is a map value.
     let w = unsafe { &mut *ctx.cast::<Walk>() };
     let l = unsafe { &*w.layout };
@@ -551,8 +559,12 @@ extern "C" fn walk_step<const TASKS: bool>(_: u64, ctx: *mut c_void) -> i64 {
     }
     let qualname = read::<u64>(code + u64::from(l.code_qualname)).unwrap_or(0);
     let filename = read::<u64>(code + u64::from(l.code_filename)).unwrap_or(0);
+    // The depth is the loop's index, which the verifier knows only by its range: a count
+    // kept in `w` is a constant on each pass, so it verified this body once per depth
+    // (128 times; the sampling program went over the verifier's 1,000,000 instructions).
+    let depth = (index as u32) & (SAMPLE_PY_DEPTH as u32 - 1);
     if w.frame == w.task_frame {
-        w.task_at = w.depth + 1;
+        w.task_at = depth + 1;
     }
     if TASKS && w.legacy_pid != 0 && w.task == 0 && flags & PY_FRAME_SHIM == 0 {
         let coroutine = tasks::is_coroutine(code, w.code_flags);
@@ -560,25 +572,22 @@ extern "C" fn walk_step<const TASKS: bool>(_: u64, ctx: *mut c_void) -> i64 {
             w.task = tasks::stepped_task(w.legacy_pid, w.frame, w.coro_frame);
         }
         if coroutine {
-            (w.coro_frame, w.task_at) = (w.frame, w.depth + 1);
+            (w.coro_frame, w.task_at) = (w.frame, depth + 1);
         } else {
             (w.coro_frame, w.task_at) = (0, if w.task != 0 { w.task_at } else { 0 });
         }
     }
-    let i = (w.depth as usize) & (SAMPLE_PY_DEPTH - 1);
-    // SAFETY: `ev` is this CPU's record; `i` is masked into the array.
+    // SAFETY: `ev` is this CPU's record; `depth` is masked into the array.
     unsafe {
-        (*w.ev).py[i] = PySampleFrame {
+        (*w.ev).py[depth as usize] = PySampleFrame {
             code: code | flags,
             instr,
             names: py_names_id(qualname, filename),
         }
     };
-    w.depth += 1;
+    w.depth = depth + 1;
     w.frame = read(w.frame + u64::from(l.frame_previous)).unwrap_or(0);
-    if w.depth as usize >= SAMPLE_PY_DEPTH {
-        return 1;
-    }
+    // `bpf_loop` stops after SAMPLE_PY_DEPTH passes.
     0
 }
 

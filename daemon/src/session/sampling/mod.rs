@@ -41,7 +41,7 @@ impl SamplingSession {
         off_cpu_min_ns: Option<u64>,
         tasks: bool,
     ) -> Result<Self, Error> {
-        let program = bpf.sample_program()?;
+        let (program, refused) = bpf.sample_program()?;
         let sampler = Sampler::start(program.as_fd(), at.slot, at.pid.is_none(), hz)?;
         sampling.add(
             at.slot,
@@ -51,8 +51,13 @@ impl SamplingSession {
             process::kernel_addresses_for(at.owner_uid),
             off_cpu_min_ns,
         );
-        if tasks {
-            sampling.show_tasks(at.slot);
+        match (tasks, refused) {
+            (true, Some(why)) => sampling.note(
+                at.slot,
+                format!("no asyncio task stacks: this kernel refused the program that walks them ({why})"),
+            ),
+            (true, None) => sampling.show_tasks(at.slot),
+            (false, _) => {}
         }
         if let Some(min_ns) = off_cpu_min_ns {
             let how = tracer_bpf::OffCpuSession {

@@ -266,6 +266,13 @@ impl Sampling {
         }
     }
 
+    /// A line `slot`'s report shows whatever it sampled: what it lacks and why.
+    pub fn note(&self, slot: u8, line: String) {
+        if let Some(h) = lock(&self.state).sessions.get_mut(&u32::from(slot)) {
+            h.notes.insert(line);
+        }
+    }
+
     /// Looks at the processes a new session samples, on a thread of its own for many.
     fn look(&self, pids: Vec<u32>) {
         if pids.len() > 1 {

@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use tracer_common::{
-    loss, py_kind, py_role, PyLayout, PY_CO_GENERATOR_LIKE, PY_EVAL_EVENTS_MASK,
+    loss, py_kind, PyLayout, SessionMask, PY_CO_GENERATOR_LIKE, PY_EVAL_EVENTS_MASK,
     PY_FRAME_OWNED_BY_THREAD, TRACE_EXIT_INFERRED,
 };
 
@@ -95,32 +95,51 @@ pub fn tracer_py_eval_return(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// An opcode handler of the eval loop (3.11+): RESUME and friends (a frame starts or
-/// resumes: what cProfile counts as a call), or a return or yield (the frame is left).
+/// An opcode handler of the eval loop (3.11+) where a frame starts or resumes: RESUME and
+/// friends (what cProfile counts as a call).
 #[uprobe]
 pub fn tracer_py_opcode(ctx: ProbeContext) -> u32 {
     let _ = try_opcode(&ctx);
     0
 }
 
-fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let pid = (pid_tgid >> 32) as u32;
-    let mask = sessions(pid);
-    if mask == 0 {
-        return Ok(());
+/// An opcode handler of the eval loop (3.11+) where a frame is left: a return or a yield.
+/// A program apart from the entries': one holding both took the verifier their two costs
+/// together (25% of its instruction limit, `cargo xtask verifier`).
+#[uprobe]
+pub fn tracer_py_opcode_exit(ctx: ProbeContext) -> u32 {
+    if let Ok((mask, pid_tgid, layout, _, frame)) = opcode_frame(&ctx) {
+        leave(mask, pid_tgid, frame, layout);
     }
-    let (layout, role) = cookie(ctx).ok_or(())?;
+    0
+}
+
+/// The sessions counting the current process, its thread, the layout, the thread's state
+/// and its current frame.
+#[inline(always)]
+fn opcode_frame(ctx: &ProbeContext) -> Result<(SessionMask, u64, &'static PyLayout, u64, u64), ()> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let mask = sessions((pid_tgid >> 32) as u32);
+    if mask == 0 {
+        return Err(());
+    }
+    let (layout, _) = cookie(ctx).ok_or(())?;
     // SAFETY: map values are valid for the duration of the program.
     let Some(&tstate) = (unsafe { PY_TSTATE.get(&(pid_tgid as u32)) }) else {
         count_loss(loss::PY_NO_THREAD_STATE);
-        return Ok(());
+        return Err(());
     };
-    let frame = current_frame(tstate, layout)?;
-    if role == py_role::EXIT {
-        leave(mask, pid_tgid, frame, layout);
-        return Ok(());
-    }
+    Ok((
+        mask,
+        pid_tgid,
+        layout,
+        tstate,
+        current_frame(tstate, layout)?,
+    ))
+}
+
+fn try_opcode(ctx: &ProbeContext) -> Result<(), ()> {
+    let (mask, pid_tgid, layout, tstate, frame) = opcode_frame(ctx)?;
     if layout.code_flags != 0 && creating_generator(frame, layout) {
         return Ok(());
     }

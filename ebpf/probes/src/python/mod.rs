@@ -25,7 +25,7 @@ mod eval;
 mod stack;
 
 pub(crate) use count::add;
-pub(crate) use stack::forget_thread;
+pub(crate) use stack::{drop_thread, forget_thread};
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 

@@ -45,6 +45,17 @@ fn stack(tid: u32) -> Option<*mut PyStack> {
     PY_STACKS.get_ptr_mut(&tid)
 }
 
+/// A thread exits, in the process-exit program's variant without the unwinding loop: its
+/// stack and thread state go with it, any frames left on it counted lost.
+pub(crate) fn drop_thread(tid: u32) {
+    // SAFETY: map values are valid for the duration of the program.
+    if unsafe { PY_STACKS.get(&tid) }.is_some_and(|st| st.depth != 0) {
+        count_loss(loss::PY_THREAD_EXIT_UNWOUND);
+    }
+    let _ = PY_STACKS.remove(&tid);
+    let _ = PY_TSTATE.remove(&tid);
+}
+
 /// A thread exits: its stack and thread state go with it.
 pub(crate) fn forget_thread(tid: u32) {
     // Frames still on its stack end with it, their exits inferred as for frames left by
@@ -437,9 +448,13 @@ pub(super) fn pop(st: &mut PyStack, mask: SessionMask, who: u64, now: u64, flags
     st.depth -= 1;
     // Read in place, not copied: this function's frame is at the bottom of the deepest call
     // chains (an unwinding loop's callback, `leave`), which the verifier allows 512 bytes.
+    // `opaque`: compiled as is, the bound was checked on the depth before the decrement and
+    // the entry indexed by the one after; verifiers before 6.13 do not carry a bound across
+    // that subtraction and refused every Python program ("math between map_value pointer
+    // and register with unbounded min value", Linux 6.1 and 6.12).
     let Some(e) = st
         .entries
-        .get(st.depth as usize)
+        .get(opaque(st.depth as usize))
         .map(|e| e as *const PyStackEntry)
     else {
         return;

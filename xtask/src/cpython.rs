@@ -18,7 +18,7 @@
 //! This file builds the root and checks its interpreters; `apt` downloads the packages and
 //! `enter` makes the wrappers.
 
-mod apt;
+pub(crate) mod apt;
 mod enter;
 
 use std::{
@@ -543,7 +543,7 @@ fn unescape(s: &str) -> String {
 
 /// Runs a command with its output captured; fails with `what` and the most telling line of its
 /// stderr. Returns stdout.
-fn quiet(cmd: &mut Command, what: &str) -> Result<String> {
+pub(crate) fn quiet(cmd: &mut Command, what: &str) -> Result<String> {
     let out = cmd
         .stdin(Stdio::null())
         .output()
@@ -559,7 +559,7 @@ fn quiet(cmd: &mut Command, what: &str) -> Result<String> {
 }
 
 /// apt's "Failed to fetch" line, else its first error, else the last line.
-fn error_line(stderr: &str) -> String {
+pub(crate) fn error_line(stderr: &str) -> String {
     let lines: Vec<&str> = stderr
         .lines()
         .map(str::trim)

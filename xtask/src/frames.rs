@@ -26,8 +26,15 @@ struct Function {
     calls: BTreeSet<String>,
 }
 
-/// Prints each program's deepest chain; warns when one is within a frame of the limit.
-pub fn print() -> Result<()> {
+/// One program's deepest stack: its bytes and the chain of functions (with their frames).
+pub struct Chain {
+    pub program: String,
+    pub bytes: u64,
+    pub chain: String,
+}
+
+/// Each program's deepest chain, least first, from the newest build's object.
+pub fn chains() -> Result<Vec<Chain>> {
     let object = newest_object()?;
     let out = Command::new("llvm-objdump")
         .arg("-dr")
@@ -45,20 +52,39 @@ pub fn print() -> Result<()> {
         .map(|f| (depth(&functions, f, &mut depths), f.clone()))
         .collect();
     programs.sort();
+    Ok(programs
+        .into_iter()
+        .map(|(bytes, program)| {
+            let chain: Vec<String> = path(&functions, &program, &mut depths)
+                .iter()
+                .map(|f| format!("{} {}", short(f), round(functions[f].frame)))
+                .collect();
+            Chain {
+                program,
+                bytes,
+                chain: chain.join(" > "),
+            }
+        })
+        .collect())
+}
+
+/// Prints each program's deepest chain; warns when one is within a frame of the limit.
+pub fn print() -> Result<()> {
+    let object = newest_object()?;
+    let programs = chains()?;
     let shown = object.strip_prefix(crate::root()).unwrap_or(&object);
     println!(
         "{}: deepest stack per program (limit {LIMIT} bytes)",
         shown.display()
     );
-    for (bytes, program) in &programs {
-        let chain: Vec<String> = path(&functions, program, &mut depths)
-            .iter()
-            .map(|f| format!("{} {}", short(f), round(functions[f].frame)))
-            .collect();
-        println!("{bytes:>4}  {}", chain.join(" > "));
+    for c in &programs {
+        println!("{:>4}  {}", c.bytes, c.chain);
     }
-    if let Some((bytes, program)) = programs.last().filter(|(b, _)| *b + 16 > LIMIT) {
-        println!("warning: {program} is at {bytes} of {LIMIT} bytes: any frame on its chain that grows stops it loading");
+    if let Some(c) = programs.last().filter(|c| c.bytes + 16 > LIMIT) {
+        println!(
+            "warning: {} is at {} of {LIMIT} bytes: any frame on its chain that grows stops it loading",
+            c.program, c.bytes
+        );
     }
     Ok(())
 }

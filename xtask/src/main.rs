@@ -3,11 +3,13 @@
 mod bench;
 mod cpython;
 mod frames;
+mod kernels;
 mod layers;
 mod package;
 mod proto;
 mod suite;
 mod toolchain;
+mod verifier;
 
 use std::{
     path::{Path, PathBuf},
@@ -49,6 +51,9 @@ enum Task {
     /// Build, then print each BPF program's deepest stack (the verifier allows 512 bytes a
     /// call chain) and the functions on it.
     Frames,
+    /// Build, then load every BPF program on this kernel and print the verifier's figures
+    /// for each; fails over a quarter of its instruction limit or over 448 stack bytes.
+    Verifier,
     /// Build, then a Debian package (tracerd, tracerctl, their libraries, the systemd unit,
     /// /etc/tracer/tracerd.toml, man pages, completions) in target/package/ or --out.
     Package {
@@ -59,6 +64,14 @@ enum Task {
     Bench {
         #[arg(value_enum)]
         which: bench::Which,
+    },
+    /// Boot Debian's kernels (5.10, 6.1, 6.12, sid's) under qemu over a read-only view of this
+    /// machine and run tests/kernels/smoke.sh in each with the binaries already built; print a
+    /// table (needs root; downloads cached in target/kernels).
+    Kernels {
+        /// Only these kernels (repeatable); all when none.
+        #[arg(long)]
+        kernel: Vec<String>,
     },
 }
 
@@ -75,6 +88,10 @@ fn main() -> Result<()> {
             build()?;
             frames::print()
         }
+        Task::Verifier => {
+            build()?;
+            verifier::check()
+        }
         Task::Package { out } => {
             build()?;
             package::main(out)
@@ -83,6 +100,7 @@ fn main() -> Result<()> {
             build()?;
             bench::run(which)
         }
+        Task::Kernels { kernel } => kernels::main(&kernel),
     }
 }
 
@@ -287,6 +305,11 @@ fn test() -> Result<()> {
     let torch = toolchain::torch_test_env()?;
     toolchain::ensure_test_tools()?;
     build_binaries()?;
+    // Every program loads here with a margin the verifier of another kernel still allows.
+    verifier::check()?;
+    // And on the oldest kernel tracer supports and the newest, booted under qemu: a few
+    // minutes each (docs/KERNELS.md); the others on demand.
+    kernels::main(&["6.1".into(), "sid".into()])?;
     // The package the service tests install (tests/tests/service.rs).
     let package_dir = root().join("target/package");
     std::fs::create_dir_all(&package_dir)?;

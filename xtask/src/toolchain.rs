@@ -46,13 +46,15 @@ pub fn setup() -> Result<()> {
 }
 
 /// Go's toolchain, for `go tool pprof` (the pprof tests' ground truth), iproute2's `ip`, for
-/// the fleet tests' network namespaces, bpftool, and a Prometheus server to scrape the daemons: from
-/// Debian's packages.
+/// the fleet tests' network namespaces, bpftool, LLVM's objdump, and a Prometheus server to
+/// scrape the daemons: from Debian's packages.
 pub fn ensure_test_tools() -> Result<()> {
     ensure_package("go", &["version"], "golang-go")?;
     ensure_package("ip", &["-V"], "iproute2")?;
     // btf.rs's check of the kernel's BTF against bpftool's own reading.
     ensure_package("bpftool", &["version"], "bpftool")?;
+    // `cargo xtask verifier`'s stack chains (`frames`) read the BPF object's code with it.
+    ensure_package("llvm-objdump", &["--version"], "llvm")?;
     ensure_package("prometheus", &["--version"], "prometheus")
 }
 

@@ -13,10 +13,10 @@ use anyhow::{bail, ensure, Context, Result};
 
 use super::{error_line, packages, quiet};
 
-/// The machine's Debian mirror, with sid and experimental instead of its own suites: updates
-/// the private lists, downloads [`packages`] (apt's candidates: sid's, else experimental's) and
-/// returns the .deb files.
-pub(super) fn download(apt: &Path) -> Result<Vec<PathBuf>> {
+/// A private apt state in `apt` whose one source is the machine's Debian mirror with
+/// `suites` (its own sources list, `NAME.sources`), its lists updated; where the update
+/// fails, the lists an earlier one left serve, with a warning.
+pub(crate) fn update(apt: &Path, suites: &str, arch: &str, name: &str) -> Result<()> {
     let source = machine_source()?;
     for dir in [
         "lists/partial",
@@ -24,39 +24,49 @@ pub(super) fn download(apt: &Path) -> Result<Vec<PathBuf>> {
         "state",
         "sources.list.d",
         "preferences.d",
-        "debs",
     ] {
         fs::create_dir_all(apt.join(dir))?;
     }
-    let arch = quiet(
-        Command::new("dpkg").arg("--print-architecture"),
-        "dpkg --print-architecture",
-    )?;
     let mut sources = format!(
-        "Types: deb\nURIs: {}\nSuites: sid experimental\nComponents: main\nArchitectures: {}\nTargets: Packages\n",
+        "Types: deb\nURIs: {}\nSuites: {suites}\nComponents: main\nArchitectures: {arch}\nTargets: Packages\n",
         source.uri,
-        arch.trim()
     );
     if let Some(key) = &source.signed_by {
         sources += &format!("Signed-By: {key}\n");
     }
-    fs::write(apt.join("sources.list.d/tracer-cpython.sources"), sources)?;
-
+    fs::write(apt.join(format!("sources.list.d/{name}.sources")), sources)?;
     // apt-get update warns and exits 0 when fetches fail, keeping the lists it had.
-    let update = apt_get(apt)
+    let update = apt_tool("apt-get", apt)
         .arg("update")
         .stdin(Stdio::null())
         .output()
         .context("apt-get update: running apt-get")?;
     let stderr = String::from_utf8_lossy(&update.stderr);
     if !update.status.success() || stderr.contains("Failed to fetch") {
-        let failed = format!("apt-get update failed: {}", error_line(&stderr));
+        let failed = format!("apt-get update ({suites}) failed: {}", error_line(&stderr));
         let have_lists = fs::read_dir(apt.join("lists"))?
             .filter_map(Result::ok)
             .any(|e| e.file_name().to_string_lossy().contains("_Packages"));
         ensure!(have_lists, "{failed}");
-        eprintln!("xtask: {failed}; using the package lists already in target/cpython-apt");
+        let shown = apt.strip_prefix(crate::root()).unwrap_or(apt);
+        eprintln!(
+            "xtask: {failed}; using the package lists already in {}",
+            shown.display()
+        );
     }
+    Ok(())
+}
+
+/// The machine's Debian mirror, with sid and experimental instead of its own suites: updates
+/// the private lists, downloads [`packages`] (apt's candidates: sid's, else experimental's) and
+/// returns the .deb files.
+pub(super) fn download(apt: &Path) -> Result<Vec<PathBuf>> {
+    let arch = quiet(
+        Command::new("dpkg").arg("--print-architecture"),
+        "dpkg --print-architecture",
+    )?;
+    update(apt, "sid experimental", arch.trim(), "tracer-cpython")?;
+    fs::create_dir_all(apt.join("debs"))?;
     let debs_dir = apt.join("debs");
     let uris = quiet(
         apt_get(apt)
@@ -99,7 +109,13 @@ pub(super) fn download(apt: &Path) -> Result<Vec<PathBuf>> {
 /// apt-get with the private state under `apt`: the machine's sources, lists, preferences and
 /// package status are not read, and nothing of its own is written.
 fn apt_get(apt: &Path) -> Command {
-    let mut cmd = Command::new("apt-get");
+    apt_tool("apt-get", apt)
+}
+
+/// `program` (apt-get, apt-cache) with the private state under `apt`, as [`apt_get`]; also
+/// the kernel matrix's (`kernels`).
+pub(crate) fn apt_tool(program: &str, apt: &Path) -> Command {
+    let mut cmd = Command::new(program);
     cmd.arg("-q");
     for (key, value) in [
         ("Dir::Etc::sourcelist", PathBuf::from("/dev/null")),
@@ -119,15 +135,15 @@ fn apt_get(apt: &Path) -> Command {
     cmd
 }
 
-struct Source {
-    uri: String,
+pub(crate) struct Source {
+    pub(crate) uri: String,
     /// As the machine's source gives it: a keyring's path, or a key inline (deb822).
-    signed_by: Option<String>,
+    pub(crate) signed_by: Option<String>,
 }
 
 /// The machine's main Debian archive (suites like `bookworm`, not `bookworm-security`), from
 /// deb822 `.sources` files or one-line `.list` ones.
-fn machine_source() -> Result<Source> {
+pub(crate) fn machine_source() -> Result<Source> {
     let etc = Path::new("/etc/apt");
     let mut files = vec![etc.join("sources.list")];
     if let Ok(dir) = fs::read_dir(etc.join("sources.list.d")) {

@@ -151,6 +151,9 @@ pub fn run_in(
             "--append",
             &format!("modprobe.blacklist={}", SKIPPED_MODULES.join(",")),
         ])
+        // The repository shared again at its own path: the guest puts a tmpfs or an overlay
+        // on /tmp, /run, /var and /etc, which would hide a checkout under one of them.
+        .arg(format!("--rodir={}", root.display()))
         .args(["--verbose", "--user", "root", "--cwd"])
         .arg(&root)
         .arg("--exec")

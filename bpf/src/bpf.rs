@@ -162,9 +162,6 @@ pub struct Bpf {
     multi_missing: Option<String>,
     /// Why Python 3.10 threads cannot be told apart when sampling, if they cannot.
     pub fsbase_error: Option<String>,
-    /// Why an exiting thread's Python frames are not unwound (the kernel refused the
-    /// process-exit program that does), if they are not.
-    pub exit_refused: Option<String>,
     /// The process-following tracepoints' links and events.
     _tracepoints: Vec<OwnedFd>,
     // Owns the maps.
@@ -288,22 +285,11 @@ impl Bpf {
         // Without the exit program no process is followed: where the kernel refuses it, its
         // variant without the Python unwinding loop serves, and the loss is counted.
         let exit = ("sched", "sched_process_exit");
-        let exit_refused = match attach(&programs, "tracer_process_exit", exit.0, exit.1) {
-            Ok(fds) => {
-                tracepoints.extend(fds);
-                None
-            }
-            Err(e) => {
-                tracing::warn!(%e, "process exits go without unwinding Python frames");
-                tracepoints.extend(attach(
-                    &programs,
-                    "tracer_process_exit_plain",
-                    exit.0,
-                    exit.1,
-                )?);
-                Some(e.to_string())
-            }
-        };
+        let exit_fds = attach(&programs, "tracer_process_exit", exit.0, exit.1).or_else(|e| {
+            tracing::warn!(%e, "process exits go without unwinding Python frames");
+            attach(&programs, "tracer_process_exit_plain", exit.0, exit.1)
+        })?;
+        tracepoints.extend(exit_fds);
         let mut layouts: Array<MapData, PyLayout> = take(&mut ebpf, "PY_LAYOUTS")?;
         for v in VERSIONS {
             layouts
@@ -341,7 +327,6 @@ impl Bpf {
             programs,
             multi_missing: multi_missing.map(str::to_owned),
             fsbase_error,
-            exit_refused,
             _tracepoints: tracepoints,
             ebpf,
         })

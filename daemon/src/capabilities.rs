@@ -63,9 +63,7 @@ pub fn measure(
     };
     Capabilities {
         daemon_version: env!("CARGO_PKG_VERSION").into(),
-        kernel_release: nix::sys::utsname::uname()
-            .map(|u| u.release().to_string_lossy().into_owned())
-            .unwrap_or_default(),
+        kernel_release: kernel_release(),
         btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
         bpf: bpf_loaded,
         tracefs: Path::new(tracer_bpf::TRACEFS).join("events").exists(),
@@ -103,4 +101,11 @@ fn short_probe(what: &str) -> String {
     } else {
         place
     }
+}
+
+/// `uname -r`, or empty where it cannot be had.
+pub fn kernel_release() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default()
 }

@@ -204,7 +204,7 @@ fn check_programs() -> i32 {
     println!(
         "# {} processed instructions at most; kernel {}",
         tracer_bpf::INSN_LIMIT,
-        kernel_release()
+        tracer_daemon::capabilities::kernel_release()
     );
     println!("# program processed share states peak_states time_us stack");
     let mut refused = 0;
@@ -228,11 +228,6 @@ fn check_programs() -> i32 {
         }
     }
     i32::from(refused > 0)
-}
-
-fn kernel_release() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
 }
 
 /// The flags, with the settings file's before them; `--check-config` ends here.

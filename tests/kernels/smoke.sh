@@ -109,17 +109,23 @@ ctl() {
 # The session id: start's line `session ID · MODE · …` (a command's own output comes first).
 session_id() { echo "$out" | awk '$1 == "session" && $3 == "·" { print $2; exit }'; }
 
+# MODE's row for f from a cProfile table in $out (`N … <string>:1(f)`: its first column is
+# ncalls) against WANT.
+f_calls() {
+    local calls
+    calls=$(echo "$out" | awk '/<string>:1\(f\)$/ { gsub(",", "", $1); print $1; exit }')
+    if [ "$calls" = "$2" ]; then
+        row "$1" ok "f called $2 times"
+    else
+        row "$1" wrong "f called ${calls:-no} times, not $2"
+    fi
+}
+
 # counting: cProfile's exact ncalls.
 t0=$SECONDS
 printf -v code 'def f(n): return n\nfor i in range(1000): f(i)'
 if ctl counting start --mode=counting --python -- "$python" -c "$code"; then
-    # The row `1000 … <string>:1(f)`: its first column is ncalls.
-    calls=$(echo "$out" | awk '/\(f\)$/ { gsub(",", "", $1); print $1; exit }')
-    if [ "$calls" = 1000 ]; then
-        row counting ok "f called 1000 times"
-    else
-        row counting wrong "f called ${calls:-no} times, not 1000"
-    fi
+    f_calls counting 1000
 fi
 
 # sampling: Python frames in the native stacks. Spins on the clock, not a count, so that a
@@ -147,12 +153,7 @@ printf -v code 'def f(n): return n\nfor i in range(100): f(i)'
 if ctl tracing start --mode=tracing -- "$python" -c "$code"; then
     id=$(session_id)
     if ctl tracing report "$id" --limit 0; then
-        calls=$(echo "$out" | awk '/<string>:1\(f\)$/ { gsub(",", "", $1); print $1; exit }')
-        if [ "$calls" = 100 ]; then
-            row tracing ok "f called 100 times"
-        else
-            row tracing wrong "f called ${calls:-no} times, not 100"
-        fi
+        f_calls tracing 100
     fi
 fi
 

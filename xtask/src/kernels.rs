@@ -219,6 +219,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_unknown_kernel_is_named_with_the_known_ones() {
+        assert_eq!(by_name("6.12").unwrap().suite, "trixie");
+        let err = by_name("5.15")
+            .err()
+            .expect("no 5.15 in the matrix")
+            .to_string();
+        assert_eq!(err, r#"no kernel "5.15"; known: 5.10, 6.1, 6.12, sid"#);
+    }
+
+    #[test]
     fn mode_results() {
         let row = Row {
             kernel: "6.1",

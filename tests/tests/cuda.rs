@@ -1665,6 +1665,189 @@ fn gpu_times_without_a_restart() {
     });
 }
 
+/// `--gpu-times --pid` loads the CUPTI tracerd finds from what the process maps (CUPTI itself,
+/// or a file beside its CUDA runtime), never one its environment names: that environment is
+/// its user's, and in a setuid program it would choose what runs with the program's rights.
+/// A process started with `TRACER_CUPTI_PATH` naming a working copy of the fake CUPTI gets
+/// its GPU times from the one beside its runtime, and never maps the copy. Where no CUPTI is
+/// found, the start is refused naming the directories tried, and nothing is loaded.
+#[test]
+fn gpu_times_for_a_running_process_ignore_its_environment() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let decoy = d.dir.path().join("decoy");
+    std::fs::create_dir_all(&decoy).unwrap();
+    let decoy = decoy.join("libcupti.so.13");
+    std::fs::copy(libs.join("libcupti.so.13"), &decoy).unwrap();
+    let beside = libs.join("libcupti.so.13");
+    let start = |pid: &str| {
+        d.run(&[
+            "start",
+            "--mode=counting",
+            "--cuda",
+            "--gpu-times",
+            "--pid",
+            pid,
+        ])
+    };
+    let maps = |pid: &str| std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+
+    let mut app = App::spawn(
+        &libs,
+        &["hold=1", "init=1"],
+        &[("TRACER_CUPTI_PATH", decoy.to_str().unwrap())],
+    );
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let pid = app.pid();
+    let out = start(&pid);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    // On once the start is answered.
+    let mapped = maps(&pid);
+    assert!(mapped.contains(beside.to_str().unwrap()), "{mapped}");
+    assert!(!mapped.contains(decoy.to_str().unwrap()), "{mapped}");
+    // The process exits during the session: its status line, the one of "on" with what was
+    // handed over at exit, is the report's.
+    let truth = app.finish();
+    wait_ended(&d, &id);
+    let r: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let line = r["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
+    assert!(
+        line.starts_with(&format!("on: CUPTI from {}; ", beside.display()))
+            && line.contains("at exit"),
+        "{line}"
+    );
+    assert_eq!(gpu_per_kernel(&r), cupti_observed(&truth));
+
+    // No CUPTI beside the runtime: refused before anything is loaded, whatever the
+    // environment names.
+    let Some(bare) = build_into(d.dir.path().join("no-cupti")) else {
+        return;
+    };
+    std::fs::remove_file(bare.join("libcupti.so.13")).unwrap();
+    let mut app = App::spawn(
+        &bare,
+        &["hold=1", "init=1"],
+        &[("TRACER_CUPTI_PATH", decoy.to_str().unwrap())],
+    );
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let pid = app.pid();
+    let out = start(&pid);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let want = format!(
+        "no CUPTI for pid {pid}: it maps none, and none of libcupti.so.13, libcupti.so.12, libcupti.so is in {}, ",
+        bare.display()
+    );
+    assert!(err.contains(&want), "{err}");
+    let mapped = maps(&pid);
+    assert!(!mapped.contains("libtracer_cupti.so"), "{mapped}");
+    assert!(!mapped.contains("libcupti"), "{mapped}");
+}
+
+/// tracer's injection library in a program started in the loader's secure mode (here setgid,
+/// run by root: the effective group changes, as a setuid program's user does) does nothing: its
+/// status line says so, `TRACER_CUPTI_PATH` (kept by glibc in secure mode) leads nowhere, and
+/// no thread is left to take requests. The same program without the setgid bit reads the
+/// variable, as a launched command does, and its serving thread ends once the driver's
+/// `InitializeInjection` has been called.
+#[test]
+fn the_injection_library_does_nothing_in_a_secure_mode_process() {
+    if !root_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let library = dir.path().join("libtracer_cupti.so");
+    std::fs::copy(tracer_tests::bin_dir().join("libtracer_cupti.so"), &library).unwrap();
+    // As CUDA's driver does: load it, then call InitializeInjection.
+    let source = dir.path().join("inject.c");
+    std::fs::write(
+        &source,
+        r#"#include <dirent.h>
+#include <dlfcn.h>
+#include <stdio.h>
+#include <unistd.h>
+static int threads(void) {
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    for (struct dirent *e; d && (e = readdir(d));) n += e->d_name[0] != '.';
+    if (d) closedir(d);
+    return n;
+}
+int main(int argc, char **argv) {
+    void *h = dlopen(argv[1], RTLD_NOW);
+    if (!h) { printf("dlopen: %s\n", dlerror()); return 1; }
+    const char *status = dlsym(h, "tracer_cupti_status");
+    int (*init)(void) = (int (*)(void))dlsym(h, "InitializeInjection");
+    printf("loaded: %s\n", status);
+    printf("initialized: %d\n", init());
+    printf("status: %s\n", status);
+    for (int i = 0; i < 40 && threads() > 1; i++) usleep(50000);
+    printf("threads: %d\n", threads());
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let plain = dir.path().join("inject");
+    let built = Command::new("cc")
+        .arg("-o")
+        .arg(&plain)
+        .arg(&source)
+        .arg("-ldl")
+        .output();
+    match built {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!("cc: {}", String::from_utf8_lossy(&out.stderr)),
+        Err(_) => {
+            tracer_testkit::skip(format_args!("no C compiler to build the test program"));
+            return;
+        }
+    }
+    let setgid = dir.path().join("inject-setgid");
+    std::fs::copy(&plain, &setgid).unwrap();
+    std::os::unix::fs::chown(&setgid, Some(0), Some(65534)).unwrap();
+    std::fs::set_permissions(
+        &setgid,
+        std::os::unix::fs::PermissionsExt::from_mode(0o2755),
+    )
+    .unwrap();
+    let run = |program: &std::path::Path| {
+        let out = Command::new(program)
+            .arg(&library)
+            .env("TRACER_CUPTI_PATH", "/nonexistent/libcupti.so")
+            .env_remove("CUDA_INJECTION64_PATH")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+
+    let refused = "error: refused in a secure-mode (setuid) process";
+    assert_eq!(
+        run(&setgid),
+        format!("loaded: {refused}\ninitialized: 1\nstatus: {refused}\nthreads: 1\n")
+    );
+    let out = run(&plain);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "loaded: loaded; InitializeInjection not called yet"
+    );
+    assert!(
+        lines[2].starts_with("status: error: TRACER_CUPTI_PATH=/nonexistent/libcupti.so"),
+        "{out}"
+    );
+    assert_eq!(lines[3], "threads: 1", "the serving thread ended: {out}");
+}
+
 /// A report's GPU time rows summed per kernel: (executions, total ns).
 fn gpu_per_kernel(report: &Value) -> BTreeMap<String, (u64, u64)> {
     let mut per: BTreeMap<String, (u64, u64)> = BTreeMap::new();

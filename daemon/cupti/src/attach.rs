@@ -5,8 +5,14 @@
 //! `tracer_cupti_control` (odd: on, even: off; each request a larger number than the last),
 //! and waits until `tracer_cupti_ack` holds it; the status line then says what came of it.
 //!
-//! On: CUPTI's one subscriber slot is taken first, and refused when another tool
-//! (torch.profiler, Nsight) holds it: their buffers would otherwise come to us. Then kernel
+//! The constructor cannot tell this case from a load by CUDA's driver without reading the
+//! environment, which the process's user controls, so it starts the thread in both; whichever
+//! acts first, the thread on a request or the driver's `InitializeInjection`, decides the mode
+//! ([`claim`]), and the thread ends once the driver's call has.
+//!
+//! On: CUPTI is loaded from the path tracerd wrote into `tracer_cupti_path` and no other (an
+//! empty one is refused). CUPTI's one subscriber slot is taken first, and refused when another
+//! tool (torch.profiler, Nsight) holds it: their buffers would otherwise come to us. Then kernel
 //! records, as in an injected process. Off: everything handed over, records off, the slot let
 //! go and CUPTI detached (`cuptiFinalize`), as torch.profiler leaves a process.
 //!
@@ -14,11 +20,11 @@
 //! this library's probe point has gone unprobed for [`WATCHDOG`], it turns itself off.
 
 use std::{
-    ffi::{c_void, CStr},
+    cell::UnsafeCell,
     fs::File,
     os::unix::fs::FileExt,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicU8, Ordering},
         OnceLock,
     },
     time::Duration,
@@ -26,7 +32,8 @@ use std::{
 
 use super::{
     announce, api::Subscriber, buffer_completed, buffer_requested, clock_offset, counts, find,
-    flush_all, flush_now, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, EXITING, FLUSH_EVERY,
+    flush_all, flush_now, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, CUPTI_PATH_LEN, EXITING,
+    FLUSH_EVERY, REFUSED_SECURE,
 };
 
 /// tracerd's request: odd turns kernel records on, even turns them off.
@@ -36,10 +43,25 @@ pub static tracer_cupti_control: AtomicU64 = AtomicU64::new(0);
 #[no_mangle]
 pub static tracer_cupti_ack: AtomicU64 = AtomicU64::new(0);
 
+/// A fixed-size, NUL-terminated path that tracerd writes through /proc/PID/mem.
+#[repr(C)]
+pub struct CuptiPath(UnsafeCell<[u8; CUPTI_PATH_LEN]>);
+// SAFETY: written only by tracerd, from outside, before its "on" request; read by the serving
+// thread after it sees that request (a torn path fails to load, or is refused).
+unsafe impl Sync for CuptiPath {}
+
+/// The CUPTI to load at "on", named by tracerd. Kept in `.data` (file-backed, as
+/// `tracer_cupti_status`) though it starts empty: all zero, it would go to `.bss`.
+#[no_mangle]
+#[link_section = ".data"]
+pub static tracer_cupti_path: CuptiPath = CuptiPath(UnsafeCell::new([0; CUPTI_PATH_LEN]));
+
 /// How long the probe point may go unprobed before records turn themselves off.
 const WATCHDOG: Duration = Duration::from_secs(5);
 /// How often requests are looked for while records are off.
 const IDLE_EVERY: Duration = Duration::from_millis(250);
+/// The serving thread's stack: std's default.
+const SERVE_STACK: usize = 2 << 20;
 
 #[used]
 #[link_section = ".init_array"]
@@ -49,35 +71,46 @@ static LOADED: extern "C" fn() = loaded;
 static CUPTI_PATH: OnceLock<String> = OnceLock::new();
 
 extern "C" fn loaded() {
-    if injected_by_driver() {
+    if super::secure_mode() {
+        // No thread: nothing tracerd asks is done here.
+        set_status(REFUSED_SECURE);
         return;
     }
-    // The thread waits for the loader's lock until this dlopen returns.
+    // The thread waits for the loader's lock until this dlopen returns. Its stack size is
+    // given: std would read it from RUST_MIN_STACK, the process's environment.
     let _ = std::thread::Builder::new()
         .name("tracer-cupti".into())
+        .stack_size(SERVE_STACK)
         .spawn(serve);
 }
 
-/// Whether CUDA's driver loads this library (`CUDA_INJECTION64_PATH` names this file): then
-/// `InitializeInjection` turns records on for the process's life, and requests are not read.
-fn injected_by_driver() -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Some(named) = std::env::var_os("CUDA_INJECTION64_PATH") else {
-        return false;
-    };
-    // SAFETY: an all-zero Dl_info is valid; dladdr fills it for an address of ours.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    let me = loaded as extern "C" fn() as *const c_void;
-    // SAFETY: as above.
-    if unsafe { libc::dladdr(me, &mut info) } == 0 || info.dli_fname.is_null() {
-        return false;
+/// How this library came to be used, decided once.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Mode {
+    /// CUDA's driver called `InitializeInjection`: records on for the process's life, and
+    /// requests are not read.
+    Driver = 1,
+    /// tracerd asked first: records on and off at its requests.
+    Attached = 2,
+}
+
+/// 0 while undecided, else a [`Mode`].
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+/// Whether this library is used `mode`'s way: decided by the first to ask.
+pub fn claim(mode: Mode) -> bool {
+    match MODE.compare_exchange(0, mode as u8, Ordering::SeqCst, Ordering::SeqCst) {
+        Ok(_) => true,
+        Err(held) => held == mode as u8,
     }
-    // SAFETY: the loader's NUL-terminated path of this object.
-    let mine = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy();
-    match (std::fs::metadata(named), std::fs::metadata(mine.as_ref())) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => false,
-    }
+}
+
+/// The CUPTI tracerd named, or why none.
+fn named_cupti() -> Result<std::ffi::CString, String> {
+    // SAFETY: a plain copy of our own array (tracerd writes it from outside, before asking).
+    let buf = unsafe { std::ptr::read_volatile(tracer_cupti_path.0.get()) };
+    find::named(&buf)
 }
 
 /// Kernel records on, in a running process.
@@ -95,7 +128,7 @@ impl On {
         let cupti = match CUPTI.get() {
             Some(c) => c,
             None => {
-                let (lib, path) = find::libcupti()?;
+                let (lib, path) = find::open(&named_cupti()?)?;
                 let _ = CUPTI.set(Cupti::load(lib)?);
                 let _ = CUPTI_PATH.set(path);
                 CUPTI.get().ok_or("CUPTI's entry points went missing")?
@@ -162,8 +195,15 @@ fn serve() {
             // The exit handler hands the rest over.
             return;
         }
+        // CUDA's driver loaded this library: records are on for the process's life.
+        if MODE.load(Ordering::SeqCst) == Mode::Driver as u8 {
+            return;
+        }
         let want = tracer_cupti_control.load(Ordering::Acquire);
         if want != tracer_cupti_ack.load(Ordering::Acquire) {
+            if !claim(Mode::Attached) {
+                return;
+            }
             let line = match (want & 1 == 1, on.take()) {
                 (true, Some(o)) => {
                     let line = o.line.clone();

@@ -1,7 +1,12 @@
-//! Where CUPTI is: named by `TRACER_CUPTI_PATH`; already loaded (PyTorch's profiler links it);
-//! beside the CUDA runtime the program loaded (a CUDA 13 wheel keeps both in
-//! `nvidia/cu13/lib`, CUDA 12 wheels in sibling `nvidia/cuda_runtime` and `nvidia/cuda_cupti`
-//! packages, the toolkit in `extras/CUPTI/lib64`); else wherever the loader finds its soname.
+//! Where CUPTI is. Loaded by CUDA's driver (the program was started with
+//! `CUDA_INJECTION64_PATH` naming this library, by its user): named by `TRACER_CUPTI_PATH`;
+//! already loaded (PyTorch's profiler links it); beside the CUDA runtime the program loaded (a
+//! CUDA 13 wheel keeps both in `nvidia/cu13/lib`, CUDA 12 wheels in sibling
+//! `nvidia/cuda_runtime` and `nvidia/cuda_cupti` packages, the toolkit in
+//! `extras/CUPTI/lib64`); else wherever the loader finds its soname ([`libcupti`]). Loaded by
+//! tracerd with ptrace: only the absolute path tracerd wrote ([`named`], [`open`]), since
+//! whatever the process's user controls (its environment, the loader's search path) must not
+//! choose what runs in a process tracerd reached.
 
 use std::{
     ffi::{c_void, CStr, CString},
@@ -22,9 +27,43 @@ fn dlerror() -> String {
     super::c_str(unsafe { libc::dlerror() })
 }
 
-/// A handle on libcupti and the path it came from.
+const FLAGS: i32 = libc::RTLD_NOW | libc::RTLD_LOCAL;
+
+/// The path in `buf` (tracerd's `tracer_cupti_path`, NUL-terminated), or why none.
+pub fn named(buf: &[u8]) -> Result<CString, String> {
+    let len = buf
+        .iter()
+        .position(|&b| b == 0)
+        .ok_or("tracerd's CUPTI path is not NUL-terminated")?;
+    let path = &buf[..len];
+    if path.is_empty() {
+        return Err("tracerd named no CUPTI".into());
+    }
+    // A name without a slash would be looked for along the loader's search path, which the
+    // process's environment (LD_LIBRARY_PATH) sets.
+    if !path.starts_with(b"/") {
+        return Err(format!(
+            "tracerd named CUPTI by a relative path: {}",
+            String::from_utf8_lossy(path)
+        ));
+    }
+    CString::new(path).map_err(|e| e.to_string())
+}
+
+/// A handle on the CUPTI at `path` exactly, and that path.
+pub fn open(path: &CStr) -> Result<(*mut c_void, String), String> {
+    let shown = path.to_string_lossy().into_owned();
+    // SAFETY: a NUL-terminated path.
+    let h = unsafe { libc::dlopen(path.as_ptr(), FLAGS) };
+    if h.is_null() {
+        return Err(format!("{shown}: {}", dlerror()));
+    }
+    Ok((h, shown))
+}
+
+/// A handle on libcupti and the path it came from, in a process whose CUDA driver loaded this
+/// library (its user's own program, outside the loader's secure mode: the caller checks).
 pub fn libcupti() -> Result<(*mut c_void, String), String> {
-    const FLAGS: i32 = libc::RTLD_NOW | libc::RTLD_LOCAL;
     if let Ok(path) = std::env::var("TRACER_CUPTI_PATH") {
         return dlopen(&path, FLAGS)
             .map(|h| (h, path.clone()))
@@ -60,7 +99,10 @@ pub fn libcupti() -> Result<(*mut c_void, String), String> {
     ))
 }
 
-/// Directories where CUPTI may sit, given the CUDA runtime's directory.
+/// Directories where CUPTI may sit, given the CUDA runtime's directory. tracerd searches the
+/// same ones for a process it loads this library into (`tracer_inspect::cuda::cupti_beside`:
+/// this crate, loaded into programs, does not depend on that one; the tests below check that
+/// the two agree).
 pub fn beside(dir: &Path) -> Vec<PathBuf> {
     let mut dirs = vec![dir.to_path_buf()];
     if let Some(up) = dir.parent() {
@@ -111,5 +153,48 @@ mod tests {
         assert!(d.contains(&PathBuf::from("/v/site-packages/nvidia/cuda_cupti/lib")));
         let d = beside(Path::new("/usr/local/cuda/lib64"));
         assert!(d.contains(&PathBuf::from("/usr/local/cuda/extras/CUPTI/lib64")));
+    }
+
+    #[test]
+    fn tracerd_searches_where_the_driver_loaded_library_does() {
+        use tracer_inspect::cuda;
+        for dir in [
+            "/v/site-packages/nvidia/cuda_runtime/lib",
+            "/v/site-packages/nvidia/cu13/lib",
+            "/usr/local/cuda/lib64",
+            "/lib",
+            "/",
+        ] {
+            assert_eq!(
+                beside(Path::new(dir)),
+                cuda::cupti_beside(Path::new(dir)),
+                "{dir}"
+            );
+        }
+        assert_eq!(SONAMES, cuda::CUPTI_SONAMES);
+        // And reads the library's memory as it is laid out.
+        assert_eq!(crate::STATUS_LEN, cuda::STATUS_LEN);
+        assert_eq!(crate::CUPTI_PATH_LEN, cuda::CUPTI_PATH_LEN);
+        assert_eq!(crate::REFUSED_SECURE, cuda::REFUSED_SECURE);
+    }
+
+    #[test]
+    fn only_an_absolute_path_tracerd_wrote_is_taken() {
+        let mut buf = [0u8; 64];
+        assert_eq!(named(&buf).unwrap_err(), "tracerd named no CUPTI");
+        buf[..22].copy_from_slice(b"/w/lib/libcupti.so.13\0");
+        assert_eq!(named(&buf).unwrap().as_bytes(), b"/w/lib/libcupti.so.13");
+        buf[..15].copy_from_slice(b"libcupti.so.13\0");
+        assert!(named(&buf).unwrap_err().contains("relative path"));
+        assert!(named(&[b'/'; 8])
+            .unwrap_err()
+            .contains("not NUL-terminated"));
+    }
+
+    #[test]
+    fn a_missing_cupti_is_said_with_its_path() {
+        let path = CString::new("/nonexistent/libcupti.so.13").unwrap();
+        let e = open(&path).unwrap_err();
+        assert!(e.starts_with("/nonexistent/libcupti.so.13: "), "{e}");
     }
 }

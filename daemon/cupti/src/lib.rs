@@ -9,7 +9,10 @@
 //! tracerd reads from the process's memory when it finds the library mapped.
 //!
 //! tracerd may also load it into a running process (`--gpu-times --pid`): then it turns
-//! CUPTI on and off when tracerd asks (`attach.rs`).
+//! CUPTI on and off when tracerd asks (`attach.rs`), loading the CUPTI tracerd names.
+//!
+//! In a process started in the loader's secure mode (setuid, setgid, file capabilities), whose
+//! environment a less privileged user chose, it does nothing but say so in its status line.
 
 mod api;
 mod attach;
@@ -41,6 +44,8 @@ pub struct Status(UnsafeCell<[u8; STATUS_LEN]>);
 // SAFETY: written under `STATUS_LOCK` only; readers outside the process tolerate tearing.
 unsafe impl Sync for Status {}
 pub const STATUS_LEN: usize = 256;
+/// Bytes of `tracer_cupti_path` (`attach.rs`), its NUL included.
+pub const CUPTI_PATH_LEN: usize = 4096;
 
 const fn initial_status() -> [u8; STATUS_LEN] {
     let text = b"loaded; InitializeInjection not called yet";
@@ -130,12 +135,29 @@ const EXIT_WAIT: Duration = Duration::from_secs(2);
 /// CUPTI's threads, and must not call into CUPTI.
 static OWNER: AtomicI32 = AtomicI32::new(0);
 
+/// The status line in a secure-mode process.
+const REFUSED_SECURE: &str = "error: refused in a secure-mode (setuid) process";
+
+/// Whether the loader runs this process in secure mode (AT_SECURE: a setuid, setgid or
+/// capability-gaining exec). Then the environment, which names CUDA_INJECTION64_PATH and
+/// TRACER_CUPTI_PATH, is the less privileged caller's, and nothing it leads to may run.
+fn secure_mode() -> bool {
+    // SAFETY: reads the auxiliary vector; no environment involved.
+    unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
+}
+
 /// Called by CUDA's driver at `cuInit` in a process started with `CUDA_INJECTION64_PATH`
 /// naming this library. Never fails the program: 1 ("initialized") either way, with what
 /// went wrong in the status line and on stderr.
 #[no_mangle]
 pub extern "C" fn InitializeInjection() -> c_int {
-    if CUPTI.get().is_some() {
+    if secure_mode() {
+        set_status(REFUSED_SECURE);
+        announce(REFUSED_SECURE);
+        return 1;
+    }
+    // tracerd loaded this library and turned records on first: they stay its to turn off.
+    if !attach::claim(attach::Mode::Driver) || CUPTI.get().is_some() {
         return 1;
     }
     let line = match start() {
@@ -157,6 +179,8 @@ fn announce(line: &str) {
 }
 
 fn start() -> Result<String, String> {
+    // The user's own program, not in secure mode (checked above): its environment may name
+    // CUPTI.
     let (lib, path) = find::libcupti()?;
     let cupti = Cupti::load(lib)?;
     // CUPTI stamps records with CLOCK_REALTIME on Linux. Its timestamp callback would give

@@ -1,10 +1,12 @@
 //! tracer's CUPTI injection library (`libtracer_cupti.so`) in a process, as tracerd reads and
 //! drives it: its status line, and the requests that turn its kernel records on and off in a
-//! running process (`--gpu-times --pid`; the library's side is `daemon/cupti/src/attach.rs`).
+//! running process (`--gpu-times --pid`; the library's side is `daemon/cupti/src/attach.rs`),
+//! with the CUPTI they load named by tracerd (`tracer_cupti_path`), never by the process.
 //! The process may have written anything there: what is read is bounded and checked, and a
 //! request that gets no answer in time fails.
 
 use std::{
+    os::unix::ffi::OsStrExt,
     path::Path,
     time::{Duration, Instant},
 };
@@ -12,7 +14,12 @@ use std::{
 use crate::pinned::Pinned;
 
 /// Bytes of `tracer_cupti_status`, its NUL included.
-const STATUS_LEN: usize = 256;
+pub const STATUS_LEN: usize = 256;
+/// Bytes of `tracer_cupti_path`, its NUL included.
+pub const CUPTI_PATH_LEN: usize = 4096;
+/// The whole status line of a library in a process started in the loader's secure mode
+/// (setuid, setgid, file capabilities): it does nothing there, and answers no request.
+pub const REFUSED_SECURE: &str = "error: refused in a secure-mode (setuid) process";
 
 /// The library's words in one process.
 pub struct Injection {
@@ -20,6 +27,8 @@ pub struct Injection {
     status: u64,
     control: u64,
     ack: u64,
+    /// `tracer_cupti_path`: 0 in a library from before tracerd named CUPTI.
+    cupti_path: u64,
 }
 
 impl Injection {
@@ -54,6 +63,7 @@ impl Injection {
             status: bias.wrapping_add(status),
             control: word("tracer_cupti_control"),
             ack: word("tracer_cupti_ack"),
+            cupti_path: word("tracer_cupti_path"),
         })
     }
 
@@ -67,6 +77,23 @@ impl Injection {
             return Err("the library was still being loaded".into());
         }
         Ok(line)
+    }
+
+    /// Names the CUPTI the library loads at its next "on" (an absolute path in the process's
+    /// root): the library loads that file and no other, so what the process's user controls
+    /// (its environment, the loader's search path) does not choose it.
+    pub fn name_cupti(&self, path: &Path) -> Result<(), String> {
+        let pid = self.pid;
+        if self.cupti_path == 0 {
+            return Err(
+                "this injection library cannot be told where CUPTI is (an older build): install tracerd's own libtracer_cupti.so"
+                    .into(),
+            );
+        }
+        let bytes = cupti_path_bytes(path)?;
+        let pin = Pinned::open(pid).map_err(|e| format!("pid {pid}: {e}"))?;
+        pin.write(self.cupti_path, &bytes)
+            .map_err(|e| format!("writing pid {pid}'s memory: {e}"))
     }
 
     /// Asks the library to turn kernel records on (or off) and waits up to `wait` for it to
@@ -104,5 +131,59 @@ impl Injection {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.status()
+    }
+}
+
+/// `tracer_cupti_path`'s whole contents naming `path`: the path, then NULs. Refused: a path
+/// that is not absolute (the loader would search for it), holds a NUL, or does not fit.
+fn cupti_path_bytes(path: &Path) -> Result<Vec<u8>, String> {
+    let raw = path.as_os_str().as_bytes();
+    if !raw.starts_with(b"/") {
+        return Err(format!("CUPTI's path {path:?} is not absolute"));
+    }
+    if raw.contains(&0) {
+        return Err(format!("CUPTI's path {path:?} holds a NUL"));
+    }
+    if raw.len() >= CUPTI_PATH_LEN {
+        return Err(format!(
+            "CUPTI's path is {} bytes long, more than the library's {} can hold",
+            raw.len(),
+            CUPTI_PATH_LEN - 1
+        ));
+    }
+    let mut bytes = vec![0u8; CUPTI_PATH_LEN];
+    bytes[..raw.len()].copy_from_slice(raw);
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::{ffi::OsStr, path::PathBuf};
+
+    #[test]
+    fn cupti_paths_fill_the_buffer_and_stay_inside_it() {
+        let b = cupti_path_bytes(Path::new("/w/nvidia/cu13/lib/libcupti.so.13")).unwrap();
+        assert_eq!(b.len(), CUPTI_PATH_LEN);
+        assert!(b.starts_with(b"/w/nvidia/cu13/lib/libcupti.so.13\0"));
+        assert!(b.iter().skip(33).all(|&c| c == 0), "the rest cleared");
+        // The longest that fits leaves its NUL; one more byte does not fit.
+        let longest = PathBuf::from(format!("/{}", "a".repeat(CUPTI_PATH_LEN - 2)));
+        let b = cupti_path_bytes(&longest).unwrap();
+        assert_eq!((b.len(), b[CUPTI_PATH_LEN - 1]), (CUPTI_PATH_LEN, 0));
+        let too_long = PathBuf::from(format!("/{}", "a".repeat(CUPTI_PATH_LEN - 1)));
+        assert!(cupti_path_bytes(&too_long)
+            .unwrap_err()
+            .contains("more than"));
+        let nul = Path::new(OsStr::from_bytes(b"/x/libcupti.so\0/evil.so"));
+        assert!(cupti_path_bytes(nul).unwrap_err().contains("NUL"));
+        for relative in ["libcupti.so.13", "", "./libcupti.so"] {
+            assert!(
+                cupti_path_bytes(Path::new(relative))
+                    .unwrap_err()
+                    .contains("not absolute"),
+                "{relative}"
+            );
+        }
     }
 }

@@ -5,10 +5,13 @@
 mod injection;
 mod registered;
 
-pub use injection::Injection;
+pub use injection::{Injection, CUPTI_PATH_LEN, REFUSED_SECURE, STATUS_LEN};
 pub use registered::Registrations;
 
-use std::{collections::HashMap, path::Path};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
 
 use tracer_common::{cuda_api as api, CudaNameEvent};
 
@@ -37,6 +40,34 @@ pub fn library(path: &Path) -> Option<Library> {
     } else {
         None
     }
+}
+
+/// CUPTI's file names, newest first: what is looked for beside the CUDA runtime.
+pub const CUPTI_SONAMES: &[&str] = &["libcupti.so.13", "libcupti.so.12", "libcupti.so"];
+
+/// Whether `path` is CUPTI itself (`libcupti.so*`), not tracer's injection library. Kept out
+/// of [`library`]: CUPTI is not probed, only found.
+pub fn is_cupti(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|f| f.to_str())
+        .is_some_and(|f| f.starts_with("libcupti.so"))
+}
+
+/// Directories where CUPTI may sit, given the directory of the CUDA runtime (`libcudart.so*`):
+/// that directory (a CUDA 13 wheel keeps both in `nvidia/cu13/lib`), the toolkit's
+/// `extras/CUPTI/lib64` beside its `lib64`, and CUDA 12 wheels' sibling
+/// `nvidia/cuda_cupti/lib` beside `nvidia/cuda_runtime/lib`. The injection library searches
+/// the same directories when CUDA's driver loads it (`daemon/cupti/src/find.rs`, which cannot
+/// depend on this crate: its unit tests check the two agree).
+pub fn cupti_beside(runtime_dir: &Path) -> Vec<PathBuf> {
+    let mut dirs = vec![runtime_dir.to_path_buf()];
+    if let Some(up) = runtime_dir.parent() {
+        dirs.push(up.join("extras/CUPTI/lib64"));
+        if let Some(pkgs) = up.parent() {
+            dirs.push(pkgs.join("cuda_cupti/lib"));
+        }
+    }
+    dirs
 }
 
 /// An entry point: its symbol, what the probe decodes, and whether its result is read at
@@ -316,5 +347,22 @@ mod tests {
             Some(Library::Driver)
         );
         assert_eq!(library(Path::new("/usr/lib/libcudnn.so.9")), None);
+        assert!(is_cupti(Path::new("/x/nvidia/cu13/lib/libcupti.so.13")));
+        assert!(!is_cupti(Path::new("/x/libtracer_cupti.so")));
+        assert_eq!(
+            library(Path::new("/x/libcupti.so.13")),
+            None,
+            "found, not probed"
+        );
+    }
+
+    #[test]
+    fn cupti_is_looked_for_where_wheels_and_the_toolkit_put_it() {
+        let d = cupti_beside(Path::new("/v/site-packages/nvidia/cuda_runtime/lib"));
+        assert!(d.contains(&PathBuf::from("/v/site-packages/nvidia/cuda_runtime/lib")));
+        assert!(d.contains(&PathBuf::from("/v/site-packages/nvidia/cuda_cupti/lib")));
+        let d = cupti_beside(Path::new("/usr/local/cuda/lib64"));
+        assert!(d.contains(&PathBuf::from("/usr/local/cuda/extras/CUPTI/lib64")));
+        assert_eq!(cupti_beside(Path::new("/")), [PathBuf::from("/")]);
     }
 }

@@ -85,6 +85,8 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
     // and nothing is loaded.
     if !maps_one(cuda::Library::Cupti) {
         loadable(pid, maps_one(cuda::Library::Driver))?;
+        // Nothing is loaded where CUPTI cannot be found (looked for again before "on").
+        cupti_path(pid, maps.entries())?;
     }
     let library = process::beside_tracerd(INJECTION_LIBRARY)?;
     Ok(Ask {
@@ -100,6 +102,11 @@ fn loadable(pid: u32, driver: bool) -> Result<(), String> {
     if !driver {
         return Err(format!(
             "pid {pid} has not loaded CUDA's driver (libcuda): --gpu-times --pid turns CUPTI on in a process that has initialized CUDA"
+        ));
+    }
+    if secure_mode(pid)? {
+        return Err(format!(
+            "pid {pid} runs in the loader's secure mode (a setuid, setgid or capability-gaining program): tracer loads nothing into it"
         ));
     }
     match injection_env(pid) {
@@ -173,9 +180,19 @@ impl Enable {
         if status.starts_with("ok:") {
             return Ok(Enabled::Injected(status));
         }
+        if status == cuda::REFUSED_SECURE {
+            // Its serving thread never started: a request would go unanswered.
+            return Err(format!("GPU times in pid {pid}: {status}"));
+        }
         let status = if *held > 0 && status.starts_with("on:") {
             status
         } else {
+            // Named before asking: the library loads that file and no other.
+            let maps = ProcMaps::read(pid).map_err(|e| format!("pid {pid}: {e}"))?;
+            let cupti = cupti_path(pid, maps.entries())?;
+            injection
+                .name_cupti(&cupti)
+                .map_err(|e| format!("GPU times in pid {pid}: {e}"))?;
             injection.request(true, ANSWER_WAIT)?
         };
         if !status.starts_with("on:") {
@@ -218,6 +235,68 @@ pub fn gone(pid: u32) {
     }
 }
 
+/// Whether `pid` was started in the loader's secure mode (AT_SECURE in its auxiliary vector:
+/// a setuid, setgid or capability-gaining exec), whose environment a less privileged user chose.
+fn secure_mode(pid: u32) -> Result<bool, String> {
+    const AT_SECURE: u64 = 23;
+    let auxv = std::fs::read(format!("/proc/{pid}/auxv"))
+        .map_err(|e| format!("reading pid {pid}'s auxiliary vector: {e}"))?;
+    let word = |b: &[u8]| u64::from_ne_bytes(b.try_into().unwrap_or_default());
+    Ok(auxv
+        .chunks_exact(16)
+        .any(|pair| word(&pair[..8]) == AT_SECURE && word(&pair[8..]) != 0))
+}
+
+/// The CUPTI for tracer's injection library to load into `pid`, as a path in the process's
+/// root (tracerd's: `check` saw to it). Taken from what the process maps, never from its
+/// environment or the loader's search path, which its user sets.
+fn cupti_path(pid: u32, maps: &[MapEntry]) -> Result<PathBuf, String> {
+    let exists = |p: &Path| Path::new(&format!("/proc/{pid}/root{}", p.display())).is_file();
+    find_cupti(maps, exists).map_err(|tried| {
+        if tried.is_empty() {
+            return format!(
+                "pid {pid} maps neither CUPTI nor a CUDA runtime (libcudart.so*) to find CUPTI beside: GPU times need CUPTI"
+            );
+        }
+        let tried: Vec<String> = tried.iter().map(|d| d.display().to_string()).collect();
+        format!(
+            "no CUPTI for pid {pid}: it maps none, and none of {} is in {}",
+            cuda::CUPTI_SONAMES.join(", "),
+            tried.join(", ")
+        )
+    })
+}
+
+/// CUPTI as the process maps it (PyTorch's profiler links it), else the first of its sonames
+/// that `exists` in the directories beside a CUDA runtime it maps; else the directories tried.
+fn find_cupti(maps: &[MapEntry], exists: impl Fn(&Path) -> bool) -> Result<PathBuf, Vec<PathBuf>> {
+    let files = || {
+        maps.iter()
+            .filter(|m| m.is_file() && !m.deleted())
+            .map(|m| Path::new(&m.path))
+    };
+    if let Some(mapped) = files().find(|p| cuda::is_cupti(p) && exists(p)) {
+        return Ok(mapped.to_path_buf());
+    }
+    let mut tried: Vec<PathBuf> = Vec::new();
+    let runtimes = files().filter(|p| cuda::library(p) == Some(cuda::Library::Runtime));
+    for dir in runtimes.filter_map(Path::parent) {
+        for candidate in cuda::cupti_beside(dir) {
+            if tried.contains(&candidate) {
+                continue;
+            }
+            for name in cuda::CUPTI_SONAMES {
+                let path = candidate.join(name);
+                if exists(&path) {
+                    return Ok(path);
+                }
+            }
+            tried.push(candidate);
+        }
+    }
+    Err(tried)
+}
+
 /// tracer's injection library in `pid`.
 fn find(pid: u32) -> Result<Injection, String> {
     let maps = ProcMaps::read(pid).map_err(|e| format!("pid {pid}: {e}"))?;
@@ -238,4 +317,65 @@ fn find(pid: u32) -> Result<Injection, String> {
         .filter(|m| (m.dev, m.inode) == id)
         .collect();
     Injection::find(pid, &path, &mine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapped(path: &str) -> MapEntry {
+        MapEntry {
+            start: 0x1000,
+            end: 0x2000,
+            offset: 0,
+            path: path.into(),
+            executable: true,
+            dev: (8, 1),
+            inode: 7,
+        }
+    }
+
+    #[test]
+    fn cupti_is_the_mapped_one_else_the_first_beside_a_runtime() {
+        let wheel = "/v/site-packages/nvidia";
+        let maps = [
+            mapped("/usr/bin/python3.12"),
+            mapped(&format!("{wheel}/cuda_runtime/lib/libcudart.so.12")),
+            mapped("/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        ];
+        let cupti12 = format!("{wheel}/cuda_cupti/lib/libcupti.so.12");
+        let found = find_cupti(&maps, |p| p == Path::new(&cupti12));
+        assert_eq!(found, Ok(PathBuf::from(&cupti12)));
+        // The newest soname in a directory, the runtime's own directory first.
+        let beside = format!("{wheel}/cuda_runtime/lib/libcupti.so.13");
+        let found = find_cupti(&maps, |p| {
+            p == Path::new(&cupti12) || p == Path::new(&beside)
+        });
+        assert_eq!(found, Ok(PathBuf::from(&beside)));
+        // A CUPTI the process maps already wins (if it is still there).
+        let mut with = maps.to_vec();
+        with.push(mapped("/opt/torch/lib/libcupti.so.12"));
+        let found = find_cupti(&with, |p| p.starts_with("/opt") || p == Path::new(&beside));
+        assert_eq!(found, Ok(PathBuf::from("/opt/torch/lib/libcupti.so.12")));
+        let found = find_cupti(&with, |p| p == Path::new(&beside));
+        assert_eq!(found, Ok(PathBuf::from(&beside)));
+        // Nothing found: the directories tried, once each.
+        with.push(mapped(&format!(
+            "{wheel}/cuda_runtime/lib/libcudart.so.12.8"
+        )));
+        assert_eq!(
+            find_cupti(&with, |_| false),
+            Err(vec![
+                PathBuf::from(format!("{wheel}/cuda_runtime/lib")),
+                PathBuf::from(format!("{wheel}/cuda_runtime/extras/CUPTI/lib64")),
+                PathBuf::from(format!("{wheel}/cuda_cupti/lib")),
+            ])
+        );
+        assert_eq!(find_cupti(&maps[..1], |_| true), Err(vec![]), "no runtime");
+    }
+
+    #[test]
+    fn this_process_is_not_in_secure_mode() {
+        assert_eq!(secure_mode(std::process::id()), Ok(false));
+    }
 }

@@ -9,7 +9,7 @@ mod creds;
 pub mod cuda;
 pub mod demangle;
 pub mod native;
-mod pinned;
+pub mod pinned;
 pub mod plt;
 pub mod process;
 pub mod python;

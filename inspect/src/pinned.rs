@@ -19,6 +19,36 @@ pub struct Pinned {
     pid: u32,
     pidfd: OwnedFd,
     mem: File,
+    /// The program it ran when pinned, read before its memory was opened.
+    image: Image,
+}
+
+/// Which program a process runs: an exec keeps the pid and the start time but replaces the
+/// executable (and the address space, which [`Pinned::unchanged`] checks apart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Image {
+    /// `/proc/PID/stat`'s start time: another process under the same pid has another.
+    pub start_time: u64,
+    /// The executable's (device, inode), through `/proc/PID/exe` (any root, deleted or not).
+    pub exe: (u64, u64),
+}
+
+impl Image {
+    pub fn of(pid: u32) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // Field 22; the fields after the parenthesised name start at 3.
+        let start_time = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(19))
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(|| io::Error::other(format!("/proc/{pid}/stat has no start time")))?;
+        let exe = std::fs::metadata(format!("/proc/{pid}/exe"))?;
+        Ok(Self {
+            start_time,
+            exe: (exe.dev(), exe.ino()),
+        })
+    }
 }
 
 impl Pinned {
@@ -32,6 +62,8 @@ impl Pinned {
         }
         // SAFETY: a fresh descriptor nobody else owns.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // Before the memory: an exec between the two shows as another image later.
+        let image = Image::of(pid)?;
         let path = format!("/proc/{pid}/mem");
         let open = || {
             std::fs::OpenOptions::new()
@@ -52,7 +84,12 @@ impl Pinned {
             }
             r => r?,
         };
-        let p = Self { pid, pidfd, mem };
+        let p = Self {
+            pid,
+            pidfd,
+            mem,
+            image,
+        };
         if !p.alive() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
@@ -61,6 +98,33 @@ impl Pinned {
 
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The program the process ran when pinned.
+    pub fn image(&self) -> Image {
+        self.image
+    }
+
+    /// Whether the process still runs the program it was pinned on: not reaped, the same
+    /// image, and the address space pinned still its own (an exec drops the old one, whose
+    /// memory then reads nothing; `addr` is an address mapped there, a stopped thread's
+    /// instruction pointer). Checks made on `/proc/PID` after a true answer, with a thread of
+    /// it stopped, are made on that program: another exec would kill the stopped thread.
+    pub fn unchanged(&self, addr: u64) -> Result<(), String> {
+        let pid = self.pid;
+        let now = Image::of(pid).map_err(|e| format!("pid {pid}: {e}"))?;
+        if !self.alive() {
+            return Err(format!("pid {pid} exited"));
+        }
+        if now != self.image {
+            return Err(format!(
+                "pid {pid} executed another program since it was checked"
+            ));
+        }
+        let mut b = [0u8; 1];
+        self.read(addr, &mut b).map_err(|_| {
+            format!("pid {pid} replaced its address space (an exec) since it was checked")
+        })
     }
 
     /// Whether the pinned process has not been reaped: while it has not, its pid is its own,

@@ -11,6 +11,7 @@
 
 pub mod counting;
 pub mod cuda;
+pub mod loads;
 pub mod manager;
 pub mod native;
 pub mod python;

@@ -13,8 +13,10 @@ use std::{
     time::Duration,
 };
 
+use super::super::loads::Ticket;
 use tracer_inspect::{
     cuda::{self, Injection, INJECTION_LIBRARY},
+    pinned::{Image, Pinned},
     process::{self, inject, MapEntry},
     unwind::ProcMaps,
 };
@@ -44,6 +46,10 @@ pub type MayLoad = std::sync::Arc<dyn Fn(u32) -> Result<(), String> + Send + Syn
 #[derive(Clone)]
 pub struct Ask {
     pub pid: u32,
+    /// The program it ran when checked: a load reaches that program or nothing.
+    pub image: Image,
+    /// The session's owner, whose loads in flight are bounded.
+    pub owner: u32,
     /// The library beside tracerd: the same path in the process, whose root is tracerd's.
     pub library: PathBuf,
     pub may_load: MayLoad,
@@ -74,7 +80,10 @@ pub enum Enabled {
 /// Checks made at the start, before anything is loaded (the caller's right to load into
 /// `pid` is checked before this): `pid` has initialized CUDA, sees tracerd's files at their
 /// paths, and no other tool's injection library holds CUPTI. The ask, or why not.
-pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
+pub fn check(pid: u32, owner: u32, may_load: MayLoad) -> Result<Ask, String> {
+    // The program as checked from here on.
+    let image = Image::of(pid).map_err(|e| format!("pid {pid}: {e}"))?;
+    may_load(pid)?;
     let maps = ProcMaps::read(pid).map_err(|e| format!("pid {pid}: {e}"))?;
     let maps_one = |kind: cuda::Library| {
         maps.entries()
@@ -91,6 +100,8 @@ pub fn check(pid: u32, may_load: MayLoad) -> Result<Ask, String> {
     let library = process::beside_tracerd(INJECTION_LIBRARY)?;
     Ok(Ask {
         pid,
+        image,
+        owner,
         library,
         may_load,
     })
@@ -168,12 +179,24 @@ impl Enable {
         let holders = holders(pid);
         let mut held = holders.lock().unwrap_or_else(|e| e.into_inner());
         if self.load {
-            // Asked again: the process may have changed hands since the start's check.
-            (self.ask.may_load)(pid)?;
+            let _ticket = Ticket::take(self.ask.owner)?;
+            let pin = Pinned::open(pid).map_err(|e| format!("pinning pid {pid}: {e}"))?;
+            if pin.image() != self.ask.image {
+                return Err(format!(
+                    "pid {pid} executed another program since the session's start checked it"
+                ));
+            }
+            // Asked again on the stopped process (ptrace's right, Yama), through this pin.
             let path = self.ask.library.to_string_lossy();
-            inject::load_library(pid, &path, LOAD_WAIT).map_err(|e| {
-                format!("loading {INJECTION_LIBRARY} into pid {pid} with ptrace: {e}")
-            })?;
+            inject::Load {
+                pin: &pin,
+                path: &path,
+                wait: LOAD_WAIT,
+                check: &*self.ask.may_load,
+                cancelled: &|| false,
+            }
+            .run()
+            .map_err(|e| format!("loading {INJECTION_LIBRARY} into pid {pid} with ptrace: {e}"))?;
         }
         let injection = find(pid)?;
         let status = injection.status()?;

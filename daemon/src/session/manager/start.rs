@@ -14,7 +14,7 @@ use super::{
     checks::{self, inproc_candidate, Asked},
     new_id, persist, Done, Manager, Prepared, Reply, INPROC_WAIT, MAX_RUNNING,
 };
-use crate::session::python::watch::FoundPython;
+use crate::session::{loads::Ticket, python::watch::FoundPython};
 use crate::{
     access::Caller,
     error::Error,
@@ -35,6 +35,12 @@ use tracer_inspect::process;
 
 /// How long a handover waits for the manager (the counter holds the program 30 s at most).
 const HANDOVER_ANSWER: std::time::Duration = std::time::Duration::from_secs(25);
+
+/// A place for a load into a running process made for `caller`.
+fn load_ticket(caller: &Caller) -> Result<Ticket, Error> {
+    let uid = caller.acting_uid("starting a session")?;
+    Ticket::take(uid).map_err(Error::ResourceExhausted)
+}
 
 /// Where a start's session runs, known once its slot is taken.
 #[derive(Clone, Copy)]
@@ -82,6 +88,14 @@ impl Manager {
             // hold up other requests: the attempt runs on a blocking thread and the start
             // comes back as StartPrepared.
             Some((pid, launched)) => {
+                // A launch loads nothing into a running process.
+                let ticket = match (!launched).then(|| load_ticket(&caller)).transpose() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
                 let tx = self.done.clone();
                 let id = new_id();
                 // Asked again before every request to run code in a process.
@@ -126,10 +140,20 @@ impl Manager {
                         }
                     } else {
                         (
-                            inproc::start(pid, &id, INPROC_WAIT, may_trace, late, handover),
+                            // A client gone while its process is loaded into ends the load.
+                            inproc::start(
+                                pid,
+                                &id,
+                                INPROC_WAIT,
+                                may_trace,
+                                late,
+                                handover,
+                                &|| reply.is_closed(),
+                            ),
                             Vec::new(),
                         )
                     };
+                    drop(ticket);
                     let prepared = Prepared { id, counter, env };
                     let cmd = Done::StartPrepared {
                         req,
@@ -269,7 +293,10 @@ impl Manager {
                 let who = caller.clone();
                 let may_load: cuda::gpu_times::MayLoad =
                     std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
-                Some(cuda::gpu_times::check(pid, may_load).map_err(Error::FailedPrecondition)?)
+                Some(
+                    cuda::gpu_times::check(pid, owner_uid, may_load)
+                        .map_err(Error::FailedPrecondition)?,
+                )
             }
             None => None,
         };

@@ -4,6 +4,12 @@
 //! AVX), and a system call it was blocked in restarted as if nothing had happened (the
 //! program sees no `EINTR`).
 //!
+//! What was checked of the process (the caller's right to load into it) is asked again once a
+//! thread is stopped, before anything is written: the pin taken before the first check must
+//! still name the process, running the same program in the same address space
+//! ([`Pinned::unchanged`]). A program exec'd in between (a setuid one) is never loaded into.
+//! The call has a deadline ([`CALL_DEADLINE`]); no thread is left traced after it.
+//!
 //! The library's constructor does the rest, on a thread of its own. The thread stopped is
 //! chosen among those blocked in a system call first (they hold no lock the loader needs,
 //! unless blocked in the loader's own calls, which are passed over);
@@ -66,12 +72,20 @@ pub enum LoadError {
     },
     #[error("thread {tid}: {what}")]
     Call { tid: u32, what: String },
+    /// The check made on the stopped process failed: nothing was touched.
+    #[error("refused once a thread of it was stopped: {0}")]
+    Refused(String),
+    #[error("the load was cancelled (its client went)")]
+    Cancelled,
+    #[error("thread {tid}: dlopen did not return within {ms} ms ({what})")]
+    Deadline { tid: u32, ms: u128, what: String },
 }
 
 /// How long a thread may take to reach the stop asked of it.
 const STOP_WAIT: Duration = Duration::from_millis(100);
-/// How long `dlopen` may take: it waits only for locks other threads hold briefly.
-const CALL_WAIT: Duration = Duration::from_secs(30);
+/// How long `dlopen` may take: it waits only for locks other threads hold briefly, and the
+/// libraries loaded do their work on threads of their own.
+const CALL_DEADLINE: Duration = Duration::from_secs(5);
 /// Bytes skipped below the thread's stack pointer: the x86-64 red zone and a margin.
 const RED_ZONE: u64 = 256;
 /// Basenames of code besides the dynamic loader's ([`is_loader`]) that may hold the locks
@@ -88,14 +102,33 @@ fn may_hold_locks(base: &str) -> bool {
     is_loader(base) || LOCKING_CODE.iter().any(|l| base.starts_with(l))
 }
 
-/// Loads the library at `path` (as the process sees it) into `pid`, waiting up to `limit`
-/// for a thread to stop where that is safe.
-pub fn load_library(pid: u32, path: &str, limit: Duration) -> Result<(), LoadError> {
-    load_on(pid, None, path, limit)
+/// One load: what it is for and what bounds it.
+pub struct Load<'a> {
+    /// The process, pinned before the caller checked it: the load reaches that process
+    /// running that program, or nothing.
+    pub pin: &'a Pinned,
+    /// The library's path, as the process sees it.
+    pub path: &'a str,
+    /// How long a thread may take to stop where loading is safe.
+    pub wait: Duration,
+    /// The caller's right to have code loaded into the process, asked again of the process
+    /// once a thread of it is stopped, before any register or memory is touched.
+    pub check: &'a (dyn Fn(u32) -> Result<(), String> + Sync),
+    /// Whether the load is no longer wanted (its client went): it ends as the deadline does.
+    pub cancelled: &'a (dyn Fn() -> bool + Sync),
 }
 
-/// [`load_library`], on thread `only` where given.
-fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(), LoadError> {
+impl Load<'_> {
+    /// Loads the library into the pinned process.
+    pub fn run(&self) -> Result<(), LoadError> {
+        load_on(self, None)
+    }
+}
+
+/// [`Load::run`], on thread `only` where given.
+fn load_on(load: &Load, only: Option<u32>) -> Result<(), LoadError> {
+    let (pin, path) = (load.pin, load.path);
+    let pid = pin.pid();
     if !cfg!(target_arch = "x86_64") {
         return Err(LoadError::Architecture);
     }
@@ -106,7 +139,9 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
         return Err(LoadError::BadPath(path.to_owned()));
     }
     check_status(pid)?;
-    let pin = Pinned::open(pid).map_err(|_| LoadError::Gone)?;
+    if !pin.alive() {
+        return Err(LoadError::Gone);
+    }
     let maps = ProcMaps::read(pid).map_err(|_| LoadError::Gone)?;
     let calls = dlopen::find(pid, &maps).map_err(LoadError::NoDlopen)?;
     // The file as the process sees it, to know it loaded.
@@ -125,7 +160,17 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
             let Some((t, regs)) = stop(pid, tid)? else {
                 continue;
             };
-            let Some(saved) = resumable(&pin, &maps, &regs) else {
+            // Stopped: from here until it is let go, the process can change its program only
+            // by another thread's exec, which kills this one (and every ptrace call after).
+            if let Err(why) = pin.unchanged(regs.rip).and_then(|()| (load.check)(pid)) {
+                t.detach(0).map_err(|source| LoadError::Ptrace {
+                    what: "detaching",
+                    tid,
+                    source,
+                })?;
+                return Err(LoadError::Refused(why));
+            }
+            let Some(saved) = resumable(pin, &maps, &regs) else {
                 t.detach(0).map_err(|source| LoadError::Ptrace {
                     what: "detaching",
                     tid,
@@ -137,14 +182,18 @@ fn load_on(pid: u32, only: Option<u32>, path: &str, limit: Duration) -> Result<(
                 calls: &calls,
                 path,
                 lib: &lib,
+                cancelled: load.cancelled,
             };
-            return call.make(&pin, t, saved);
+            return call.make(pin, t, saved);
         }
         if !pin.alive() {
             return Err(LoadError::Gone);
         }
-        if started.elapsed() >= limit {
-            return Err(LoadError::NoSafePoint(limit.as_millis()));
+        if (load.cancelled)() {
+            return Err(LoadError::Cancelled);
+        }
+        if started.elapsed() >= load.wait {
+            return Err(LoadError::NoSafePoint(load.wait.as_millis()));
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -237,6 +286,12 @@ fn stop(pid: u32, tid: u32) -> Result<Option<(Thread, libc::user_regs_struct)>, 
                 return Err(LoadError::Stopped);
             }
             Some(Stop::Exited) => return Ok(None),
+            Some(Stop::Exec) => {
+                t.detach(0).map_err(|e| err("detaching", e))?;
+                return Err(LoadError::Refused(
+                    "it executed a program as it was being stopped".into(),
+                ));
+            }
             // Dropped: detached once it stops.
             None => return Ok(None),
         }

@@ -10,6 +10,31 @@ use std::{
 
 use super::*;
 
+/// Loads `lib` into `pid` (on thread `only` where given), for a caller who may.
+fn load(pid: u32, only: Option<u32>, lib: &str, wait: Duration) -> Result<(), LoadError> {
+    let pin = Pinned::open(pid).map_err(|_| LoadError::Gone)?;
+    let load = Load {
+        pin: &pin,
+        path: lib,
+        wait,
+        check: &|_| Ok(()),
+        cancelled: &|| false,
+    };
+    load_on(&load, only)
+}
+
+/// The tracer of thread `tid` of `pid` (0: none).
+fn tracer_of(pid: u32, tid: u32) -> u32 {
+    fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 /// A child killed and reaped however the test ends.
 struct Reaped(std::process::Child);
 
@@ -147,7 +172,7 @@ fn blocked_threads_load_a_library_and_see_nothing() {
     // read, nanosleep / clock_nanosleep, futex, epoll_wait / epoll_pwait.
     for nr in [&[0][..], &[35, 230], &[202], &[232, 281]] {
         let tid = blocked_in(pid, nr).unwrap_or_else(|| panic!("no thread in syscall {nr:?}"));
-        match load_on(pid, Some(tid), &lib, Duration::from_secs(2)) {
+        match load(pid, Some(tid), &lib, Duration::from_secs(2)) {
             Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
                 tracer_testkit::skip("ptrace not permitted");
                 return;
@@ -178,7 +203,7 @@ fn a_traced_process_is_refused() {
         tracer_testkit::skip("ptrace not permitted");
         return;
     }
-    let r = load_library(pid, "/nonexistent.so", Duration::from_millis(200));
+    let r = load(pid, None, "/nonexistent.so", Duration::from_millis(200));
     assert!(
         matches!(&r, Err(LoadError::Traced { tracer, .. }) if *tracer == std::process::id()),
         "{r:?}"
@@ -192,7 +217,12 @@ fn a_traced_process_is_refused() {
 fn a_missing_library_is_refused_before_the_process_is_touched() {
     let child = Reaped(Command::new("sleep").arg("5").spawn().unwrap());
     std::thread::sleep(Duration::from_millis(100));
-    let r = load_library(child.0.id(), "/nonexistent/lib.so", Duration::from_secs(1));
+    let r = load(
+        child.0.id(),
+        None,
+        "/nonexistent/lib.so",
+        Duration::from_secs(1),
+    );
     assert!(matches!(&r, Err(LoadError::Library { .. })), "{r:?}");
 }
 
@@ -204,7 +234,7 @@ fn a_file_that_is_no_library_is_an_error_and_the_process_goes_on() {
     let mut child = Reaped(Command::new("sleep").arg("1").spawn().unwrap());
     let pid = child.0.id();
     std::thread::sleep(Duration::from_millis(100));
-    match load_library(pid, not_elf.to_str().unwrap(), Duration::from_secs(1)) {
+    match load(pid, None, not_elf.to_str().unwrap(), Duration::from_secs(1)) {
         Err(LoadError::Call { what, .. }) => assert!(what.contains("did not load"), "{what}"),
         Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
             tracer_testkit::skip("ptrace not permitted");
@@ -249,7 +279,7 @@ fn load_for_a_parent() {
     };
     let mut it = arg.splitn(3, ':');
     let (pid, tid, lib) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
-    let r = load_on(
+    let r = load(
         pid.parse().unwrap(),
         Some(tid.parse().unwrap()),
         lib,
@@ -325,4 +355,234 @@ fn the_dynamic_loader_is_locking_code() {
     }
     assert!(!is_loader("libc.so.6") && may_hold_locks("libc.so.6"));
     assert!(!may_hold_locks("libpython3.12.so.1.0") && !may_hold_locks("ldconfig"));
+}
+
+/// The check made on the stopped process refuses: nothing is written, the thread is let go
+/// untraced, and every call ends as it would have.
+#[test]
+fn a_check_refused_on_the_stopped_process_touches_nothing() {
+    let Some(python) = python() else {
+        tracer_testkit::skip("no python3");
+        return;
+    };
+    let (child, out) = target(python);
+    let pid = child.0.id();
+    let Some(lib) = some_library(pid) else {
+        tracer_testkit::skip("no library to load");
+        return;
+    };
+    let pin = Pinned::open(pid).unwrap();
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let load = Load {
+        pin: &pin,
+        path: &lib,
+        wait: Duration::from_secs(2),
+        check: &|p| {
+            asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            // Asked while a thread of `p` is stopped (traced, by a thread of this process).
+            let stopped = crate::process::threads(p)
+                .unwrap()
+                .into_iter()
+                .any(|t| tracer_of(p, t) != 0);
+            Err(format!("no (a thread stopped: {stopped})"))
+        },
+        cancelled: &|| false,
+    };
+    match load.run() {
+        Err(LoadError::Refused(why)) => assert_eq!(why, "no (a thread stopped: true)"),
+        Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
+            tracer_testkit::skip("ptrace not permitted");
+            return;
+        }
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(asked.into_inner(), 1);
+    assert!(!fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .contains(&lib));
+    for tid in crate::process::threads(pid).unwrap() {
+        assert_eq!(tracer_of(pid, tid), 0, "thread {tid} left traced");
+    }
+    ends_untouched(child, out);
+}
+
+/// A process that executed another program after it was pinned (as a setuid one would be,
+/// between the checks and the load) is never loaded into.
+#[test]
+fn a_program_executed_after_the_pin_is_not_loaded_into() {
+    let Some(python) = python() else {
+        tracer_testkit::skip("no python3");
+        return;
+    };
+    let mut child = Reaped(
+        Command::new(python)
+            .args([
+                "-c",
+                "import os, sys; sys.stdin.readline(); os.execv('/bin/sleep', ['sleep', '5'])",
+            ])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id();
+    std::thread::sleep(Duration::from_millis(300));
+    let pin = Pinned::open(pid).unwrap();
+    use std::io::Write;
+    child.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let exe = |p: u32| fs::read_link(format!("/proc/{p}/exe")).unwrap_or_default();
+    let started = std::time::Instant::now();
+    while !exe(pid).to_string_lossy().contains("sleep") {
+        assert!(started.elapsed() < Duration::from_secs(5), "never exec'd");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let Some(lib) = some_library(pid) else {
+        tracer_testkit::skip("no library to load");
+        return;
+    };
+    let load = Load {
+        pin: &pin,
+        path: &lib,
+        wait: Duration::from_secs(2),
+        check: &|_| Ok(()),
+        cancelled: &|| false,
+    };
+    match load.run() {
+        Err(LoadError::Refused(why)) => assert!(why.contains("another program"), "{why}"),
+        Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
+            tracer_testkit::skip("ptrace not permitted");
+            return;
+        }
+        r => panic!("{r:?}"),
+    }
+    assert!(!fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .contains(&lib));
+    assert_eq!(tracer_of(pid, pid), 0);
+}
+
+/// Builds C source `code` into `out` with the C compiler (`flags` added); false without one.
+fn cc(dir: &std::path::Path, code: &str, out: &str, flags: &[&str]) -> Option<String> {
+    let src = dir.join(format!("{out}.c"));
+    let bin = dir.join(out);
+    fs::write(&src, code).ok()?;
+    let built = Command::new("cc")
+        .args(flags)
+        .arg("-o")
+        .arg(&bin)
+        .arg(&src)
+        .status()
+        .ok()?;
+    built.success().then(|| bin.to_str().unwrap().to_owned())
+}
+
+/// A library whose constructor blocks until a byte can be read from the FIFO `fifo`, and a
+/// program whose second thread loads it (holding the dynamic loader's lock meanwhile) while
+/// its main thread reads a byte from its standard input, printing the result and errno.
+fn holds_the_loaders_lock(dir: &std::path::Path, fifo: &str) -> Option<(String, String)> {
+    let lib = cc(
+        dir,
+        &format!(
+            "#include <fcntl.h>\n#include <unistd.h>\n\
+             __attribute__((constructor)) static void block(void) {{\n\
+             char c; int fd = open(\"{fifo}\", O_RDONLY); read(fd, &c, 1); close(fd); }}\n"
+        ),
+        "libblock.so",
+        &["-shared", "-fPIC"],
+    )?;
+    let program = cc(
+        dir,
+        &format!(
+            "#include <dlfcn.h>\n#include <errno.h>\n#include <pthread.h>\n#include <stdio.h>\n\
+             #include <unistd.h>\n\
+             static void *hold(void *a) {{ (void)a; return dlopen(\"{lib}\", RTLD_NOW); }}\n\
+             int main(void) {{ pthread_t t; pthread_create(&t, 0, hold, 0);\n\
+             printf(\"ready\\n\"); fflush(stdout); char c;\n\
+             long n = read(0, &c, 1); int e = errno; printf(\"read %ld %d\\n\", n, e);\n\
+             void *h; pthread_join(t, &h); printf(\"done %d\\n\", h != 0); return 0; }}\n"
+        ),
+        "holder",
+        &["-pthread"],
+    )?;
+    Some((lib, program))
+}
+
+/// A thread of the process holds the dynamic loader's lock (a library's constructor that
+/// does not return): the call waits for that lock, is ended at its deadline, and the thread
+/// is put back as it was; a cancelled load ends the same way at once. No thread stays
+/// traced, and once the lock is let go the program runs on and sees nothing.
+#[test]
+fn a_call_waiting_for_the_loaders_lock_ends_at_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let Some((_, holder)) = holds_the_loaders_lock(dir.path(), fifo.to_str().unwrap()) else {
+        tracer_testkit::skip("no C compiler");
+        return;
+    };
+    let mut child = Reaped(
+        Command::new(&holder)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id();
+    let mut out = BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    // The second thread is in the constructor (opening the FIFO), the main one in read.
+    std::thread::sleep(Duration::from_millis(300));
+    let Some(lib) = some_library(pid) else {
+        tracer_testkit::skip("no library to load");
+        return;
+    };
+    let started = std::time::Instant::now();
+    match load(pid, Some(pid), &lib, Duration::from_secs(2)) {
+        Err(LoadError::Deadline { what, .. }) => {
+            assert!(what.contains("put back as it was"), "{what}")
+        }
+        Err(LoadError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {
+            tracer_testkit::skip("ptrace not permitted");
+            return;
+        }
+        r => panic!("{r:?}"),
+    }
+    let took = started.elapsed();
+    assert!(took < CALL_DEADLINE + Duration::from_secs(3), "{took:?}");
+    assert_eq!(tracer_of(pid, pid), 0, "left traced");
+    // Cancelled: ended at once, the same way.
+    let pin = Pinned::open(pid).unwrap();
+    let asked_at = std::time::Instant::now();
+    let cancelled = || asked_at.elapsed() >= Duration::from_millis(300);
+    let r = Load {
+        pin: &pin,
+        path: &lib,
+        wait: Duration::from_secs(2),
+        check: &|_| Ok(()),
+        cancelled: &cancelled,
+    };
+    match load_on(&r, Some(pid)) {
+        Err(LoadError::Deadline { what, .. }) => {
+            assert!(
+                what.contains("client went") && what.contains("put back"),
+                "{what}"
+            )
+        }
+        r => panic!("{r:?}"),
+    }
+    assert!(asked_at.elapsed() < Duration::from_secs(3));
+    assert_eq!(tracer_of(pid, pid), 0, "left traced");
+    // Let the constructor return: the program goes on, its read undisturbed.
+    let mut w = fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    use std::io::Write;
+    w.write_all(b"x").unwrap();
+    child.0.stdin.take().unwrap().write_all(b"y").unwrap();
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(child.0.wait().unwrap().success(), "{rest}");
+    assert_eq!(rest, "read 1 0\ndone 1\n");
+    assert!(!fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains(&lib)));
 }

@@ -23,6 +23,8 @@ pub(super) enum Stop {
     Signal(i32),
     /// Entering or leaving a system call (after [`Thread::resume_syscalls`]).
     Syscall,
+    /// It executed a program (`PTRACE_EVENT_EXEC`): what was checked of it is stale.
+    Exec,
     Exited,
 }
 
@@ -34,6 +36,8 @@ pub(super) enum SyscallStop {
         nr: u64,
         ip: u64,
         sp: u64,
+        /// Its first argument.
+        arg0: u64,
     },
     /// Leaving one, with `rval` (a negated errno where `error`).
     Exit {
@@ -62,12 +66,13 @@ impl Thread {
     /// Seizes `tid` without stopping it.
     pub(super) fn seize(tid: u32) -> io::Result<Self> {
         let tid = tid as pid_t;
-        // TRACESYSGOOD: system-call stops are told apart from a real SIGTRAP.
+        // TRACESYSGOOD: system-call stops are told apart from a real SIGTRAP. TRACEEXEC: an
+        // exec between the seize and the stop shows as a stop of its own.
         ptrace(
             libc::PTRACE_SEIZE,
             tid,
             0,
-            libc::PTRACE_O_TRACESYSGOOD as usize,
+            (libc::PTRACE_O_TRACESYSGOOD | libc::PTRACE_O_TRACEEXEC) as usize,
         )?;
         Ok(Self {
             tid,
@@ -105,7 +110,9 @@ impl Thread {
                 }
                 if libc::WIFSTOPPED(status) {
                     let sig = libc::WSTOPSIG(status);
-                    return Ok(Some(if status >> 16 == libc::PTRACE_EVENT_STOP {
+                    return Ok(Some(if status >> 16 == libc::PTRACE_EVENT_EXEC {
+                        Stop::Exec
+                    } else if status >> 16 == libc::PTRACE_EVENT_STOP {
                         if sig == libc::SIGTRAP {
                             Stop::Interrupted
                         } else {
@@ -153,6 +160,7 @@ impl Thread {
                 nr: info[3],
                 ip,
                 sp,
+                arg0: info[4],
             },
             2 => SyscallStop::Exit {
                 rval: info[3] as i64,
@@ -172,6 +180,17 @@ impl Thread {
             &mut mask as *mut u64 as usize,
         )?;
         Ok(mask)
+    }
+
+    /// Sets the signals it blocks.
+    pub(super) fn set_sigmask(&self, mask: u64) -> io::Result<()> {
+        ptrace(
+            libc::PTRACE_SETSIGMASK,
+            self.tid,
+            std::mem::size_of::<u64>(),
+            &mask as *const u64 as usize,
+        )
+        .map(drop)
     }
 
     pub(super) fn regs(&self) -> io::Result<user_regs_struct> {

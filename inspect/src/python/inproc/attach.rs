@@ -25,13 +25,14 @@ pub(super) fn start_loaded(
     may_trace: MayTrace,
     late: Late,
     handover: Handover,
+    cancelled: &(dyn Fn() -> bool + Sync),
 ) -> Result<Counter, String> {
     let pid = pin.pid();
     let (mut counter, _) = make(pid, tag, may_trace, None, false)?;
     counter.loaded = Loaded::Ptrace;
-    // Asked again just before: the process may have changed hands since `make` checked.
-    let loaded = (counter.may_trace)(pid)
-        .and_then(|()| run_with_loader(&counter.files.dir, pid, "start"))
+    // Asked again on the stopped process, through the pin taken before `make` checked.
+    let check = counter.may_trace.clone();
+    let loaded = run_with_loader(&counter.files.dir, &pin, "start", &*check, cancelled)
         .and_then(|()| counter.watch_handovers(handover));
     if let Err(why) = loaded {
         counter.discard();
@@ -62,14 +63,28 @@ fn fail_pending(counter: &Counter, why: String) -> String {
     why
 }
 
-/// Has `pid` run `STEM.py` of the code directory (written already): tracer's loader is
-/// copied there as `STEM.so` and loaded with ptrace.
-pub(super) fn run_with_loader(dir: &Dir, pid: u32, stem: &str) -> Result<(), String> {
+/// Has the pinned process run `STEM.py` of the code directory (written already): tracer's
+/// loader is copied there as `STEM.so` and loaded with ptrace, once `check` passes again on
+/// the stopped process.
+pub(super) fn run_with_loader(
+    dir: &Dir,
+    pin: &Pinned,
+    stem: &str,
+    check: &(dyn Fn(u32) -> Result<(), String> + Sync),
+    cancelled: &(dyn Fn() -> bool + Sync),
+) -> Result<(), String> {
     let loader = files::beside_tracerd(super::PRELOAD)?;
     let loader = fs::read(&loader).map_err(|e| format!("reading {}: {e}", loader.display()))?;
     let file = format!("{stem}.so");
     dir.create_code(&file, &loader)?;
     let path = dir.code_path(&file);
-    inject::load_library(pid, &path, LOAD_WAIT)
-        .map_err(|e| format!("loading tracer's loader with ptrace: {e}"))
+    inject::Load {
+        pin,
+        path: &path,
+        wait: LOAD_WAIT,
+        check,
+        cancelled,
+    }
+    .run()
+    .map_err(|e| format!("loading tracer's loader with ptrace: {e}"))
 }

@@ -179,7 +179,11 @@ pub type Late = Box<dyn FnOnce(Result<u32, String>) + Send>;
 /// Has `pid` load the counter and start counting; waits up to `wait` for it. `tag` makes the
 /// directory's name unique (the session id); `may_trace` is the session owner's right to
 /// trace a process, asked again before any request to run code. On error the process is to
-/// be counted with uprobes; the error says why, in words for the report.
+/// be counted with uprobes; the error says why, in words for the report. `cancelled` says
+/// whether the start is still wanted (its client went): a ptrace load under way then ends.
+///
+/// The process is pinned before anything is checked, and what is written or loaded reaches
+/// that pin alone: a program exec'd after the checks (a setuid one) is not written to.
 ///
 /// A process that has not started counting by then (every thread in native code: a server
 /// in `accept`, a worker on a queue) is not given up on: the counter is returned
@@ -198,6 +202,7 @@ pub fn start(
     may_trace: MayTrace,
     late: Late,
     handover: Handover,
+    cancelled: &(dyn Fn() -> bool + Sync),
 ) -> Result<Counter, String> {
     let pin = pin(pid)?;
     match remote_exec::remote_debugging(pid) {
@@ -211,11 +216,17 @@ pub fn start(
                     .is_some_and(|m: u32| (10..=13).contains(&m))
             }) =>
         {
-            return attach::start_loaded(pin, tag, wait, may_trace, late, handover);
+            return attach::start_loaded(pin, tag, wait, may_trace, late, handover, cancelled);
         }
         Err(e) => return Err(e.to_string()),
     }
     let (counter, start_path) = make(pid, tag, may_trace, None, false)?;
+    // The checks were made on the program pinned (an exec since would be refused here; one
+    // after leaves the pinned memory, where the request goes, unused).
+    if crate::pinned::Image::of(pid).ok() != Some(pin.image()) {
+        counter.discard();
+        return Err("it executed another program as it was being checked".into());
+    }
     let exe = pending::exe_of(pid);
     let mut asked = Vec::new();
     if let Err(e) = remote_exec::request_more(&pin, &start_path, &mut asked) {
@@ -718,7 +729,16 @@ impl Counter {
                     {
                         // Before 3.14: tracer's loader runs it, loaded as the start's was.
                         let stem = format!("remove.{own}");
-                        attach::run_with_loader(&files.dir, pid, &stem)
+                        let owner = files.dir.owner.0;
+                        // may_run's checks that a stopped process could fail, asked again.
+                        let check = |p: u32| -> Result<(), String> {
+                            (self.may_trace)(p)?;
+                            match uids(p)?.iter().any(|&u| u != owner) {
+                                true => Err(format!("it no longer runs as uid {owner} alone")),
+                                false => Ok(()),
+                            }
+                        };
+                        attach::run_with_loader(&files.dir, &pin, &stem, &check, &|| false)
                     }
                     Ok(_) => Ok(()),
                     Err(e) => Err(e.to_string()),

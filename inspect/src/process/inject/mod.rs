@@ -163,6 +163,8 @@ fn load_on(load: &Load, only: Option<u32>) -> Result<(), LoadError> {
             // Stopped: from here until it is let go, the process can change its program only
             // by another thread's exec, which kills this one (and every ptrace call after).
             if let Err(why) = pin.unchanged(regs.rip).and_then(|()| (load.check)(pid)) {
+                // Said here too: the caller may fall back (to uprobes) and say less.
+                tracing::warn!(pid, tid, %why, "load refused on the stopped process");
                 t.detach(0).map_err(|source| LoadError::Ptrace {
                     what: "detaching",
                     tid,

@@ -1,0 +1,361 @@
+//! Loading tracer's code into a running CPython 3.10–3.13 with ptrace (docs/SECURITY.md, "Code
+//! tracer loads into a process"), against a process that fights back: one that execs a
+//! setuid-root program the moment tracer's loader appears in its code directory, and one
+//! whose other thread holds the dynamic loader's lock for good. tracer's code never reaches a
+//! root process, every start is answered within the call's deadline, and no thread is left
+//! traced.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use tracer_tests::{
+    interpreters, root_or_skip,
+    users::{member, public_ctl, GROUP},
+    wait_until, ChildGuard, Daemon, DaemonOptions,
+};
+
+/// A host CPython 3.10–3.13 (loaded into with ptrace); None, said, where there is none.
+fn ptrace_python() -> Option<PathBuf> {
+    let found = interpreters().into_iter().find(|p| {
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        ["3.12", "3.11", "3.13", "3.10"]
+            .iter()
+            .any(|v| name == format!("python{v}"))
+    });
+    if found.is_none() {
+        tracer_testkit::skip("no CPython 3.10-3.13");
+    }
+    found
+}
+
+/// The session's JSON report once stopped.
+fn stopped_report(d: &Daemon, id: &str) -> Value {
+    d.ok(&["stop", id]);
+    wait_until(30, "the session to end", || {
+        let s = d.ok(&["status", id]);
+        s.contains("finished") || s.contains("failed")
+    });
+    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+}
+
+/// What the report says of how `pid` was counted, and why: ("", "") where it names nothing.
+fn counted(report: &Value, pid: u32) -> (String, String) {
+    report["python"]["counted"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["pid"].as_u64() == Some(u64::from(pid))))
+        .map(|c| {
+            (
+                c["way"].as_str().unwrap_or_default().to_owned(),
+                c["why"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .unwrap_or_default()
+}
+
+/// `field` of `/proc/PID/status` (or of one of its threads' `task/TID/status`).
+fn status_field(path: &str, field: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .map(|v| v.trim().to_owned())
+}
+
+/// Threads of `pid` that a tracer holds.
+fn traced_threads(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| t.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|tid| {
+            status_field(&format!("/proc/{pid}/task/{tid}/status"), "TracerPid:")
+                .is_some_and(|t| t != "0")
+        })
+        .collect()
+}
+
+/// Whether `pid` maps any file of tracer's (its loader, its counter, a code directory's).
+fn maps_tracer_code(pid: u32) -> Option<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines()
+        .find(|l| l.contains("/tracer-") || l.contains("_tracer_pycount") || l.contains("start.so"))
+        .map(str::to_owned)
+}
+
+/// The member's process, started by root and become the member, watches its code directory
+/// and, a delay after tracer's start script or loader appears there (after tracerd's checks,
+/// before or about its load), execs a setuid-root program (a root
+/// copy of `sleep`, mode 4755), which sleeps as euid 0 (as `su` waiting for a password
+/// would). Tried eight times with different delays around the load: tracer's code is never
+/// mapped in the root process, no thread of it stays traced, and where the exec came first
+/// the session says the load was refused, and why.
+#[test]
+fn a_setuid_program_execd_as_the_loader_appears_is_never_loaded_into() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = ptrace_python() else {
+        return;
+    };
+    let Some((uid, gid)) = member() else {
+        tracer_testkit::skip("could not create test users (useradd/groupadd missing)");
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let d = Daemon::start_with(DaemonOptions {
+        group: Some(GROUP.into()),
+        log: Some(log.path().to_owned()),
+        ..DaemonOptions::default()
+    });
+    let ctl = public_ctl(&d);
+    let shared = d.dir.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    let setuid = shared.join("rootsleep");
+    std::fs::copy("/bin/sleep", &setuid).unwrap();
+    std::fs::set_permissions(
+        &setuid,
+        std::os::unix::fs::PermissionsExt::from_mode(0o4755),
+    )
+    .unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let (mut refused, mut root_at_answer) = (0, 0);
+    // Triggered by the start script (written after the checks, well before the load) or by
+    // the loader itself (the moment before the load), with delays around the load.
+    let tries = [
+        ("start.py", 0u32),
+        ("start.so", 0),
+        ("start.py", 500),
+        ("start.so", 100),
+        ("start.py", 2_000),
+        ("start.so", 1_000),
+        ("start.so", 5_000),
+        ("start.so", 20_000),
+    ];
+    for (attempt, (trigger, delay_us)) in tries.into_iter().enumerate() {
+        let code = format!(
+            "import ctypes, glob, os, time\n\
+             os.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid})\n\
+             ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)\n\
+             print('ready', flush=True)\n\
+             while not (dirs := glob.glob(f'/tmp/tracer-*-{{os.getpid()}}-code')):\n    time.sleep(0.0002)\n\
+             trigger = os.path.join(dirs[0], {trigger:?})\n\
+             while not os.path.exists(trigger):\n    pass\n\
+             time.sleep({delay})\n\
+             os.execv({setuid:?}, ['rootsleep', '30'])\n",
+            delay = f64::from(delay_us) / 1e6,
+            setuid = setuid.display().to_string(),
+        );
+        let child = ChildGuard::spawn_ready(Command::new(&py).arg("-c").arg(&code));
+        let pid = child.pid();
+        let out = d.run_as(
+            uid,
+            gid,
+            &[
+                "start",
+                "--mode=counting",
+                "--python",
+                "--pid",
+                &pid.to_string(),
+            ],
+            &ctl,
+        );
+        let answer = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let said = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        let euid = |pid: u32| {
+            status_field(&format!("/proc/{pid}/status"), "Uid:")
+                .and_then(|u| u.split_whitespace().nth(1).map(str::to_owned))
+        };
+        // The exec ends the spin within the delay: wait until it has happened.
+        wait_until(10, "the setuid program to run", || {
+            euid(pid).as_deref() == Some("0")
+        });
+        if euid(pid).as_deref() == Some("0") && out.status.success() {
+            root_at_answer += 1;
+        }
+        for when in ["at the answer", "half a second later"] {
+            assert_eq!(
+                maps_tracer_code(pid),
+                None,
+                "try {attempt} ({trigger} + {delay_us} us): tracer's code mapped in the root process {when}"
+            );
+            assert_eq!(
+                traced_threads(pid),
+                Vec::<u32>::new(),
+                "try {attempt}: left traced"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let why = if out.status.success() {
+            counted(&stopped_report(&d, &answer), pid).1
+        } else {
+            said
+        };
+        // Where the load was refused on the stopped process, or before, the reason is named.
+        if [
+            "executed another program",
+            "executed a program",
+            "replaced its address space",
+            "refused once a thread of it was stopped",
+            "runs as uid 0",
+            "may not trace",
+        ]
+        .iter()
+        .any(|w| why.contains(w))
+        {
+            refused += 1;
+        }
+        eprintln!("try {attempt} ({trigger} + {delay_us} us): {why}");
+        drop(child);
+    }
+    // Loads that found the process stopped in another program than the one checked.
+    let on_stopped = std::fs::read_to_string(log.path())
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("load refused on the stopped process"))
+        .count();
+    eprintln!(
+        "{refused} of 8 starts refused with the reason named ({on_stopped} loads refused on the stopped process); the target was root at {root_at_answer} answers"
+    );
+    assert_eq!(
+        refused, 8,
+        "every start is refused once the target runs as root"
+    );
+    // The exec comes at once in the first tries, after the checks, before any load.
+    assert!(on_stopped >= 1, "the race's window was never hit");
+}
+
+/// Five CPython processes whose second thread holds the dynamic loader's lock for good (it
+/// loads a "library" that is a FIFO nobody writes: the dynamic loader's own `open` blocks,
+/// the lock held, so that thread is never the one loaded on), started on together: four starts are
+/// answered within the call's deadline, their loads ended with the thread put back, counted
+/// with uprobes instead and saying why; the fifth finds four loads of its user in flight and
+/// is refused at once (RESOURCE_EXHAUSTED). No thread stays traced, and once the lock is let
+/// go each program runs on to its end.
+#[test]
+fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = ptrace_python() else {
+        return;
+    };
+    let d = Daemon::start();
+    let mut targets = Vec::new();
+    for i in 0..5 {
+        let fifo = d.dir.path().join(format!("fifo-{i}"));
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let code = format!(
+            "import ctypes, threading\n\
+             def hold():\n\
+             \x20   try:\n        ctypes.CDLL({fifo:?})\n\
+             \x20   except OSError:\n        pass\n\
+             print('ready', flush=True)\n\
+             t = threading.Thread(target=hold)\n\
+             t.start(); t.join()\n\
+             print('done', flush=True)\n",
+            fifo = fifo.display().to_string(),
+        );
+        let mut child = ChildGuard::spawn(
+            Command::new(&py)
+                .arg("-c")
+                .arg(&code)
+                .stdout(Stdio::piped()),
+        );
+        let mut out = std::io::BufReader::new(child.0.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        let pid = child.pid();
+        // In the dynamic loader's open of the FIFO (openat), holding its lock.
+        wait_until(10, "the loading thread to block", || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .into_iter()
+                .flatten()
+                .filter_map(Result::ok)
+                .any(|t| {
+                    std::fs::read_to_string(t.path().join("syscall"))
+                        .is_ok_and(|s| s.starts_with("257 "))
+                })
+        });
+        targets.push((child, out, fifo));
+    }
+    let began = Instant::now();
+    let starts: Vec<_> = targets
+        .iter()
+        .map(|(c, _, _)| {
+            d.ctl()
+                .args(["start", "--mode=counting", "--python", "--pid"])
+                .arg(c.pid().to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let answers: Vec<_> = starts
+        .into_iter()
+        .map(|s| s.wait_with_output().unwrap())
+        .collect();
+    let took = began.elapsed();
+    let refused: Vec<String> = answers
+        .iter()
+        .filter(|a| !a.status.success())
+        .map(|a| String::from_utf8_lossy(&a.stderr).trim().to_owned())
+        .collect();
+    assert_eq!(refused.len(), 1, "{answers:?}");
+    assert!(
+        refused[0].contains("loads into processes in flight"),
+        "{}",
+        refused[0]
+    );
+    // Each start: the 5 s call deadline and a second to find a thread, with room to spare.
+    assert!(took < Duration::from_secs(30), "answered after {took:?}");
+    for (c, _, _) in &targets {
+        assert_eq!(traced_threads(c.pid()), Vec::<u32>::new(), "left traced");
+    }
+    let ids: Vec<String> = answers
+        .iter()
+        .filter(|a| a.status.success())
+        .map(|a| String::from_utf8_lossy(&a.stdout).trim().to_owned())
+        .collect();
+    for (c, mut out, fifo) in targets {
+        use std::io::{Read, Write};
+        // Not a library: the dlopen fails and the thread ends.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&fifo)
+            .unwrap()
+            .write_all(&[0; 64])
+            .unwrap();
+        let mut rest = String::new();
+        out.read_to_string(&mut rest).unwrap();
+        assert_eq!(rest, "done\n");
+        let mut c = c;
+        assert!(c.0.wait().unwrap().success());
+    }
+    let mut ended = 0;
+    for id in ids {
+        let r = stopped_report(&d, &id);
+        let whys: Vec<String> = r["python"]["counted"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["why"].as_str().map(str::to_owned))
+            .collect();
+        assert!(
+            whys.iter()
+                .any(|w| w.contains("dlopen did not return within 5000 ms")
+                    && w.contains("put back as it was")),
+            "{whys:?}"
+        );
+        ended += 1;
+    }
+    assert_eq!(ended, 4);
+}

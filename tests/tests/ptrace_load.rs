@@ -229,6 +229,67 @@ fn a_setuid_program_execd_as_the_loader_appears_is_never_loaded_into() {
     assert!(on_stopped >= 1, "the race's window was never hit");
 }
 
+/// A CPython process whose second thread holds the dynamic loader's lock until `fifo` (made
+/// here) is written to: it loads that FIFO as a library, and the dynamic loader's own `open`
+/// blocks, the lock held. Its output once `ready`: `done` when it ends.
+fn lock_holder(
+    py: &std::path::Path,
+    fifo: &std::path::Path,
+) -> (ChildGuard, std::io::BufReader<std::process::ChildStdout>) {
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let code = format!(
+        "import ctypes, threading\n\
+         def hold():\n\
+         \x20   try:\n        ctypes.CDLL({fifo:?})\n\
+         \x20   except OSError:\n        pass\n\
+         print('ready', flush=True)\n\
+         t = threading.Thread(target=hold)\n\
+         t.start(); t.join()\n\
+         print('done', flush=True)\n",
+        fifo = fifo.display().to_string(),
+    );
+    let mut child = ChildGuard::spawn(Command::new(py).arg("-c").arg(&code).stdout(Stdio::piped()));
+    let mut out = std::io::BufReader::new(child.0.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let pid = child.pid();
+    // In the dynamic loader's open of the FIFO (openat), holding its lock.
+    wait_until(10, "the loading thread to block", || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .any(|t| {
+                std::fs::read_to_string(t.path().join("syscall"))
+                    .is_ok_and(|s| s.starts_with("257 "))
+            })
+    });
+    (child, out)
+}
+
+/// Lets [`lock_holder`]'s thread go (what it loads is no library: its dlopen fails) and
+/// checks that the program then runs to its end, its output its own.
+fn let_go(
+    mut child: ChildGuard,
+    mut out: std::io::BufReader<std::process::ChildStdout>,
+    fifo: &std::path::Path,
+) {
+    use std::io::{Read, Write};
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(fifo)
+        .unwrap()
+        .write_all(&[0; 64])
+        .unwrap();
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "done\n");
+    assert!(child.0.wait().unwrap().success());
+}
+
 /// Five CPython processes whose second thread holds the dynamic loader's lock for good (it
 /// loads a "library" that is a FIFO nobody writes: the dynamic loader's own `open` blocks,
 /// the lock held, so that thread is never the one loaded on), started on together: four starts are
@@ -248,42 +309,7 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
     let mut targets = Vec::new();
     for i in 0..5 {
         let fifo = d.dir.path().join(format!("fifo-{i}"));
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let code = format!(
-            "import ctypes, threading\n\
-             def hold():\n\
-             \x20   try:\n        ctypes.CDLL({fifo:?})\n\
-             \x20   except OSError:\n        pass\n\
-             print('ready', flush=True)\n\
-             t = threading.Thread(target=hold)\n\
-             t.start(); t.join()\n\
-             print('done', flush=True)\n",
-            fifo = fifo.display().to_string(),
-        );
-        let mut child = ChildGuard::spawn(
-            Command::new(&py)
-                .arg("-c")
-                .arg(&code)
-                .stdout(Stdio::piped()),
-        );
-        let mut out = std::io::BufReader::new(child.0.stdout.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-        assert_eq!(line, "ready\n");
-        let pid = child.pid();
-        // In the dynamic loader's open of the FIFO (openat), holding its lock.
-        wait_until(10, "the loading thread to block", || {
-            std::fs::read_dir(format!("/proc/{pid}/task"))
-                .into_iter()
-                .flatten()
-                .filter_map(Result::ok)
-                .any(|t| {
-                    std::fs::read_to_string(t.path().join("syscall"))
-                        .is_ok_and(|s| s.starts_with("257 "))
-                })
-        });
+        let (child, out) = lock_holder(&py, &fifo);
         targets.push((child, out, fifo));
     }
     let began = Instant::now();
@@ -325,20 +351,8 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
         .filter(|a| a.status.success())
         .map(|a| String::from_utf8_lossy(&a.stdout).trim().to_owned())
         .collect();
-    for (c, mut out, fifo) in targets {
-        use std::io::{Read, Write};
-        // Not a library: the dlopen fails and the thread ends.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&fifo)
-            .unwrap()
-            .write_all(&[0; 64])
-            .unwrap();
-        let mut rest = String::new();
-        out.read_to_string(&mut rest).unwrap();
-        assert_eq!(rest, "done\n");
-        let mut c = c;
-        assert!(c.0.wait().unwrap().success());
+    for (c, out, fifo) in targets {
+        let_go(c, out, &fifo);
     }
     let mut ended = 0;
     for id in ids {
@@ -358,4 +372,41 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
         ended += 1;
     }
     assert_eq!(ended, 4);
+}
+
+/// tracerd SIGKILLed while its call waits in a process for the loader's lock: the kernel lets
+/// the thread go, the call goes on by itself and, once the lock is let go, returns through
+/// its frame to where the thread was. The program runs on to its end, its output its own, and
+/// nothing of tracer's stays traced or counting (the loader, loaded late, finds tracerd gone).
+#[test]
+fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = ptrace_python() else {
+        return;
+    };
+    let mut d = Daemon::start();
+    let fifo = d.dir.path().join("fifo");
+    let (child, out) = lock_holder(&py, &fifo);
+    let pid = child.pid();
+    let mut start = d
+        .ctl()
+        .args(["start", "--mode=counting", "--python", "--pid"])
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The call under way: a thread of the process traced by tracerd.
+    wait_until(10, "tracerd's load to begin", || {
+        !traced_threads(pid).is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    d.kill();
+    let _ = start.wait();
+    wait_until(10, "the kernel to let the thread go", || {
+        traced_threads(pid).is_empty()
+    });
+    let_go(child, out, &fifo);
 }

@@ -415,3 +415,49 @@ fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
     });
     let_go(child, out, &fifo);
 }
+
+/// A start whose client goes (`tracerctl` killed) while its load waits in the process for the
+/// loader's lock: the load ends then, for that reason, the thread put back and let go.
+#[test]
+fn a_load_ends_when_its_client_goes() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(py) = ptrace_python() else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let d = Daemon::start_with(DaemonOptions {
+        log: Some(log.path().to_owned()),
+        ..DaemonOptions::default()
+    });
+    let fifo = d.dir.path().join("fifo");
+    let (child, out) = lock_holder(&py, &fifo);
+    let pid = child.pid();
+    let mut start = d
+        .ctl()
+        .args(["start", "--mode=counting", "--python", "--pid"])
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(10, "tracerd's load to begin", || {
+        !traced_threads(pid).is_empty()
+    });
+    start.kill().unwrap();
+    start.wait().unwrap();
+    wait_until(10, "the load to end", || traced_threads(pid).is_empty());
+    let_go(child, out, &fifo);
+    // Why it ended, in tracerd's log: the client, not the deadline.
+    let said = std::fs::read_to_string(log.path()).unwrap();
+    assert!(
+        said.lines()
+            .any(|l| l.contains("a load into a process was ended")
+                && l.contains("its client went")
+                && l.contains("put back as it was")),
+        "{said}"
+    );
+    // tracerd answers others meanwhile and after.
+    d.ok(&["list"]);
+}

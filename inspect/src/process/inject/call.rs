@@ -135,7 +135,9 @@ impl Call<'_> {
                 None => {
                     let cancelled = (self.cancelled)();
                     if cancelled || started.elapsed() >= CALL_DEADLINE {
-                        return Err(self.end(t, &before, p, cancelled, &returned));
+                        let e = self.end(t, &before, p, cancelled, &returned);
+                        tracing::warn!(pid = pin.pid(), %e, "a load into a process was ended");
+                        return Err(e);
                     }
                 }
             }

@@ -205,8 +205,12 @@ pub fn newly_zeroed() -> u64 {
     now - REPORTED.swap(now, Ordering::Relaxed).min(now)
 }
 
-/// Guards `[start, start + len)` (a writable shared mapping: counts files).
-pub(crate) fn guard(start: usize, len: usize) {
+/// Guards `[start, start + len)` (a writable shared mapping: counts files); false where every
+/// slot is taken, and the range is not guarded: the caller must not keep such a mapping, as
+/// the fallback for other file mappings puts a read-only page there, and a write to a shrunk
+/// file's page would then kill tracerd all the same.
+#[must_use]
+pub(crate) fn guard(start: usize, len: usize) -> bool {
     install();
     for (s, l) in &RANGES {
         if s.load(Ordering::Acquire) == 0 {
@@ -214,12 +218,20 @@ pub(crate) fn guard(start: usize, len: usize) {
             if s.compare_exchange(0, start, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return;
+                return true;
             }
         }
     }
-    tracing::warn!("more than {SLOTS} counts files mapped: a shrunk one would kill tracerd");
+    tracing::warn!(
+        "more than {SLOTS} counts files mapped: no more are mapped until some are let go"
+    );
+    false
 }
+
+/// Held by tests that map counts files or fill [`RANGES`]: one test taking every slot would
+/// fail another's mapping.
+#[cfg(test)]
+pub(crate) static TEST_SLOTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 pub(crate) fn unguard(start: usize) {
     for (s, _) in &RANGES {
@@ -256,9 +268,12 @@ mod tests {
     /// A guarded mapping shrunk under it reads as zeros instead of killing the process.
     #[test]
     fn a_shrunk_file_reads_as_zeros() {
+        let _slots = super::TEST_SLOTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let f = tempfile::tempfile().unwrap();
         let p = mapped(&f, 3, libc::PROT_READ, libc::MAP_SHARED);
-        super::guard(p as usize, 3 * 4096);
+        assert!(super::guard(p as usize, 3 * 4096));
         f.set_len(4096).unwrap();
         let before = super::zeroed_pages();
         // SAFETY: inside the mapping; the last page is past the file's end now.
@@ -268,6 +283,23 @@ mod tests {
         super::unguard(p as usize);
         // SAFETY: our mapping.
         unsafe { libc::munmap(p.cast(), 3 * 4096) };
+    }
+
+    /// With every slot taken, a range is not guarded, and the caller is told so.
+    #[test]
+    fn a_range_past_the_last_slot_is_refused() {
+        let _slots = super::TEST_SLOTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Addresses of the first page, which nothing maps.
+        let taken: Vec<usize> = (1..).take_while(|&a| super::guard(a, 1)).collect();
+        assert!(!taken.is_empty() && taken.len() <= super::SLOTS);
+        assert!(!super::guard(4000, 1), "a range guarded past the last slot");
+        for a in &taken {
+            super::unguard(*a);
+        }
+        assert!(super::guard(4000, 1), "a slot let go is taken again");
+        super::unguard(4000);
     }
 
     /// A binary mapped by a library (read-only, private, never guarded: as blazesym maps

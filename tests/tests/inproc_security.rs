@@ -13,7 +13,7 @@ use std::{
 
 use serde_json::Value;
 use tracer_tests::{
-    chroot_interpreters, root_or_skip,
+    chroot_interpreters, interpreters, root_or_skip,
     users::{member, public_ctl, GROUP},
     wait_until, ChildGuard, Daemon, DaemonOptions,
 };
@@ -479,4 +479,150 @@ fn the_user_cannot_replace_the_code_it_runs() {
             !Path::new(&dir).exists()
         });
     }
+}
+
+/// A CPython 3.10-3.13 outside the chroots, into which tracer's loader goes with ptrace: the
+/// distribution's where there is one (the member may read its library, while pyenv's lie in
+/// root's home), else pyenv's; None (said) where there is none.
+fn ptrace_python() -> Option<PathBuf> {
+    let chrooted = chroot_interpreters();
+    let found: Vec<PathBuf> = interpreters()
+        .into_iter()
+        .filter(|p| !chrooted.contains(p))
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            (10..=13).any(|m| name == format!("python3.{m}"))
+        })
+        .collect();
+    let py = found
+        .iter()
+        .find(|p| p.starts_with("/usr"))
+        .or(found.first())
+        .cloned();
+    if py.is_none() {
+        tracer_testkit::skip("no CPython 3.10-3.13");
+    }
+    py
+}
+
+/// On the 3.10-3.13 path (tracer's loader loaded with ptrace), the member's process puts, at
+/// the names of counts files of children gone, a FIFO, a symbolic link to a file of root's
+/// and a socket, and a hard link to that file of root's (made here, as the member could
+/// where `fs.protected_hardlinks` is 0) and a device are put there too. The file of root's
+/// is a counts file, running, and world-writable: only tracerd's own checks keep it from
+/// being stopped and read, as they must for a file of a group tracerd is in. The session
+/// ends at once, counted in-process; the file of root's is neither changed nor reported;
+/// the report names what was refused and why; the directory goes with the process, and the
+/// file of root's stays.
+#[test]
+fn links_fifos_and_devices_at_counts_files_names_are_refused() {
+    let Some((_, uid, gid)) = setup() else {
+        return;
+    };
+    let Some(py) = ptrace_python() else {
+        return;
+    };
+    let d = Daemon::start();
+    let (plant, planted, stop) = {
+        let shared = shared_dir(&d);
+        (
+            shared.join("plant"),
+            shared.join("planted"),
+            shared.join("stop"),
+        )
+    };
+    let vault = tempfile::Builder::new()
+        .prefix("victim-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let victim = vault.path().join("counts");
+    let code = format!(
+        "import glob, os, socket, time\n\
+         {become}\
+         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         print('ready', flush=True)\n\
+         while not os.path.exists({plant:?}):\n    fib(10); time.sleep(0.001)\n\
+         d = glob.glob(f'/tmp/tracer-*-{{os.getpid()}}')[0]\n\
+         os.mkfifo(os.path.join(d, 'counts.4100001'))\n\
+         os.symlink({victim:?}, os.path.join(d, 'counts.4100002'))\n\
+         s = socket.socket(socket.AF_UNIX)\n\
+         s.bind(os.path.join(d, 'counts.4100003'))\n\
+         open({planted:?}, 'w').close()\n\
+         while not os.path.exists({stop:?}):\n    fib(10); time.sleep(0.001)\n",
+        become = become_user(uid, gid),
+        victim = victim.display().to_string(),
+    );
+    let mut child = ChildGuard::spawn_ready(Command::new(&py).arg("-c").arg(&code));
+    let pid = child.pid();
+    let id = start(&d, Path::new(""), (uid, gid), false, pid);
+    let dir = PathBuf::from(format!("/tmp/tracer-{id}-{pid}"));
+    // Root's copy of the running counter's file: a well-formed counts file, running.
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::copy(dir.join(format!("counts.{pid}")), &victim).unwrap();
+    std::fs::set_permissions(&victim, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let before = std::fs::read(&victim).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(before[12..16].try_into().unwrap()),
+        1,
+        "running"
+    );
+    std::fs::write(&plant, b"").unwrap();
+    wait_until(10, "the member's planted files", || planted.exists());
+    std::fs::hard_link(&victim, dir.join("counts.4100004")).unwrap();
+    let device = std::ffi::CString::new(dir.join("counts.4100005").to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path; /dev/null's numbers.
+    let device =
+        unsafe { libc::mknod(device.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } == 0;
+    let started = std::time::Instant::now();
+    d.ok(&["stop", &id]);
+    let r = report(&d, &id);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the end took {:?}",
+        started.elapsed()
+    );
+    let (way, why) = counted_way(&r, pid);
+    assert_eq!(way, "in-process", "{why}");
+    let said = warnings(&r);
+    eprintln!("{} ({way}: {why}): {said:#?}", py.display());
+    let mut refusals = vec![
+        ("counts.4100001", "a FIFO"),
+        ("counts.4100002", "a symbolic link"),
+        ("counts.4100003", "a socket"),
+        ("counts.4100004", "belongs to uid 0"),
+    ];
+    if device {
+        refusals.push(("counts.4100005", "a character device"));
+    }
+    for (name, what) in refusals {
+        assert!(
+            said.iter()
+                .any(|w| w.contains(name) && w.contains(what) && w.contains("refused")),
+            "{name} ({what}) not said refused: {said:?}"
+        );
+    }
+    let counted: Vec<u64> = r["python"]["counted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["pid"].as_u64())
+        .collect();
+    assert!(
+        !counted.iter().any(|&p| p >= 4_100_001),
+        "a refused file was read: {counted:?}"
+    );
+    let after = std::fs::read(&victim).unwrap();
+    assert!(before == after, "tracerd changed root's file");
+    std::fs::write(&stop, b"").unwrap();
+    assert!(child.0.wait().unwrap().success());
+    wait_until(20, "the counter's directory to go", || !dir.exists());
+    let m = std::fs::metadata(&victim).unwrap();
+    assert_eq!(
+        (
+            std::os::unix::fs::MetadataExt::uid(&m),
+            std::os::unix::fs::MetadataExt::nlink(&m)
+        ),
+        (0, 1)
+    );
+    assert!(std::fs::read(&victim).unwrap() == before);
 }

@@ -4,9 +4,10 @@
 //! makes it, and makes, opens and deletes files in it, as that user (its file-system ids,
 //! [`as_user`]), so that it can do there nothing the user could not; only
 //! in a `/tmp` (and a root) that no other user could swap; relative to held descriptors,
-//! following no symbolic link; files it reads must be regular files, and what it reads is
-//! bounds-checked. A mapping whose file the user shrinks reads as zeros ([`super::sigbus`])
-//! instead of killing tracerd.
+//! following no symbolic link; files it opens there must be regular files of the user's,
+//! with no other name, on the directory's own mount, looked at before they are opened
+//! ([`Dir::open`]), and what it reads is bounds-checked. A mapping whose file the user
+//! shrinks reads as zeros ([`super::sigbus`]) instead of killing tracerd.
 
 use std::{
     fs::File,
@@ -22,10 +23,7 @@ use std::{
 use tracer_common::inproc::{self, Header, StrRef};
 
 use super::{
-    at::{
-        c_name, check, found_at, mount_id, names, open_dir_at, open_file_at, unlink_at,
-        unsafe_parent,
-    },
+    at::{c_name, check, found_at, mount_id, open_dir_at, open_file_at, unlink_at, unsafe_parent},
     code_dir::{self, CodeDir},
 };
 
@@ -223,16 +221,76 @@ impl Dir {
         .map_err(|e| format!("creating {name}: {e}"))
     }
 
-    /// Opens `name`, as the owner, if it is a regular file (no link, FIFO or device).
+    /// Opens `name`, as the owner, if it is a plain file of the owner's, named once, in the
+    /// directory's own mount ([`Self::refused`]). It is looked at through an `O_PATH`
+    /// descriptor, which opens nothing (a FIFO's writer is not woken, no device driver is
+    /// called), and opened only once it passed, through that descriptor: the very file looked
+    /// at, whatever is renamed meanwhile.
     pub(super) fn open(&self, name: &str, write: bool) -> std::io::Result<File> {
-        let access = if write { libc::O_RDWR } else { libc::O_RDONLY };
         as_user(self.owner, || {
-            let f = open_file_at(&self.this, name, access | libc::O_NONBLOCK, 0)?;
-            if !f.metadata()?.is_file() {
-                return Err(std::io::Error::other("not a regular file"));
+            let at = open_file_at(&self.this, name, libc::O_PATH, 0)?;
+            let m = at.metadata()?;
+            if let Some(why) = self.refused(&m, mount_id(&at)) {
+                return Err(std::io::Error::other(format!("tracer refused it: {why}")));
+            }
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+                .open(format!("/proc/self/fd/{}", at.as_raw_fd()))?;
+            let opened = f.metadata()?;
+            if (opened.dev(), opened.ino()) != (m.dev(), m.ino()) {
+                return Err(std::io::Error::other("not the file looked at"));
             }
             Ok(f)
         })
+    }
+
+    /// Why a file found in the directory (`m`, on mount `mount`) is not one tracerd opens;
+    /// None: it is. Anything but a regular file (a symbolic link, a FIFO that would block, a
+    /// device); a file of another user (a hard link to it, or a file bound over the name in
+    /// the process's mount namespace, which the directory was reached through: tracerd's
+    /// supplementary groups could let it open a file its owner may not); a file with other
+    /// names (a hard link); a file of another mount.
+    fn refused(&self, m: &std::fs::Metadata, mount: u64) -> Option<String> {
+        use std::os::unix::fs::FileTypeExt;
+        let t = m.file_type();
+        let kind = [
+            (t.is_symlink(), "a symbolic link"),
+            (t.is_fifo(), "a FIFO"),
+            (t.is_socket(), "a socket"),
+            (t.is_char_device(), "a character device"),
+            (t.is_block_device(), "a block device"),
+            (t.is_dir(), "a directory"),
+            (!t.is_file(), "of an unknown type"),
+        ]
+        .into_iter()
+        .find_map(|(is, kind)| is.then_some(kind));
+        if let Some(kind) = kind {
+            return Some(format!("it is {kind}, not a regular file"));
+        }
+        if m.uid() != self.owner.0 {
+            return Some(format!(
+                "it belongs to uid {}, not to the directory's owner (uid {})",
+                m.uid(),
+                self.owner.0
+            ));
+        }
+        match m.nlink() {
+            1 => {}
+            0 => return Some("it was deleted as it was opened".into()),
+            n => {
+                return Some(format!(
+                    "it has {n} hard links: a name for a file that lies elsewhere too"
+                ))
+            }
+        }
+        if m.dev() != self.id.0 || mount != mount_id(&self.this) {
+            return Some(
+                "it lies on another mount than its directory (bound over its name)".into(),
+            );
+        }
+        None
     }
 
     pub(super) fn exists(&self, name: &str) -> bool {
@@ -250,15 +308,17 @@ impl Dir {
         }
     }
 
-    /// The first KiB of a small text file the process wrote.
+    /// The first KiB of a small text file the process wrote; where tracerd refused to open
+    /// it, why (in brackets). None: there is none.
     pub(super) fn read_text(&self, name: &str) -> Option<String> {
-        let mut text = String::new();
-        self.open(name, false)
-            .ok()?
-            .take(1024)
-            .read_to_string(&mut text)
-            .ok()?;
-        Some(text)
+        let f = match self.open(name, false) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => return Some(format!("[{name} not read: {e}]")),
+        };
+        let mut text = Vec::new();
+        f.take(1024).read_to_end(&mut text).ok()?;
+        Some(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// When it last changed (a file made or deleted in it).
@@ -271,14 +331,22 @@ impl Dir {
         let _ = as_user(self.owner, || unlink_at(&self.this, name, 0));
     }
 
-    fn names(&self) -> Vec<String> {
-        names(&self.this)
+    /// The names in it, read as they are asked for: the owner may make millions, which
+    /// tracerd does not hold all at once.
+    fn listing(&self) -> impl Iterator<Item = String> {
+        let listing = format!("/proc/self/fd/{}", self.this.as_raw_fd());
+        std::fs::read_dir(listing)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().into_string().ok())
     }
 
     /// Deletes its files (a bounded number: the owner may fill it), then itself; and the code
     /// directory.
     pub(super) fn remove(&self) {
-        for f in self.names().into_iter().take(MAX_NAMES) {
+        let names: Vec<String> = self.listing().take(MAX_NAMES).collect();
+        for f in names {
             self.unlink(&f);
         }
         self.remove_if_empty();
@@ -311,21 +379,35 @@ impl Dir {
         self.by_pid(inproc::FILE_PREFIX, most)
     }
 
-    /// The same for the files named `prefix<pid>`.
+    /// The same for the files named `prefix<pid>`, the pid written as the counter writes it
+    /// (`counts.+5` and `counts.05` are not a second file of pid 5): the `most` of lowest
+    /// pid, holding no more than about twice that many names at a time.
     pub(super) fn by_pid(&self, prefix: &str, most: usize) -> (Vec<(u32, String)>, usize) {
-        let mut all: Vec<(u32, String)> = self
-            .names()
-            .into_iter()
-            .filter_map(|name| {
-                let pid = name.strip_prefix(prefix)?.parse().ok()?;
-                Some((pid, name))
-            })
-            .collect();
-        all.sort_unstable();
-        let more = all.len().saturating_sub(most);
-        all.truncate(most);
-        (all, more)
+        let mut kept: Vec<(u32, String)> = Vec::new();
+        let mut all = 0usize;
+        for name in self.listing() {
+            let Some(pid) = pid_in(&name, prefix) else {
+                continue;
+            };
+            all += 1;
+            kept.push((pid, name));
+            if kept.len() > most.max(512) * 2 {
+                kept.sort_unstable();
+                kept.truncate(most);
+            }
+        }
+        kept.sort_unstable();
+        kept.truncate(most);
+        let more = all - kept.len();
+        (kept, more)
     }
+}
+
+/// The pid `name` gives after `prefix`, written in decimal as `u32`'s `Display` writes it.
+fn pid_in(name: &str, prefix: &str) -> Option<u32> {
+    let digits = name.strip_prefix(prefix)?;
+    let pid: u32 = digits.parse().ok()?;
+    (pid.to_string() == digits).then_some(pid)
 }
 
 /// How many names tracerd deletes from a directory the user could fill.
@@ -373,7 +455,14 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        crate::sigbus::guard(ptr as usize, len);
+        if !crate::sigbus::guard(ptr as usize, len) {
+            // Unguarded, a file its owner shrinks would kill tracerd at its first write.
+            // SAFETY: the mapping just made, unmapped once.
+            unsafe { libc::munmap(ptr, len) };
+            return Err(std::io::Error::other(
+                "too many counts files mapped at once: tracerd maps none it cannot guard against its owner's shrinking it",
+            ));
+        }
         Ok(Self {
             ptr: ptr.cast(),
             len,
@@ -514,6 +603,283 @@ mod tests {
         assert!(refused.contains("made by an older tracerd"), "{refused}");
         assert!(!dir.join("remove.1.py").exists());
         assert_eq!(old.code_path("start.py"), "/tmp/tracer-old-1/start.py");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// The directory's owner in these tests (no such user need exist).
+    const OWNER: Ids = (4242, 4242);
+
+    /// A counter directory of [`OWNER`]'s, `/tmp/tracer-t-1` under a root of its own, as
+    /// tracerd finds it again; the root, to delete. None (said) where not root.
+    fn owners_dir(tag: &str) -> Option<(std::path::PathBuf, Dir)> {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            tracer_testkit::skip("making files of another user wants root");
+            return None;
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let dir = base.join("tmp/tracer-t-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (p, mode) in [(&base, 0o755), (&base.join("tmp"), 0o1777), (&dir, 0o700)] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        std::os::unix::fs::chown(&dir, Some(OWNER.0), Some(OWNER.1)).unwrap();
+        let m = std::fs::metadata(&dir).unwrap();
+        let found = Dir::existing(&base, "tracer-t-1", OWNER, (m.dev(), m.ino()), None).unwrap();
+        Some((base, found))
+    }
+
+    /// A file of the owner's at `path`, `len` bytes long.
+    fn owners_file(path: &std::path::Path, len: u64) {
+        let f = File::create(path).unwrap();
+        f.set_len(len).unwrap();
+        std::os::unix::fs::chown(path, Some(OWNER.0), Some(OWNER.1)).unwrap();
+    }
+
+    fn refused(dir: &Dir, name: &str, write: bool) -> String {
+        match dir.open(name, write) {
+            Ok(_) => panic!("{name} was opened"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// What the owner may put where tracerd looks for a counts file: only a regular file of
+    /// its own with one name is opened; a symbolic link, a FIFO (its writer, blocked until a
+    /// reader opens it, stays blocked: nothing opened it), a socket, a device, a directory,
+    /// a file of root's (world-writable: the kernel would let the owner open it) and a hard
+    /// link are refused, and the report's reason names which.
+    #[test]
+    fn only_regular_files_of_the_owner_with_one_name_are_opened() {
+        let Some((base, dir)) = owners_dir("open-checks-test") else {
+            return;
+        };
+        let at = |name: &str| base.join("tmp/tracer-t-1").join(name);
+        owners_file(&at("counts.1"), 100);
+        dir.open("counts.1", false).unwrap();
+        dir.open("counts.1", true).unwrap();
+
+        std::os::unix::fs::symlink(at("counts.1"), at("counts.2")).unwrap();
+        assert!(refused(&dir, "counts.2", false).contains("a symbolic link"));
+
+        let fifo = std::ffi::CString::new(at("counts.3").to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        check(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }).unwrap();
+        std::os::unix::fs::chown(at("counts.3"), Some(OWNER.0), Some(OWNER.1)).unwrap();
+        let woken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (path, woken) = (at("counts.3"), woken.clone());
+            // Blocks until a reader opens the FIFO.
+            std::thread::spawn(move || {
+                let f = std::fs::OpenOptions::new().write(true).open(path);
+                woken.store(true, std::sync::atomic::Ordering::SeqCst);
+                f.map(drop)
+            })
+        };
+        assert!(refused(&dir, "counts.3", false).contains("a FIFO"));
+        assert!(refused(&dir, "counts.3", true).contains("a FIFO"));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let was_woken = woken.load(std::sync::atomic::Ordering::SeqCst);
+        // Lets the writer go.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(at("counts.3"))
+            .unwrap();
+        writer.join().unwrap().unwrap();
+        drop(reader);
+        assert!(!was_woken, "tracerd opened the FIFO (its writer was woken)");
+
+        let _socket = std::os::unix::net::UnixListener::bind(at("counts.4")).unwrap();
+        assert!(refused(&dir, "counts.4", false).contains("a socket"));
+
+        let dev = std::ffi::CString::new(at("counts.5").to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path; /dev/null's numbers.
+        if unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } == 0 {
+            assert!(refused(&dir, "counts.5", true).contains("a character device"));
+        }
+
+        std::fs::create_dir(at("counts.6")).unwrap();
+        assert!(refused(&dir, "counts.6", false).contains("a directory"));
+
+        File::create(at("counts.7")).unwrap();
+        std::fs::set_permissions(
+            at("counts.7"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o666),
+        )
+        .unwrap();
+        let why = refused(&dir, "counts.7", true);
+        assert!(why.contains("belongs to uid 0"), "{why}");
+
+        owners_file(&at("kept"), 100);
+        std::fs::hard_link(at("kept"), at("counts.8")).unwrap();
+        let why = refused(&dir, "counts.8", false);
+        assert!(why.contains("2 hard links"), "{why}");
+
+        // The start's error, where the owner put something else than its text.
+        assert_eq!(dir.read_text("load-error"), None);
+        let said = dir.read_text("counts.7").unwrap();
+        assert!(
+            said.contains("not read") && said.contains("uid 0"),
+            "{said}"
+        );
+        std::fs::write(at("counts.1"), b"why").unwrap();
+        assert_eq!(dir.read_text("counts.1").as_deref(), Some("why"));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A file of the owner's bound over a counts file's name in a mount namespace (as the
+    /// process's user may do in a namespace of its own, which tracerd reaches the directory
+    /// through): refused, another mount than the directory's.
+    #[test]
+    fn a_file_bound_over_its_name_is_refused() {
+        let Some((base, _)) = owners_dir("bound-test") else {
+            return;
+        };
+        let base2 = base.clone();
+        // A mount namespace of this thread's own: the bind goes nowhere else.
+        let done = std::thread::spawn(move || {
+            let base = base2;
+            // SAFETY: plain syscalls on this thread's own mount namespace.
+            unsafe {
+                if libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(
+                        std::ptr::null(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            let dir = base.join("tmp/tracer-t-1");
+            owners_file(&base.join("elsewhere"), 100);
+            owners_file(&dir.join("counts.9"), 100);
+            let from = std::ffi::CString::new(base.join("elsewhere").to_str().unwrap()).unwrap();
+            let to = std::ffi::CString::new(dir.join("counts.9").to_str().unwrap()).unwrap();
+            // SAFETY: NUL-terminated paths.
+            check(unsafe {
+                libc::mount(
+                    from.as_ptr(),
+                    to.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                )
+            })?;
+            let m = std::fs::metadata(&dir).unwrap();
+            let found =
+                Dir::existing(&base, "tracer-t-1", OWNER, (m.dev(), m.ino()), None).unwrap();
+            if mount_id(&found.this) == 0 {
+                return Ok(None);
+            }
+            let why = refused(&found, "counts.9", false);
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::umount2(to.as_ptr(), libc::MNT_DETACH) };
+            Ok(Some(why))
+        })
+        .join()
+        .unwrap();
+        match done {
+            Ok(Some(why)) => assert!(why.contains("another mount"), "{why}"),
+            Ok(None) => tracer_testkit::skip("statx names no mount here"),
+            Err(e) => tracer_testkit::skip(format_args!("no mount namespace here: {e}")),
+        }
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// Sizes are tracerd's own: a file of 1 TB (sparse) or one short of a counts file is not
+    /// mapped; a header whose capacities differ is not a counts file of this tracer; a file
+    /// grown once mapped is read within the mapping's length; a file that cannot be guarded
+    /// against its owner's shrinking it is not mapped.
+    #[test]
+    fn counts_files_are_mapped_at_tracerds_size_only() {
+        let Some((base, dir)) = owners_dir("sizes-test") else {
+            return;
+        };
+        let _slots = crate::sigbus::TEST_SLOTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = |name: &str| base.join("tmp/tracer-t-1").join(name);
+        let size = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
+        for (name, len) in [("counts.1", 1u64 << 40), ("counts.2", size as u64 - 1)] {
+            owners_file(&at(name), len);
+            let f = dir.open(name, true).unwrap();
+            let why = Mapping::new(&f).err().expect("mapped");
+            assert!(why.to_string().contains("wrong size"), "{why}");
+        }
+        owners_file(&at("counts.3"), size as u64);
+        let f = dir.open("counts.3", true).unwrap();
+        let map = Mapping::new(&f).unwrap();
+        let mut h = Header::new(3, inproc::state::RUNNING, inproc::CAPS);
+        h.entries_cap = u32::MAX;
+        // SAFETY: the mapping starts with a header's room.
+        unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), h) };
+        assert!(!super::super::read::well_formed(&map.header()));
+        f.set_len(2 * size as u64).unwrap();
+        assert!(map.records::<u64>(size, 1, |_| true).is_empty());
+        assert!(map
+            .name_bytes(StrRef {
+                offset: 0,
+                len: u32::MAX
+            })
+            .is_none());
+        drop(map);
+        f.set_len(size as u64).unwrap();
+        // Every slot of the SIGBUS guard taken (addresses of the first page: nothing's).
+        let taken: Vec<usize> = (1..).take_while(|&a| crate::sigbus::guard(a, 1)).collect();
+        let refused = Mapping::new(&f).err();
+        for a in taken {
+            crate::sigbus::unguard(a);
+        }
+        let why = refused.expect("mapped unguarded").to_string();
+        assert!(why.contains("too many counts files"), "{why}");
+        Mapping::new(&f).unwrap();
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// Counts files are named by the pid as the counter writes it: `counts.+5` and
+    /// `counts.05` are no second file of pid 5; of many, the lowest pids are taken, and the
+    /// others counted.
+    #[test]
+    fn counts_files_are_named_by_pid_as_written() {
+        let Some((base, dir)) = owners_dir("names-test") else {
+            return;
+        };
+        let at = |name: &str| base.join("tmp/tracer-t-1").join(name);
+        for name in [
+            "counts.5",
+            "counts.+5",
+            "counts.05",
+            "counts.x",
+            "counts.",
+            "counts.4294967296",
+            "counts.7",
+            "handover.5",
+        ] {
+            File::create(at(name)).unwrap();
+        }
+        let (found, more) = dir.counts_files(10);
+        assert_eq!(
+            found,
+            [(5, "counts.5".to_owned()), (7, "counts.7".to_owned())]
+        );
+        assert_eq!(more, 0);
+        assert_eq!(
+            dir.by_pid("handover.", 10).0,
+            [(5, "handover.5".to_owned())]
+        );
+        for pid in 1000..3500 {
+            File::create(at(&format!("counts.{pid}"))).unwrap();
+        }
+        let (found, more) = dir.counts_files(3);
+        let pids: Vec<u32> = found.iter().map(|f| f.0).collect();
+        assert_eq!((pids, more), (vec![5, 7, 1000], 2499));
+        dir.remove();
+        assert!(!at("").exists(), "the directory went");
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -1876,3 +1876,434 @@ fn cupti_observed(truth: &Value) -> BTreeMap<String, (u64, u64)> {
         })
         .collect()
 }
+
+/// The member's process in [`a_setuid_program_execd_during_the_gpu_times_load_gets_nothing`]:
+/// it maps the fake runtime and driver and initializes CUDA, leaves a second thread asleep (the
+/// one tracerd stops: a sleeping thread before a running one), prints "ready", then spins on its
+/// main thread watching for tracerd's load. Its first cue is one of the session's CUDA probes
+/// turning an entry point's code into a breakpoint (the probes go in after the start's checks,
+/// as the injection library's load begins); `DELAY_US` later, or at once when its sleeping
+/// thread is seen traced (`TracerPid`: the load has stopped it), it execs `PROGRAM` (a
+/// setuid-root copy of sleep), having printed `exec cue=probes|traced|none after_us=N child=PID`.
+/// A negative delay waits for the thread to be traced. `KEEP` 1: a child forked at the probes
+/// keeps the session following a process of its user's past the exec (which it stops following,
+/// the program having gained root), so that the start answers for the load.
+/// usage: race LIBDIR PROGRAM DELAY_US KEEP
+const RACE_C: &str = r#"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+static volatile int sleeper;
+static void *sleep_on(void *arg) {
+    sleeper = (int)syscall(SYS_gettid);
+    for (;;) pause();
+    return arg;
+}
+static long long now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000LL + t.tv_nsec / 1000;
+}
+static int traced(void) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/self/task/%d/status", sleeper);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *p = strstr(buf, "TracerPid:");
+    return p && atoi(p + 10) != 0;
+}
+#define WATCHED 6
+#define BYTES 32
+int main(int argc, char **argv) {
+    if (argc != 5) return 2;
+    long long delay = atoll(argv[3]);
+    int keep = atoi(argv[4]);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/libcudart.so.13", argv[1]);
+    void *rt = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    snprintf(path, sizeof path, "%s/libcuda.so.1", argv[1]);
+    void *drv = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!rt || !drv) { printf("dlopen: %s\n", dlerror()); return 1; }
+    int (*init)(unsigned) = (int (*)(unsigned))dlsym(drv, "cuInit");
+    if (!init || init(0) != 0) { printf("cuInit failed\n"); return 1; }
+    const char *names[WATCHED] = {"cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2",
+                                  "cuMemcpy", "cudaLaunchKernel", "cudaMemcpy"};
+    const unsigned char *code[WATCHED];
+    unsigned char was[WATCHED][BYTES];
+    for (int i = 0; i < WATCHED; i++) {
+        code[i] = dlsym(i < 4 ? drv : rt, names[i]);
+        if (code[i]) memcpy(was[i], code[i], BYTES);
+    }
+    pthread_t t;
+    pthread_create(&t, NULL, sleep_on, NULL);
+    while (!sleeper) ;
+    printf("ready\n");
+    fflush(stdout);
+    long long start = now_us(), probed = 0;
+    int child = 0;
+    const char *cue = "none";
+    for (;;) {
+        for (int i = 0; !probed && i < WATCHED; i++) {
+            if (code[i] && memcmp(was[i], (const void *)code[i], BYTES) != 0) {
+                probed = now_us();
+                if (keep && (child = fork()) == 0)
+                    for (;;) pause();
+            }
+        }
+        if (probed && delay >= 0 && now_us() - probed >= delay) { cue = "probes"; break; }
+        if (traced()) { cue = "traced"; break; }
+        if (now_us() - start > 5000000) break;
+    }
+    printf("exec cue=%s after_us=%lld child=%d\n", cue, probed ? now_us() - probed : -1LL, child);
+    fflush(stdout);
+    execl(argv[2], "sleep", "30", (char *)NULL);
+    printf("exec failed\n");
+    return 1;
+}
+"#;
+
+/// `--gpu-times --pid` as the test group's member, whose process execs a setuid-root program
+/// while tracerd loads the injection library into it (`RACE_C` says when: as the session's
+/// probes go in, at delays spread over the time tracerd takes to stop a thread of it, or as its
+/// thread is seen traced). Between the start's checks and the ptrace attach, such an exec hands
+/// tracerd a root process under the pid it checked. Each time the injection library is never
+/// mapped in the process once it runs as root, no thread of it is left traced, and tracerd's
+/// answer is one [`refused_outcome`] or [`started_outcome`] knows: a refusal naming the exec
+/// (before the process was pinned, on the stopped process, as its thread stopped) or the
+/// caller's right; one in ptrace's words where the exec killed the thread stopped for the load;
+/// or a session that stopped following the process at the exec (where it followed no other
+/// process of the member's). A load carried on past a failed check would say "writing its
+/// stack" (the pinned address space gone), which fails. Prints how many tries exec'd within
+/// the load, and where each was caught.
+#[test]
+fn a_setuid_program_execd_during_the_gpu_times_load_gets_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    use tracer_tests::users::{as_user, member, public_ctl, GROUP};
+    if !root_or_skip() {
+        return;
+    }
+    let Some((uid, gid)) = member() else {
+        tracer_testkit::skip(format_args!(
+            "could not create test users (useradd/groupadd missing)"
+        ));
+        return;
+    };
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
+    if !matches!(yama.trim(), "" | "0") {
+        tracer_testkit::skip(format_args!(
+            "kernel.yama.ptrace_scope is {}: the member may have code loaded only into processes tracerctl started",
+            yama.trim()
+        ));
+        return;
+    }
+    let d = Daemon::start_with(tracer_tests::DaemonOptions {
+        group: Some(GROUP.into()),
+        ..tracer_tests::DaemonOptions::default()
+    });
+    let Some(built) = build(&d) else { return };
+    let ctl = public_ctl(&d);
+    let shared = d.dir.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let source = shared.join("race.c");
+    std::fs::write(&source, RACE_C).unwrap();
+    let race = shared.join("race");
+    let compiled = Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(&race)
+        .arg(&source)
+        .args(["-ldl", "-lpthread"])
+        .output();
+    match compiled {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!("cc: {}", String::from_utf8_lossy(&out.stderr)),
+        Err(_) => {
+            tracer_testkit::skip(format_args!("no C compiler to build the test program"));
+            return;
+        }
+    }
+    // The setuid-root program, where the member can run it.
+    let setuid = shared.join("sleep-setuid-root");
+    std::fs::copy("/bin/sleep", &setuid).unwrap();
+    std::os::unix::fs::chown(&setuid, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let status_of = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let euid = |status: &str| -> u32 {
+        let uids = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
+        uids.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    {
+        let mut cmd = Command::new(&setuid);
+        cmd.arg("30");
+        let probe = ChildGuard::spawn(as_user(&mut cmd, uid, gid));
+        if euid(&status_of(probe.pid())) != 0 {
+            tracer_testkit::skip(format_args!(
+                "{} does not run as root when the member runs it (a nosuid filesystem?)",
+                setuid.display()
+            ));
+            return;
+        }
+    }
+    // (delay after the probes in µs, negative: when its thread is seen traced; a child kept).
+    let mut tries: Vec<(i64, bool)> = vec![(-1, true), (-1, false)];
+    let (mut hits, mut window) = (0, 0i64);
+    let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut n = 0;
+    while n < tries.len() {
+        let (delay, keep) = tries[n];
+        // Files of their own: an earlier session's probes on the same files may still be
+        // coming off, which the program would take for its cue.
+        let libs = d.dir.path().join(format!("fakecuda-{n}"));
+        std::fs::create_dir_all(&libs).unwrap();
+        for lib in ["libcuda.so.1", "libcudart.so.13", "libcupti.so.13"] {
+            std::fs::copy(built.join(lib), libs.join(lib)).unwrap();
+        }
+        let mut cmd = Command::new(&race);
+        cmd.arg(&libs)
+            .arg(&setuid)
+            .arg(delay.to_string())
+            .arg(if keep { "1" } else { "0" })
+            .env_remove("CUDA_INJECTION64_PATH")
+            .env_remove("LD_PRELOAD")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        let mut app = ChildGuard::spawn(as_user(&mut cmd, uid, gid));
+        let mut out = BufReader::new(app.0.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        let pid = app.pid();
+        let spid = pid.to_string();
+        let args = [
+            "start",
+            "--mode=counting",
+            "--cuda",
+            "--gpu-times",
+            "--pid",
+            &spid,
+        ];
+        let answer = d.run_as(uid, gid, &args, &ctl);
+        let mut exec = String::new();
+        out.read_line(&mut exec).unwrap();
+        let exec = exec.trim().to_owned();
+        let field = |k: &str| -> String {
+            exec.split_whitespace()
+                .find_map(|f| f.strip_prefix(k))
+                .unwrap_or_else(|| panic!("try {n}: the program's last words: {exec:?}"))
+                .to_owned()
+        };
+        let after_us: i64 = field("after_us=").parse().unwrap();
+        let child: i32 = field("child=").parse().unwrap();
+        // Refused: the load has ended, and left no thread traced. Started: the session ended
+        // at the exec (see `started_outcome`), and the load may still be under way.
+        let loaded = !answer.status.success();
+        let root_at_answer = look(&mut app, n, "at the start's answer", loaded);
+        std::thread::sleep(Duration::from_millis(500));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !traced(pid).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            look(&mut app, n, "0.5 s later", true),
+            "try {n}: the setuid program runs as root"
+        );
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{pid}/exe")).unwrap(),
+            setuid,
+            "try {n}: {exec:?}"
+        );
+        let kill_child = || {
+            if child > 0 {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(child),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        };
+        let (said, outcome) = if answer.status.success() {
+            let id = String::from_utf8_lossy(&answer.stdout).trim().to_owned();
+            kill_child();
+            wait_ended(&d, &id);
+            let r = d.ok(&["report", &id, "--format", "json"]);
+            let r: Value = serde_json::from_str(&r).unwrap();
+            let said = format!(
+                "started; unfollowed {}; GPU times {}",
+                r["processes"]["unfollowed"], r["cuda"]["gpu_times"]
+            );
+            (said, started_outcome(&r, pid))
+        } else {
+            let err = String::from_utf8_lossy(&answer.stderr).trim().to_owned();
+            let outcome = refused_outcome(&err, pid, uid);
+            (err, outcome)
+        };
+        kill_child();
+        let outcome =
+            outcome.unwrap_or_else(|| panic!("try {n}: {exec:?}, and tracerd said: {said}"));
+        eprintln!(
+            "try {n}: delay {delay} us, child kept {keep}: {exec}; root at the answer {root_at_answer}; {outcome}: {said}"
+        );
+        if outcome != AFTER_THE_LOAD {
+            hits += 1;
+        }
+        *outcomes.entry(outcome).or_default() += 1;
+        // The first tries measure how long after the probes tracerd stops a thread; the
+        // others exec at delays spread over twice that time, where the load pins the process,
+        // checks it and stops a thread (the exec itself takes a few hundred µs).
+        window = window.max(after_us);
+        if n == 1 {
+            let step = window.clamp(600, 20_000) / 12;
+            for k in 0..24 {
+                tries.push((step * k, k % 4 != 3));
+            }
+        }
+        n += 1;
+    }
+    eprintln!(
+        "{hits} of {} tries exec'd the setuid program within tracerd's load, after the start's checks: {outcomes:#?}",
+        tries.len()
+    );
+    assert!(hits > 0, "no try raced the load: {outcomes:?}");
+}
+
+/// The threads of `pid` that are traced, with their tracer.
+fn traced(pid: u32) -> Vec<(String, String)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|task| {
+            let task = task.ok()?.path();
+            let status = std::fs::read_to_string(task.join("status")).ok()?;
+            let tracer = status
+                .lines()
+                .find_map(|l| l.strip_prefix("TracerPid:"))?
+                .trim()
+                .to_owned();
+            (tracer != "0").then(|| (task.display().to_string(), tracer))
+        })
+        .collect()
+}
+
+/// Whether `app` runs as root now, which it never does with tracer's library mapped; where
+/// `untraced`, no thread of it is traced.
+fn look(app: &mut ChildGuard, n: usize, when: &str, untraced: bool) -> bool {
+    let pid = app.pid();
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        panic!("try {n}, {when}: pid {pid} is gone: {:?}", app.0.try_wait());
+    };
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let uids = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
+    let root = uids.split_whitespace().nth(1) == Some("0");
+    assert!(
+        !(root && maps.contains("libtracer_cupti.so")),
+        "try {n}, {when}: pid {pid} runs as root with tracer's library mapped:\n{maps}"
+    );
+    if untraced {
+        let traced = traced(pid);
+        assert!(
+            traced.is_empty(),
+            "try {n}, {when}: threads left traced (task, tracer): {traced:?}"
+        );
+    }
+    root
+}
+
+/// An exec that came after the load had finished: not a try that hit the window.
+const AFTER_THE_LOAD: &str = "exec'd after the load";
+
+/// Where tracerd's refusal (`err`) of a `--gpu-times --pid` start for `pid` of `uid`'s, whose
+/// process exec'd a setuid-root program during the load, caught the exec; None for a refusal
+/// that names no reason.
+fn refused_outcome(err: &str, pid: u32, uid: u32) -> Option<&'static str> {
+    let err = err.strip_prefix("tracerctl: ")?;
+    if err == format!("pid {pid} executed another program since the session's start checked it") {
+        return Some("refused: exec'd before the process was pinned");
+    }
+    // The library loaded, then asked through the process's memory, replaced meanwhile.
+    if err.contains(&format!("pid {pid} does not map libtracer_cupti.so"))
+        || err.starts_with(&format!("GPU times in pid {pid}: "))
+        || err.starts_with(&format!("reading pid {pid}'s memory: "))
+        || err.starts_with(&format!("writing pid {pid}'s memory: "))
+    {
+        return Some(AFTER_THE_LOAD);
+    }
+    let load = err.strip_prefix(&format!(
+        "loading libtracer_cupti.so into pid {pid} with ptrace: "
+    ))?;
+    let Some(stopped) = load.strip_prefix("refused once a thread of it was stopped: ") else {
+        return match load {
+            // Held at its exec by tracerd, which checks what the new program runs as.
+            "it is stopped (job control): a stopped process is not loaded into" => {
+                Some("refused: held at its exec")
+            }
+            // The thread stopped (or being stopped) for the load, killed by the exec after the
+            // stopped process was checked: ptrace's own words only, the exec not named.
+            "it exited" => Some("refused: its stopped thread killed by the exec (unnamed)"),
+            _ if load.starts_with("ptrace ")
+                && [
+                    "No such process (os error 3)",
+                    "Operation not permitted (os error 1)",
+                    "No child processes (os error 10)",
+                ]
+                .iter()
+                .any(|e| load.ends_with(e)) =>
+            {
+                Some("refused: its stopped thread killed by the exec (unnamed)")
+            }
+            // The new program's mappings, read before its loader mapped libc: the exec not
+            // named either.
+            "it maps no glibc (libc.so.6): a static or musl program" => {
+                Some("refused: the new program read before it mapped libc (unnamed)")
+            }
+            // Anything else, "writing its stack" among them (what a load past a failed check
+            // would say, the pinned address space gone), names nothing.
+            _ => None,
+        };
+    };
+    if stopped.starts_with(&format!("pid {pid} executed another program"))
+        || stopped.starts_with(&format!("pid {pid} replaced its address space"))
+    {
+        Some("refused on the stopped process: another program")
+    } else if stopped == "it executed a program as it was being stopped" {
+        Some("refused: exec'd as its thread was being stopped")
+    } else if stopped.contains(&format!("uid {uid} may not trace pid {pid}")) {
+        Some("refused on the stopped process: the caller's right")
+    } else {
+        None
+    }
+}
+
+/// Where a started session's report `r` says the exec of a setuid-root program by its target
+/// `pid` was caught (as `refused_outcome`).
+fn started_outcome(r: &Value, pid: u32) -> Option<&'static str> {
+    let unfollowed = r["processes"]["unfollowed"].as_array()?;
+    let gained_root = unfollowed.iter().any(|u| {
+        u.as_str().is_some_and(|u| {
+            u.starts_with(&format!("pid {pid} exec'd "))
+                && u.contains("it runs as uid 0, so it is not traced")
+        })
+    });
+    if !gained_root {
+        return None;
+    }
+    // GPU times turned on before the exec, in the program the start checked: their status
+    // line, whatever it came to once the program was replaced.
+    let times = r["cuda"]["gpu_times"]
+        .as_array()
+        .map_or(&[][..], |t| &t[..]);
+    Some(if times.iter().any(|t| t["pid"] == pid) {
+        AFTER_THE_LOAD
+    } else {
+        "the session stopped following it at the exec"
+    })
+}

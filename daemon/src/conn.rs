@@ -8,7 +8,7 @@ use std::{
     io,
     pin::Pin,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     task::{Context, Poll},
@@ -67,11 +67,13 @@ pub struct PeerInfo {
     pub activity: Arc<Activity>,
 }
 
-/// Requests in flight on a connection, and since when there have been none.
+/// Requests in flight on a connection, since when there have been none, and (TCP) whether
+/// a request on it has been authenticated.
 #[derive(Debug)]
 pub struct Activity {
     in_flight: AtomicUsize,
     idle_since: Mutex<Instant>,
+    authenticated: AtomicBool,
 }
 
 impl Activity {
@@ -79,7 +81,18 @@ impl Activity {
         Activity {
             in_flight: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
+            authenticated: AtomicBool::new(false),
         }
+    }
+
+    /// A request on this connection was authenticated: it is no longer held to the
+    /// authentication deadline (see `tcp`).
+    pub fn authenticated(&self) {
+        self.authenticated.store(true, Ordering::SeqCst);
+    }
+
+    fn is_authenticated(&self) -> bool {
+        self.authenticated.load(Ordering::SeqCst)
     }
 
     /// Counts a request until the returned guard drops (with its response's last byte).
@@ -244,12 +257,19 @@ pub fn incoming(listener: UnixListener, limits: Limits) -> ReceiverStream<io::Re
 /// Logs refusals: the first, then one every 10 s with how many went unsaid, so that a flood
 /// of connections does not flood the log.
 #[derive(Default)]
-struct Refusals {
+pub(crate) struct Refusals {
     last: Option<Instant>,
     unsaid: u64,
 }
 
 impl Refusals {
+    pub(crate) const fn new() -> Self {
+        Refusals {
+            last: None,
+            unsaid: 0,
+        }
+    }
+
     fn note(&mut self, uid: u32, why: &str) {
         if let Some(unsaid) = self.due() {
             tracing::warn!(
@@ -271,7 +291,7 @@ impl Refusals {
     }
 
     /// Whether to say this one, with how many went unsaid since the last said.
-    fn due(&mut self) -> Option<u64> {
+    pub(crate) fn due(&mut self) -> Option<u64> {
         if self
             .last
             .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
@@ -284,10 +304,16 @@ impl Refusals {
     }
 }
 
-/// Ends a connection's input once no request has been in flight on it for its limit.
+/// Ends a connection's input once no request has been in flight on it for its limit, or
+/// (TCP) once its authentication deadline has passed with no request authenticated.
 struct IdleTimer {
     activity: Arc<Activity>,
     idle: Duration,
+    /// Until a request is authenticated: when the connection is closed if none has been,
+    /// and how long after its accept that is.
+    authenticate_by: Option<(Instant, Duration)>,
+    /// Once the input has been ended, it stays ended.
+    closed: Option<Closed>,
     timer: Pin<Box<Sleep>>,
 }
 
@@ -296,27 +322,73 @@ impl IdleTimer {
         Self {
             activity,
             idle,
+            authenticate_by: None,
+            closed: None,
             timer: Box::pin(tokio::time::sleep(idle)),
         }
     }
 
-    /// Whether the connection has been idle too long; else the timer is set for the next
-    /// look. Called where the server waits to read, which it always does.
+    /// Also closes the connection `within` of now unless a request on it is authenticated.
+    fn with_authentication(activity: Arc<Activity>, idle: Duration, within: Duration) -> Self {
+        let by = Instant::now() + within;
+        Self {
+            activity,
+            idle,
+            authenticate_by: Some((by, within)),
+            closed: None,
+            timer: Box::pin(tokio::time::sleep_until(by.min(Instant::now() + idle))),
+        }
+    }
+
+    /// Whether the connection is to be closed; else the timer is set for the next look.
+    /// Called where the server waits to read, which it always does.
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        while self.timer.as_mut().poll(cx).is_ready() {
-            match self.activity.deadline(self.idle) {
-                Some(at) if at <= Instant::now() => return true,
-                Some(at) => self.timer.as_mut().reset(at),
-                None => self.timer.as_mut().reset(Instant::now() + self.idle),
+        if self.closed.is_none() {
+            self.closed = self.due(cx);
+            if let (Some(Closed::NotAuthenticated), Some((_, within))) =
+                (self.closed, self.authenticate_by)
+            {
+                tcp::note_unauthenticated_close(within);
             }
         }
-        false
+        self.closed.is_some()
     }
+
+    fn due(&mut self, cx: &mut Context<'_>) -> Option<Closed> {
+        while self.timer.as_mut().poll(cx).is_ready() {
+            let now = Instant::now();
+            if let Some((by, _)) = self.authenticate_by {
+                if self.activity.is_authenticated() {
+                    self.authenticate_by = None;
+                } else if by <= now {
+                    // Whatever is in flight is a refusal: nothing unauthenticated gets further.
+                    return Some(Closed::NotAuthenticated);
+                }
+            }
+            let idle_at = match self.activity.deadline(self.idle) {
+                Some(at) if at <= now => return Some(Closed::Idle),
+                Some(at) => at,
+                None => now + self.idle,
+            };
+            let next = self
+                .authenticate_by
+                .map_or(idle_at, |(by, _)| by.min(idle_at));
+            self.timer.as_mut().reset(next);
+        }
+        None
+    }
+}
+
+/// Why a connection's input was ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Closed {
+    Idle,
+    NotAuthenticated,
 }
 
 /// An accepted connection, on the Unix socket or TCP: `held` keeps its place in the counts
 /// (and what requests learn of it) while it is open, and its reads end (EOF) once it has been
-/// idle too long.
+/// idle too long, or (TCP) has not authenticated in time.
 pub struct Counted<S, H> {
     stream: S,
     idle: IdleTimer,
@@ -341,14 +413,12 @@ impl<S: AsyncRead + Unpin, H: Unpin> AsyncRead for Counted<S, H> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if let Poll::Ready(r) = Pin::new(&mut this.stream).poll_read(cx, buf) {
-            return Poll::Ready(r);
-        }
+        // Looked at before reading: a peer that never lets the reads wait is closed too.
         if this.idle.expired(cx) {
             // An end of input: the server closes the connection.
             return Poll::Ready(Ok(()));
         }
-        Poll::Pending
+        Pin::new(&mut this.stream).poll_read(cx, buf)
     }
 }
 
@@ -445,5 +515,49 @@ mod tests {
         assert!(admit(&counts, &l, 1000).is_none(), "closed unanswered");
         drop(refused);
         assert!(admit(&counts, &l, 1000).is_some());
+    }
+
+    /// A connection held to an authentication deadline: its input ends at the deadline
+    /// unless a request on it was authenticated, requests in flight or not.
+    #[tokio::test(flavor = "current_thread")]
+    async fn unauthenticated_connections_end_at_their_deadline() {
+        use tokio::io::AsyncReadExt;
+        let within = Duration::from_millis(100);
+        let conn = |authenticated: bool| {
+            let (near, far) = tokio::io::duplex(64);
+            let activity = Arc::new(Activity::new());
+            if authenticated {
+                activity.authenticated();
+            }
+            let conn = Counted {
+                stream: near,
+                idle: IdleTimer::with_authentication(
+                    activity.clone(),
+                    Duration::from_secs(60),
+                    within,
+                ),
+                held: (),
+            };
+            (conn, far, activity)
+        };
+        let (mut anonymous, _far, activity) = conn(false);
+        // A request in flight (a refusal being answered) does not keep it open.
+        let _busy = activity.begin();
+        let started = Instant::now();
+        let n = anonymous.read(&mut [0u8; 8]).await.unwrap();
+        assert_eq!(n, 0, "the input ends");
+        assert!(started.elapsed() >= within);
+        assert_eq!(
+            anonymous.read(&mut [0u8; 8]).await.unwrap(),
+            0,
+            "and stays ended"
+        );
+
+        let (mut known, _far, _) = conn(true);
+        let read = tokio::time::timeout(within * 3, known.read(&mut [0u8; 8])).await;
+        assert!(
+            read.is_err(),
+            "an authenticated connection is kept: {read:?}"
+        );
     }
 }

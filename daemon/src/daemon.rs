@@ -40,6 +40,61 @@ pub struct Config {
 
 pub const DEFAULT_TRACE_RING_MB: u32 = 64;
 
+/// Bounds of the numeric settings, checked before anything starts (and on the settings file's
+/// values as it is read, see `bound`).
+pub const MAX_TRACE_RING_MB: u32 = 1024;
+pub const PROBE_LIMITS: std::ops::RangeInclusive<usize> = 1..=100_000;
+pub const CONNECTIONS: std::ops::RangeInclusive<usize> = 2..=1_000_000;
+/// `--idle-timeout`: 1 s to a day (longer would keep idle connections for good).
+pub const IDLE_TIMEOUT_SECS: std::ops::RangeInclusive<u64> = 1..=86_400;
+
+/// Why `n` is out of the bounds of the numeric setting `key` (a flag's name in snake case),
+/// if it is; None for settings that are not numbers or have no bound of their own.
+pub fn bound(key: &str, n: i64) -> Option<String> {
+    let within =
+        |r: std::ops::RangeInclusive<usize>| usize::try_from(n).is_ok_and(|n| r.contains(&n));
+    match key {
+        "trace_ring_mb"
+            if !u32::try_from(n).is_ok_and(|n| n.is_power_of_two() && n <= MAX_TRACE_RING_MB) =>
+        {
+            Some(format!(
+                "wants a power of two from 1 to {MAX_TRACE_RING_MB}, got {n}"
+            ))
+        }
+        "max_probes_per_session" | "max_probes_per_user" if !within(PROBE_LIMITS) => Some(format!(
+            "wants {} to {}, got {n}",
+            PROBE_LIMITS.start(),
+            PROBE_LIMITS.end()
+        )),
+        "max_connections" | "max_connections_per_user" if !within(CONNECTIONS) => Some(format!(
+            "wants {} to {}, got {n}",
+            if key == "max_connections" { 2 } else { 1 },
+            CONNECTIONS.end()
+        )),
+        "idle_timeout" if !u64::try_from(n).is_ok_and(|n| IDLE_TIMEOUT_SECS.contains(&n)) => {
+            Some(format!(
+                "wants {} to {} seconds, got {n}",
+                IDLE_TIMEOUT_SECS.start(),
+                IDLE_TIMEOUT_SECS.end()
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// Streams one HTTP/2 connection may have open at once: tonic sets none (hyper's own 200
+/// included), and each may buffer a message of up to 4 MiB.
+const MAX_STREAMS: u32 = 100;
+/// Streams a connection may have reset for its errors before it is closed: tonic turns
+/// hyper's 1024 off, which hyper warns leaves the server open to reset floods
+/// (RUSTSEC-2024-0003).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+/// Request headers, all together (hyper's default, set here so that it stays).
+const MAX_HEADER_LIST: u32 = 16 << 10;
+/// A request message (tonic's default, set here so that it stays): a larger one is refused
+/// from its length prefix, before it is buffered.
+const MAX_MESSAGE: usize = 4 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error("another tracerd is already listening on {0}")]
@@ -58,8 +113,8 @@ pub enum DaemonError {
     BadProbeLimit(usize),
     #[error("--max-connections wants 2 to 1000000 and --max-connections-per-user 1 to --max-connections, got {total} and {per_user}")]
     BadConnectionLimit { total: usize, per_user: usize },
-    #[error("--idle-timeout wants 1 second or more")]
-    BadIdleTimeout,
+    #[error("--idle-timeout wants 1 to 86400 seconds, got {0}")]
+    BadIdleTimeout(u64),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
     #[error(transparent)]
@@ -80,11 +135,42 @@ pub enum DaemonError {
     Serve(#[from] tonic::transport::Error),
 }
 
+impl Config {
+    /// The numeric settings within their bounds.
+    pub fn check(&self) -> Result<(), DaemonError> {
+        let ring_mb = self.trace_ring_mb;
+        if !ring_mb.is_power_of_two() || ring_mb > MAX_TRACE_RING_MB {
+            return Err(DaemonError::BadTraceRing(ring_mb));
+        }
+        let limits = self.probe_limits;
+        if let Some(bad) = [limits.per_session, limits.per_user]
+            .into_iter()
+            .find(|n| !PROBE_LIMITS.contains(n))
+        {
+            return Err(DaemonError::BadProbeLimit(bad));
+        }
+        let conns = self.connections;
+        if !CONNECTIONS.contains(&conns.total) || !(1..=conns.total).contains(&conns.per_user) {
+            return Err(DaemonError::BadConnectionLimit {
+                total: conns.total,
+                per_user: conns.per_user,
+            });
+        }
+        let idle = conns.idle.as_secs();
+        if !IDLE_TIMEOUT_SECS.contains(&idle) {
+            return Err(DaemonError::BadIdleTimeout(idle));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the daemon until `shutdown` resolves; running sessions are then ended and their reports kept.
 pub async fn run(
     config: Config,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DaemonError> {
+    // Before anything is opened or bound: a bad value leaves nothing behind.
+    config.check()?;
     let tcp = config
         .listen
         .as_ref()
@@ -110,27 +196,7 @@ pub async fn run(
             tracing::warn!(%e, "in-process counters' journal unavailable: a killed tracerd's files would stay")
         }
     }
-    let ring_mb = config.trace_ring_mb;
-    if !ring_mb.is_power_of_two() || ring_mb > 1024 {
-        return Err(DaemonError::BadTraceRing(ring_mb));
-    }
-    let limits = config.probe_limits;
-    if let Some(bad) = [limits.per_session, limits.per_user]
-        .into_iter()
-        .find(|n| !(1..=100_000).contains(n))
-    {
-        return Err(DaemonError::BadProbeLimit(bad));
-    }
     let conns = config.connections;
-    if !(2..=1_000_000).contains(&conns.total) || !(1..=conns.total).contains(&conns.per_user) {
-        return Err(DaemonError::BadConnectionLimit {
-            total: conns.total,
-            per_user: conns.per_user,
-        });
-    }
-    if conns.idle.is_zero() {
-        return Err(DaemonError::BadIdleTimeout);
-    }
     match crate::conn::raise_fd_limit() {
         // Room for the connections and for sessions' perf events and BPF objects besides.
         Ok(n) if n < conns.total as u64 + 1024 => tracing::warn!(
@@ -141,7 +207,7 @@ pub async fn run(
         Ok(_) => {}
         Err(e) => tracing::warn!(%e, "raising the open files limit"),
     }
-    let bpf = Bpf::load(ring_mb << 20, config.per_probe_uprobes)?;
+    let bpf = Bpf::load(config.trace_ring_mb << 20, config.per_probe_uprobes)?;
     // Continues the processes held at exec if tracerd dies with them stopped.
     if let Err(e) = bpf.held_fd().and_then(crate::guardian::spawn) {
         tracing::warn!(%e, "no guardian: processes held at exec stay stopped if tracerd is killed");
@@ -192,7 +258,18 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<TracerServer<Service>>().await;
     let remote = tcp.as_ref().map(|(_, t)| t.remote.clone());
-    let router = |mut builder: Server<Stack<crate::requests::Layer, Identity>>| {
+    // Both servers: requests counted (`requests`), then the gate (TCP callers identified
+    // before their bodies are read), then the services.
+    type Layers = Stack<crate::remote::gate::Gate, Stack<crate::requests::Layer, Identity>>;
+    let layered = |builder: Server| {
+        builder
+            .max_concurrent_streams(MAX_STREAMS)
+            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+            .http2_max_header_list_size(MAX_HEADER_LIST)
+            .layer(crate::requests::Layer)
+            .layer(crate::remote::gate::Gate::new(remote.clone()))
+    };
+    let router = |mut builder: Server<Layers>| {
         let reflection_v1 = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(tracer_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -204,11 +281,14 @@ pub async fn run(
             .build_v1alpha()
             .expect("valid descriptor sets");
         builder
-            .add_service(TracerServer::new(Service {
-                sessions: sessions.clone(),
-                capabilities: caps.clone(),
-                remote: remote.clone(),
-            }))
+            .add_service(
+                TracerServer::new(Service {
+                    sessions: sessions.clone(),
+                    capabilities: caps.clone(),
+                    remote: remote.clone(),
+                })
+                .max_decoding_message_size(MAX_MESSAGE),
+            )
             .add_service(health_service.clone())
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
@@ -219,11 +299,10 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
     tracing::info!(socket = %config.socket.display(), "tracerd listening");
-    let uds_server = router(Server::builder().layer(crate::requests::Layer))
-        .serve_with_incoming_shutdown(
-            crate::conn::incoming(uds, config.connections),
-            stopped(stop_rx.clone()),
-        );
+    let uds_server = router(layered(Server::builder())).serve_with_incoming_shutdown(
+        crate::conn::incoming(uds, config.connections),
+        stopped(stop_rx.clone()),
+    );
     let tcp_server = async {
         match tcp {
             Some((l, t)) => {
@@ -236,9 +315,8 @@ pub async fn run(
                 let builder = match t.tls {
                     Some(cfg) => base.tls_config(cfg)?,
                     None => base,
-                }
-                .layer(crate::requests::Layer);
-                router(builder)
+                };
+                router(layered(builder))
                     .serve_with_incoming_shutdown(
                         crate::conn::tcp::incoming(l, config.connections),
                         stopped(stop_rx.clone()),

@@ -11,7 +11,12 @@ use tracer_proto::{
     SessionState, StartSessionRequest, StreamEventsRequest, WatchSessionRequest,
 };
 
-use crate::{access::Caller, conn::PeerInfo, remote::Remote, session::manager::Handle};
+use crate::{
+    access::Caller,
+    conn::PeerInfo,
+    remote::{gate::Identified, Remote},
+    session::manager::Handle,
+};
 
 /// Reports are streamed in pieces of this size.
 const CHUNK: usize = 64 * 1024;
@@ -41,10 +46,82 @@ impl Service {
                 remote: None,
             });
         }
+        // Identified by the gate before the body was read.
+        if let Some(id) = req.extensions().get::<Identified>() {
+            return Ok(Caller::remote(id.0.clone()));
+        }
         match &self.remote {
             Some(remote) => Ok(Caller::remote(remote.identify(req)?)),
             None => Err(Status::unauthenticated("no credentials")),
         }
+    }
+}
+
+/// Bounds on what a request may hold, checked before anything is looked up or started. A
+/// message is at most 4 MiB (tonic's limit), but that is a million uprobes (0.3 s of work
+/// before their refusal, part of it on the session manager's task, which every request waits
+/// on), a 4 MiB push URL or uprobe pattern, or a million pids whose filter costs a look
+/// through them for every stack of a report. Each bound is well past what a client
+/// has a use for. What costs only its length once (a session id, an event name) is left to
+/// the checks that answer it, which echo it clipped.
+mod bounds {
+    use tonic::Status;
+    use tracer_proto::{GetReportRequest, StartSessionRequest};
+
+    /// `--uprobe` specs, duplicates included (they are merged, up to 256 distinct).
+    pub const UPROBES: usize = 16_384;
+    /// `--events` entries (each may name several, comma-separated).
+    pub const EVENTS: usize = 1024;
+    /// A spec, URL or process name: a path and a symbol fit.
+    pub const TEXT: usize = 4096;
+    /// Each PEM of `push_tls`: a CA bundle fits (the system's is ~200 KiB).
+    pub const PEM: usize = 1 << 20;
+    /// Report filters' pids and tids, each.
+    pub const IDS: usize = 4096;
+
+    fn count(what: &str, n: usize, max: usize) -> Result<(), Status> {
+        if n > max {
+            return Err(Status::invalid_argument(format!(
+                "{n} {what}; at most {max} a request"
+            )));
+        }
+        Ok(())
+    }
+
+    fn text(what: &str, s: &[u8], max: usize) -> Result<(), Status> {
+        if s.len() > max {
+            return Err(Status::invalid_argument(format!(
+                "{what} is {} bytes; at most {max}",
+                s.len()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn start(req: &StartSessionRequest) -> Result<(), Status> {
+        if let Some(c) = &req.counting {
+            count("--uprobe specs", c.uprobes.len(), UPROBES)?;
+            count("--events entries", c.events.len(), EVENTS)?;
+            for s in &c.uprobes {
+                text("an --uprobe spec", s.as_bytes(), TEXT)?;
+            }
+        }
+        if let Some(o) = &req.sampling {
+            text("the push URL", o.push_url.as_bytes(), TEXT)?;
+            if let Some(t) = &o.push_tls {
+                text("the push CA", &t.ca_pem, PEM)?;
+                text("the push certificate", &t.cert_pem, PEM)?;
+                text("the push key", &t.key_pem, PEM)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn report(req: &GetReportRequest) -> Result<(), Status> {
+        count("pids", req.pids.len(), IDS)?;
+        count("tids", req.tids.len(), IDS)?;
+        text("the process name", req.comm.as_bytes(), TEXT)?;
+        text("the sort key", req.sort.as_bytes(), TEXT)
     }
 }
 
@@ -82,6 +159,7 @@ impl Tracer for Service {
         req: Request<StartSessionRequest>,
     ) -> Result<Response<SessionInfo>, Status> {
         let who = self.caller(&req)?;
+        bounds::start(req.get_ref())?;
         wait_for_start(req.get_ref().start_at_unix_ms).await?;
         Ok(Response::new(
             self.sessions.start(req.into_inner(), who).await?,
@@ -169,6 +247,7 @@ impl Tracer for Service {
         req: Request<GetReportRequest>,
     ) -> Result<Response<Self::GetReportStream>, Status> {
         let who = self.caller(&req)?;
+        bounds::report(req.get_ref())?;
         let id = id_of(&req.get_ref().id)?;
         let format = ReportFormat::try_from(req.get_ref().format).map_err(|_| {
             Status::invalid_argument(format!("unknown report format {}", req.get_ref().format))

@@ -3,6 +3,11 @@
 //! `per_probe_uprobes = true`). Flags given on the command line win over the file. Each
 //! setting's value is checked by the flag's own parser before anything starts, and an error
 //! names the file and the key.
+//!
+//! The file is taken only from root (see `remote::trusted`: a regular file of at most 1 MiB,
+//! that nobody else may change), and its values are bounded before clap sees them: strings
+//! to `MAX_TEXT` bytes without NUL, numbers to the daemon's own bounds. A bad file stops
+//! tracerd with one line naming the file, the key and the bound; nothing is clamped.
 
 use std::{
     ffi::OsString,
@@ -10,6 +15,7 @@ use std::{
 };
 
 use clap::CommandFactory;
+use tracer_daemon::{error::clip, remote::trusted};
 
 /// Where the file is looked for when `--config` is not given (its absence is no error).
 pub const DEFAULT_PATH: &str = "/etc/tracer/tracerd.toml";
@@ -20,9 +26,21 @@ const NOT_SETTINGS: &[&str] = &[
     "check_config",
     "show_python_probes",
     "check_programs",
+    "generate_man",
     "help",
     "version",
 ];
+
+/// The longest string a setting may have: a path fits (PATH_MAX).
+const MAX_TEXT: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error(transparent)]
+    File(#[from] trusted::TrustedFileError),
+    #[error("{}: {why}", path.display())]
+    Invalid { path: PathBuf, why: String },
+}
 
 /// The command line with the file's settings before the user's flags (`args_override_self`
 /// lets the later, the user's, win), the file read, if any, and the settings it gave.
@@ -35,7 +53,7 @@ pub struct Merged {
 pub fn merged<A: CommandFactory>(
     argv: Vec<OsString>,
     named: Option<&Path>,
-) -> Result<Merged, String> {
+) -> Result<Merged, SettingsError> {
     let path = match named {
         Some(p) => p.to_path_buf(),
         None if Path::new(DEFAULT_PATH).exists() => PathBuf::from(DEFAULT_PATH),
@@ -47,8 +65,11 @@ pub fn merged<A: CommandFactory>(
             })
         }
     };
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (flags, keys) = flags::<A>(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = trusted::read_text(&path)?;
+    let (flags, keys) = flags::<A>(&text).map_err(|why| SettingsError::Invalid {
+        path: path.clone(),
+        why,
+    })?;
     let mut out = Vec::with_capacity(argv.len() + flags.len());
     let mut user = argv.into_iter();
     out.extend(user.next());
@@ -75,6 +96,8 @@ impl Merged {
             .map(|l| l.trim().trim_start_matches("error: "))
             .collect::<Vec<_>>()
             .join(" ");
+        // clap echoes the value: up to MAX_TEXT bytes of the file's.
+        let text = clip(&text, 512);
         let key = match e.get(ContextKind::InvalidArg) {
             Some(ContextValue::String(arg)) => arg
                 .strip_prefix("--")
@@ -113,7 +136,7 @@ fn flags<A: CommandFactory>(text: &str) -> Result<(Vec<OsString>, Keys), String>
                 } else {
                     String::new()
                 };
-                format!("unknown setting {key}{hint}")
+                format!("unknown setting {}{hint}", clip(key, 64))
             })?;
         let long = arg
             .get_long()
@@ -127,8 +150,21 @@ fn flags<A: CommandFactory>(text: &str) -> Result<(Vec<OsString>, Keys), String>
                 }
                 continue;
             }
-            toml::Value::String(s) if takes_value => s.clone(),
-            toml::Value::Integer(i) if takes_value => i.to_string(),
+            toml::Value::String(s) if takes_value => {
+                if s.len() > MAX_TEXT {
+                    return Err(format!("{key}: {} bytes; at most {MAX_TEXT}", s.len()));
+                }
+                if s.contains('\0') {
+                    return Err(format!("{key}: holds a NUL character"));
+                }
+                s.clone()
+            }
+            toml::Value::Integer(i) if takes_value => {
+                if let Some(why) = tracer_daemon::daemon::bound(key, *i) {
+                    return Err(format!("{key}: {why}"));
+                }
+                i.to_string()
+            }
             _ if takes_value => return Err(format!("{key} must be a string or a number")),
             _ => return Err(format!("{key} must be true or false")),
         };
@@ -152,6 +188,8 @@ mod tests {
         per_probe_uprobes: bool,
         #[arg(long)]
         config: Option<PathBuf>,
+        #[arg(long, hide = true)]
+        generate_man: Option<PathBuf>,
     }
 
     #[test]
@@ -209,5 +247,107 @@ mod tests {
         assert_eq!(err("socket = true"), "socket must be a string or a number");
         assert!(!err("socket = ").contains('\n'));
         assert!(merged::<Args>(vec![], Some(&dir.path().join("none"))).is_err());
+    }
+
+    #[test]
+    fn hostile_values_are_refused_naming_the_key_and_the_bound() {
+        let err = |t: &str| flags::<Args>(t).unwrap_err();
+        for (n, text) in [
+            ("-1", "-1"),
+            ("0", "0"),
+            ("3", "3"),
+            ("2048", "2048"),
+            ("9223372036854775807", "9223372036854775807"),
+        ] {
+            assert_eq!(
+                err(&format!("trace_ring_mb = {n}")),
+                format!("trace_ring_mb: wants a power of two from 1 to 1024, got {text}")
+            );
+        }
+        assert!(flags::<Args>("trace_ring_mb = 1024").is_ok());
+        // Past i64: TOML's own error, on one line.
+        let e = err("trace_ring_mb = 99999999999999999999");
+        assert!(!e.contains('\n') && !e.is_empty(), "{e}");
+        let long = "a".repeat(MAX_TEXT + 1);
+        assert_eq!(
+            err(&format!("socket = \"{long}\"")),
+            format!("socket: {} bytes; at most {MAX_TEXT}", MAX_TEXT + 1)
+        );
+        assert!(flags::<Args>(&format!("socket = \"/{}\"", "a".repeat(MAX_TEXT - 1))).is_ok());
+        assert_eq!(
+            err("socket = \"/a\\u0000b\""),
+            "socket: holds a NUL character"
+        );
+        for wrong in [
+            "socket = 1.5",
+            "socket = [\"/a\"]",
+            "socket = { path = \"/a\" }",
+            "socket = 1979-05-27T07:32:00Z",
+            "[socket]\npath = \"/a\"",
+        ] {
+            assert_eq!(err(wrong), "socket must be a string or a number", "{wrong}");
+        }
+        assert_eq!(
+            err("per_probe_uprobes = \"yes\""),
+            "per_probe_uprobes must be true or false"
+        );
+        // A flag that is an action, not a setting: a daemon that writes a man page and exits.
+        assert_eq!(
+            err("generate_man = \"/tmp\""),
+            "unknown setting generate_man"
+        );
+        // What is echoed stays short.
+        let e = err(&format!("{} = 1", "k".repeat(100_000)));
+        assert!(e.len() < 200, "{}", e.len());
+        let e = err("socket = \"/a\"\nsocket = \"/b\"");
+        assert!(e.contains("duplicate key") && !e.contains('\n'), "{e}");
+        // Nesting deep enough to overflow a recursive parser's stack: refused, on one line.
+        for deep in [
+            format!("socket = {}{}", "[".repeat(500_000), "]".repeat(500_000)),
+            format!("socket = {}1{}", "{a=".repeat(500_000), "}".repeat(500_000)),
+            format!("{} = 1", vec!["a"; 500_000].join(".")),
+        ] {
+            let e = err(&deep);
+            assert!(!e.contains('\n') && !e.is_empty(), "{e}");
+        }
+    }
+
+    #[test]
+    fn files_that_are_not_root_s_settings_are_refused_at_once() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let started = std::time::Instant::now();
+        let fifo = dir.path().join("fifo.toml");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let m = |p: &Path| {
+            merged::<Args>(vec!["tracerd".into()], Some(p))
+                .err()
+                .unwrap()
+                .to_string()
+        };
+        assert!(m(&fifo).ends_with("not a regular file (a FIFO)"));
+        assert!(m(Path::new("/dev/zero")).ends_with("not a regular file (a character device)"));
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, "#".repeat(2 << 20)).unwrap();
+        assert!(m(&big).contains("larger than 1024 KiB"));
+        let open = dir.path().join("open.toml");
+        std::fs::write(&open, "trace_ring_mb = 32\n").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = m(&open);
+        assert!(
+            e.contains("writable by its group or others, mode 666"),
+            "{e}"
+        );
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(merged::<Args>(vec!["tracerd".into()], Some(&open)).is_ok());
+        std::fs::write(&open, "trace_ring_mb = 3\n").unwrap();
+        assert_eq!(
+            m(&open),
+            format!(
+                "{}: trace_ring_mb: wants a power of two from 1 to 1024, got 3",
+                open.display()
+            )
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
     }
 }

@@ -195,7 +195,7 @@ fn bad_connection_flags_are_refused() {
         (
             "--idle-timeout",
             "0",
-            "--idle-timeout wants 1 second or more",
+            "--idle-timeout wants 1 to 86400 seconds, got 0",
         ),
     ] {
         let out = Command::new(tracer_tests::bin("tracerd"))

@@ -4,6 +4,11 @@
 //! authenticated yet, so there is nobody to answer. Connections with no request in flight
 //! for the idle limit are closed, as on the Unix socket; peers that vanish mid-request are
 //! found by HTTP/2 keepalive pings (set on the server).
+//!
+//! A connection must also carry an authenticated request within `AUTHENTICATE_WITHIN` (or
+//! the idle limit, if shorter) of its accept, or it is closed. Otherwise a peer that never
+//! finishes its TLS handshake, or that sends a refused request every few minutes, keeps its
+//! place for as long as it likes, and a few addresses hold every place there is.
 
 use std::{
     collections::HashMap,
@@ -20,7 +25,26 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo, TlsConnectInfo};
 
-use super::{Activity, Counted, IdleTimer, Limits};
+use super::{Activity, Counted, IdleTimer, Limits, Refusals};
+
+/// How long a TCP connection may go without an authenticated request after its accept
+/// (TLS handshake included): a client that means to call does so at once.
+pub const AUTHENTICATE_WITHIN: Duration = Duration::from_secs(10);
+
+/// Connections closed for not authenticating in time, logged a few at a time.
+static UNAUTHENTICATED: Mutex<Refusals> = Mutex::new(Refusals::new());
+
+/// Logs (rate-limited, with a count) a connection closed for not authenticating in time.
+pub(super) fn note_unauthenticated_close(within: Duration) {
+    let mut r = UNAUTHENTICATED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(unsaid) = r.due() {
+        tracing::warn!(
+            closed_since_last_said = unsaid,
+            "TCP connection closed: no authenticated request within {} s of its accept",
+            within.as_secs_f32()
+        );
+    }
+}
 
 #[derive(Default)]
 struct Counts {
@@ -70,7 +94,7 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let counts = Arc::new(Mutex::new(Counts::default()));
-        let mut refusals = super::Refusals::default();
+        let mut refusals = Refusals::default();
         loop {
             let accepted = tokio::select! {
                 r = listener.accept() => r,
@@ -104,7 +128,11 @@ pub fn incoming(listener: TcpListener, limits: Limits) -> ReceiverStream<io::Res
             let activity = Arc::new(Activity::new());
             let conn = Counted {
                 stream,
-                idle: IdleTimer::new(activity, limits.idle),
+                idle: IdleTimer::with_authentication(
+                    activity,
+                    limits.idle,
+                    AUTHENTICATE_WITHIN.min(limits.idle),
+                ),
                 held: permit,
             };
             if tx.send(Ok(conn)).await.is_err() {

@@ -2,7 +2,9 @@
 //! authenticated by certificate (mTLS, the default) or bearer token, and allowed what the
 //! access policy grants them.
 
+pub mod gate;
 pub mod policy;
+pub mod trusted;
 
 use std::{
     net::SocketAddr,
@@ -46,12 +48,8 @@ pub enum RemoteError {
     BadListen(String),
     #[error("{0}")]
     Config(String),
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] trusted::TrustedFileError),
     #[error(transparent)]
     Policy(#[from] policy::PolicyError),
     #[error("TLS: {0}")]
@@ -95,8 +93,11 @@ impl ListenOptions {
                     "--listen serves TLS only: give --tls-cert and --tls-key (or --insecure-plaintext on loopback, for tests)",
                 ));
             };
-            let mut tls =
-                ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+            // A handshake that never ends would hold its connection (and a task) until the
+            // connection's own deadline; this ends it sooner.
+            let mut tls = ServerTlsConfig::new()
+                .identity(Identity::from_pem(read(cert)?, read(key)?))
+                .timeout(crate::conn::tcp::AUTHENTICATE_WITHIN);
             match (self.auth, &self.client_ca) {
                 (Auth::Mtls, Some(ca)) => {
                     tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
@@ -137,10 +138,7 @@ impl ListenOptions {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, RemoteError> {
-    std::fs::read(path).map_err(|source| RemoteError::Read {
-        path: path.display().to_string(),
-        source,
-    })
+    Ok(trusted::read(path)?)
 }
 
 /// Identifies TCP callers.
@@ -151,10 +149,20 @@ pub struct Remote {
 
 impl Remote {
     pub fn identify<T>(&self, req: &Request<T>) -> Result<Arc<Grant>, Status> {
+        self.identify_parts(req.metadata().as_ref(), req.extensions())
+    }
+
+    /// Identifies a caller by what its request's headers and connection say: the gate does
+    /// it before a request's body is read.
+    pub fn identify_parts(
+        &self,
+        headers: &tonic::codegen::http::HeaderMap,
+        extensions: &tonic::codegen::http::Extensions,
+    ) -> Result<Arc<Grant>, Status> {
         match self.auth {
             Auth::Mtls => {
                 // TLS has already checked the chain against --client-ca.
-                let certs = crate::conn::tcp::peer_certs(req.extensions()).ok_or_else(|| {
+                let certs = crate::conn::tcp::peer_certs(extensions).ok_or_else(|| {
                     Status::unauthenticated("this daemon wants a client certificate (mTLS)")
                 })?;
                 let cert = certs.first().ok_or_else(|| {
@@ -173,8 +181,7 @@ impl Remote {
                 })
             }
             Auth::Token => {
-                let header = req
-                    .metadata()
+                let header = headers
                     .get("authorization")
                     .and_then(|v| v.to_str().ok())
                     .ok_or_else(|| {

@@ -42,12 +42,8 @@ pub struct Grant {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("cannot read the access policy {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("access policy {0}")]
+    Read(#[from] super::trusted::TrustedFileError),
     #[error("access policy: {0}")]
     Syntax(String),
     #[error("access policy, client '{name}': {why}")]
@@ -81,11 +77,7 @@ pub struct Policy {
 
 impl Policy {
     pub fn load(path: &Path) -> Result<Self, PolicyError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::parse(&text)
+        Self::parse(&super::trusted::read_text(path)?)
     }
 
     pub fn parse(text: &str) -> Result<Self, PolicyError> {

@@ -105,12 +105,9 @@ impl Pinned {
         self.image
     }
 
-    /// Whether the process still runs the program it was pinned on: not reaped, the same
-    /// image, and the address space pinned still its own (an exec drops the old one, whose
-    /// memory then reads nothing; `addr` is an address mapped there, a stopped thread's
-    /// instruction pointer). Checks made on `/proc/PID` after a true answer, with a thread of
-    /// it stopped, are made on that program: another exec would kill the stopped thread.
-    pub fn unchanged(&self, addr: u64) -> Result<(), String> {
+    /// Whether the process is alive and runs the program it was pinned on (its image; an
+    /// exec of the same file shows in [`Pinned::unchanged`] alone).
+    fn same_program(&self) -> Result<(), String> {
         let pid = self.pid;
         let now = Image::of(pid).map_err(|e| format!("pid {pid}: {e}"))?;
         if !self.alive() {
@@ -121,6 +118,17 @@ impl Pinned {
                 "pid {pid} executed another program since it was checked"
             ));
         }
+        Ok(())
+    }
+
+    /// Whether the process still runs the program it was pinned on: not reaped, the same
+    /// image, and the address space pinned still its own (an exec drops the old one, whose
+    /// memory then reads nothing; `addr` is an address mapped there, a stopped thread's
+    /// instruction pointer). Checks made on `/proc/PID` after a true answer, with a thread of
+    /// it stopped, are made on that program: another exec would kill the stopped thread.
+    pub fn unchanged(&self, addr: u64) -> Result<(), String> {
+        let pid = self.pid;
+        self.same_program()?;
         let mut b = [0u8; 1];
         self.read(addr, &mut b).map_err(|_| {
             format!("pid {pid} replaced its address space (an exec) since it was checked")

@@ -2243,7 +2243,7 @@ fn refused_outcome(err: &str, pid: u32, uid: u32) -> Option<&'static str> {
     let Some(stopped) = load.strip_prefix("refused once a thread of it was stopped: ") else {
         return match load {
             // Held at its exec by tracerd, which checks what the new program runs as.
-            "it is stopped (job control): a stopped process is not loaded into" => {
+            "it is stopped (job control, or held at an exec): a stopped process is not loaded into" => {
                 Some("refused: held at its exec")
             }
             // The thread stopped (or being stopped) for the load, killed by the exec after the

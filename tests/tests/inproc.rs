@@ -397,7 +397,9 @@ fn a_stopped_process_is_counted_with_uprobes_saying_so() {
     let (way, why) = counted(&report, &pid);
     assert_eq!(way, "uprobes", "{why}");
     assert!(
-        why.contains("it is stopped (job control): a stopped process is not loaded into"),
+        why.contains(
+            "it is stopped (job control, or held at an exec): a stopped process is not loaded into"
+        ),
         "{why}"
     );
     assert_eq!(ours(&report, &wl).get("5:fib").map(|c| c.0), Some(truth));

@@ -37,7 +37,7 @@ use frame::RESTART_CODES;
 use thread::{Stop, SyscallStop, Thread};
 
 use super::ProcMaps;
-use crate::pinned::Pinned;
+use crate::pinned::{Image, Pinned};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -47,7 +47,9 @@ pub enum LoadError {
     YamaForbids,
     #[error("it is already traced by pid {tracer} ({comm}): a debugger or strace holds it")]
     Traced { tracer: u32, comm: String },
-    #[error("it is stopped (job control): a stopped process is not loaded into")]
+    #[error(
+        "it is stopped (job control, or held at an exec): a stopped process is not loaded into"
+    )]
     Stopped,
     #[error("it runs with x86 shadow stacks (CET), which a call made for it would break")]
     ShadowStack,
@@ -75,6 +77,8 @@ pub enum LoadError {
     /// The check made on the stopped process failed: nothing was touched.
     #[error("refused once a thread of it was stopped: {0}")]
     Refused(String),
+    #[error("it executed another program since it was checked")]
+    Execd,
     #[error("the load was cancelled (its client went)")]
     Cancelled,
     #[error("thread {tid}: dlopen did not return within {ms} ms ({what})")]
@@ -121,7 +125,19 @@ pub struct Load<'a> {
 impl Load<'_> {
     /// Loads the library into the pinned process.
     pub fn run(&self) -> Result<(), LoadError> {
-        load_on(self, None)
+        load_on(self, None).map_err(|e| self.why(e))
+    }
+
+    /// `e`, or the reason behind it where the process executed another program meanwhile
+    /// (its threads killed by the exec, its libraries gone: ptrace's own errors say less).
+    fn why(&self, e: LoadError) -> LoadError {
+        match e {
+            LoadError::Refused(_) | LoadError::Cancelled | LoadError::Deadline { .. } => e,
+            e => match Image::of(self.pin.pid()) {
+                Ok(now) if now != self.pin.image() => LoadError::Execd,
+                _ => e,
+            },
+        }
     }
 }
 

@@ -2246,6 +2246,11 @@ fn refused_outcome(err: &str, pid: u32, uid: u32) -> Option<&'static str> {
             "it is stopped (job control, or held at an exec): a stopped process is not loaded into" => {
                 Some("refused: held at its exec")
             }
+            // The load failed (its thread killed, its libraries gone) and the exec since is
+            // named for it.
+            "it executed another program since it was checked" => {
+                Some("refused: the exec named once the load failed")
+            }
             // The thread stopped (or being stopped) for the load, killed by the exec after the
             // stopped process was checked: ptrace's own words only, the exec not named.
             "it exited" => Some("refused: its stopped thread killed by the exec (unnamed)"),

@@ -33,6 +33,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Pages of files tracerd maps (binaries, counts files) that shrank under it and read as zeros since tracerd started",
     ),
     (
+        "tracer_process_loads_total",
+        "counter",
+        "Loads of tracer's code into running processes since tracerd started, by outcome (loaded, refused on the stopped process, deadline, cancelled, failed, busy: refused for want of a place)",
+    ),
+    (
         "tracer_session_info",
         "gauge",
         "Running sessions and recently finished exported ones",

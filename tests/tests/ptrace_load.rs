@@ -311,11 +311,11 @@ fn let_go(
 
 /// Five CPython processes whose second thread holds the dynamic loader's lock for good (it
 /// loads a "library" that is a FIFO nobody writes: the dynamic loader's own `open` blocks,
-/// the lock held, so that thread is never the one loaded on), started on together: four starts are
-/// answered within the call's deadline, their loads ended with the thread put back, counted
-/// with uprobes instead and saying why; the fifth finds four loads of its user in flight and
-/// is refused at once (RESOURCE_EXHAUSTED). No thread stays traced, and once the lock is let
-/// go each program runs on to its end.
+/// the lock held, so that thread is never the one loaded on), started on together: four
+/// starts are answered within the call's deadline, their loads ended with the thread put
+/// back, counted with uprobes instead and saying why; the fifth finds four loads of its user
+/// in flight and is refused at once (RESOURCE_EXHAUSTED); tracerd's metrics count both. No
+/// thread stays traced, and once the lock is let go each program runs on to its end.
 #[test]
 fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
     if !root_or_skip() {
@@ -324,7 +324,11 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
     let Some(py) = ptrace_python() else {
         return;
     };
-    let d = Daemon::start();
+    let metrics = tracer_tests::free_loopback_addr();
+    let d = Daemon::start_with(DaemonOptions {
+        args: vec!["--metrics".into(), format!("tcp://{metrics}")],
+        ..DaemonOptions::default()
+    });
     let mut targets = Vec::new();
     for i in 0..5 {
         let fifo = d.dir.path().join(format!("fifo-{i}"));
@@ -364,6 +368,18 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
     assert!(took < Duration::from_secs(30), "answered after {took:?}");
     for (c, _, _) in &targets {
         assert_eq!(traced_threads(c.pid()), Vec::<u32>::new(), "left traced");
+    }
+    // Counted where an operator looks.
+    let text = tracer_tests::fleet::http_get(&metrics, "/metrics").unwrap();
+    for series in [
+        "tracer_process_loads_total{outcome=\"deadline\"} 4",
+        "tracer_process_loads_total{outcome=\"busy\"} 1",
+        "tracer_process_loads_total{outcome=\"loaded\"} 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == series),
+            "{series} not in:\n{text}"
+        );
     }
     let ids: Vec<String> = answers
         .iter()

@@ -15,6 +15,14 @@ pub const PER_USER: usize = 4;
 /// Loads all users may have in flight.
 pub const IN_ALL: usize = 16;
 
+/// Loads refused for want of a place since tracerd started.
+static BUSY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Loads refused for want of a place since tracerd started (its metrics).
+pub fn refused() -> u64 {
+    BUSY.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Loads in flight: in all, and per user.
 static IN_FLIGHT: LazyLock<Mutex<(usize, HashMap<u32, usize>)>> = LazyLock::new(Mutex::default);
 
@@ -30,6 +38,9 @@ impl Ticket {
         let mut guard = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
         let (all, users) = &mut *guard;
         let mine = users.entry(uid).or_default();
+        if *mine >= PER_USER || *all >= IN_ALL {
+            BUSY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if *mine >= PER_USER {
             return Err(format!(
                 "uid {uid} has {PER_USER} loads into processes in flight already (each ends within seconds): try again"
@@ -70,8 +81,10 @@ mod tests {
         let first: Vec<Ticket> = (0..PER_USER)
             .map(|_| Ticket::take(4_000_001).unwrap())
             .collect();
+        let busy = super::refused();
         let refused = Ticket::take(4_000_001).unwrap_err();
         assert!(refused.contains("uid 4000001 has 4 loads"), "{refused}");
+        assert_eq!(super::refused(), busy + 1);
         let others: Vec<Ticket> = (0..IN_ALL - PER_USER)
             .map(|i| Ticket::take(4_000_100 + i as u32).unwrap())
             .collect();

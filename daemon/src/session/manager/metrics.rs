@@ -128,6 +128,15 @@ impl Manager {
             vec![],
             tracer_inspect::sigbus::zeroed_pages() as f64,
         ));
+        let loads = tracer_inspect::process::inject::outcomes()
+            .chain([("busy", crate::session::loads::refused())]);
+        for (outcome, n) in loads {
+            samples.push(gauge(
+                "tracer_process_loads_total",
+                vec![("outcome", outcome.into())],
+                n as f64,
+            ));
+        }
         let ids: Vec<String> = self.running.keys().cloned().collect();
         for id in ids {
             let Some(s) = self.running.get_mut(&id) else {

@@ -29,6 +29,7 @@ mod thread;
 
 use std::{
     fs,
+    sync::atomic::{AtomicU64, Ordering},
     time::{Duration, Instant},
 };
 
@@ -122,10 +123,33 @@ pub struct Load<'a> {
     pub cancelled: &'a (dyn Fn() -> bool + Sync),
 }
 
+/// What became of loads since tracerd started, by outcome (for its metrics): loaded; refused
+/// on the stopped process (another program, or the caller's right gone); ended at the
+/// deadline; ended as the client went; failed otherwise.
+static OUTCOMES: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+/// [`OUTCOMES`]' names.
+const OUTCOME_NAMES: [&str; 5] = ["loaded", "refused", "deadline", "cancelled", "failed"];
+
+/// Loads since tracerd started, by outcome.
+pub fn outcomes() -> impl Iterator<Item = (&'static str, u64)> {
+    OUTCOME_NAMES
+        .into_iter()
+        .zip(OUTCOMES.iter().map(|n| n.load(Ordering::Relaxed)))
+}
+
 impl Load<'_> {
     /// Loads the library into the pinned process.
     pub fn run(&self) -> Result<(), LoadError> {
-        load_on(self, None).map_err(|e| self.why(e))
+        let r = load_on(self, None).map_err(|e| self.why(e));
+        let outcome = match &r {
+            Ok(()) => 0,
+            Err(LoadError::Refused(_) | LoadError::Execd) => 1,
+            Err(LoadError::Deadline { .. }) if !(self.cancelled)() => 2,
+            Err(LoadError::Deadline { .. } | LoadError::Cancelled) => 3,
+            Err(_) => 4,
+        };
+        OUTCOMES[outcome].fetch_add(1, Ordering::Relaxed);
+        r
     }
 
     /// `e`, or the reason behind it where the process executed another program meanwhile

@@ -254,6 +254,43 @@ pub fn incoming(listener: UnixListener, limits: Limits) -> ReceiverStream<io::Re
     ReceiverStream::new(rx)
 }
 
+/// What tracerd refused at its sockets since it started, by kind (its metrics): Unix
+/// connections, TCP connections, TCP requests refused before their bodies were read, TCP
+/// connections closed for not authenticating in time.
+static REFUSED_TOTAL: [std::sync::atomic::AtomicU64; 4] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+
+/// A kind of refusal [`REFUSED_TOTAL`] counts.
+#[derive(Clone, Copy)]
+pub(crate) enum Refused {
+    UnixConnection = 0,
+    TcpConnection = 1,
+    TcpRequest = 2,
+    TcpUnauthenticated = 3,
+}
+
+impl Refused {
+    pub(crate) fn count(self) {
+        REFUSED_TOTAL[self as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Refusals at tracerd's sockets since it started, by kind.
+pub fn refused_totals() -> impl Iterator<Item = (&'static str, u64)> {
+    [
+        "unix_connection",
+        "tcp_connection",
+        "tcp_request",
+        "tcp_unauthenticated_connection",
+    ]
+    .into_iter()
+    .zip(
+        REFUSED_TOTAL
+            .iter()
+            .map(|n| n.load(std::sync::atomic::Ordering::Relaxed)),
+    )
+}
+
 /// Logs refusals: the first, then one every 10 s with how many went unsaid, so that a flood
 /// of connections does not flood the log.
 #[derive(Default)]
@@ -271,6 +308,7 @@ impl Refusals {
     }
 
     fn note(&mut self, uid: u32, why: &str) {
+        Refused::UnixConnection.count();
         if let Some(unsaid) = self.due() {
             tracing::warn!(
                 uid,
@@ -281,6 +319,7 @@ impl Refusals {
     }
 
     fn note_tcp(&mut self, address: std::net::IpAddr, why: &str) {
+        Refused::TcpConnection.count();
         if let Some(unsaid) = self.due() {
             tracing::warn!(
                 %address,

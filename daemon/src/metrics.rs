@@ -38,6 +38,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Loads of tracer's code into running processes since tracerd started, by outcome (loaded, refused on the stopped process, deadline, cancelled, failed, busy: refused for want of a place)",
     ),
     (
+        "tracer_refused_total",
+        "counter",
+        "Connections and requests refused at tracerd's sockets since it started, by kind",
+    ),
+    (
         "tracer_session_info",
         "gauge",
         "Running sessions and recently finished exported ones",

@@ -405,7 +405,16 @@ fn connections_that_never_authenticate_are_closed() {
     if !root_or_skip() {
         return;
     }
-    let t = Tcp::start(&["--idle-timeout", "3"], false);
+    let metrics = tracer_tests::free_loopback_addr();
+    let t = Tcp::start(
+        &[
+            "--idle-timeout",
+            "3",
+            "--metrics",
+            &format!("tcp://{metrics}"),
+        ],
+        false,
+    );
     let started = Instant::now();
     let mut silent: Vec<TcpStream> = (0..20)
         .map(|_| TcpStream::connect(&t.addr).unwrap())
@@ -448,6 +457,17 @@ fn connections_that_never_authenticate_are_closed() {
         "an authenticated connection was closed"
     );
     t.serving();
+    // Counted where an operator looks: the silent connections and the anonymous requests.
+    let text = tracer_tests::fleet::http_get(&metrics, "/metrics").unwrap();
+    let total = |what: &str| -> u64 {
+        let series = format!("tracer_refused_total{{what=\"{what}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+    };
+    assert!(total("tcp_unauthenticated_connection") >= 20, "{text}");
+    assert!(total("tcp_request") >= 1, "{text}");
 }
 
 /// A TLS handshake that never ends (a ClientHello trickled a byte at a time) holds its

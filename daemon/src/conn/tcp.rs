@@ -36,6 +36,7 @@ static UNAUTHENTICATED: Mutex<Refusals> = Mutex::new(Refusals::new());
 
 /// Logs (rate-limited, with a count) a connection closed for not authenticating in time.
 pub(super) fn note_unauthenticated_close(within: Duration) {
+    super::Refused::TcpUnauthenticated.count();
     let mut r = UNAUTHENTICATED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(unsaid) = r.due() {
         tracing::warn!(

@@ -94,6 +94,7 @@ where
                         .tcp
                         .remote_addr()
                         .map_or_else(String::new, |a| a.to_string());
+                    crate::conn::Refused::TcpRequest.count();
                     let mut r = REFUSED.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(unsaid) = r.due() {
                         tracing::warn!(

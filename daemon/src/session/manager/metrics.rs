@@ -128,6 +128,13 @@ impl Manager {
             vec![],
             tracer_inspect::sigbus::zeroed_pages() as f64,
         ));
+        for (what, n) in crate::conn::refused_totals() {
+            samples.push(gauge(
+                "tracer_refused_total",
+                vec![("what", what.into())],
+                n as f64,
+            ));
+        }
         let loads = tracer_inspect::process::inject::outcomes()
             .chain([("busy", crate::session::loads::refused())]);
         for (outcome, n) in loads {

@@ -36,12 +36,7 @@ pub struct Image {
 impl Image {
     pub fn of(pid: u32) -> io::Result<Self> {
         use std::os::unix::fs::MetadataExt;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        // Field 22; the fields after the parenthesised name start at 3.
-        let start_time = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(19))
-            .and_then(|f| f.parse().ok())
+        let start_time = crate::process::start_time(pid)
             .ok_or_else(|| io::Error::other(format!("/proc/{pid}/stat has no start time")))?;
         let exe = std::fs::metadata(format!("/proc/{pid}/exe"))?;
         Ok(Self {

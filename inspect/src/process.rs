@@ -332,6 +332,19 @@ pub fn same_root(pid: u32) -> bool {
     id(&format!("/proc/{pid}/root")).is_some_and(|r| Some(r) == id("/"))
 }
 
+/// `/proc/PID/stat`'s start time (field 22): how a process is told from a later one under
+/// the same pid (an exec keeps it).
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the parenthesised name start at 3.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
 /// (major, minor) of the device holding a file, as /proc/PID/maps prints it.
 pub fn device(meta: &fs::Metadata) -> (u32, u32) {
     let dev = meta.dev();

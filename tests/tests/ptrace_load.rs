@@ -289,6 +289,23 @@ fn lock_holder(
     (child, out)
 }
 
+/// A counting start on `pid` (tracerctl, running), once its load is under way: a thread of
+/// the process traced by tracerd.
+fn loading(d: &Daemon, pid: u32) -> std::process::Child {
+    let start = d
+        .ctl()
+        .args(["start", "--mode=counting", "--python", "--pid"])
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(10, "tracerd's load to begin", || {
+        !traced_threads(pid).is_empty()
+    });
+    start
+}
+
 /// Lets [`lock_holder`]'s thread go (what it loads is no library: its dlopen fails) and
 /// checks that the program then runs to its end, its output its own.
 fn let_go(
@@ -425,18 +442,7 @@ fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
     let fifo = d.dir.path().join("fifo");
     let (child, out) = lock_holder(&py, &fifo);
     let pid = child.pid();
-    let mut start = d
-        .ctl()
-        .args(["start", "--mode=counting", "--python", "--pid"])
-        .arg(pid.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // The call under way: a thread of the process traced by tracerd.
-    wait_until(10, "tracerd's load to begin", || {
-        !traced_threads(pid).is_empty()
-    });
+    let mut start = loading(&d, pid);
     std::thread::sleep(Duration::from_millis(200));
     d.kill();
     let _ = start.wait();
@@ -464,17 +470,7 @@ fn a_load_ends_when_its_client_goes() {
     let fifo = d.dir.path().join("fifo");
     let (child, out) = lock_holder(&py, &fifo);
     let pid = child.pid();
-    let mut start = d
-        .ctl()
-        .args(["start", "--mode=counting", "--python", "--pid"])
-        .arg(pid.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_until(10, "tracerd's load to begin", || {
-        !traced_threads(pid).is_empty()
-    });
+    let mut start = loading(&d, pid);
     start.kill().unwrap();
     start.wait().unwrap();
     wait_until(10, "the load to end", || traced_threads(pid).is_empty());

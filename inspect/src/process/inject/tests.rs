@@ -248,25 +248,17 @@ fn a_file_that_is_no_library_is_an_error_and_the_process_goes_on() {
 
 /// A library whose constructor takes `ms`, built with the C compiler; None without one.
 fn slow_library(dir: &std::path::Path, ms: u32) -> Option<String> {
-    let src = dir.join("slow.c");
-    let lib = dir.join("libslow.so");
-    fs::write(
-        &src,
-        format!(
+    cc(
+        dir,
+        &format!(
             "#include <time.h>\n__attribute__((constructor)) static void slow(void) {{\n\
              struct timespec t = {{ {}, {} }}; nanosleep(&t, 0); }}\n",
             ms / 1000,
             (ms % 1000) * 1_000_000
         ),
+        "libslow.so",
+        &["-shared", "-fPIC"],
     )
-    .ok()?;
-    let built = Command::new("cc")
-        .args(["-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .status()
-        .ok()?;
-    built.success().then(|| lib.to_str().unwrap().to_owned())
 }
 
 /// Run by [`a_loader_killed_mid_call_leaves_the_thread_whole`] in a process of its own, which

@@ -12,14 +12,7 @@ pub(super) fn alive(pid: u32) -> bool {
 
 /// How a process's start is known across restarts (`/proc/PID/stat`'s start time).
 pub(super) fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Field 22; the fields after the parenthesised name start at 3.
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(19)?
-        .parse()
-        .ok()
+    crate::process::start_time(pid)
 }
 
 /// The pid a process knows itself by (in its own pid namespace).

@@ -10,16 +10,25 @@ pub use maps::{MapEntry, ProcMaps};
 
 use std::{fs, io, os::unix::fs::MetadataExt, path::PathBuf};
 
-/// Whether `pid` is a live process (not a zombie waiting to be reaped).
+/// Whether `pid` is a live process: not a zombie waiting to be reaped, nor on its way to
+/// one (PF_EXITING: its memory and executable may already be gone, so nothing about the
+/// program it ran can be read or asked of it any more).
 pub fn alive(pid: u32) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the parenthesised command name, which may itself hold ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|s| s != "Z" && s != "X"),
-        Err(_) => false,
-    }
+    const PF_EXITING: u64 = 0x4;
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The fields follow the parenthesised command name, which may itself hold ')': the
+    // state (field 3) first, the flags (field 9) seventh.
+    let mut fields = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace());
+    let Some(fields) = fields.as_mut() else {
+        return false;
+    };
+    let state = fields.next();
+    let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok());
+    state.is_some_and(|s| s != "Z" && s != "X") && flags.is_some_and(|f| f & PF_EXITING == 0)
 }
 
 /// The four ids on a `/proc/PID/status` line (`Uid:` or `Gid:`).

@@ -712,6 +712,8 @@ impl Counter {
             }
             let pin = match self.may_run(pid) {
                 Ok(pin) => pin,
+                // It began to exit since: nothing stays to remove.
+                Err(_) if !alive(pid) => continue,
                 Err(why) => {
                     let why = format!("it was not asked to run tracer's removal script, as {why}");
                     refused.push(not_removed(pid, tool, false, &why));

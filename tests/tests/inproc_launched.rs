@@ -2,7 +2,9 @@
 //! PY SCRIPT`): tracer's loader starts the counter just before the script's first line, where
 //! `python -m cProfile SCRIPT` starts: with sys.monitoring on CPython 3.12+, with a C
 //! profile function on 3.10 and 3.11. Counts must equal cProfile's, the program's output must
-//! not change, and the program must not see the loader's variables.
+//! not change, and the program must not see the loader's variables. A command that runs
+//! Python in another root (a chroot, a mount namespace with a `/tmp` of its own) counts
+//! in-process too, its counter's directory made in that root.
 
 use std::{collections::BTreeMap, path::Path, process::Command};
 
@@ -11,8 +13,12 @@ use tracer_tests::{interpreters, own_calls_and_counted, root_or_skip, script, Da
 
 /// (ncalls, primitive) per "line:name" of cProfile's run of `wl`.
 fn cprofile(python: &Path, wl: &Path) -> BTreeMap<String, (u64, u64)> {
-    let out = Command::new(python)
-        .arg(script("ground_truth.py"))
+    cprofile_of(Command::new(python).arg(script("ground_truth.py")), wl)
+}
+
+/// The same, `python` being a command that runs ground_truth.py (`wl`: as it names it).
+fn cprofile_of(python: &mut Command, wl: &Path) -> BTreeMap<String, (u64, u64)> {
+    let out = python
         .args(["cprofile", wl.to_str().unwrap()])
         .output()
         .unwrap();
@@ -50,6 +56,13 @@ fn ours(report: &Value, wl: &Path) -> BTreeMap<String, (u64, u64)> {
 
 /// The launched program's stdout and the session's JSON report.
 fn launched(d: &Daemon, python: &Path, args: &[&str]) -> (String, Value) {
+    let mut all = vec![python.to_str().unwrap()];
+    all.extend_from_slice(args);
+    launched_command(d, &all)
+}
+
+/// The same for any command.
+fn launched_command(d: &Daemon, command: &[&str]) -> (String, Value) {
     let out = d.dir.path().join("report.json");
     let mut all = vec![
         "start",
@@ -60,9 +73,8 @@ fn launched(d: &Daemon, python: &Path, args: &[&str]) -> (String, Value) {
         "-o",
         out.to_str().unwrap(),
         "--",
-        python.to_str().unwrap(),
     ];
-    all.extend_from_slice(args);
+    all.extend_from_slice(command);
     let stdout = d.ok(&all);
     let report = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     (stdout, report)
@@ -128,5 +140,154 @@ fn threads_c_code_makes_are_counted_from_their_first_frame() {
             assert_eq!(counted, own, "{what}");
             assert_eq!(report["losses"], serde_json::json!([]), "{what}");
         }
+    }
+}
+
+/// Each host interpreter in a mount namespace whose `/tmp` is a tmpfs of its own (what
+/// `systemd-run -p PrivateTmp=yes` gives): counted in-process, equal to cProfile.
+#[test]
+fn commands_launched_with_a_private_tmp_count_in_process_like_cprofile() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let wl = script("py_workload.py");
+    let chrooted = tracer_tests::chroot_interpreters();
+    for py in interpreters().iter().filter(|p| !chrooted.contains(p)) {
+        let what = format!("{} with a private /tmp", py.display());
+        let private = "mount -t tmpfs tmpfs /tmp && exec \"$@\"";
+        let cmd = ["unshare", "-m", "sh", "-c", private, "sh"];
+        let mut cmd = cmd.to_vec();
+        cmd.extend([py.to_str().unwrap(), wl.to_str().unwrap()]);
+        let (_, report) = launched_command(&d, &cmd);
+        let counted = &report["python"]["counted"][0];
+        assert_eq!(counted["way"], "in-process", "{what}: {counted}");
+        assert_eq!(ours(&report, &wl), cprofile(py, &wl), "{what}");
+        println!("{what}: in-process, equal to cProfile");
+    }
+}
+
+/// Debian's 3.14 and 3.15 in the tests' CPython root, launched into it through `chroot` (its
+/// own `/tmp`), and through `unshare -m` with a private `/tmp` (a tmpfs over the root's, as
+/// `PrivateTmp=` or a container gives): counted in-process, every ncalls equal to cProfile's
+/// in the same root, and the counter's directories gone afterwards from every `/tmp`.
+#[test]
+fn commands_launched_into_another_root_count_in_process_like_cprofile() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(root) = tracer_tests::cpython_root() else {
+        tracer_testkit::skip("no CPython root (`cargo xtask setup` makes it)");
+        return;
+    };
+    let pythons: Vec<String> = ["3.14", "3.15"]
+        .iter()
+        .map(|v| format!("/usr/bin/python{v}"))
+        .filter(|p| root.join(&p[1..]).exists())
+        .collect();
+    if pythons.is_empty() {
+        tracer_testkit::skip("no python3.14 or python3.15 in the CPython root");
+        return;
+    }
+    // The scripts inside the root, where both ways see them.
+    let dir = tempfile::Builder::new()
+        .prefix("tracer-launch-root-")
+        .tempdir_in(&root)
+        .unwrap();
+    let inner = Path::new("/").join(dir.path().file_name().unwrap());
+    for s in ["py_workload.py", "ground_truth.py"] {
+        std::fs::copy(script(s), dir.path().join(s)).unwrap();
+    }
+    let (wl, truth) = (inner.join("py_workload.py"), inner.join("ground_truth.py"));
+    let d = Daemon::start();
+    let root_s = root.to_str().unwrap();
+    let private_tmp = format!("mount -t tmpfs tmpfs {root_s}/tmp && exec chroot \"$@\"");
+    for py in &pythons {
+        let ways: [(&str, Vec<&str>); 2] = [
+            ("chroot", vec!["chroot", root_s]),
+            (
+                "unshare -m, private /tmp",
+                vec!["unshare", "-m", "sh", "-c", &private_tmp, "sh", root_s],
+            ),
+        ];
+        let want = cprofile_of(
+            Command::new("chroot").args([root_s, py, truth.to_str().unwrap()]),
+            &wl,
+        );
+        for (way, prefix) in ways {
+            let what = format!("{py} launched through {way}");
+            let mut cmd = prefix.clone();
+            cmd.extend([py.as_str(), wl.to_str().unwrap()]);
+            let untraced = Command::new(cmd[0]).args(&cmd[1..]).output().unwrap();
+            assert!(untraced.status.success(), "{what}: {untraced:?}");
+            let (stdout, report) = launched_command(&d, &cmd);
+            assert_eq!(stdout, String::from_utf8_lossy(&untraced.stdout), "{what}");
+            let counted = &report["python"]["counted"][0];
+            assert_eq!(counted["way"], "in-process", "{what}: {counted}");
+            assert_eq!(ours(&report, &wl), want, "{what}");
+            let id = report["session"]["id"].as_str().unwrap().to_owned();
+            let left = || {
+                [Path::new("/tmp"), &root.join("tmp")]
+                    .iter()
+                    .flat_map(|t| std::fs::read_dir(t).into_iter().flatten().flatten())
+                    .map(|e| e.path())
+                    .filter(|p| p.to_string_lossy().contains(&format!("tracer-{id}-")))
+                    .collect::<Vec<_>>()
+            };
+            tracer_tests::wait_until(20, "the counter's directories to go", || left().is_empty());
+            println!("{what}: in-process, equal to cProfile");
+        }
+        // Where no directory can be made (a read-only /tmp), the probes count it, the report
+        // says why, and the program's output is its own (no dynamic loader's error).
+        let what = format!("{py} launched with a read-only /tmp");
+        let read_only = format!("mount -t tmpfs -o ro tmpfs {root_s}/tmp && exec chroot \"$@\"");
+        let cmd = [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            &read_only,
+            "sh",
+            root_s,
+            py,
+            wl.to_str().unwrap(),
+        ];
+        let out = d.dir.path().join("report.json");
+        let mut args = vec![
+            "start",
+            "--mode=counting",
+            "--python",
+            "--format",
+            "json",
+            "-o",
+        ];
+        args.extend([out.to_str().unwrap(), "--"]);
+        args.extend(cmd);
+        let run = d.run(&args);
+        assert!(run.status.success(), "{what}: {run:?}");
+        assert!(
+            !String::from_utf8_lossy(&run.stderr).contains("LD_PRELOAD"),
+            "{what}: {run:?}"
+        );
+        let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        let counted = &report["python"]["counted"][0];
+        let why = counted["why"].as_str().unwrap_or("");
+        assert_eq!(counted["way"], "uprobes", "{what}: {counted}");
+        assert!(
+            why.contains("could not be made there") && why.contains("Read-only"),
+            "{what}: {why}"
+        );
+        // The probes count on through the interpreter's exit, where the generator the
+        // program abandons is closed once more (cProfile has stopped by then).
+        let but_exit = |mut m: BTreeMap<String, (u64, u64)>| {
+            m.retain(|k, _| !k.ends_with(":abandoned"));
+            m
+        };
+        assert_eq!(
+            but_exit(ours(&report, &wl)),
+            but_exit(want.clone()),
+            "{what}"
+        );
+        println!("{what}: uprobes, saying why, equal to cProfile");
     }
 }

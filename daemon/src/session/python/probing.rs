@@ -54,6 +54,34 @@ impl Probing<'_> {
     /// then left to it; true when so. A program on the way to one (a shell, a wrapper) leaves
     /// the question to its next exec; anything else is counted with the probes.
     pub fn launched_exec(&mut self, py: &mut PySession, slot: Option<u8>, pid: u32) -> bool {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        let minor = exe
+            .as_deref()
+            .and_then(tracer_inspect::python::runtime::minor_from_name);
+        let name = exe
+            .as_deref()
+            .and_then(|e| e.file_name())
+            .and_then(|n| n.to_str())
+            .unwrap_or("")
+            .to_owned();
+        // A build with a `t` (free-threaded) is not the counter's.
+        let countable = minor.filter(|&m| m >= 10 && name == format!("python3.{m}"));
+        let loader = py
+            .inproc
+            .iter()
+            .any(|c| c.pid == pid && c.launched_with_loader(pid));
+        // The launched command, with its loader: its counter's directory made where it finds
+        // it, in whatever root it now runs (a chroot, a mount namespace of its own); exec'd
+        // into CPython, counted in-process from here. Or why not.
+        let launched = (py.launch == Some(pid) && loader && slot.is_some())
+            .then(|| {
+                let c = py.inproc.iter_mut().find(|c| c.pid == pid)?;
+                Some(match countable {
+                    Some(_) => c.launched(pid),
+                    None => c.reach(pid),
+                })
+            })
+            .flatten();
         // A process carrying the loader into a root without tracer's directory (a chroot, a
         // mount namespace of its own) would have the dynamic loader print an error: the
         // loader comes out of its environment first, and it is counted with the probes.
@@ -62,31 +90,37 @@ impl Probing<'_> {
             .iter()
             .find(|c| c.launched_with_loader(pid) && !c.seen_by(pid))
             .map(|c| c.unload(pid));
-        if let Some(Err(e)) = &unreachable {
+        // Not counted in-process though it could find the directory: its loader goes too.
+        let unloaded = match (&launched, &unreachable) {
+            (Some(Err(_)), None) => py
+                .inproc
+                .iter()
+                .find(|c| c.pid == pid)
+                .map(|c| c.unload(pid)),
+            _ => unreachable.clone(),
+        };
+        if let Some(Err(e)) = &unloaded {
             tracing::warn!(pid, %e, "taking tracer's loader out of a process's environment");
         }
         if py.launch != Some(pid) {
             return false;
         }
-        let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
+        let Some(exe) = exe else {
             return false;
         };
         let needed = tracer_inspect::python::discover::libpython_needed(pid, &exe);
-        let name = exe.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let minor = tracer_inspect::python::runtime::minor_from_name(&exe);
-        let loader = py
-            .inproc
-            .iter()
-            .any(|c| c.pid == pid && c.launched_with_loader(pid));
-        let why = match (minor, slot) {
+        let why = match (minor, slot, launched) {
+            (_, _, Some(Err(why))) if unreachable.is_some() => format!(
+                "its root does not hold tracer's directory (a chroot or a mount namespace of its own), and one could not be made there: {why}"
+            ),
+            (_, _, Some(Err(why))) => why,
             _ if unreachable.is_some() => {
                 "its root does not hold tracer's directory (a chroot or a mount namespace of its own)".into()
             }
-            (Some(_), _) if !loader => {
+            (Some(_), _, _) if !loader => {
                 "its launcher did not start it with tracer's loader (SessionInfo.launch_env)".into()
             }
-            // A build with a `t` (free-threaded) is not the counter's.
-            (Some(m), Some(slot)) if m >= 10 && name == format!("python3.{m}") => {
+            (Some(m), Some(slot), _) if countable.is_some() => {
                 py.launch = None;
                 match self.bpf.set_inproc(pid, slot) {
                     Ok(()) => {
@@ -101,11 +135,11 @@ impl Probing<'_> {
                     Err(e) => format!("marking it counted in-process failed: {e}"),
                 }
             }
-            (Some(m), _) => format!("{name} is CPython 3.{m}, which the counter does not support (3.10+ with the GIL)"),
+            (Some(m), _, _) => format!("{name} is CPython 3.{m}, which the counter does not support (3.10+ with the GIL)"),
             // Not Python: a program on the way to it keeps the question, unless it embeds
             // libpython (no `cpython.run_*` event would start the counter).
-            (None, _) if needed.is_none() => return false,
-            (None, _) => format!("{name} embeds libpython rather than being python3.X"),
+            (None, _, _) if needed.is_none() => return false,
+            (None, _, _) => format!("{name} embeds libpython rather than being python3.X"),
         };
         py.launch = None;
         if let Some(c) = py.counted.iter_mut().find(|c| c.pid == pid) {

@@ -1,23 +1,30 @@
 //! In-process counting of a command tracerctl launches: the counter's directory made before
-//! the command's exec, with the loader (`daemon/pystart`) it is started with.
+//! the command's exec, with the loader (`daemon/pystart`) it is started with; made again in
+//! the root the command runs Python in, where that is another (a chroot, a mount namespace
+//! of its own), before Python runs.
 
 use std::fs;
 
-use super::{files, make, pin, Counter, Handover, Late, MayTrace};
+use super::{files, make, make::made, Counter, Handover, Late, MayTrace, PRELOAD_AS};
 
 /// The loader a launched command is started with (`LD_PRELOAD`), beside tracerd.
 pub const PRELOAD: &str = "libtracer_pystart.so";
-/// Its name in the directory.
-pub(super) const PRELOAD_AS: &str = "_tracer_pystart.so";
+
+/// What a launch waits with until its command execs into the interpreter.
+pub(super) struct Deferred {
+    late: Late,
+    handover: Handover,
+}
 
 /// Prepares in-process counting for a command tracerctl holds before its exec (`pid`, the
-/// caller's child): the directory, counter and start script as for [`start`], and the
-/// loader, which the command is to be started with: the variables to set for its exec (in
-/// words for the report on error). Nothing runs until a CPython 3.10+ program exec'd as
-/// `pid` reaches its first line (see `daemon/pystart`); `late` says what became of it, as
-/// for a request left pending. Until then the counter is [`Counter::pending`]. On 3.10 and
-/// 3.11, `handover` has the probes take a process over whose program set a profile function
-/// of its own (see `handover.rs`).
+/// caller's child): the directory, counter and start script as for [`super::start`], and
+/// the loader, which the command is to be started with: the variables to set for its exec
+/// (in words for the report on error). Nothing runs until a CPython 3.10+ program exec'd as
+/// `pid` reaches its first line (see `daemon/pystart`), and nothing is watched until tracerd
+/// has seen that exec ([`Counter::launched`]); `late` says what became of it, as for a
+/// request left pending. Until then the counter is [`Counter::pending`]. On 3.10 and 3.11,
+/// `handover` has the probes take a process over whose program set a profile function of
+/// its own (see `handover.rs`).
 pub fn launch(
     pid: u32,
     tag: &str,
@@ -25,10 +32,8 @@ pub fn launch(
     late: Late,
     handover: Handover,
 ) -> Result<(Counter, Vec<(String, String)>), String> {
-    let pin = pin(pid)?;
-    let preload = files::beside_tracerd(PRELOAD)?;
-    let preload = fs::read(&preload).map_err(|e| format!("reading {}: {e}", preload.display()))?;
-    let (counter, start_path) = make(pid, tag, may_trace, Some(&preload), true)?;
+    let preload = preload()?;
+    let (mut counter, start_path) = make(pid, tag, may_trace, Some(&preload), true)?;
     let env = vec![
         (
             "LD_PRELOAD".to_owned(),
@@ -36,14 +41,83 @@ pub fn launch(
         ),
         (SCRIPT_VAR.to_owned(), start_path),
     ];
-    let watched = counter
-        .watch_loader_start(pin, late)
-        .and_then(|()| counter.watch_handovers(handover));
-    if let Err(e) = watched {
-        counter.discard();
-        return Err(e);
-    }
+    counter.deferred = Some(Deferred { late, handover });
     Ok((counter, env))
+}
+
+/// The loader's bytes.
+fn preload() -> Result<Vec<u8>, String> {
+    let path = files::beside_tracerd(PRELOAD)?;
+    fs::read(&path).map_err(|e| format!("reading {}: {e}", path.display()))
+}
+
+impl Counter {
+    /// `pid`, a process of the launch held at its exec into CPython (EXEC_HOLD, before its
+    /// first instruction) with the loader in its environment, is counted in-process: the
+    /// counter's directory is made there first if its root does not hold it
+    /// ([`Counter::reach`]), and its start is watched from now on. Else why not, in words
+    /// for the report (it is then to be counted with the probes, its loader taken out).
+    pub fn launched(&mut self, pid: u32) -> Result<(), String> {
+        self.reach(pid)?;
+        let Some(deferred) = self.deferred.take() else {
+            return Ok(());
+        };
+        let pin = super::pin(pid)?;
+        self.watch_loader_start(pin, deferred.late)?;
+        self.watch_handovers(deferred.handover)
+    }
+
+    /// Has `pid`, a process of the launch held at an exec (a wrapper on the way to Python:
+    /// `sh`, `env`), find the counter's directory where its loader looks, in the root it
+    /// runs in: made there again if that root does not hold it ([`Counter::relocate`]);
+    /// or why it cannot. Only until the launch's watches start.
+    pub fn reach(&mut self, pid: u32) -> Result<(), String> {
+        if self.deferred.is_none() || self.seen_by(pid) {
+            return Ok(());
+        }
+        self.relocate(pid)
+    }
+
+    /// Makes the counter's directory and files again, at the same names, in `/tmp` of the
+    /// root `pid` runs in (through `/proc/PID/root`, under the rules of a first start: the
+    /// owner's right to trace it, a `/tmp` only root or its user could swap, the code
+    /// directory root's), so that its loader's and start script's paths lead there; the
+    /// first directory goes. Only before the watches start: they read the files in use.
+    fn relocate(&mut self, pid: u32) -> Result<(), String> {
+        let owner = self.files.dir.owner;
+        let runs_as = super::fs_ids(pid)?;
+        if runs_as != owner {
+            return Err(format!(
+                "it runs as uid {} where uid {} launched it",
+                runs_as.0, owner.0
+            ));
+        }
+        (self.may_trace)(pid)?;
+        let t0 = std::time::Instant::now();
+        let made = made(
+            pid,
+            &self.name,
+            owner,
+            (self.pid, self.files.own),
+            Some(&preload()?),
+            true,
+        )
+        .inspect_err(|_| {
+            // Its failure forgot the name, which the first directory still has.
+            super::journal::record(self.pid, &self.name, &self.files.dir, self.library);
+        })?;
+        let first = std::mem::replace(&mut self.files, std::sync::Arc::new(made.files));
+        self._file = made.file;
+        self.library = made.library;
+        *self
+            .view
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        // Its name is the new one's in the journal already.
+        first.dir.remove();
+        tracing::debug!(pid, ms = t0.elapsed().as_millis() as u64, dir = %self.name, "counter's directory made again in the process's root");
+        Ok(())
+    }
 }
 
 impl Counter {

@@ -25,6 +25,7 @@ mod files;
 mod handover;
 mod journal;
 mod launch;
+mod make;
 mod pending;
 mod process;
 mod read;
@@ -39,7 +40,6 @@ pub use pending::ASK_EVERY;
 
 use std::{
     fs,
-    os::fd::AsRawFd,
     path::PathBuf,
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
@@ -53,11 +53,12 @@ use std::{
 use cleanup::cleanup_later;
 use view::View;
 
-use tracer_common::inproc::{self, state, Edge, Header};
+use tracer_common::inproc::{self, state, Edge};
 
 use super::remote_exec;
 use crate::pinned::Pinned;
 use files::{Dir, Mapping};
+use make::make;
 use pending::Watch;
 use process::{alive, fs_ids, maps_file, own_pid, uids, Pids};
 use read::{
@@ -130,6 +131,10 @@ pub struct Counter {
     ended: Arc<AtomicBool>,
     /// How the counter got into the process.
     loaded: Loaded,
+    /// A launch's watches, started once its command execs into the interpreter
+    /// ([`Counter::launched`]): its directory may have to be made again in the root it
+    /// execs in first.
+    deferred: Option<launch::Deferred>,
 }
 
 /// How a counter got into its process.
@@ -170,6 +175,8 @@ const CLEANUP_WAIT: Duration = Duration::from_secs(30);
 
 /// The library's name in the directory (what the start script loads).
 const LIBRARY_AS: &str = "_tracer_pycount.so";
+/// The loader's name there (a launch's `LD_PRELOAD`, a ptrace load's `dlopen`).
+const PRELOAD_AS: &str = "_tracer_pystart.so";
 
 /// What becomes of a request left pending ([`start`]): the counter's tool id once it runs,
 /// or why it never will (the process is then to be counted with uprobes from then on).
@@ -306,95 +313,6 @@ fn settle(counter: &Counter, wait: Duration) -> Settled {
             _ => std::thread::sleep(Duration::from_millis(1)),
         }
     }
-}
-
-/// Makes the directory in `pid`'s `/tmp` with the counter library, the locked counts file
-/// (PENDING), the start script and, for a launch or a ptrace load, the `preload` loader: the
-/// counter, and the start script's path as the process sees it. On error nothing is left.
-/// `at_exit`: the counter stops as the interpreter starts to exit (a launch).
-fn make(
-    pid: u32,
-    tag: &str,
-    may_trace: MayTrace,
-    preload: Option<&[u8]>,
-    at_exit: bool,
-) -> Result<(Counter, String), String> {
-    may_trace(pid)?;
-    let library = library()?;
-    let owner = fs_ids(pid)?;
-    let name = format!("tracer-{tag}-{pid}");
-    let target_dir = format!("/tmp/{name}");
-    let dir = Dir::make(pid, &name, owner)
-        .map_err(|e| format!("making {target_dir} in the process's root: {e}"))?;
-    journal::record(pid, &name, &dir, (0, 0));
-    let fail = |why: String| {
-        dir.remove();
-        journal::forget(&name);
-        why
-    };
-    let lib =
-        fs::read(&library).map_err(|e| fail(format!("reading {}: {e}", library.display())))?;
-    let lib = dir.create_code(LIBRARY_AS, &lib).map_err(fail)?;
-    let lib_id = lib
-        .metadata()
-        .map(|m| {
-            use std::os::unix::fs::MetadataExt;
-            (m.dev(), m.ino())
-        })
-        .map_err(|e| fail(e.to_string()))?;
-    journal::record(pid, &name, &dir, lib_id);
-    if let Some(preload) = preload {
-        dir.create_code(launch::PRELOAD_AS, preload).map_err(fail)?;
-    }
-    // Named as the counter names its children's: by the pid its own namespace knows.
-    let own = own_pid(pid).unwrap_or(pid);
-    let file_name = format!("{}{own}", inproc::FILE_PREFIX);
-    let size = inproc::file_size(inproc::ENTRIES, inproc::EDGES, inproc::STRINGS);
-    let file = dir.create(&file_name, 0o600, &[]).map_err(fail)?;
-    file.set_len(size as u64)
-        .map_err(|e| fail(format!("sizing the counts file: {e}")))?;
-    // SAFETY: plain syscall on our own descriptor.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(fail(format!(
-            "locking the counts file: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    let map = Mapping::new(&file).map_err(|e| fail(format!("mapping the counts file: {e}")))?;
-    let header = Header::new(pid, state::PENDING, inproc::CAPS);
-    // SAFETY: the mapping starts with room for a header; nobody else writes it yet.
-    unsafe { std::ptr::write_volatile(map.ptr.cast::<Header>(), header) };
-    let script = start_script(
-        &target_dir,
-        &dir.path(&file_name),
-        &dir.code_path(LIBRARY_AS),
-        at_exit,
-    );
-    dir.create_code("start.py", script.as_bytes())
-        .map_err(fail)?;
-    dir.seen_by(pid).map_err(fail)?;
-    let start_path = dir.code_path("start.py");
-    let counter = Counter {
-        pid,
-        files: Arc::new(Files {
-            pid,
-            own,
-            dir: Arc::new(dir),
-            map,
-        }),
-        name,
-        _file: file,
-        library: lib_id,
-        may_trace,
-        view: Mutex::new(None),
-        ended: Arc::new(AtomicBool::new(false)),
-        loaded: if at_exit {
-            Loaded::Launch
-        } else {
-            Loaded::RemoteExec
-        },
-    };
-    Ok((counter, start_path))
 }
 
 /// A counts file found in a counter's directory, mapped and checked.
@@ -753,7 +671,7 @@ impl Counter {
         }
         // The library is loaded where it will be; the start script has run or been withdrawn.
         files.dir.unlink_code(LIBRARY_AS);
-        files.dir.unlink_code(launch::PRELOAD_AS);
+        files.dir.unlink_code(PRELOAD_AS);
         files.dir.unlink_code("start.so");
         files.dir.unlink_code("start.py");
         cleanup_later(files.dir.clone(), self.name.clone(), scripts, pids);

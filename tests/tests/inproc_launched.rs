@@ -198,13 +198,20 @@ fn commands_launched_into_another_root_count_in_process_like_cprofile() {
     for s in ["py_workload.py", "ground_truth.py"] {
         std::fs::copy(script(s), dir.path().join(s)).unwrap();
     }
+    // A program on the way to Python, in the new root: the directory is made there for it.
+    std::fs::copy("/usr/bin/env", dir.path().join("env")).unwrap();
+    let env = inner.join("env");
     let (wl, truth) = (inner.join("py_workload.py"), inner.join("ground_truth.py"));
     let d = Daemon::start();
     let root_s = root.to_str().unwrap();
     let private_tmp = format!("mount -t tmpfs tmpfs {root_s}/tmp && exec chroot \"$@\"");
     for py in &pythons {
-        let ways: [(&str, Vec<&str>); 2] = [
+        let ways: [(&str, Vec<&str>); 3] = [
             ("chroot", vec!["chroot", root_s]),
+            (
+                "chroot, then env",
+                vec!["chroot", root_s, env.to_str().unwrap()],
+            ),
             (
                 "unshare -m, private /tmp",
                 vec!["unshare", "-m", "sh", "-c", &private_tmp, "sh", root_s],

@@ -152,6 +152,9 @@ pub(super) fn pyperformance(
         "   tracer attached by pid while it waits in native code before its work (`--pid`: in-process: PEP 768 on 3.14+, ptrace before)"
     );
     println!(
+        "   and, for the chrooted 3.14/3.15, under tracer launching them into another root with a /tmp of its own ({OTHER_ROOT})"
+    );
+    println!(
         "columns: seconds and slowdown (×); Python calls a run (cProfile's count, C functions"
     );
     println!("         excluded); ns per Python call added by tracer and by cProfile; tracerd CPU for the run");
@@ -185,10 +188,15 @@ pub(super) fn pyperformance(
         "daemon ms"
     );
     let mut ratios: Vec<(String, f64, f64, f64)> = Vec::new();
+    let mut other_root: Vec<(String, f64)> = Vec::new();
+    // The driver where a private /tmp does not hide it: beside the benchmarks.
+    let root_driver = benchmarks.join("tracer_bench_driver.py");
+    fs::write(&root_driver, DRIVER)?;
     for (interp, bare) in interps.iter().zip(probes) {
         if !interp.pyperformance {
             continue;
         }
+        let chrooted = interp.python.starts_with(crate::cpython::bin_dir());
         for (name, what) in BENCHMARKS {
             let args = [driver.as_os_str(), benchmarks.as_os_str(), name.as_ref()];
             let plain = |mode: &str| -> Result<Vec<u8>> {
@@ -268,13 +276,47 @@ pub(super) fn pyperformance(
                 "           --pid ({way}): {}",
                 compare(&pid_report, &file, &cprof)
             );
+            if chrooted {
+                let args = [
+                    "-m".as_ref(),
+                    "sh".as_ref(),
+                    "-c".as_ref(),
+                    PRIVATE_TMP.as_ref(),
+                    "sh".as_ref(),
+                    interp.python.as_os_str(),
+                    root_driver.as_os_str(),
+                    benchmarks.as_os_str(),
+                    name.as_ref(),
+                    "plain".as_ref(),
+                ];
+                let (t, report) = bare.quiet(SETTLE, || {
+                    traced(
+                        &daemon.socket,
+                        "unshare".as_ref(),
+                        &args,
+                        &[("PYTHONPATH", pythonpath)],
+                        dir,
+                    )
+                })?;
+                let way = report["python"]["counted"][0]["way"]
+                    .as_str()
+                    .unwrap_or("?");
+                println!(
+                    "           another root ({way}): {:.3} s, {:.1}×, {:.0} ns a call; {}",
+                    t,
+                    t / base,
+                    (t - base) / calls * 1e9,
+                    compare(&report, &file, &cprof)
+                );
+                other_root.push((interp.label.clone(), t / base));
+            }
         }
     }
     // Geometric means of the slowdowns, per interpreter and way of counting.
     println!();
     println!(
-        "{:<34} {:>8} {:>9} {:>6}",
-        "geomean slowdown (×)", "cProfile", "launched", "--pid"
+        "{:<34} {:>8} {:>9} {:>6} {:>12}",
+        "geomean slowdown (×)", "cProfile", "launched", "--pid", "another root"
     );
     let mut labels: Vec<&String> = ratios.iter().map(|r| &r.0).collect();
     labels.dedup();
@@ -283,16 +325,40 @@ pub(super) fn pyperformance(
         let g = |f: fn(&(String, f64, f64, f64)) -> f64| {
             (rows.iter().map(|r| f(r).ln()).sum::<f64>() / rows.len() as f64).exp()
         };
+        // Launched into another root, where it was run.
+        let mut root_label = label.split(" (--pid").next().unwrap_or(label).to_owned();
+        let other: Vec<f64> = other_root
+            .iter()
+            .filter(|(l, _)| *l == root_label)
+            .map(|r| r.1)
+            .collect();
+        root_label = match other.len() {
+            0 => "-".into(),
+            n => format!(
+                "{:.2}",
+                (other.iter().map(|r| r.ln()).sum::<f64>() / n as f64).exp()
+            ),
+        };
         println!(
-            "  {:<32} {:>8.2} {:>9.2} {:>6.2}",
+            "  {:<32} {:>8.2} {:>9.2} {:>6.2} {:>12}",
             label,
             g(|r| r.1),
             g(|r| r.2),
-            g(|r| r.3)
+            g(|r| r.3),
+            root_label
         );
     }
     Ok(())
 }
+
+/// How the chrooted interpreters are launched into another root with a `/tmp` of its own:
+/// their wrapper (which chroots, binding the host's `/tmp` at the same path) run in a mount
+/// namespace whose `/tmp` is a tmpfs, as `systemd-run -p PrivateTmp=yes` or a container
+/// gives. tracer's directory for the launch, made in the host's `/tmp`, is then not the one
+/// Python finds.
+const OTHER_ROOT: &str =
+    "`unshare -m sh -c 'mount -t tmpfs tmpfs /tmp && exec \"$@\"' sh WRAPPER …`";
+const PRIVATE_TMP: &str = "mount -t tmpfs tmpfs /tmp && exec \"$@\"";
 
 /// tracer's counts of run_benchmark.py's functions against cProfile's, in two runs of the
 /// same work (cProfile's covering the module's import too, as tracer's whole-process count

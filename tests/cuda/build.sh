@@ -57,6 +57,9 @@ $CC $CFLAGS $WARN -s -o "$OUT/warm_kernels" "$HERE/warm_kernels.c" -L"$OUT" -l:l
 $CC $CFLAGS $WARN -fPIC -shared -o "$OUT/libworker_launch.so" "$HERE/worker_launch.c" -lpthread
 # The launch-bound loop of `cargo xtask bench cuda`, built the same way.
 $CC $CFLAGS $WARN -o "$OUT/launch_loop" "$HERE/launch_loop.c" '-Wl,-rpath,$ORIGIN' -ldl
+# The same loop as a library, for launch_loop.py: launches made under a Python frame.
+$CC $CFLAGS $WARN -fPIC -shared -DLAUNCH_LOOP_LIBRARY -o "$OUT/liblaunch_loop.so" \
+  "$HERE/launch_loop.c" '-Wl,-rpath,$ORIGIN' -ldl
 
 # Check the promise above on x86-64 when building with the default flags (objdump and nm come
 # with binutils, part of build-essential).

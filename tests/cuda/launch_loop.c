@@ -15,7 +15,12 @@
  * Each cudaLaunchKernel goes on to the driver's cuLaunchKernel (as the real runtime's do), so
  * a launch crosses two probed entry points. Exits 1 if a launch failed.
  *
- * usage: launch_loop [N=200000] [ROUNDS=5] */
+ * usage: launch_loop [N=200000] [ROUNDS=5]
+ *
+ * Built with -DLAUNCH_LOOP_LIBRARY as liblaunch_loop.so instead, it has no main but exports
+ * launch_loop_main(argc, argv), which tests/cuda/launch_loop.py calls from one Python line:
+ * the same launches, made under a Python frame (what tracer reads for each launch's call
+ * site). */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
 
@@ -82,7 +87,7 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-int main(int argc, char **argv) {
+__attribute__((visibility("default"))) int launch_loop_main(int argc, char **argv) {
     long n = argc > 1 ? atol(argv[1]) : 200000, rounds = argc > 2 ? atol(argv[2]) : 5;
     if (n < 1 || rounds < 1) {
         fprintf(stderr, "usage: launch_loop [N=200000] [ROUNDS=5]\n");
@@ -132,3 +137,7 @@ int main(int argc, char **argv) {
     if (failures) fprintf(stderr, "launch_loop: %ld launches failed\n", failures);
     return failures ? 1 : 0;
 }
+
+#ifndef LAUNCH_LOOP_LIBRARY
+int main(int argc, char **argv) { return launch_loop_main(argc, argv); }
+#endif

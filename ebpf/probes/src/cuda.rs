@@ -115,14 +115,6 @@ fn args(ctx: &ProbeContext) -> [u64; 6] {
     }
 }
 
-/// The n-th argument passed on the stack (the 7th of the call is n = 0): above the return
-/// address at the function's first instruction.
-fn stack_arg(ctx: &ProbeContext, n: u64) -> Option<u64> {
-    // SAFETY: `regs` is this program's context.
-    let sp = unsafe { (*ctx.regs).rsp };
-    user::<u64>(sp + 8 + 8 * n)
-}
-
 #[uprobe]
 pub fn tracer_cuda_call(ctx: ProbeContext) -> u32 {
     let _ = try_call(&ctx);
@@ -133,6 +125,8 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     let (which, slot, pid, cookie) = accepted(ctx)?;
     let a = args(ctx);
     let arg = |n: usize| a.get(n).copied();
+    // SAFETY: `regs` is this program's context.
+    let sp = unsafe { (*ctx.regs).rsp };
     let mut key = CudaLaunchKey {
         slot,
         pid,
@@ -141,47 +135,59 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     };
     match which {
         api::CU_LAUNCH => {
-            // cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ, shmem, stream, …)
+            // cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ, shmem, stream, …):
+            // the return address and the three stack arguments above it in one read (one
+            // helper call instead of four: this runs at every launch).
+            let [caller, block_z, shmem, stream] = user::<[u64; 4]>(sp)?;
             key.func = arg(0)?;
             key.grid = [arg(1)? as u32, arg(2)? as u32, arg(3)? as u32];
-            key.block = [arg(4)? as u32, arg(5)? as u32, stack_arg(ctx, 0)? as u32];
-            key.shared_mem = stack_arg(ctx, 1)? as u32;
-            key.stream = stack_arg(ctx, 2)?;
+            key.block = [arg(4)? as u32, arg(5)? as u32, block_z as u32];
+            key.shared_mem = shmem as u32;
+            key.stream = stream;
+            key.caller = caller;
         }
         api::CU_LAUNCH_EX => {
             // cuLaunchKernelEx(const CUlaunchConfig *, f, …): 7 × u32, then hStream at 32.
             let config: u64 = arg(0)?;
-            let dims: [u32; 7] = user(config)?;
+            // The 7 dimensions, a hole, and hStream at 32, in one read.
+            let c: [u32; 10] = user(config)?;
             key.func = arg(1)?;
-            key.grid = [dims[0], dims[1], dims[2]];
-            key.block = [dims[3], dims[4], dims[5]];
-            key.shared_mem = dims[6];
-            key.stream = user(config + 32)?;
+            key.grid = [c[0], c[1], c[2]];
+            key.block = [c[3], c[4], c[5]];
+            key.shared_mem = c[6];
+            key.stream = u64::from(c[8]) | u64::from(c[9]) << 32;
+            key.caller = user::<u64>(sp).unwrap_or(0);
         }
         api::CUDA_LAUNCH => {
             // cudaLaunchKernel(func, dim3 grid, dim3 block, args, size_t shmem, stream): each
             // dim3 by value in two registers (x | y << 32, then z).
+            // The return address and the two stack arguments above it, in one read.
+            let [caller, shmem, stream] = user::<[u64; 3]>(sp)?;
             key.func = arg(0)?;
             let (gxy, gz, bxy, bz): (u64, u64, u64, u64) = (arg(1)?, arg(2)?, arg(3)?, arg(4)?);
             key.grid = [gxy as u32, (gxy >> 32) as u32, gz as u32];
             key.block = [bxy as u32, (bxy >> 32) as u32, bz as u32];
-            key.shared_mem = stack_arg(ctx, 0)? as u32;
-            key.stream = stack_arg(ctx, 1)?;
+            key.shared_mem = shmem as u32;
+            key.stream = stream;
+            key.caller = caller;
         }
         api::CUDA_LAUNCH_EX => {
             // cudaLaunchKernelExC(const cudaLaunchConfig_t *, func, args): dim3 grid at 0,
             // dim3 block at 12, size_t shmem at 24, stream at 32.
             let config: u64 = arg(0)?;
-            let dims: [u32; 6] = user(config)?;
+            // Both dim3s, the shared memory and the stream, in one read.
+            let c: [u32; 10] = user(config)?;
             key.func = arg(1)?;
-            key.grid = [dims[0], dims[1], dims[2]];
-            key.block = [dims[3], dims[4], dims[5]];
-            key.shared_mem = user::<u64>(config + 24)? as u32;
-            key.stream = user(config + 32)?;
+            key.grid = [c[0], c[1], c[2]];
+            key.block = [c[3], c[4], c[5]];
+            key.shared_mem = c[6];
+            key.stream = u64::from(c[8]) | u64::from(c[9]) << 32;
+            key.caller = user::<u64>(sp).unwrap_or(0);
         }
         api::CU_GRAPH | api::CUDA_GRAPH => {
             key.func = arg(0)?;
             key.stream = arg(1)?;
+            key.caller = user::<u64>(sp).unwrap_or(0);
         }
         _ => return memory_or_name(&a, which, slot, pid),
     }
@@ -190,10 +196,6 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
         key.py_elsewhere = from;
     }
-    // SAFETY: `regs` is this program's context.
-    let sp = unsafe { (*ctx.regs).rsp };
-    // The return address, on top of the stack at the function's first instruction.
-    key.caller = user::<u64>(sp).unwrap_or(0);
     if count_launch(&key) {
         link_rows(&key, tid, sp);
     }

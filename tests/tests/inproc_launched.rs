@@ -298,3 +298,80 @@ fn commands_launched_into_another_root_count_in_process_like_cprofile() {
         println!("{what}: uprobes, saying why, equal to cProfile");
     }
 }
+
+/// A tracerd killed while a command it launched into a chroot counts in-process: the next
+/// tracerd sweeps the directory made in the chroot's `/tmp` (reached through the process's
+/// root), and the program runs on to its end (tracerctl itself reports the lost tracerd).
+#[test]
+fn a_killed_daemon_leaves_nothing_in_a_launched_commands_root() {
+    if !root_or_skip() {
+        return;
+    }
+    let Some(root) = tracer_tests::cpython_root() else {
+        tracer_testkit::skip("no CPython root (`cargo xtask setup` makes it)");
+        return;
+    };
+    let Some(py) = ["3.14", "3.15"]
+        .iter()
+        .map(|v| format!("/usr/bin/python{v}"))
+        .find(|p| root.join(&p[1..]).exists())
+    else {
+        tracer_testkit::skip("no python3.14 or python3.15 in the CPython root");
+        return;
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("tracer-launch-killed-")
+        .tempdir_in(&root)
+        .unwrap();
+    let inner = Path::new("/").join(dir.path().file_name().unwrap());
+    let go = inner.join("go");
+    let code = format!(
+        "import os, time\n\
+         def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         while not os.path.exists({go:?}):\n    fib(10); time.sleep(0.001)\n\
+         print('done', flush=True)\n"
+    );
+    let mut d = Daemon::start();
+    let root_s = root.to_str().unwrap();
+    let ctl = tracer_tests::ChildGuard::spawn(
+        d.ctl()
+            .args([
+                "start",
+                "--mode=counting",
+                "--python",
+                "--",
+                "chroot",
+                root_s,
+            ])
+            .args([py.as_str(), "-c", &code])
+            .stdout(std::process::Stdio::piped()),
+    );
+    // The directories made in the chroot's /tmp, once the counter runs there.
+    let made = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(root.join("tmp"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("tracer-"))
+            })
+            .collect()
+    };
+    tracer_tests::wait_until(20, "the counter's directories in the chroot", || {
+        made().len() == 2
+    });
+    d.kill();
+    d.restart();
+    tracer_tests::wait_until(20, "the killed daemon's directories to go", || {
+        made().is_empty()
+    });
+    std::fs::write(dir.path().join("go"), b"").unwrap();
+    let mut ctl = ctl;
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut ctl.0.stdout.take().unwrap(), &mut out).unwrap();
+    // tracerctl says its tracerd went; the program it launched ran on.
+    let _ = ctl.0.wait();
+    assert_eq!(out, "done\n");
+}

@@ -429,7 +429,8 @@ fn a_process_holding_the_loaders_lock_gets_an_answer_and_runs_on() {
 /// tracerd SIGKILLed while its call waits in a process for the loader's lock: the kernel lets
 /// the thread go, the call goes on by itself and, once the lock is let go, returns through
 /// its frame to where the thread was. The program runs on to its end, its output its own, and
-/// nothing of tracer's stays traced or counting (the loader, loaded late, finds tracerd gone).
+/// nothing of tracer's stays traced or counting (the loader, loaded late, finds tracerd gone);
+/// the next tracerd sweeps the directories the killed one made.
 #[test]
 fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
     if !root_or_skip() {
@@ -450,6 +451,23 @@ fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
         traced_threads(pid).is_empty()
     });
     let_go(child, out, &fifo);
+    // The next tracerd sweeps the directories the killed one made for the load.
+    let made = || {
+        std::fs::read_dir("/tmp")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with("tracer-")
+                    && (name.ends_with(&format!("-{pid}"))
+                        || name.ends_with(&format!("-{pid}-code")))
+            })
+            .count()
+    };
+    assert_eq!(made(), 2, "the load's directories, before the next tracerd");
+    d.restart();
+    wait_until(20, "the killed tracerd's directories to go", || made() == 0);
 }
 
 /// A start whose client goes (`tracerctl` killed) while its load waits in the process for the

@@ -748,6 +748,105 @@ fn launches_name_their_python_call_site() {
     }
 }
 
+/// Launches through the runtime from Python that reach the driver underneath (tests/cuda's
+/// `launch_loop.py`: nvcc-style launches from one line): the driver's probe takes the call
+/// site the runtime's read on the same thread rather than reading the interpreter again;
+/// both rows must name that line, the kernel and every launch, counting and tracing, in a
+/// process attached to and in one launched.
+#[test]
+fn runtime_launches_from_python_give_the_driver_launches_beneath_them_their_call_site() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::test_file("cuda/launch_loop.py");
+    let source = std::fs::read_to_string(&script).unwrap();
+    let line = source
+        .lines()
+        .position(|l| l.contains("# every launch's call site"))
+        .unwrap()
+        + 1;
+    let site = format!("main ({}:{line})", script.display());
+    let lib = libs.join("liblaunch_loop.so");
+    let loop_args = [script.to_str().unwrap(), lib.to_str().unwrap(), "40", "3"];
+    let python = tracer_tests::python();
+    for mode in ["--mode=counting", "--mode=tracing"] {
+        for launched in [false, true] {
+            let (report, printed) = if launched {
+                let out = d.dir.path().join("launch_loop.json");
+                let run = d
+                    .ctl()
+                    .args(["start", mode, "--cuda", "--format", "json", "-o"])
+                    .arg(&out)
+                    .arg("--")
+                    .arg(&python)
+                    .args(loop_args)
+                    .output()
+                    .unwrap();
+                assert!(run.status.success(), "{run:?}");
+                let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+                (report, String::from_utf8(run.stdout).unwrap())
+            } else {
+                let mut py = ChildGuard::spawn(
+                    Command::new(&python)
+                        .args(loop_args)
+                        .stdin(Stdio::piped())
+                        .stdout(Stdio::piped()),
+                );
+                let mut out = BufReader::new(py.0.stdout.take().unwrap());
+                let mut ready = String::new();
+                out.read_line(&mut ready).unwrap();
+                assert_eq!(ready, "ready\n");
+                let pid = py.pid().to_string();
+                let id = d
+                    .ok(&["start", mode, "--cuda", "--pid", &pid])
+                    .trim()
+                    .to_owned();
+                // Both libraries are mapped already: probed at the start; a margin.
+                std::thread::sleep(Duration::from_millis(300));
+                let mut stdin = py.0.stdin.take().unwrap();
+                stdin.write_all(b"go\n").unwrap();
+                drop(stdin);
+                let mut rest = String::new();
+                std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+                assert!(py.0.wait().unwrap().success());
+                wait_ended(&d, &id);
+                let json = d.ok(&["report", &id, "--format", "json"]);
+                (serde_json::from_str(&json).unwrap(), rest)
+            };
+            let launches: u64 = printed
+                .lines()
+                .find_map(|l| l.strip_prefix("LAUNCHES "))
+                .unwrap_or_else(|| panic!("the loop's count: {printed}"))
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(report["losses"], serde_json::json!([]), "{mode} {launched}");
+            let rows = report["cuda"]["launches"].as_array().unwrap();
+            for api in ["cudaLaunchKernel", "cuLaunchKernel"] {
+                let found: Vec<&Value> = rows.iter().filter(|l| l["api"] == api).collect();
+                assert_eq!(found.len(), 1, "{mode} launched {launched}: {rows:?}");
+                let row = found[0];
+                assert_eq!(
+                    row["launches"], launches,
+                    "{mode} launched {launched}: {row}"
+                );
+                assert_eq!(row["kernel"], "step(float*, int)", "{row}");
+                assert_eq!(
+                    (dims(&row["grid"]), dims(&row["block"])),
+                    (vec![64, 1, 1], vec![256, 1, 1])
+                );
+                assert_eq!(row["call_site"], site, "{mode} launched {launched}: {row}");
+                assert!(
+                    row.get("call_site_from").is_none(),
+                    "its own thread's: {row}"
+                );
+            }
+        }
+    }
+}
+
 /// Runs tests/scripts/cuda_calls.py on `lib` with `args` under a session started with
 /// `start` (on its pid, or on every process with `all`), its library mapped before; returns
 /// the ended session and the pid of the process that launched (the script's, or its forked

@@ -12,7 +12,7 @@ use aya_ebpf::{
         bpf_probe_read_kernel_str_bytes, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
     macros::{map, tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
     EbpfContext,
 };
@@ -73,6 +73,14 @@ static FILE_NAME_OFFSETS: [u32; 2] = [u32::MAX; 2];
 /// never reached the driver make room.
 #[map]
 static CUDA_NEW_ROWS: LruHashMap<u32, [u64; 4]> = LruHashMap::with_max_entries(4_096, 0);
+
+/// The Python call site a runtime launch just read, for the driver launch it makes underneath
+/// on the same thread, which then reads no Python memory of its own (the call site is the
+/// same: no Python runs in between; reading it is ten or more reads of user memory a probe):
+/// [thread, stack pointer, return address, time, code object, instruction, names id, whose].
+/// Per CPU: a thread that moved between the two finds another's entry and reads its own.
+#[map]
+static CUDA_SITE_ABOVE: PerCpuArray<[u64; 8]> = PerCpuArray::with_max_entries(1, 0);
 
 /// A driver launch belongs to the runtime launch that made a new row on its thread this
 /// recently (the runtime's own work in between takes microseconds).
@@ -192,9 +200,17 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
         _ => return memory_or_name(&a, which, slot, pid),
     }
     let tid = bpf_get_current_pid_tgid() as u32;
-    if let Some((code, instr, names, from)) = call_site(pid) {
-        (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
-        key.py_elsewhere = from;
+    // A driver launch inside a runtime launch takes the call site the runtime's probe read.
+    let above =
+        matches!(which, api::CU_LAUNCH | api::CU_LAUNCH_EX) && site_above(&mut key, tid, sp);
+    if !above {
+        if let Some((code, instr, names, from)) = call_site(pid) {
+            (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
+            key.py_elsewhere = from;
+            if matches!(which, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX) {
+                note_site(&key, tid, sp);
+            }
+        }
     }
     if count_launch(&key) {
         link_rows(&key, tid, sp);
@@ -364,6 +380,57 @@ fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
     };
     let (code, instr, names) = frame_site(frame, l)?;
     Some((code, instr, names, from))
+}
+
+/// A runtime launch's call site, for the driver launch it makes underneath
+/// (`CUDA_SITE_ABOVE`). Field by field: the launch program's stack is near the verifier's
+/// limit.
+#[inline(always)]
+fn note_site(key: &CudaLaunchKey, tid: u32, sp: u64) {
+    let Some(e) = CUDA_SITE_ABOVE.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's entry, valid for the program's duration; a probe is not preempted
+    // by another on its CPU.
+    unsafe {
+        (*e)[0] = u64::from(tid);
+        (*e)[1] = sp;
+        (*e)[2] = key.caller;
+        (*e)[3] = bpf_ktime_get_ns();
+        (*e)[4] = key.py_code;
+        (*e)[5] = key.py_instr;
+        (*e)[6] = key.py_names;
+        (*e)[7] = u64::from(key.py_elsewhere);
+    }
+}
+
+/// Gives `key` the call site that the runtime launch this driver launch is made in read
+/// (`note_site`): the same thread, deeper on the stack, moments later, the runtime call's
+/// return address still in place (not a driver call made after a runtime launch that
+/// returned). Taken once. Whether it did.
+#[inline(always)]
+fn site_above(key: &mut CudaLaunchKey, tid: u32, sp: u64) -> bool {
+    let Some(e) = CUDA_SITE_ABOVE.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's entry, valid for the program's duration.
+    unsafe {
+        if (*e)[0] != u64::from(tid) || sp >= (*e)[1] {
+            return false;
+        }
+        // Taken, so that a later driver call on this thread reads its own.
+        (*e)[0] = 0;
+        if bpf_ktime_get_ns().wrapping_sub((*e)[3]) >= LINK_WINDOW_NS
+            || user::<u64>((*e)[1]) != Some((*e)[2])
+        {
+            return false;
+        }
+        key.py_code = (*e)[4];
+        key.py_instr = (*e)[5];
+        key.py_names = (*e)[6];
+        key.py_elsewhere = (*e)[7] as u32;
+    }
+    true
 }
 
 /// The innermost Python frame of the thread whose state is `tstate`; None when it runs none.

@@ -151,7 +151,13 @@ fn commands_launched_with_a_private_tmp_count_in_process_like_cprofile() {
         return;
     }
     let d = Daemon::start();
-    let wl = script("py_workload.py");
+    // Where the private /tmp does not hide it (a checkout may lie under /tmp).
+    let dir = tempfile::Builder::new()
+        .prefix("tracer-private-tmp-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let wl = dir.path().join("py_workload.py");
+    std::fs::copy(script("py_workload.py"), &wl).unwrap();
     let chrooted = tracer_tests::chroot_interpreters();
     for py in interpreters().iter().filter(|p| !chrooted.contains(p)) {
         let what = format!("{} with a private /tmp", py.display());
@@ -328,12 +334,13 @@ fn a_killed_daemon_leaves_nothing_in_a_launched_commands_root() {
     let code = format!(
         "import os, time\n\
          def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\
+         print('ready', flush=True)\n\
          while not os.path.exists({go:?}):\n    fib(10); time.sleep(0.001)\n\
          print('done', flush=True)\n"
     );
     let mut d = Daemon::start();
     let root_s = root.to_str().unwrap();
-    let ctl = tracer_tests::ChildGuard::spawn(
+    let mut ctl = tracer_tests::ChildGuard::spawn(
         d.ctl()
             .args([
                 "start",
@@ -359,19 +366,22 @@ fn a_killed_daemon_leaves_nothing_in_a_launched_commands_root() {
             })
             .collect()
     };
-    tracer_tests::wait_until(20, "the counter's directories in the chroot", || {
-        made().len() == 2
-    });
+    // The program's first line has run: its counter counts (one killed before that stays
+    // with its directory until the process exits: the next tracerd has nothing to remove).
+    let mut out = std::io::BufReader::new(ctl.0.stdout.take().unwrap());
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut out, &mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    assert_eq!(made().len(), 2, "the counter's directories in the chroot");
     d.kill();
     d.restart();
     tracer_tests::wait_until(20, "the killed daemon's directories to go", || {
         made().is_empty()
     });
     std::fs::write(dir.path().join("go"), b"").unwrap();
-    let mut ctl = ctl;
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut ctl.0.stdout.take().unwrap(), &mut out).unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     // tracerctl says its tracerd went; the program it launched ran on.
     let _ = ctl.0.wait();
-    assert_eq!(out, "done\n");
+    assert_eq!(rest, "done\n");
 }

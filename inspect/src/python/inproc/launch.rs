@@ -81,8 +81,8 @@ impl Counter {
     /// Makes the counter's directory and files again, at the same names, in `/tmp` of the
     /// root `pid` runs in (through `/proc/PID/root`, under the rules of a first start: the
     /// owner's right to trace it, a `/tmp` only root or its user could swap, the code
-    /// directory root's), so that its loader's and start script's paths lead there; the
-    /// first directory goes. Only before the watches start: they read the files in use.
+    /// directory root's), so that its loader's and start script's paths lead there, in place
+    /// of the first. Only before the watches start: they read the files in use.
     fn relocate(&mut self, pid: u32) -> Result<(), String> {
         let owner = self.files.dir.owner;
         let runs_as = super::fs_ids(pid)?;
@@ -93,28 +93,27 @@ impl Counter {
             ));
         }
         (self.may_trace)(pid)?;
+        let preload = preload()?;
         let t0 = std::time::Instant::now();
+        // The first directory goes first: the process does not see it, and a tracerd killed
+        // in between leaves nothing behind (the journal keeps one entry a name). If no second
+        // can be made, the process is counted with the probes and nothing reads these files.
+        self.files.dir.remove();
         let made = made(
             pid,
             &self.name,
             owner,
             (self.pid, self.files.own),
-            Some(&preload()?),
+            Some(&preload),
             true,
-        )
-        .inspect_err(|_| {
-            // Its failure forgot the name, which the first directory still has.
-            super::journal::record(self.pid, &self.name, &self.files.dir, self.library);
-        })?;
-        let first = std::mem::replace(&mut self.files, std::sync::Arc::new(made.files));
+        )?;
+        self.files = std::sync::Arc::new(made.files);
         self._file = made.file;
         self.library = made.library;
         *self
             .view
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        // Its name is the new one's in the journal already.
-        first.dir.remove();
         tracing::debug!(pid, ms = t0.elapsed().as_millis() as u64, dir = %self.name, "counter's directory made again in the process's root");
         Ok(())
     }

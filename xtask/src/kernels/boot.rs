@@ -135,14 +135,12 @@ pub fn run_in(
     cmd.arg("--run")
         .arg(&image)
         // KVM does not work on these machines (its device is there): TCG everywhere, so
-        // timings compare. One vCPU: with two, multi-threaded TCG let one run a kernel text
-        // page another was patching (a jump label's int3 outliving its patch: an "Oops: int3"
-        // in handle_mm_fault, sid's 7.2, once in CI).
+        // timings compare.
         .args([
             "--disable-kvm",
             "--force-9p",
             "--cpus",
-            "1",
+            "2",
             "--memory",
             "3G",
         ])

@@ -465,7 +465,12 @@ fn a_tracerd_killed_mid_load_leaves_the_process_running_and_whole() {
             })
             .count()
     };
-    assert_eq!(made(), 2, "the load's directories, before the next tracerd");
+    // The code directory at least (root's: the start script, run late, may have deleted the
+    // counter's own directory on finding tracerd gone).
+    assert!(
+        made() >= 1,
+        "the load's directories, before the next tracerd"
+    );
     d.restart();
     wait_until(20, "the killed tracerd's directories to go", || made() == 0);
 }

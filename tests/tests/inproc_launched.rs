@@ -63,6 +63,13 @@ fn launched(d: &Daemon, python: &Path, args: &[&str]) -> (String, Value) {
 
 /// The same for any command.
 fn launched_command(d: &Daemon, command: &[&str]) -> (String, Value) {
+    let (run, report) = launched_output(d, command);
+    assert!(run.status.success(), "{command:?}: {run:?}");
+    (String::from_utf8(run.stdout).unwrap(), report)
+}
+
+/// tracerctl's output for `command` launched under a counting session, and the report.
+fn launched_output(d: &Daemon, command: &[&str]) -> (std::process::Output, Value) {
     let out = d.dir.path().join("report.json");
     let mut all = vec![
         "start",
@@ -75,9 +82,29 @@ fn launched_command(d: &Daemon, command: &[&str]) -> (String, Value) {
         "--",
     ];
     all.extend_from_slice(command);
-    let stdout = d.ok(&all);
-    let report = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    (stdout, report)
+    let run = d.run(&all);
+    let report =
+        serde_json::from_slice(&std::fs::read(&out).unwrap_or_default()).unwrap_or(Value::Null);
+    (run, report)
+}
+
+/// The tests' CPython root and the interpreters of 3.14 and 3.15 it holds (their paths
+/// inside it); None, saying why, where there is none.
+fn root_pythons() -> Option<(std::path::PathBuf, Vec<String>)> {
+    let Some(root) = tracer_tests::cpython_root() else {
+        tracer_testkit::skip("no CPython root (`cargo xtask setup` makes it)");
+        return None;
+    };
+    let pythons: Vec<String> = ["3.14", "3.15"]
+        .iter()
+        .map(|v| format!("/usr/bin/python{v}"))
+        .filter(|p| root.join(&p[1..]).exists())
+        .collect();
+    if pythons.is_empty() {
+        tracer_testkit::skip("no python3.14 or python3.15 in the CPython root");
+        return None;
+    }
+    Some((root, pythons))
 }
 
 #[test]
@@ -182,19 +209,9 @@ fn commands_launched_into_another_root_count_in_process_like_cprofile() {
     if !root_or_skip() {
         return;
     }
-    let Some(root) = tracer_tests::cpython_root() else {
-        tracer_testkit::skip("no CPython root (`cargo xtask setup` makes it)");
+    let Some((root, pythons)) = root_pythons() else {
         return;
     };
-    let pythons: Vec<String> = ["3.14", "3.15"]
-        .iter()
-        .map(|v| format!("/usr/bin/python{v}"))
-        .filter(|p| root.join(&p[1..]).exists())
-        .collect();
-    if pythons.is_empty() {
-        tracer_testkit::skip("no python3.14 or python3.15 in the CPython root");
-        return;
-    }
     // The scripts inside the root, where both ways see them.
     let dir = tempfile::Builder::new()
         .prefix("tracer-launch-root-")
@@ -265,24 +282,12 @@ fn commands_launched_into_another_root_count_in_process_like_cprofile() {
             py,
             wl.to_str().unwrap(),
         ];
-        let out = d.dir.path().join("report.json");
-        let mut args = vec![
-            "start",
-            "--mode=counting",
-            "--python",
-            "--format",
-            "json",
-            "-o",
-        ];
-        args.extend([out.to_str().unwrap(), "--"]);
-        args.extend(cmd);
-        let run = d.run(&args);
+        let (run, report) = launched_output(&d, &cmd);
         assert!(run.status.success(), "{what}: {run:?}");
         assert!(
             !String::from_utf8_lossy(&run.stderr).contains("LD_PRELOAD"),
             "{what}: {run:?}"
         );
-        let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
         let counted = &report["python"]["counted"][0];
         let why = counted["why"].as_str().unwrap_or("");
         assert_eq!(counted["way"], "uprobes", "{what}: {counted}");
@@ -313,18 +318,10 @@ fn a_killed_daemon_leaves_nothing_in_a_launched_commands_root() {
     if !root_or_skip() {
         return;
     }
-    let Some(root) = tracer_tests::cpython_root() else {
-        tracer_testkit::skip("no CPython root (`cargo xtask setup` makes it)");
+    let Some((root, pythons)) = root_pythons() else {
         return;
     };
-    let Some(py) = ["3.14", "3.15"]
-        .iter()
-        .map(|v| format!("/usr/bin/python{v}"))
-        .find(|p| root.join(&p[1..]).exists())
-    else {
-        tracer_testkit::skip("no python3.14 or python3.15 in the CPython root");
-        return;
-    };
+    let py = &pythons[0];
     let dir = tempfile::Builder::new()
         .prefix("tracer-launch-killed-")
         .tempdir_in(&root)

@@ -54,7 +54,12 @@ impl Probing<'_> {
     /// then left to it; true when so. A program on the way to one (a shell, a wrapper) leaves
     /// the question to its next exec; anything else is counted with the probes.
     pub fn launched_exec(&mut self, py: &mut PySession, slot: Option<u8>, pid: u32) -> bool {
-        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+        // The launched command's own execs alone are read here; every other process of the
+        // session only has its loader looked at (below).
+        let ours = py.launch == Some(pid);
+        let exe = ours
+            .then(|| std::fs::read_link(format!("/proc/{pid}/exe")).ok())
+            .flatten();
         let minor = exe
             .as_deref()
             .and_then(tracer_inspect::python::runtime::minor_from_name);
@@ -66,14 +71,15 @@ impl Probing<'_> {
             .to_owned();
         // A build with a `t` (free-threaded) is not the counter's.
         let countable = minor.filter(|&m| m >= 10 && name == format!("python3.{m}"));
-        let loader = py
-            .inproc
-            .iter()
-            .any(|c| c.pid == pid && c.launched_with_loader(pid));
+        let loader = ours
+            && py
+                .inproc
+                .iter()
+                .any(|c| c.pid == pid && c.launched_with_loader(pid));
         // The launched command, with its loader: its counter's directory made where it finds
         // it, in whatever root it now runs (a chroot, a mount namespace of its own); exec'd
         // into CPython, counted in-process from here. Or why not.
-        let launched = (py.launch == Some(pid) && loader && slot.is_some())
+        let launched = (loader && slot.is_some())
             .then(|| {
                 let c = py.inproc.iter_mut().find(|c| c.pid == pid)?;
                 Some(match countable {
@@ -102,7 +108,7 @@ impl Probing<'_> {
         if let Some(Err(e)) = &unloaded {
             tracing::warn!(pid, %e, "taking tracer's loader out of a process's environment");
         }
-        if py.launch != Some(pid) {
+        if !ours {
             return false;
         }
         let Some(exe) = exe else {

@@ -256,9 +256,34 @@ API void fake_cuda_cupti_hook(fake_cupti_kernel_ran_fn ran) {
     __atomic_store_n(&cupti_kernel_ran, ran, __ATOMIC_RELEASE);
 }
 
+/* The fake CUPTI's API callbacks: its dispatcher, and which launch entry points have their
+ * callback id enabled (FAKE_CUPTI_LAUNCH_*_BIT), set by the fake CUPTI at every change. A
+ * launch whose bit is clear costs one atomic load and a branch. */
+static fake_cupti_api_fn cupti_api;
+static uint32_t cupti_launch_mask;
+
+API void fake_cuda_cupti_callbacks(fake_cupti_api_fn dispatch, uint32_t mask) {
+    FRAME();
+    if (dispatch) __atomic_store_n(&cupti_api, dispatch, __ATOMIC_RELEASE);
+    __atomic_store_n(&cupti_launch_mask, mask, __ATOMIC_RELEASE);
+}
+
+#define CUPTI_CALLBACK_ON(bit) \
+    __builtin_expect((__atomic_load_n(&cupti_launch_mask, __ATOMIC_ACQUIRE) & (bit)) != 0, 0)
+
+/* A CUPTI loaded before the driver (and subscribed there) hands its callbacks over now. */
+static void pull_cupti_callbacks(void) {
+    void *h = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
+    fake_cupti_push_callbacks_fn push =
+        h ? (fake_cupti_push_callbacks_fn)dlsym(h, "fake_cupti_push_callbacks") : NULL;
+    if (push) push();
+    if (h) dlclose(h);
+}
+
 /* As the real driver does at cuInit: load the library CUDA_INJECTION64_PATH names and call its
  * InitializeInjection. */
 static void inject(void) {
+    pull_cupti_callbacks();
     const char *path = getenv("CUDA_INJECTION64_PATH");
     if (!path || !*path) return;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -538,9 +563,21 @@ static CUresult check_launch(const void *f, unsigned gx, unsigned gy, unsigned g
     return rc;
 }
 
-static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                       unsigned by, unsigned bz, unsigned shmem, CUstream s, void **kernelParams,
-                       void **extra) {
+static CUresult launch_traced(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                              unsigned by, unsigned bz, unsigned shmem, CUstream hStream,
+                              void **kernelParams, void **extra, int ptsz);
+
+/* cuLaunchKernel[_ptsz] (a NULL stream is the calling thread's with ptsz). `traced`: called
+ * by launch_traced, between the callbacks. Otherwise a launch whose callback is off costs one
+ * atomic load and a branch here. */
+static inline __attribute__((always_inline)) CUresult
+launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+       unsigned bz, unsigned shmem, CUstream hStream, void **kernelParams, void **extra,
+       int ptsz, int traced) {
+    if (!traced && CUPTI_CALLBACK_ON(ptsz ? FAKE_CUPTI_LAUNCH_PTSZ_BIT : FAKE_CUPTI_LAUNCH_BIT))
+        return launch_traced(f, gx, gy, gz, bx, by, bz, shmem, hStream, kernelParams, extra,
+                             ptsz);
+    CUstream s = ptsz && !hStream ? CU_STREAM_PER_THREAD : hStream;
     COUNT(cuLaunchKernel_calls, 1);
     CUresult rc = check_launch(f, gx, gy, gz, bx, by, bz, shmem, s, kernelParams, extra);
     if (rc == CUDA_SUCCESS) {
@@ -550,13 +587,43 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     return rc;
 }
 
+/* The kernel's name for a callback (NULL for an unknown handle). */
+static const char *callback_symbol(const void *f) {
+    pthread_mutex_lock(&lock);
+    const char *name = launchable_name(f);
+    pthread_mutex_unlock(&lock);
+    return name;
+}
+
+/* cuLaunchKernel[_ptsz] between its CUPTI callbacks (ENTER, EXIT), with the arguments as the
+ * caller passed them. */
+static __attribute__((noinline, cold)) CUresult
+launch_traced(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+              unsigned bz, unsigned shmem, CUstream hStream, void **kernelParams, void **extra,
+              int ptsz) {
+    cuLaunchKernel_params p = {f, gx, gy, gz, bx, by, bz, shmem, hStream, kernelParams, extra};
+    struct fake_cupti_api_call c = {
+        .domain = CUPTI_CB_DOMAIN_DRIVER_API,
+        .cbid = ptsz ? CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz : CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel,
+        .function_name = ptsz ? "cuLaunchKernel_ptsz" : "cuLaunchKernel",
+        .params = &p,
+        .symbol_name = callback_symbol(f),
+        .context = current_ctx,
+    };
+    fake_cupti_api_fn api = __atomic_load_n(&cupti_api, __ATOMIC_ACQUIRE);
+    api(&c, CUPTI_API_ENTER, NULL);
+    CUresult rc = launch(f, gx, gy, gz, bx, by, bz, shmem, hStream, kernelParams, extra, ptsz, 1);
+    api(&c, CUPTI_API_EXIT, &rc);
+    return rc;
+}
+
 API CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
                             unsigned int gridDimZ, unsigned int blockDimX,
                             unsigned int blockDimY, unsigned int blockDimZ,
                             unsigned int sharedMemBytes, CUstream hStream, void **kernelParams,
                             void **extra) {
     return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
-                  sharedMemBytes, hStream, kernelParams, extra);
+                  sharedMemBytes, hStream, kernelParams, extra, 0, 0);
 }
 
 /* Per-thread-default-stream flavour: a NULL stream means the calling thread's stream. */
@@ -566,11 +633,18 @@ API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned i
                                  unsigned int sharedMemBytes, CUstream hStream,
                                  void **kernelParams, void **extra) {
     return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
-                  sharedMemBytes, hStream ? hStream : CU_STREAM_PER_THREAD, kernelParams, extra);
+                  sharedMemBytes, hStream, kernelParams, extra, 1, 0);
 }
 
-static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **kernelParams,
-                          void **extra, int ptsz) {
+static CUresult launch_ex_traced(const CUlaunchConfig *config, CUfunction f,
+                                 void **kernelParams, void **extra, int ptsz);
+
+static inline __attribute__((always_inline)) CUresult launch_ex(const CUlaunchConfig *c, CUfunction f,
+                                                   void **kernelParams, void **extra, int ptsz,
+                                                   int traced) {
+    if (!traced &&
+        CUPTI_CALLBACK_ON(ptsz ? FAKE_CUPTI_LAUNCH_EX_PTSZ_BIT : FAKE_CUPTI_LAUNCH_EX_BIT))
+        return launch_ex_traced(c, f, kernelParams, extra, ptsz);
     COUNT(cuLaunchKernelEx_calls, 1);
     if (!c) return CUDA_ERROR_INVALID_VALUE;
     if (c->numAttrs && !c->attrs) return CUDA_ERROR_INVALID_VALUE;
@@ -587,14 +661,34 @@ static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f, void **kernelPa
     return rc;
 }
 
+static __attribute__((noinline, cold)) CUresult
+launch_ex_traced(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra,
+                 int ptsz) {
+    cuLaunchKernelEx_params p = {config, f, kernelParams, extra};
+    struct fake_cupti_api_call c = {
+        .domain = CUPTI_CB_DOMAIN_DRIVER_API,
+        .cbid = ptsz ? CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz
+                     : CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx,
+        .function_name = ptsz ? "cuLaunchKernelEx_ptsz" : "cuLaunchKernelEx",
+        .params = &p,
+        .symbol_name = callback_symbol(f),
+        .context = current_ctx,
+    };
+    fake_cupti_api_fn api = __atomic_load_n(&cupti_api, __ATOMIC_ACQUIRE);
+    api(&c, CUPTI_API_ENTER, NULL);
+    CUresult rc = launch_ex(config, f, kernelParams, extra, ptsz, 1);
+    api(&c, CUPTI_API_EXIT, &rc);
+    return rc;
+}
+
 API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                               void **extra) {
-    return launch_ex(config, f, kernelParams, extra, 0);
+    return launch_ex(config, f, kernelParams, extra, 0, 0);
 }
 
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
                                    void **kernelParams, void **extra) {
-    return launch_ex(config, f, kernelParams, extra, 1);
+    return launch_ex(config, f, kernelParams, extra, 1, 0);
 }
 
 /* ---- graphs: kernel nodes only ---------------------------------------------------------- */

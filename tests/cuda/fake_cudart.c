@@ -12,6 +12,7 @@
  * runtime's do. */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
+#include "fake_cupti_abi.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -73,7 +74,34 @@ static int launch_with_kernel; /* FAKE_CUDART_LAUNCH_HANDLE=kernel */
 static __thread int thread_has_ctx;
 static __thread cudaError_t last_error;
 
+/* ---- CUPTI's API callbacks ------------------------------------------------------------- */
+
+/* The fake CUPTI's dispatcher, and which launch entry points have their callback id enabled
+ * (FAKE_CUPTI_LAUNCH_*_BIT), set by the fake CUPTI at every change. A launch whose bit is
+ * clear costs one atomic load and a branch. */
+static fake_cupti_api_fn cupti_api;
+static uint32_t cupti_launch_mask;
+
+API void fake_cudart_cupti_callbacks(fake_cupti_api_fn dispatch, uint32_t mask) {
+    FRAME();
+    if (dispatch) __atomic_store_n(&cupti_api, dispatch, __ATOMIC_RELEASE);
+    __atomic_store_n(&cupti_launch_mask, mask, __ATOMIC_RELEASE);
+}
+
+#define CUPTI_CALLBACK_ON(bit) \
+    __builtin_expect((__atomic_load_n(&cupti_launch_mask, __ATOMIC_ACQUIRE) & (bit)) != 0, 0)
+
+/* A CUPTI loaded before the runtime's first call hands its callbacks over now. */
+static void pull_cupti_callbacks(void) {
+    void *h = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
+    fake_cupti_push_callbacks_fn push =
+        h ? (fake_cupti_push_callbacks_fn)dlsym(h, "fake_cupti_push_callbacks") : NULL;
+    if (push) push();
+    if (h) dlclose(h);
+}
+
 static void load_driver(void) {
+    pull_cupti_callbacks();
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         driver_status = cudaErrorInsufficientDriver;
@@ -348,8 +376,16 @@ static CUstream driver_stream(cudaStream_t s, int ptsz) {
     return ptsz && !s ? CU_STREAM_PER_THREAD : (CUstream)s;
 }
 
-static cudaError_t launch(const void *func, dim3 g, dim3 b, void **args, size_t shmem,
-                          cudaStream_t s, int ptsz) {
+static cudaError_t launch_traced(const void *func, dim3 g, dim3 b, void **args, size_t shmem,
+                                 cudaStream_t s, int ptsz);
+
+/* `traced`: called by launch_traced, between the callbacks. Otherwise a launch whose callback
+ * is off costs one atomic load and a branch here. */
+static inline __attribute__((always_inline)) cudaError_t launch(const void *func, dim3 g, dim3 b,
+                                                   void **args, size_t shmem, cudaStream_t s,
+                                                   int ptsz, int traced) {
+    if (!traced && CUPTI_CALLBACK_ON(ptsz ? FAKE_CUPTI_LAUNCH_PTSZ_BIT : FAKE_CUPTI_LAUNCH_BIT))
+        return launch_traced(func, g, b, args, shmem, s, ptsz);
     READY();
     if (shmem > UINT_MAX) return ret(cudaErrorInvalidValue);
     CUfunction f;
@@ -359,18 +395,64 @@ static cudaError_t launch(const void *func, dim3 g, dim3 b, void **args, size_t 
                                               driver_stream(s, ptsz), args, NULL)));
 }
 
+/* The device name of a registered kernel, by host stub or handle, for a callback (NULL for an
+ * unknown one). */
+static const char *callback_symbol(const void *func) {
+    pthread_mutex_lock(&reg_lock);
+    struct entry *e;
+    for (e = entries; e; e = e->next)
+        if (e->host == func || (e->kernel && (const void *)e->kernel == func)) break;
+    const char *name = e ? e->name : NULL;
+    pthread_mutex_unlock(&reg_lock);
+    return name;
+}
+
+/* The context a runtime call's callbacks report: the primary one, current once ready. */
+static CUcontext callback_context(void) {
+    return ready() == cudaSuccess ? primary_ctx : NULL;
+}
+
+/* A launch between its CUPTI callbacks (ENTER, EXIT): a launch the runtime refuses has them
+ * too, and the driver's launch underneath has its own in between. */
+static __attribute__((noinline, cold)) cudaError_t
+launch_traced(const void *func, dim3 g, dim3 b, void **args, size_t shmem, cudaStream_t s,
+              int ptsz) {
+    cudaLaunchKernel_v7000_params p = {func, g, b, args, shmem, s};
+    struct fake_cupti_api_call c = {
+        .domain = CUPTI_CB_DOMAIN_RUNTIME_API,
+        .cbid = ptsz ? CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000
+                     : CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000,
+        .function_name = ptsz ? "cudaLaunchKernel_ptsz_v7000" : "cudaLaunchKernel_v7000",
+        .params = &p,
+        .symbol_name = callback_symbol(func),
+        .context = callback_context(),
+    };
+    fake_cupti_api_fn api = __atomic_load_n(&cupti_api, __ATOMIC_ACQUIRE);
+    api(&c, CUPTI_API_ENTER, NULL);
+    cudaError_t rc = launch(func, g, b, args, shmem, s, ptsz, 1);
+    api(&c, CUPTI_API_EXIT, &rc);
+    return rc;
+}
+
 API cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
                                  size_t sharedMem, cudaStream_t stream) {
-    return launch(func, gridDim, blockDim, args, sharedMem, stream, 0);
+    return launch(func, gridDim, blockDim, args, sharedMem, stream, 0, 0);
 }
 
 API cudaError_t cudaLaunchKernel_ptsz(const void *func, dim3 gridDim, dim3 blockDim, void **args,
                                       size_t sharedMem, cudaStream_t stream) {
-    return launch(func, gridDim, blockDim, args, sharedMem, stream, 1);
+    return launch(func, gridDim, blockDim, args, sharedMem, stream, 1, 0);
 }
 
-static cudaError_t launch_ex(const cudaLaunchConfig_t *c, const void *func, void **args,
-                             int ptsz) {
+static cudaError_t launch_ex_traced(const cudaLaunchConfig_t *config, const void *func,
+                                    void **args, int ptsz);
+
+static inline __attribute__((always_inline)) cudaError_t launch_ex(const cudaLaunchConfig_t *c,
+                                                      const void *func, void **args, int ptsz,
+                                                      int traced) {
+    if (!traced &&
+        CUPTI_CALLBACK_ON(ptsz ? FAKE_CUPTI_LAUNCH_EX_PTSZ_BIT : FAKE_CUPTI_LAUNCH_EX_BIT))
+        return launch_ex_traced(c, func, args, ptsz);
     READY();
     if (!c || c->dynamicSmemBytes > UINT_MAX || (c->numAttrs && !c->attrs))
         return ret(cudaErrorInvalidValue);
@@ -398,14 +480,33 @@ static cudaError_t launch_ex(const cudaLaunchConfig_t *c, const void *func, void
     return ret(from_driver(drv.cuLaunchKernelEx(&dc, f, args, NULL)));
 }
 
+static __attribute__((noinline, cold)) cudaError_t
+launch_ex_traced(const cudaLaunchConfig_t *config, const void *func, void **args, int ptsz) {
+    cudaLaunchKernelExC_v11060_params p = {config, func, args};
+    struct fake_cupti_api_call c = {
+        .domain = CUPTI_CB_DOMAIN_RUNTIME_API,
+        .cbid = ptsz ? CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060
+                     : CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060,
+        .function_name = ptsz ? "cudaLaunchKernelExC_ptsz_v11060" : "cudaLaunchKernelExC_v11060",
+        .params = &p,
+        .symbol_name = callback_symbol(func),
+        .context = callback_context(),
+    };
+    fake_cupti_api_fn api = __atomic_load_n(&cupti_api, __ATOMIC_ACQUIRE);
+    api(&c, CUPTI_API_ENTER, NULL);
+    cudaError_t rc = launch_ex(config, func, args, ptsz, 1);
+    api(&c, CUPTI_API_EXIT, &rc);
+    return rc;
+}
+
 API cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func,
                                     void **args) {
-    return launch_ex(config, func, args, 0);
+    return launch_ex(config, func, args, 0, 0);
 }
 
 API cudaError_t cudaLaunchKernelExC_ptsz(const cudaLaunchConfig_t *config, const void *func,
                                          void **args) {
-    return launch_ex(config, func, args, 1);
+    return launch_ex(config, func, args, 1, 0);
 }
 
 /* nvcc 13's stubs call these with the handle from __cudaGetKernel; like the real runtime's,

@@ -19,11 +19,6 @@
 //! Only x86-64 is implemented (its CFA − 8 is the return-address slot); elsewhere the answer
 //! is 0.
 
-#![allow(
-    dead_code,
-    reason = "launches.rs, in a change of its own, calls launch_caller"
-)]
-
 /// Which CUPTI callback domain `cbid` belongs to: the API function is in libcudart (runtime)
 /// or libcuda (driver), which says which libraries lie between it and the callback.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -4,6 +4,7 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
+mod cuda_inproc;
 mod maps;
 mod offcpu;
 mod programs;
@@ -149,6 +150,8 @@ pub struct Bpf {
     gpu_kernels: HashMap<MapData, GpuKernelKey, GpuKernelStats>,
     cuda_names: Option<RingBuf<MapData>>,
     cuda_watch: Array<MapData, [SessionMask; 2]>,
+    /// Processes whose launches sessions count in-process (`cuda_inproc.rs`).
+    cuda_inproc: HashMap<MapData, u32, SessionMask>,
     exec_hold: Array<MapData, SessionMask>,
     /// Processes stopped at exec or at a CUDA library mapping, until continued (see `guardian`).
     held: HashMap<MapData, u32, u64>,
@@ -319,6 +322,7 @@ impl Bpf {
             gpu_kernels: take(&mut ebpf, "GPU_KERNELS")?,
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
+            cuda_inproc: take(&mut ebpf, "CUDA_INPROC")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             held: take(&mut ebpf, "HELD")?,
             offcpu_sessions: take(&mut ebpf, "OFFCPU_SESSIONS")?,

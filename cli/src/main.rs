@@ -133,6 +133,11 @@ struct StartArgs {
     /// until the session ends.
     #[arg(long, requires = "cuda")]
     gpu_times: bool,
+    /// With --cuda --pid (counting): count the process's launches inside it, through CUPTI's
+    /// launch callbacks in tracer's injection library (loaded with ptrace, as for
+    /// --gpu-times), instead of the launch probes: no trap a launch.
+    #[arg(long, requires = "cuda")]
+    cuda_in_process: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = parse_frequency)]
     frequency: Option<u64>,
@@ -581,6 +586,7 @@ fn start_request(
             export_prometheus: args.export.contains(&ExportArg::Prometheus),
             cuda_stacks: args.cuda_stacks,
             cuda_driver_only: args.cuda_driver_only,
+            cuda_in_process: args.cuda_in_process,
             // A launched command's is its launcher's (`inject_cupti`).
             gpu_times: args.gpu_times && args.pid.is_some(),
         }),

@@ -10,7 +10,8 @@
  *                 [b2=1024] [bad=1] [hold=0] [init=0] [subscribe=0] [warm=0]
  *
  * After "done", a line "cupti" prints what the fake CUPTI holds then, as JSON (null where no
- * CUPTI is loaded): {"subscribed":0|1,"kind":N,"callbacks":0|1}. */
+ * CUPTI is loaded): {"subscribed":0|1,"kind":N,"callbacks":0|1,"api_callbacks":N}, the last
+ * the API callbacks (launches) turned on. */
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
 #include "fake_cupti_abi.h"
@@ -417,7 +418,9 @@ static void print_cupti_state(void) {
     } else {
         int subscribed, kind, callbacks;
         state(&subscribed, &kind, &callbacks);
-        printf("{\"subscribed\":%d,\"kind\":%d,\"callbacks\":%d}\n", subscribed, kind, callbacks);
+        int (*enabled)(void) = (int (*)(void))dlsym(h, "fake_cupti_callbacks_enabled");
+        printf("{\"subscribed\":%d,\"kind\":%d,\"callbacks\":%d,\"api_callbacks\":%d}\n",
+               subscribed, kind, callbacks, enabled ? enabled() : -1);
     }
     fflush(stdout);
 }

@@ -9,7 +9,8 @@ are made instead by a thread that runs no Python (libworker_launch.so, beside th
 while on_a_thread() waits for it: the report must name on_a_thread() and its line, as the
 frame of the thread that launched from Python last (warm_up's), or else of the thread that
 last held the GIL. "thread-busy" is "thread" with another Python thread spinning meanwhile,
-which holds the GIL whenever it can."""
+which holds the GIL whenever it can. With CUDA_CALLS_INIT=1 in the environment, CUDA is
+initialized (cudaDeviceSynchronize, which maps the driver) before "loaded"."""
 import ctypes
 import os
 import sys
@@ -54,6 +55,8 @@ def warm_up(rt, n):
 
 def main():
     rt = ctypes.CDLL(sys.argv[1])
+    if os.environ.get("CUDA_CALLS_INIT") == "1" and not DRIVER:
+        rt.cudaDeviceSynchronize()
     print("loaded", flush=True)
     sys.stdin.readline()
     mode = sys.argv[4] if len(sys.argv) > 4 else ""

@@ -1612,7 +1612,8 @@ fn gpu_times_without_a_restart() {
             .unwrap()
             .to_owned()
     };
-    let no_cuda_cupti = serde_json::json!({"subscribed": 0, "kind": 0, "callbacks": 0});
+    let no_cuda_cupti =
+        serde_json::json!({"subscribed": 0, "kind": 0, "callbacks": 0, "api_callbacks": 0});
 
     // Stopped while the process lives: its last records are in the report, CUPTI is left
     // detached.
@@ -1693,7 +1694,7 @@ fn gpu_times_without_a_restart() {
     let held: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
     assert_eq!(
         held,
-        serde_json::json!({"subscribed": 1, "kind": 0, "callbacks": 0})
+        serde_json::json!({"subscribed": 1, "kind": 0, "callbacks": 0, "api_callbacks": 0})
     );
     let listed = d.ok(&["list"]);
     assert!(
@@ -2410,4 +2411,184 @@ fn started_outcome(r: &Value, pid: u32) -> Option<&'static str> {
     } else {
         "the session stopped following it at the exec"
     })
+}
+
+/// Every launch row of a report with all it says (entry point, kernel, grid, block, shared
+/// memory, stream, native caller, Python call site and whose), graphs left out.
+fn full_rows(report: &Value, pid: &str) -> BTreeMap<String, u64> {
+    let mut rows = BTreeMap::new();
+    for l in report["cuda"]["launches"].as_array().unwrap() {
+        if l["api"].as_str().unwrap().contains("Graph") || l["pid"].as_u64() != pid.parse().ok() {
+            continue;
+        }
+        let key = format!(
+            "{} {} grid {:?} block {:?} shm {} stream {} caller {} site {} from {}",
+            l["api"],
+            l["kernel"],
+            dims(&l["grid"]),
+            dims(&l["block"]),
+            l["shared_mem"],
+            l["stream"],
+            l["caller"],
+            l["call_site"],
+            l["call_site_from"]
+        );
+        *rows.entry(key).or_default() += l["launches"].as_u64().unwrap();
+    }
+    rows
+}
+
+/// `--cuda-in-process`: the launches tracer's injection library counts inside the process,
+/// from CUPTI's launch callbacks, make the rows the launch probes make — each launch, kernel
+/// name, configuration, stream and native caller — checked against a probes' session on the
+/// same process at the same time and against the program's own account; its process gets no
+/// kernel-launch probes from the session, and CUPTI is left as it was found.
+#[test]
+fn launches_counted_in_process_are_the_probes_rows() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let pid = app.pid();
+    let counting = ["start", "--mode=counting", "--cuda", "--pid", &pid];
+    let probes = d.ok(&counting).trim().to_owned();
+    let inproc = d
+        .ok(&[&counting[..], &["--cuda-in-process"]].concat())
+        .trim()
+        .to_owned();
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(app.cue(""), "done\n");
+    let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(on["subscribed"], 1, "CUPTI's subscriber taken: {on}");
+    assert_eq!(on["kind"], 0, "no kernel records without --gpu-times: {on}");
+    assert_eq!(on["api_callbacks"], 8, "the eight launch callbacks: {on}");
+    d.ok(&["stop", &inproc]);
+    d.ok(&["stop", &probes]);
+    let report = |id: &str| -> Value {
+        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    };
+    let (inproc, probes) = (report(&inproc), report(&probes));
+    let status = inproc["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
+    assert!(
+        status.starts_with("off: ") && status.contains("launches counted in-process"),
+        "{status}"
+    );
+    assert_eq!(
+        report_rows(&inproc),
+        truth_rows(&truth),
+        "the program's own account"
+    );
+    let (mine, theirs) = (full_rows(&inproc, &pid), full_rows(&probes, &pid));
+    assert_eq!(mine, theirs, "the probes' rows, field by field");
+    let callers = mine.keys().filter(|k| !k.contains("caller \"\"")).count();
+    assert_eq!(callers, mine.len(), "every row has its caller: {mine:#?}");
+    // The session put no kernel-launch probe on the process's libraries.
+    let probed = |r: &Value, lib: &str| {
+        r["cuda"]["libraries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["path"].as_str().unwrap().ends_with(lib))
+            .map(|l| l["probes"].as_u64().unwrap())
+    };
+    for lib in ["/libcudart.so.13", "/libcuda.so.1"] {
+        let (mine, all) = (probed(&inproc, lib).unwrap(), probed(&probes, lib).unwrap());
+        assert!(
+            mine < all,
+            "{lib}: {mine} probes in-process, {all} with launch probes"
+        );
+    }
+    let off: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
+    assert_eq!(
+        off,
+        serde_json::json!({"subscribed": 0, "kind": 0, "callbacks": 0, "api_callbacks": 0}),
+        "CUPTI left as before the session"
+    );
+}
+
+/// `--cuda-in-process` in a Python process: a launch from Python names its line, read by the
+/// library in the launching thread's own frames; a launch from a thread without Python is
+/// handed to the library's probe point, which names the line of the thread that launched from
+/// Python last — as the probes name both, in the same process at the same time.
+#[test]
+fn launches_counted_in_process_name_their_python_call_site() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::script("cuda_calls.py");
+    let runtime = libs.join("libcudart.so.13");
+    // The host's interpreters: tracerd's library is not loaded into another root (the 3.14
+    // and 3.15 of CPython's chroot), as for --gpu-times.
+    let chrooted = tracer_tests::chroot_interpreters();
+    let host = tracer_tests::interpreters()
+        .into_iter()
+        .filter(|p| !chrooted.contains(p));
+    for python in host {
+        for mode in ["", "thread-busy"] {
+            let what = format!("{} {mode}", python.display());
+            // CUDA initialized before "loaded": the library is loaded into a process that has.
+            let mut py = ChildGuard::spawn(
+                Command::new(&python)
+                    .arg(&script)
+                    .arg(&runtime)
+                    .args(["6", "2", mode])
+                    .env("CUDA_CALLS_INIT", "1")
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped()),
+            );
+            let mut out = BufReader::new(py.0.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line, "loaded\n");
+            let pid = py.pid().to_string();
+            let counting = ["start", "--mode=counting", "--cuda", "--pid", &pid];
+            let probes = d.ok(&counting).trim().to_owned();
+            let inproc = d
+                .ok(&[&counting[..], &["--cuda-in-process"]].concat())
+                .trim()
+                .to_owned();
+            let mut stdin = py.0.stdin.take().unwrap();
+            stdin.write_all(b"go\n").unwrap();
+            stdin.flush().unwrap();
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line, "done\n", "{what}");
+            d.ok(&["stop", &inproc]);
+            d.ok(&["stop", &probes]);
+            drop(stdin);
+            let _ = py.0.wait();
+            let report = |id: &str| -> Value {
+                serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+            };
+            let (mine, theirs) = (
+                full_rows(&report(&inproc), &pid),
+                full_rows(&report(&probes), &pid),
+            );
+            assert_eq!(mine, theirs, "{what}: the probes' rows, field by field");
+            let source = std::fs::read_to_string(&script).unwrap();
+            let marker = match mode {
+                "" => "# the call site",
+                _ => "# the thread's call site",
+            };
+            let at = source.lines().position(|l| l.contains(marker)).unwrap() + 1;
+            let function = if mode.is_empty() {
+                "launch"
+            } else {
+                "on_a_thread"
+            };
+            let site = format!("{function} ({}:{at})", script.display());
+            let n: u64 = mine
+                .iter()
+                .filter(|(k, _)| k.contains(&format!("site {site:?}")))
+                .map(|(_, n)| n)
+                .sum();
+            assert_eq!(n, 6, "{what}: six launches from {site}: {mine:#?}");
+        }
+    }
 }

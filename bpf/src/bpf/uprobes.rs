@@ -158,7 +158,11 @@ impl CudaAttacher {
     pub fn attach(&self, binary: &Path, probes: &[(u64, u64, bool)]) -> Result<ProbeSet, BpfError> {
         load_all(&self.programs, &CUDA_PROGRAMS)?;
         let program = |cookie: u64| match (cookie & cuda_api::MASK) as u32 {
-            cuda_api::CUPTI_KERNEL | cuda_api::CUPTI_DROPPED | cuda_api::CUPTI_STATUS => CUPTI_CALL,
+            cuda_api::CUPTI_KERNEL
+            | cuda_api::CUPTI_DROPPED
+            | cuda_api::CUPTI_STATUS
+            | cuda_api::CUPTI_LAUNCH
+            | cuda_api::CUPTI_ROW => CUPTI_CALL,
             _ => CUDA_CALL,
         };
         let mut points: Vec<_> = probes.iter().map(|&(o, c, _)| (program(c), o, c)).collect();

@@ -53,13 +53,11 @@ unsafe impl Send for Subscriber {}
 /// undo everything at the end.
 pub(crate) struct Attach {
     subscribe: unsafe extern "C" fn(*mut *mut c_void, Callback, *mut c_void) -> CuptiResult,
+    enable_callback: unsafe extern "C" fn(u32, *mut c_void, u32, u32) -> CuptiResult,
     unsubscribe: unsafe extern "C" fn(*mut c_void) -> CuptiResult,
     disable: unsafe extern "C" fn(u32) -> CuptiResult,
     finalize: unsafe extern "C" fn() -> CuptiResult,
 }
-
-/// The subscriber's callback: nothing is enabled on it, so CUPTI never calls it.
-extern "C" fn no_callback(_: *mut c_void, _: u32, _: u32, _: *const c_void) {}
 
 /// CUPTI's entry points, from dlsym.
 pub(crate) struct Cupti {
@@ -104,6 +102,7 @@ impl Cupti {
             attach: (|| {
                 Ok(Attach {
                     subscribe: need(lib, "cuptiSubscribe")?,
+                    enable_callback: need(lib, "cuptiEnableCallback")?,
                     unsubscribe: need(lib, "cuptiUnsubscribe")?,
                     disable: need(lib, "cuptiActivityDisable")?,
                     finalize: need(lib, "cuptiFinalize")?,
@@ -120,13 +119,33 @@ impl Cupti {
     pub fn subscribe(&self) -> Result<Subscriber, String> {
         let a = self.attach()?;
         let mut handle = std::ptr::null_mut();
-        // SAFETY: CUPTI fills `handle`; the callback has CUPTI's prototype.
-        let r = unsafe { (a.subscribe)(&mut handle, no_callback, std::ptr::null_mut()) };
+        // SAFETY: CUPTI fills `handle`; the callback has CUPTI's prototype. It is called only
+        // for the callbacks turned on ([`Self::count_launches`]).
+        let r =
+            unsafe { (a.subscribe)(&mut handle, super::launches::on_api, std::ptr::null_mut()) };
         if r == ERROR_MULTIPLE_SUBSCRIBERS {
             return Err("another CUPTI subscriber holds this process (torch.profiler, Nsight Systems or Compute, cuda-gdb): GPU times are refused rather than taken from it".into());
         }
         self.check("cuptiSubscribe", r)?;
         Ok(Subscriber(handle))
+    }
+
+    /// Turns on the subscriber's callbacks for kernel launches (`launches::CALLBACKS`); on
+    /// an error, those turned on are turned off again.
+    pub fn count_launches(&self, subscriber: &Subscriber) -> Result<(), String> {
+        let a = self.attach()?;
+        for (i, &(domain, cbid, _)) in super::launches::CALLBACKS.iter().enumerate() {
+            // SAFETY: plain calls with the handle CUPTI gave.
+            let r = unsafe { (a.enable_callback)(1, subscriber.0, domain, cbid) };
+            if let Err(e) = self.check("cuptiEnableCallback", r) {
+                for &(domain, cbid, _) in &super::launches::CALLBACKS[..i] {
+                    // SAFETY: as above.
+                    unsafe { (a.enable_callback)(0, subscriber.0, domain, cbid) };
+                }
+                return Err(format!("{e} (domain {domain}, callback {cbid})"));
+            }
+        }
+        Ok(())
     }
 
     /// Turns kernel records of `kind` (if any) off, lets the subscriber slot go and detaches CUPTI

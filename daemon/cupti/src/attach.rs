@@ -32,8 +32,8 @@ use std::{
 
 use super::{
     announce, api::Subscriber, buffer_completed, buffer_requested, clock_offset, counts, find,
-    flush_all, flush_now, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, CUPTI_PATH_LEN, EXITING,
-    FLUSH_EVERY, REFUSED_SECURE,
+    flush_all, flush_now, launches, set_status, Cupti, ACTIVE, CLOCK_OFFSET, CUPTI, CUPTI_PATH_LEN,
+    EXITING, FLUSH_EVERY, REFUSED_SECURE,
 };
 
 /// tracerd's request: odd turns kernel records on, even turns them off.
@@ -116,11 +116,14 @@ fn named_cupti() -> Result<std::ffi::CString, String> {
 /// Kernel records on, in a running process.
 struct On {
     subscriber: Subscriber,
-    kind: u32,
+    /// The kernel records turned on (None: launches alone).
+    kind: Option<u32>,
     line: String,
     /// (kernel records, dropped) handed over before it was turned on.
     base: (u64, u64),
     probe: Option<Probe>,
+    /// Launches are counted here (`launches.rs`).
+    launches: bool,
 }
 
 impl On {
@@ -135,33 +138,67 @@ impl On {
             }
         };
         let subscriber = cupti.subscribe()?;
-        CLOCK_OFFSET.store(clock_offset(cupti), Ordering::Relaxed);
-        let enabled = cupti
-            .register_buffers(buffer_requested, buffer_completed)
-            .and_then(|()| cupti.enable_kernel_records());
-        let (kind_name, kind) = match enabled {
-            Ok(k) => k,
-            Err(e) => {
-                let undone = cupti.detach(None, subscriber).err();
-                return Err(undone.map_or(e.clone(), |u| format!("{e}; undoing: {u}")));
+        // Launches alone (`--cuda-in-process` without `--gpu-times`): no kernel records.
+        let records =
+            launches::tracer_cupti_want_launches.load(Ordering::Acquire) != launches::WANT_ONLY;
+        let (what, kind) = if records {
+            CLOCK_OFFSET.store(clock_offset(cupti), Ordering::Relaxed);
+            let enabled = cupti
+                .register_buffers(buffer_requested, buffer_completed)
+                .and_then(|()| cupti.enable_kernel_records());
+            match enabled {
+                Ok((name, kind)) => (
+                    format!(
+                        "{name} records, flushed every {} ms",
+                        FLUSH_EVERY.as_millis()
+                    ),
+                    Some(kind),
+                ),
+                Err(e) => {
+                    let undone = cupti.detach(None, subscriber).err();
+                    return Err(undone.map_or(e.clone(), |u| format!("{e}; undoing: {u}")));
+                }
             }
+        } else {
+            ("no kernel records (launches alone)".to_string(), None)
         };
         super::activate();
         let path = CUPTI_PATH.get().map_or("?", String::as_str);
-        Ok(Self {
+        let mut on = Self {
             subscriber,
             kind,
-            line: format!(
-                "on: CUPTI from {path}; {kind_name} records, flushed every {} ms; turned on in the running process",
-                FLUSH_EVERY.as_millis()
-            ),
+            line: format!("on: CUPTI from {path}; {what}; turned on in the running process"),
             base: counts(),
             probe: Probe::find(),
-        })
+            launches: false,
+        };
+        on.count_launches();
+        Ok(on)
+    }
+
+    /// Launches counted here from now on, if tracerd asks and they are not yet; said in
+    /// the status line.
+    fn count_launches(&mut self) {
+        if self.launches || launches::tracer_cupti_want_launches.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let Some(cupti) = CUPTI.get() else { return };
+        match launches::table().and_then(|fd| cupti.count_launches(&self.subscriber).map(|()| fd)) {
+            Ok(fd) => {
+                launches::start();
+                self.launches = true;
+                self.line
+                    .push_str(&format!("; launches counted in-process (table: fd {fd})"));
+            }
+            Err(e) => self
+                .line
+                .push_str(&format!("; launches not counted in-process: {e}")),
+        }
     }
 
     /// Hands everything over and undoes what `start` did; the status line.
     fn stop(self, why: &str) -> String {
+        launches::stop();
         flush_all();
         ACTIVE.store(false, Ordering::SeqCst);
         let (kernels, dropped) = counts();
@@ -170,10 +207,13 @@ impl On {
             kernels - self.base.0,
             dropped - self.base.1
         );
-        if let Some(Err(e)) = CUPTI
-            .get()
-            .map(|c| c.detach(Some(self.kind), self.subscriber))
-        {
+        if self.launches {
+            line.push_str(&format!(
+                "; launches counted in-process, {} of them from threads without Python handed to the probe",
+                launches::elsewhere()
+            ));
+        }
+        if let Some(Err(e)) = CUPTI.get().map(|c| c.detach(self.kind, self.subscriber)) {
             line.push_str(&format!("; detaching CUPTI: {e}"));
         }
         line
@@ -205,7 +245,8 @@ fn serve() {
                 return;
             }
             let line = match (want & 1 == 1, on.take()) {
-                (true, Some(o)) => {
+                (true, Some(mut o)) => {
+                    o.count_launches();
                     let line = o.line.clone();
                     on = Some(o);
                     line

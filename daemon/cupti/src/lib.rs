@@ -16,7 +16,9 @@
 
 mod api;
 mod attach;
+mod caller;
 mod find;
+mod launches;
 
 use std::{
     cell::UnsafeCell,

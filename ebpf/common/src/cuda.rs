@@ -74,6 +74,16 @@ pub mod cuda_api {
     /// `tracer_cupti_initialized(const char *status)`: the injection library set up CUPTI
     /// (or failed to); sent as a `CudaNameEvent` with the status line as its name.
     pub const CUPTI_STATUS: u32 = 42;
+    /// `tracer_cupti_launch_elsewhere(const CudaLaunchKey *, last_tstate, last_thread_id)`:
+    /// a launch counted in-process (`launches`) from a thread without a Python frame in a
+    /// Python process; its probe finds the call site and counts it for the sessions that
+    /// count the process in-process.
+    pub const CUPTI_LAUNCH: u32 = 43;
+    /// `tracer_cupti_new_row(const CudaLaunchKey *, const char *name)`: the injection
+    /// library made a row in its launch table; its probe announces the row's call site,
+    /// caller and CUPTI's kernel name (`handle` = the launched handle, `other` = the name's
+    /// address) while the process lives, as the launch probes announce their new rows.
+    pub const CUPTI_ROW: u32 = 44;
     pub const MASK: u64 = 0xff;
 
     /// The entry point's name as reports show it.

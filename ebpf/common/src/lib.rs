@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod inproc;
+pub mod launches;
 
 mod cuda;
 mod native;

@@ -6,6 +6,8 @@
 //! The attach cookie says which entry point a probe sits on (`cuda_api`), its session slot
 //! and whether the session follows every process.
 
+mod inproc;
+
 use aya_ebpf::{
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_ktime_get_ns,
@@ -131,6 +133,13 @@ pub fn tracer_cuda_call(ctx: ProbeContext) -> u32 {
 
 fn try_call(ctx: &ProbeContext) -> Option<()> {
     let (which, slot, pid, cookie) = accepted(ctx)?;
+    if matches!(
+        which,
+        api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX
+    ) && inproc::in_process(pid, slot)
+    {
+        return None;
+    }
     let a = args(ctx);
     let arg = |n: usize| a.get(n).copied();
     // SAFETY: `regs` is this program's context.
@@ -248,6 +257,8 @@ fn try_cupti(ctx: &ProbeContext) -> Option<()> {
         api::CUPTI_KERNEL => gpu_kernel(slot, pid, arg)?,
         api::CUPTI_DROPPED => count_losses(loss::CUPTI_RECORDS_DROPPED, arg),
         api::CUPTI_STATUS => send(pid, which, 0, 0, 0, arg),
+        api::CUPTI_LAUNCH => inproc::launch_elsewhere(ctx, slot, pid, arg)?,
+        api::CUPTI_ROW => inproc::new_row(ctx, slot, pid, arg)?,
         _ => {}
     }
     Some(())
@@ -361,7 +372,9 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
 /// The launching thread's innermost Python frame (code object, instruction, names id), and
 /// whose it is (`py_from`): a thread running no Python (no thread state, or one with no
 /// frame) is given the frame of the thread it most likely works for
-/// ([`crate::sample::works_for`]).
+/// ([`crate::sample::works_for`]). Inlined: called from two programs, it would otherwise
+/// become a function of its own whose frame the verifier adds to each caller's.
+#[inline(always)]
 fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
     let (me, own) = match python_thread(pid) {
         PyThread::Found(tstate, l, _) => (tstate, innermost(tstate, l).map(|f| (f, l))),
@@ -468,7 +481,15 @@ fn frame_site(frame: u64, l: &PyLayout) -> Option<(u64, u64, u64)> {
 fn count_launch(key: &CudaLaunchKey) -> bool {
     let new = add_or_insert(&CUDA_LAUNCHES, key, &1, |n| crate::python::add(n, 1)) == Some(true);
     if new {
-        // A new row's call sites are named while its process lives.
+        announce_row(key);
+    }
+    new
+}
+
+/// A new row's call site and caller, named while its process lives.
+#[inline(always)]
+fn announce_row(key: &CudaLaunchKey) {
+    {
         if key.py_code != 0 {
             let origin = crate::sample::origin(key.pid);
             send_from(
@@ -490,7 +511,6 @@ fn count_launch(key: &CudaLaunchKey) -> bool {
             0,
         );
     }
-    new
 }
 
 /// A new runtime row is noted for its thread; a new driver row made inside it (deeper on the

@@ -247,6 +247,11 @@ fn gil_holder(proc: &PySampleProc, l: &PyLayout) -> Option<u64> {
 
 /// A CUDA launch from Python by thread state `tstate` of `pid`: kept with its thread id, so
 /// that a thread state freed and its memory reused is not taken for it.
+/// The last launcher as tracer's injection library saw it (launches it counted in-process).
+pub(crate) fn set_last_launcher(pid: u32, tstate: u64, thread_id: u64) {
+    let _ = PY_LAST_LAUNCHER.insert(&pid, &[tstate, thread_id], 0);
+}
+
 pub(crate) fn launched_from_python(pid: u32, tstate: u64, l: &PyLayout) {
     // SAFETY: map values are valid for the duration of the program.
     if unsafe { PY_LAST_LAUNCHER.get(&pid) }.map(|v| v[0]) != Some(tstate) {

@@ -29,6 +29,19 @@ pub struct Injection {
     ack: u64,
     /// `tracer_cupti_path`: 0 in a library from before tracerd named CUPTI.
     cupti_path: u64,
+    /// `tracer_cupti_want_launches`, `tracer_cupti_python` and `tracer_cupti_launch_fd`
+    /// (in-process launch counts): 0 in a library from before them.
+    want_launches: u64,
+    python: u64,
+    launch_fd: u64,
+}
+
+/// What the library needs to read a launching thread's Python call site: the address of
+/// `PyGILState_GetThisThreadState` in the process and the interpreter's layout.
+#[derive(Clone, Copy)]
+pub struct PythonAt {
+    pub get_tstate: u64,
+    pub layout: tracer_common::PyLayout,
 }
 
 impl Injection {
@@ -64,6 +77,9 @@ impl Injection {
             control: word("tracer_cupti_control"),
             ack: word("tracer_cupti_ack"),
             cupti_path: word("tracer_cupti_path"),
+            want_launches: word("tracer_cupti_want_launches"),
+            python: word("tracer_cupti_python"),
+            launch_fd: word("tracer_cupti_launch_fd"),
         })
     }
 
@@ -94,6 +110,60 @@ impl Injection {
         let pin = Pinned::open(pid).map_err(|e| format!("pid {pid}: {e}"))?;
         pin.write(self.cupti_path, &bytes)
             .map_err(|e| format!("writing pid {pid}'s memory: {e}"))
+    }
+
+    /// Asks the library to count launches in-process from its next "on" (or now, if on
+    /// already), reading Python call sites as `python` says (None: not a Python process);
+    /// `records`: with kernel records (GPU times) if it turns on now.
+    pub fn ask_launches(&self, python: Option<PythonAt>, records: bool) -> Result<(), String> {
+        let pid = self.pid;
+        if self.want_launches == 0 || self.python == 0 || self.launch_fd == 0 {
+            return Err("this injection library cannot count launches (an older build): install tracerd's own libtracer_cupti.so".into());
+        }
+        let pin = Pinned::open(pid).map_err(|e| format!("pid {pid}: {e}"))?;
+        let write = |addr: u64, bytes: &[u8]| {
+            pin.write(addr, bytes)
+                .map_err(|e| format!("writing pid {pid}'s memory: {e}"))
+        };
+        // `PythonAt` in the library: set, get_tstate, then the layout's bytes.
+        let mut bytes = Vec::with_capacity(16 + std::mem::size_of::<tracer_common::PyLayout>());
+        let (set, get, layout) = match python {
+            Some(p) => (1u64, p.get_tstate, p.layout),
+            // SAFETY: a plain-data struct of integers.
+            None => (0, 0, unsafe { std::mem::zeroed() }),
+        };
+        bytes.extend_from_slice(&set.to_ne_bytes());
+        bytes.extend_from_slice(&get.to_ne_bytes());
+        // SAFETY: `PyLayout` is `repr(C)` integers, read as its bytes.
+        bytes.extend_from_slice(unsafe {
+            std::slice::from_raw_parts(
+                std::ptr::addr_of!(layout).cast::<u8>(),
+                std::mem::size_of::<tracer_common::PyLayout>(),
+            )
+        });
+        write(self.python, &bytes)?;
+        // The library's WANT_WITH_RECORDS and WANT_ONLY.
+        let want: u64 = if records { 1 } else { 2 };
+        write(self.want_launches, &want.to_ne_bytes())
+    }
+
+    /// The library's launch table, taken from the process and mapped here.
+    pub fn launch_table(&self) -> Result<super::LaunchTable, String> {
+        let pid = self.pid;
+        if self.launch_fd == 0 {
+            return Err("this injection library has no launch table (an older build)".into());
+        }
+        let mut b = [0u8; 4];
+        Pinned::open(pid)
+            .and_then(|pin| pin.read(self.launch_fd, &mut b))
+            .map_err(|e| format!("reading pid {pid}'s memory: {e}"))?;
+        let fd = i32::from_ne_bytes(b);
+        if fd < 0 {
+            return Err(format!(
+                "pid {pid}'s injection library made no launch table"
+            ));
+        }
+        super::LaunchTable::take(pid, fd)
     }
 
     /// Asks the library to turn kernel records on (or off) and waits up to `wait` for it to

@@ -3,9 +3,11 @@
 //! from the calls that create them.
 
 mod injection;
+mod launch_table;
 mod registered;
 
-pub use injection::{Injection, CUPTI_PATH_LEN, REFUSED_SECURE, STATUS_LEN};
+pub use injection::{Injection, PythonAt, CUPTI_PATH_LEN, REFUSED_SECURE, STATUS_LEN};
+pub use launch_table::{Counts as LaunchCounts, LaunchTable, Row as LaunchRow};
 pub use registered::Registrations;
 
 use std::{
@@ -128,6 +130,8 @@ pub const CUPTI: &[EntryPoint] = &[
     entry("tracer_cupti_kernel", api::CUPTI_KERNEL, false),
     entry("tracer_cupti_dropped", api::CUPTI_DROPPED, false),
     entry("tracer_cupti_initialized", api::CUPTI_STATUS, false),
+    entry("tracer_cupti_launch_elsewhere", api::CUPTI_LAUNCH, false),
+    entry("tracer_cupti_new_row", api::CUPTI_ROW, false),
 ];
 
 pub fn entry_points(lib: Library) -> &'static [EntryPoint] {

@@ -64,6 +64,9 @@ pub struct Runtime {
     pub exit: Vec<ProbePoint>,
     /// Link-time address of `_PyRuntime`, for walking the thread list.
     pub runtime_symbol: Option<u64>,
+    /// Link-time address of `PyGILState_GetThisThreadState`, which tracer's CUDA injection
+    /// library calls to find a launching thread's state.
+    pub gil_state_symbol: Option<u64>,
     /// (vaddr, file offset, file size) of each loadable segment, to turn mappings into load biases.
     pub segments: Vec<(u64, u64, u64)>,
     /// How the opcode table was found: "symbol" or "scan".
@@ -172,6 +175,8 @@ impl Runtime {
             resume,
             exit,
             runtime_symbol: symbol(&file, |n| n == "_PyRuntime").map(|(a, _)| a),
+            gil_state_symbol: symbol(&file, |n| n == "PyGILState_GetThisThreadState")
+                .map(|(a, _)| a),
             segments,
             table_found_by,
             jit_built_in: super::jit::built_in_bytes(&data),

@@ -25,6 +25,9 @@ use anyhow::{bail, ensure, Context, Result};
 use super::{clock_ticks, group, median, python_executable, tracerctl, Daemon};
 use crate::root;
 
+mod bare;
+use bare::BareProbes;
+
 /// Launches per timed round, and rounds per run (the run's figure is its median round).
 const N: u64 = 200_000;
 const ROUNDS: u64 = 5;
@@ -49,6 +52,9 @@ enum Cond {
     Stacks,
     /// Counting with `--cuda-driver-only`: one probe a launch.
     DriverOnly,
+    /// Counting with `--cuda-in-process`: launches counted inside the loop by tracer's
+    /// injection library, from CUPTI's callbacks: no probe a launch.
+    InProcess,
 }
 
 impl Cond {
@@ -60,6 +66,7 @@ impl Cond {
             Cond::Tracing => "tracing",
             Cond::Stacks => "stacks",
             Cond::DriverOnly => "driver",
+            Cond::InProcess => "in-proc",
         }
     }
 
@@ -71,17 +78,19 @@ impl Cond {
             Cond::Tracing => Some(&["--mode=tracing"]),
             Cond::Stacks => Some(&["--mode=counting", "--cuda-stacks"]),
             Cond::DriverOnly => Some(&["--mode=counting", "--cuda-driver-only"]),
+            Cond::InProcess => Some(&["--mode=counting", "--cuda-in-process"]),
         }
     }
 }
 
-const CONDS: [Cond; 6] = [
+const CONDS: [Cond; 7] = [
     Cond::Untraced,
     Cond::Bare,
     Cond::Counting,
     Cond::Tracing,
     Cond::Stacks,
     Cond::DriverOnly,
+    Cond::InProcess,
 ];
 
 /// One run of a loop.
@@ -110,10 +119,14 @@ const LOOP_KERNEL: &str = "step(float*, int)";
 const LOOP_GRID: [u64; 3] = [64, 1, 1];
 const LOOP_BLOCK: [u64; 3] = [256, 1, 1];
 /// The native caller of each entry point: the host stub for the runtime's, tests/cuda's
-/// runtime for the driver's.
-const LOOP_CALLERS: [(&str, &str); 2] = [
-    ("cudaLaunchKernel", "step (launch_loop.c:"),
-    ("cuLaunchKernel", "launch (fake_cudart.c:"),
+/// runtime for the driver's (its `launch`, or `launch_traced` while CUPTI's launch
+/// callbacks are on).
+const LOOP_CALLERS: [(&str, &[&str]); 2] = [
+    ("cudaLaunchKernel", &["step (launch_loop.c:"]),
+    (
+        "cuLaunchKernel",
+        &["launch (fake_cudart.c:", "launch_traced (fake_cudart.c:"],
+    ),
 ];
 
 /// What a run's launch rows are checked against.
@@ -163,7 +176,9 @@ fn loop_rows_wrong(launches: &[serde_json::Value], cond: Cond, rows: Rows) -> Ve
                 && dims(&l["block"]) == LOOP_BLOCK
                 && l["shared_mem"] == 0
                 && l["stream"] == 0
-                && l["caller"].as_str().is_some_and(|c| c.starts_with(caller))
+                && l["caller"]
+                    .as_str()
+                    .is_some_and(|c| caller.iter().any(|&want| c.starts_with(want)))
                 && site_ok;
             if !ok {
                 wrong.push(format!("{api} row {l}"));
@@ -203,7 +218,8 @@ pub(super) fn run() -> Result<()> {
     println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
     println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
     println!("      a launch crosses two probed entry points");
-    println!("sessions: tracerctl start --mode=counting|tracing --cuda [stacks: --cuda-stacks; driver: --cuda-driver-only] --pid PID, started while the loop waits");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda [stacks: --cuda-stacks; driver: --cuda-driver-only;");
+    println!("      in-proc: --cuda-in-process] --pid PID, started while the loop waits");
     println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
     println!(
         "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
@@ -328,8 +344,13 @@ pub(super) fn run() -> Result<()> {
         }
         println!("{:<9} {:>9}", "", range(i));
     }
-    let (counting, tracing, stacks, driver) =
-        (ns(2) - base, ns(3) - base, ns(4) - base, ns(5) - base);
+    let (counting, tracing, stacks, driver, inproc) = (
+        ns(2) - base,
+        ns(3) - base,
+        ns(4) - base,
+        ns(5) - base,
+        ns(6) - base,
+    );
     let verdict = |added: f64, target: f64| {
         if added <= target {
             "met"
@@ -342,16 +363,22 @@ pub(super) fn run() -> Result<()> {
     );
     println!("      bare uprobes {bare_added:.0} ns (two probe hits");
     println!(
-        "      each: cudaLaunchKernel and cuLaunchKernel), counting at the driver only {driver:.0} ns (one hit)"
+        "      each: cudaLaunchKernel and cuLaunchKernel), counting at the driver only {driver:.0} ns (one hit),"
     );
+    println!("      counting in-process {inproc:.0} ns (no hit: CUPTI's callbacks in tracer's injection library)");
     println!(
-        "      target ≤ {TARGET_NS:.0} ns counting, ≤ {TRACING_TARGET_NS:.0} ns tracing: counting {}, tracing {}, counting at the driver only {}",
+        "      target ≤ {TARGET_NS:.0} ns counting, ≤ {TRACING_TARGET_NS:.0} ns tracing: counting {}, tracing {}, counting at the driver only {}, counting in-process {}",
         verdict(counting, TARGET_NS),
         verdict(tracing, TRACING_TARGET_NS),
-        verdict(driver, TARGET_NS)
+        verdict(driver, TARGET_NS),
+        verdict(inproc, TARGET_NS)
     );
     println!();
-    mismatches.extend(python_part(&daemon, &libs, [counting, tracing, driver])?);
+    mismatches.extend(python_part(
+        &daemon,
+        &libs,
+        [counting, tracing, driver, inproc],
+    )?);
     torch_part(&daemon)?;
     if !mismatches.is_empty() {
         bail!(
@@ -516,7 +543,7 @@ fn report(daemon: &Daemon, id: &str) -> Result<serde_json::Value> {
 /// session kind but stacks: what reading each launch's Python call site adds. `c_added`: the
 /// C loop's added ns (counting, tracing, driver), for the difference. The runs whose counts or
 /// rows differ from the loop's.
-fn python_part(daemon: &Daemon, libs: &Path, c_added: [f64; 3]) -> Result<Vec<String>> {
+fn python_part(daemon: &Daemon, libs: &Path, c_added: [f64; 4]) -> Result<Vec<String>> {
     let python = python_executable()?;
     let script = root().join("tests/cuda/launch_loop.py");
     let args = [
@@ -530,7 +557,8 @@ fn python_part(daemon: &Daemon, libs: &Path, c_added: [f64; 3]) -> Result<Vec<St
         "python: {}; tests/cuda/launch_loop.py calls the loop (liblaunch_loop.so) from its main():",
         python.display()
     );
-    println!("      every launch's call site is that line, read in the probe at each entry point; {RUNS} runs");
+    println!("      every launch's call site is that line, read in the probe at each entry point (in-proc: by the");
+    println!("      injection library, in the launching thread); {RUNS} runs");
     println!("      of each, interleaved, median; \"over C\": added ns over the C loop's in the same condition");
     println!();
     let conds = [
@@ -538,6 +566,7 @@ fn python_part(daemon: &Daemon, libs: &Path, c_added: [f64; 3]) -> Result<Vec<St
         Cond::Counting,
         Cond::Tracing,
         Cond::DriverOnly,
+        Cond::InProcess,
     ];
     let mut runs: Vec<Vec<Run>> = conds.iter().map(|_| Vec::new()).collect();
     for round in 0..RUNS {
@@ -685,97 +714,4 @@ fn torch_part(daemon: &Daemon) -> Result<()> {
         group(last.launches)
     );
     Ok(())
-}
-
-/// `perf probe` uprobes at the entries of tests/cuda's `cudaLaunchKernel` and
-/// `cuLaunchKernel`, counted by `perf stat`: what two uprobe traps a launch cost alone. Like
-/// tracer's, they sit past an `endbr64` landing pad (the CET-built driver's), which the kernel
-/// would otherwise single-step on every hit.
-struct BareProbes;
-
-const GROUP: &str = "tracerbench_cuda";
-
-impl BareProbes {
-    const EVENTS: [&'static str; 2] = [
-        "tracerbench_cuda:cudaLaunchKernel",
-        "tracerbench_cuda:cuLaunchKernel",
-    ];
-
-    fn create(libs: &Path) -> Result<Self> {
-        Self::remove();
-        let probes = Self;
-        for (lib, sym) in [
-            ("libcudart.so.13", "cudaLaunchKernel"),
-            ("libcuda.so.1", "cuLaunchKernel"),
-        ] {
-            let at = if starts_with_endbr64(&libs.join(lib), sym)? {
-                format!("{sym}+4")
-            } else {
-                sym.to_owned()
-            };
-            let out = Command::new("perf")
-                .args(["probe", "-q", "-x"])
-                .arg(libs.join(lib))
-                .args(["-a", &format!("{GROUP}:{sym}={at}")])
-                .output()
-                .context("running perf probe (Debian package linux-perf)")?;
-            ensure!(
-                out.status.success(),
-                "perf probe {sym}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(probes)
-    }
-
-    /// `perf stat` counting both probes' hits in `pid`, its output on stderr.
-    fn stat(&self, pid: u32) -> Result<std::process::Child> {
-        Command::new("perf")
-            .args(["stat", "-x", ",", "-e", &Self::EVENTS.join(","), "-p"])
-            .arg(pid.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running perf stat")
-    }
-
-    /// (runtime, driver) hits in `perf stat -x ,`'s output.
-    fn hits(out: &str) -> (u64, u64) {
-        let count = |event: &str| {
-            out.lines()
-                .find(|l| l.split(',').nth(2) == Some(event))
-                .and_then(|l| l.split(',').next()?.parse().ok())
-                .unwrap_or(0)
-        };
-        (count(Self::EVENTS[0]), count(Self::EVENTS[1]))
-    }
-
-    fn remove() {
-        let _ = Command::new("perf")
-            .args(["probe", "-q", "-d", &format!("{GROUP}:*")])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-/// Whether `sym` in `lib` starts with `endbr64` (objdump, from binutils like perf's tools).
-fn starts_with_endbr64(lib: &Path, sym: &str) -> Result<bool> {
-    let out = Command::new("objdump")
-        .args(["-d", "--no-show-raw-insn", &format!("--disassemble={sym}")])
-        .arg(lib)
-        .output()
-        .context("running objdump (binutils)")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let first = text
-        .lines()
-        .skip_while(|l| !l.ends_with(&format!("<{sym}>:")))
-        .nth(1)
-        .unwrap_or("");
-    Ok(first.trim_end().ends_with("endbr64"))
-}
-
-impl Drop for BareProbes {
-    fn drop(&mut self) {
-        Self::remove();
-    }
 }

@@ -53,6 +53,10 @@ pub struct Ask {
     /// The library beside tracerd: the same path in the process, whose root is tracerd's.
     pub library: PathBuf,
     pub may_load: MayLoad,
+    /// `--cuda-in-process`: the library counts the process's launches.
+    pub in_process: bool,
+    /// `--gpu-times`: kernel records on (else launches alone).
+    pub records: bool,
 }
 
 /// Where a session's ask stands.
@@ -70,8 +74,9 @@ pub enum State {
 
 /// What [`Enable::run`] got.
 pub enum Enabled {
-    /// Records turned on (or on already for another session): the status line.
-    On(String),
+    /// Records turned on (or on already for another session): the status line, and the
+    /// launch table where the library counts launches for the session.
+    On(String, Option<InProcess>),
     /// CUDA's driver loaded the library at the process's start (`CUDA_INJECTION64_PATH`):
     /// records are on for the process's life, nobody turns them off.
     Injected(String),
@@ -80,7 +85,13 @@ pub enum Enabled {
 /// Checks made at the start, before anything is loaded (the caller's right to load into
 /// `pid` is checked before this): `pid` has initialized CUDA, sees tracerd's files at their
 /// paths, and no other tool's injection library holds CUPTI. The ask, or why not.
-pub fn check(pid: u32, owner: u32, may_load: MayLoad) -> Result<Ask, String> {
+pub fn check(
+    pid: u32,
+    owner: u32,
+    may_load: MayLoad,
+    in_process: bool,
+    records: bool,
+) -> Result<Ask, String> {
     // The program as checked from here on.
     let image = Image::of(pid).map_err(|e| format!("pid {pid}: {e}"))?;
     may_load(pid)?;
@@ -104,6 +115,8 @@ pub fn check(pid: u32, owner: u32, may_load: MayLoad) -> Result<Ask, String> {
         owner,
         library,
         may_load,
+        in_process,
+        records,
     })
 }
 
@@ -207,8 +220,22 @@ impl Enable {
             // Its serving thread never started: a request would go unanswered.
             return Err(format!("GPU times in pid {pid}: {status}"));
         }
-        let status = if *held > 0 && status.starts_with("on:") {
+        // Asked before "on": the library reads what it needs at it.
+        let python = if self.ask.in_process {
+            let python = python_at(pid)?;
+            injection
+                .ask_launches(python.map(|p| p.0), self.ask.records)
+                .map_err(|e| format!("launches in pid {pid}: {e}"))?;
+            Some(python.map(|p| p.1))
+        } else {
+            None
+        };
+        let on_already = *held > 0 && status.starts_with("on:");
+        let status = if on_already && python.is_none() {
             status
+        } else if on_already {
+            // On for another session: asked again, it starts counting launches.
+            injection.request(true, ANSWER_WAIT)?
         } else {
             // Named before asking: the library loads that file and no other.
             let maps = ProcMaps::read(pid).map_err(|e| format!("pid {pid}: {e}"))?;
@@ -223,8 +250,90 @@ impl Enable {
             return Err(format!("GPU times in pid {pid}: {why}"));
         }
         *held += 1;
-        Ok(Enabled::On(status))
+        let Some(python) = python else {
+            return Ok(Enabled::On(status, None));
+        };
+        drop(held);
+        match take_table(pid, &injection, &status, python) {
+            Ok(inproc) => Ok(Enabled::On(status, Some(inproc))),
+            Err(e) => {
+                // This session's hold let go again (the last one turns records off).
+                if let Err(off) = turn_off(pid) {
+                    tracing::warn!(pid, %off, "turning GPU times off after a refusal");
+                }
+                Err(e)
+            }
+        }
     }
+}
+
+/// A process's launches, counted by tracer's injection library in its table.
+pub struct InProcess {
+    pub table: cuda::LaunchTable,
+    /// The table when the session started: the session's launches are those counted since.
+    pub base: cuda::LaunchCounts,
+    /// The interpreter it runs (None: not a Python process), to name call sites.
+    pub python: Option<&'static tracer_inspect::python::layout::Version>,
+}
+
+/// Where `pid`'s library reads a launching thread's Python call site: None for a process
+/// that runs no CPython; an error for one whose call sites it could not read.
+fn python_at(
+    pid: u32,
+) -> Result<
+    Option<(
+        cuda::PythonAt,
+        &'static tracer_inspect::python::layout::Version,
+    )>,
+    String,
+> {
+    use tracer_inspect::python::{memory, runtime::Runtime};
+    let Some(mapped) = memory::runtime_of(pid) else {
+        return Ok(None);
+    };
+    let why = |e: String| {
+        format!("pid {pid} runs CPython ({}), whose launching threads' call sites tracer's injection library cannot read: {e}", mapped.path.display())
+    };
+    let rt = Runtime::inspect_layout(&mapped.path).map_err(|e| why(e.to_string()))?;
+    let sym = rt
+        .gil_state_symbol
+        .ok_or_else(|| why("no PyGILState_GetThisThreadState symbol".into()))?;
+    let bias = rt
+        .load_bias(mapped.start, mapped.file_offset)
+        .ok_or_else(|| why("its mapping does not match the file's segments".into()))?;
+    Ok(Some((
+        cuda::PythonAt {
+            get_tstate: sym.wrapping_add(bias),
+            layout: rt.version.probe,
+        },
+        rt.version,
+    )))
+}
+
+/// `pid`'s launch table, once its library's status line (`status`, after an "on") says it
+/// counts launches: the table and its counts now; or why not.
+fn take_table(
+    pid: u32,
+    injection: &Injection,
+    status: &str,
+    python: Option<&'static tracer_inspect::python::layout::Version>,
+) -> Result<InProcess, String> {
+    if !status.contains("launches counted in-process") {
+        let why = status
+            .split("; launches not counted in-process: ")
+            .nth(1)
+            .unwrap_or(status);
+        return Err(format!(
+            "launches in pid {pid} cannot be counted in-process: {why}"
+        ));
+    }
+    let table = injection.launch_table()?;
+    let base = table.read();
+    Ok(InProcess {
+        table,
+        base,
+        python,
+    })
 }
 
 /// Lets go of a session's hold on `pid`'s records: the last one turns them off, after

@@ -46,7 +46,7 @@ pub struct CudaProbed {
 impl CudaProbed {
     /// The process whose GPU times the job turned on, if it did.
     pub fn turned_on(&self) -> Option<u32> {
-        matches!(self.enabled, Some(Ok(gpu_times::Enabled::On(_)))).then_some(self.job.pid)
+        matches!(self.enabled, Some(Ok(gpu_times::Enabled::On(..)))).then_some(self.job.pid)
     }
 }
 

@@ -12,6 +12,7 @@ use std::{
 mod callers;
 pub mod gpu_times;
 mod handles;
+mod in_process;
 mod job;
 mod report;
 pub mod watch;
@@ -101,6 +102,15 @@ pub struct CudaSession {
     injected: HashMap<u32, String>,
     /// `--gpu-times` in a running process.
     pub gpu_times: gpu_times::State,
+    /// `--cuda-in-process`: the process whose launches tracer's injection library counts.
+    in_process_target: Option<u32>,
+    /// Its libraries probed without kernel launches, which another process mapping them
+    /// gets launch probes on.
+    launches_skipped: std::collections::HashSet<LibraryId>,
+    /// Its launch table, once the library counts.
+    in_process: Option<in_process::Counted>,
+    /// (pid, handle) → CUPTI's kernel name, for rows of in-process tables.
+    cupti_names: HashMap<ProcAddr, String>,
 }
 
 impl CudaSession {
@@ -140,6 +150,7 @@ impl CudaSession {
         };
         let mut session = Self::new(at.slot, at.pid.is_none(), probing, period, tracks);
         if let Some(ask) = times {
+            session.in_process_target = ask.in_process.then_some(ask.pid);
             // Done by the job that probes the injection library, at the first look.
             session.gpu_times = gpu_times::State::Asked(ask);
         }
@@ -175,6 +186,10 @@ impl CudaSession {
             announced: HashMap::new(),
             injected: HashMap::new(),
             gpu_times: gpu_times::State::None,
+            in_process_target: None,
+            launches_skipped: Default::default(),
+            in_process: None,
+            cupti_names: HashMap::new(),
         }
     }
 
@@ -204,6 +219,18 @@ impl CudaSession {
             self.links.insert((ev.pid, ev.handle), (ev.other, ev.extra));
             let stub = self.names.last(ev.pid, ev.other);
             self.callers.locate(ev.pid, &[ev.extra, stub]);
+            return;
+        }
+        if ev.api == api::CUPTI_ROW {
+            // A row of the in-process table: CUPTI's name for its handle, read while the
+            // process lives.
+            if let std::collections::hash_map::Entry::Vacant(e) =
+                self.cupti_names.entry((ev.pid, ev.handle))
+            {
+                if let Some(name) = cuda::name_in_process(ev.pid, ev.other) {
+                    e.insert(name);
+                }
+            }
             return;
         }
         if matches!(ev.api, api::CUPTI_KERNEL | api::CUPTI_STATUS) {
@@ -271,6 +298,13 @@ impl CudaSession {
                 }
             };
             let cupti = lib == cuda::Library::Cupti && !self.injected.contains_key(&pid);
+            let target = self.in_process_target == Some(pid);
+            if !target && self.launches_skipped.remove(&id) {
+                // Another process maps the target's library: launch probes for it (they skip
+                // the target). Its other probes are in already (or on their way).
+                let points = in_process::Points::KernelLaunchesOnly;
+                jobs.push(self.job(lib, id, path.clone(), &m.path, pid, found_by, points));
+            }
             if let Some(waiting) = self.probing_libs.get_mut(&id) {
                 // Its status is read once the probes are in (`adopt`).
                 if cupti && !waiting.contains(&pid) {
@@ -281,7 +315,13 @@ impl CudaSession {
             if !self.libs.contains_key(&id) {
                 self.probing_libs
                     .insert(id, cupti.then_some(pid).into_iter().collect());
-                let mut job = self.job(lib, id, path, &m.path, pid, found_by);
+                let points = if target {
+                    self.launches_skipped.insert(id);
+                    in_process::Points::NoKernelLaunches
+                } else {
+                    in_process::Points::All
+                };
+                let mut job = self.job(lib, id, path, &m.path, pid, found_by, points);
                 if lib == cuda::Library::Cupti {
                     job.enable = self.enable(pid, false);
                 }
@@ -336,7 +376,16 @@ impl CudaSession {
         self.probing_libs.insert(id, Vec::new());
         let mapped = path.to_string_lossy().into_owned();
         let pid = enable.ask.pid;
-        let mut job = self.job(cuda::Library::Cupti, id, path, &mapped, pid, "loaded");
+        let points = in_process::Points::All;
+        let mut job = self.job(
+            cuda::Library::Cupti,
+            id,
+            path,
+            &mapped,
+            pid,
+            "loaded",
+            points,
+        );
         job.enable = Some(enable);
         Ok(job)
     }
@@ -346,7 +395,9 @@ impl CudaSession {
         self.probing_libs.len()
     }
 
-    /// The job that attaches `lib`'s entry points in the file `path` (`mapped` in `pid`).
+    /// The job that attaches `lib`'s entry points in the file `path` (`mapped` in `pid`):
+    /// those `points` keeps.
+    #[allow(clippy::too_many_arguments)]
     fn job(
         &self,
         lib: cuda::Library,
@@ -355,9 +406,11 @@ impl CudaSession {
         mapped: &str,
         pid: u32,
         found_by: &str,
+        points: in_process::Points,
     ) -> CudaJob {
         let points = cuda::entry_points(lib)
             .iter()
+            .filter(|ep| points.keeps(ep.api))
             .filter(|ep| !(self.probing.driver_only && runtime_launch(ep.api)))
             .map(|ep| {
                 // Stacks at the driver's launches only: every kernel launch reaches one
@@ -387,8 +440,9 @@ impl CudaSession {
 
     /// A library's probes, attached by its [`CudaJob`]; the CUPTI status of the processes
     /// that were found mapping it meanwhile is read now that they are in. Why GPU times
-    /// could not be turned on, where the job was to.
-    pub fn adopt(&mut self, probed: CudaProbed) -> Result<(), String> {
+    /// could not be turned on, where the job was to. Ok: the (process, slot) to mark in
+    /// `CUDA_INPROC`, where the library counts the process's launches from now on.
+    pub fn adopt(&mut self, probed: CudaProbed) -> Result<Option<(u32, u8)>, String> {
         let CudaProbed {
             job,
             links,
@@ -406,7 +460,8 @@ impl CudaSession {
             found_after_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             found_by: job.found_by,
         });
-        self.libs.insert(job.id, links);
+        // A second job on one library (launch probes for another process) adds to the first's.
+        self.libs.entry(job.id).or_default().extend(links);
         for pid in self.probing_libs.remove(&job.id).unwrap_or_default() {
             // Read once its probes are in: set up already (a warm process), or about to
             // be, and then its probe announces it (a read before the attach could miss
@@ -415,18 +470,23 @@ impl CudaSession {
             self.injected.insert(pid, status);
         }
         let (Some(enabled), Some(enable)) = (enabled, job.enable) else {
-            return Ok(());
+            return Ok(None);
         };
         let pid = enable.ask.pid;
+        let mut mark = None;
         let status = match enabled? {
-            gpu_times::Enabled::On(status) => {
+            gpu_times::Enabled::On(status, inproc) => {
                 self.gpu_times = gpu_times::State::On(enable.ask);
+                mark = inproc.map(|i| self.counting_in_process(pid, i));
                 status
+            }
+            gpu_times::Enabled::Injected(status) if enable.ask.in_process => {
+                return Err(format!("--cuda-in-process: pid {pid} runs tracer's injection library from its start (CUDA_INJECTION64_PATH), which counts no launches in-process yet: {status}"));
             }
             gpu_times::Enabled::Injected(status) => status,
         };
         self.injected.insert(pid, status);
-        Ok(())
+        Ok(mark)
     }
 
     /// A warning for the report.
@@ -478,8 +538,10 @@ impl CudaSession {
     /// The launches and copies so far, named, left in the kernel (for live metrics; native
     /// callers are named at the end only).
     pub fn live(&self, bpf: &mut Bpf) -> CudaReport {
+        let mut counts = bpf.cuda_counts(self.slot, false);
+        counts.0.extend(self.in_process_counts().0);
         let (launches, memory, unnamed) = self.rows(
-            bpf.cuda_counts(self.slot, false),
+            counts,
             &NativeNames {
                 handles: self.handles.so_far(),
                 ..NativeNames::default()
@@ -557,6 +619,14 @@ impl Source for CudaSession {
             at.ends.slots.hold(slot);
         }
         let probes = self.take_probes();
+        // Read with the probes' counts: the table keeps counting after the session.
+        let (inproc_rows, table_full) = self.in_process_rows();
+        if table_full > 0 {
+            self.warnings.push(format!("{table_full} launches were not counted: tracer's injection library found no room for their rows in its table (counted as losses)"));
+        }
+        if self.in_process.is_some() {
+            at.ends.bpf.clear_cuda_inproc(slot);
+        }
         let maps = at.ends.bpf.cuda_maps();
         let counts = at.ends.last_counts(slot, maps, |bpf| {
             (
@@ -577,6 +647,7 @@ impl Source for CudaSession {
                 cuda: *self,
                 counts,
                 stacks,
+                inproc_rows,
             })),
         }
     }
@@ -590,12 +661,15 @@ struct CudaEnd {
     counts: LastCounts<CudaMaps, (CudaCounts, GpuKernelTimes)>,
     /// Its launch stacks (`--cuda-stacks`): the report's profile.
     stacks: Option<Box<dyn ReportPart>>,
+    /// Launches counted in-process (`--cuda-in-process`), read at the end.
+    inproc_rows: Vec<(tracer_common::CudaLaunchKey, u64)>,
 }
 
 impl CudaEnd {
     /// The session's CUDA report, named.
     pub fn finish(self) -> CudaReport {
-        let (counts, times) = self.counts.get();
+        let (mut counts, times) = self.counts.get();
+        counts.0.extend(self.inproc_rows);
         self.cuda.report(counts, times)
     }
 }

@@ -133,7 +133,11 @@ impl CudaSession {
                 let graph = matches!(k.api, api::CU_GRAPH | api::CUDA_GRAPH);
                 let caller = native.addrs.get(&(k.pid, k.caller));
                 let mut named_from = "";
-                let kernel = match self.names.name(k.pid, k.func) {
+                let named = self
+                    .names
+                    .name(k.pid, k.func)
+                    .or_else(|| self.cupti_name(k.pid, k.func));
+                let kernel = match named {
                     _ if graph => format!("[graph exec {:#x}]", k.func),
                     Some(name) => cuda::demangle(name),
                     None => match self.fallback_name(&k, native) {

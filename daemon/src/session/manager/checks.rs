@@ -250,6 +250,18 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
             "--gpu-times turns CUPTI on in a running process: it needs --cuda and --pid (a command started under tracer gets it from its launcher)".into(),
         ));
     }
+    if options.cuda_in_process
+        && (!options.cuda
+            || target.launched
+            || !matches!(target.kind, Some(target::Kind::Pid(_)))
+            || mode != Mode::Counting
+            || options.cuda_stacks
+            || options.cuda_driver_only)
+    {
+        return Err(Error::InvalidArgument(
+            "--cuda-in-process counts a running process's launches through tracer's injection library: it needs --cuda, --pid, counting mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
+        ));
+    }
     if options.python_uprobes_only && !options.python {
         return Err(Error::InvalidArgument(
             "--python-uprobes-only says how Python calls are counted: it needs --python".into(),

@@ -73,9 +73,19 @@ impl Manager {
             .get_mut(session)
             .and_then(|s| s.sources.get_mut::<CudaSession>())
         {
-            if let Err(why) = c.adopt(probed) {
-                self.gpu_times_refused(session, why);
-                return;
+            match c.adopt(probed) {
+                Err(why) => {
+                    self.gpu_times_refused(session, why);
+                    return;
+                }
+                // Its launch probes skip the process from now on, its library counting them.
+                Ok(Some((pid, slot))) => {
+                    if let Err(e) = self.bpf.set_cuda_inproc(pid, slot) {
+                        self.gpu_times_refused(session, format!("--cuda-in-process: {e}"));
+                        return;
+                    }
+                }
+                Ok(None) => {}
             }
             // Answered once none of its sources' probes is on its way.
             if !self.running.get(session).is_some_and(|s| s.probing()) {

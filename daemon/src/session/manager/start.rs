@@ -287,15 +287,23 @@ impl Manager {
         let (scope, pid) = checks::scope(&asked.target, &caller)?;
         let owner_uid = caller.acting_uid("starting a session")?;
         // Checked before anything is taken: loading into the process is ptrace's to allow.
-        let gpu_times = match pid.filter(|_| asked.options.gpu_times) {
+        let gpu_times = match pid
+            .filter(|_| asked.options.gpu_times || asked.options.cuda_in_process)
+        {
             Some(pid) => {
                 caller.may_load_into(pid)?;
                 let who = caller.clone();
                 let may_load: cuda::gpu_times::MayLoad =
                     std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
                 Some(
-                    cuda::gpu_times::check(pid, owner_uid, may_load)
-                        .map_err(Error::FailedPrecondition)?,
+                    cuda::gpu_times::check(
+                        pid,
+                        owner_uid,
+                        may_load,
+                        asked.options.cuda_in_process,
+                        asked.options.gpu_times,
+                    )
+                    .map_err(Error::FailedPrecondition)?,
                 )
             }
             None => None,

@@ -597,7 +597,7 @@ static const char *callback_symbol(const void *f) {
 
 /* cuLaunchKernel[_ptsz] between its CUPTI callbacks (ENTER, EXIT), with the arguments as the
  * caller passed them. */
-static __attribute__((noinline, cold)) CUresult
+static __attribute__((noinline)) CUresult
 launch_traced(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
               unsigned bz, unsigned shmem, CUstream hStream, void **kernelParams, void **extra,
               int ptsz) {
@@ -661,7 +661,7 @@ static inline __attribute__((always_inline)) CUresult launch_ex(const CUlaunchCo
     return rc;
 }
 
-static __attribute__((noinline, cold)) CUresult
+static __attribute__((noinline)) CUresult
 launch_ex_traced(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra,
                  int ptsz) {
     cuLaunchKernelEx_params p = {config, f, kernelParams, extra};

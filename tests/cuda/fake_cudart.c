@@ -380,8 +380,9 @@ static cudaError_t launch_traced(const void *func, dim3 g, dim3 b, void **args, 
                                  cudaStream_t s, int ptsz);
 
 /* `traced`: called by launch_traced, between the callbacks. Otherwise a launch whose callback
- * is off costs one atomic load and a branch here. */
-static inline __attribute__((always_inline)) cudaError_t launch(const void *func, dim3 g, dim3 b,
+ * is off costs one atomic load and a branch here. Not inlined: the driver's launch underneath
+ * has `launch` for its caller whether callbacks are on or off (tests check the caller). */
+static __attribute__((noinline)) cudaError_t launch(const void *func, dim3 g, dim3 b,
                                                    void **args, size_t shmem, cudaStream_t s,
                                                    int ptsz, int traced) {
     if (!traced && CUPTI_CALLBACK_ON(ptsz ? FAKE_CUPTI_LAUNCH_PTSZ_BIT : FAKE_CUPTI_LAUNCH_BIT))
@@ -413,8 +414,10 @@ static CUcontext callback_context(void) {
 }
 
 /* A launch between its CUPTI callbacks (ENTER, EXIT): a launch the runtime refuses has them
- * too, and the driver's launch underneath has its own in between. */
-static __attribute__((noinline, cold)) cudaError_t
+ * too, and the driver's launch underneath has its own in between. (Not `cold`: a part in
+ * .text.unlikely splits the file's code, and tracer's symbolizer then names callers here
+ * without their lines, which tests check.) */
+static __attribute__((noinline)) cudaError_t
 launch_traced(const void *func, dim3 g, dim3 b, void **args, size_t shmem, cudaStream_t s,
               int ptsz) {
     cudaLaunchKernel_v7000_params p = {func, g, b, args, shmem, s};
@@ -447,7 +450,7 @@ API cudaError_t cudaLaunchKernel_ptsz(const void *func, dim3 gridDim, dim3 block
 static cudaError_t launch_ex_traced(const cudaLaunchConfig_t *config, const void *func,
                                     void **args, int ptsz);
 
-static inline __attribute__((always_inline)) cudaError_t launch_ex(const cudaLaunchConfig_t *c,
+static __attribute__((noinline)) cudaError_t launch_ex(const cudaLaunchConfig_t *c,
                                                       const void *func, void **args, int ptsz,
                                                       int traced) {
     if (!traced &&
@@ -480,7 +483,7 @@ static inline __attribute__((always_inline)) cudaError_t launch_ex(const cudaLau
     return ret(from_driver(drv.cuLaunchKernelEx(&dc, f, args, NULL)));
 }
 
-static __attribute__((noinline, cold)) cudaError_t
+static __attribute__((noinline)) cudaError_t
 launch_ex_traced(const cudaLaunchConfig_t *config, const void *func, void **args, int ptsz) {
     cudaLaunchKernelExC_v11060_params p = {config, func, args};
     struct fake_cupti_api_call c = {

@@ -213,7 +213,7 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
     let above =
         matches!(which, api::CU_LAUNCH | api::CU_LAUNCH_EX) && site_above(&mut key, tid, sp);
     if !above {
-        if let Some((code, instr, names, from)) = call_site(pid) {
+        if let Some((code, instr, names, from)) = call_site::<0>(pid) {
             (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
             key.py_elsewhere = from;
             if matches!(which, api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX) {
@@ -221,7 +221,7 @@ fn try_call(ctx: &ProbeContext) -> Option<()> {
             }
         }
     }
-    if count_launch(&key) {
+    if count_launch::<0>(&key) {
         link_rows(&key, tid, sp);
     }
     if cookie & cuda_cookie::STACKS != 0 {
@@ -372,10 +372,10 @@ fn trace_with(slot: u32, event: impl FnOnce() -> TraceEvent) {
 /// The launching thread's innermost Python frame (code object, instruction, names id), and
 /// whose it is (`py_from`): a thread running no Python (no thread state, or one with no
 /// frame) is given the frame of the thread it most likely works for
-/// ([`crate::sample::works_for`]). Inlined: called from two programs, it would otherwise
-/// become a function of its own whose frame the verifier adds to each caller's.
-#[inline(always)]
-fn call_site(pid: u32) -> Option<(u64, u64, u64, u32)> {
+/// ([`crate::sample::works_for`]). `C`: one copy per calling program, each with one caller,
+/// so the compiler lays the launch program out as if it alone called it (shared, it would
+/// become a function whose frame adds to the launch program's, over the stack budget).
+fn call_site<const C: u8>(pid: u32) -> Option<(u64, u64, u64, u32)> {
     let (me, own) = match python_thread(pid) {
         PyThread::Found(tstate, l, _) => (tstate, innermost(tstate, l).map(|f| (f, l))),
         PyThread::NoThread => (0, None),
@@ -477,8 +477,8 @@ fn frame_site(frame: u64, l: &PyLayout) -> Option<(u64, u64, u64)> {
     Some((code, instr, py_names_id(qualname, filename)))
 }
 
-/// Counts a launch; whether it made a new row.
-fn count_launch(key: &CudaLaunchKey) -> bool {
+/// Counts a launch; whether it made a new row. `C`: as for [`call_site`].
+fn count_launch<const C: u8>(key: &CudaLaunchKey) -> bool {
     let new = add_or_insert(&CUDA_LAUNCHES, key, &1, |n| crate::python::add(n, 1)) == Some(true);
     if new {
         announce_row(key);

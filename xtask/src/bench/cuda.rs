@@ -119,14 +119,10 @@ const LOOP_KERNEL: &str = "step(float*, int)";
 const LOOP_GRID: [u64; 3] = [64, 1, 1];
 const LOOP_BLOCK: [u64; 3] = [256, 1, 1];
 /// The native caller of each entry point: the host stub for the runtime's, tests/cuda's
-/// runtime for the driver's (its `launch`, or `launch_traced` while CUPTI's launch
-/// callbacks are on).
-const LOOP_CALLERS: [(&str, &[&str]); 2] = [
-    ("cudaLaunchKernel", &["step (launch_loop.c:"]),
-    (
-        "cuLaunchKernel",
-        &["launch (fake_cudart.c:", "launch_traced (fake_cudart.c:"],
-    ),
+/// runtime for the driver's.
+const LOOP_CALLERS: [(&str, &str); 2] = [
+    ("cudaLaunchKernel", "step (launch_loop.c:"),
+    ("cuLaunchKernel", "launch (fake_cudart.c:"),
 ];
 
 /// What a run's launch rows are checked against.
@@ -176,9 +172,7 @@ fn loop_rows_wrong(launches: &[serde_json::Value], cond: Cond, rows: Rows) -> Ve
                 && dims(&l["block"]) == LOOP_BLOCK
                 && l["shared_mem"] == 0
                 && l["stream"] == 0
-                && l["caller"]
-                    .as_str()
-                    .is_some_and(|c| caller.iter().any(|&want| c.starts_with(want)))
+                && l["caller"].as_str().is_some_and(|c| c.starts_with(caller))
                 && site_ok;
             if !ok {
                 wrong.push(format!("{api} row {l}"));

@@ -144,6 +144,10 @@ pub fn run_in(
             "--memory",
             "3G",
         ])
+        // One host thread runs both vCPUs in turn: with a thread each (QEMU's default),
+        // sid's kernel at times ran a text page the other vCPU had just patched, an int3
+        // its handler no longer expected ("Oops: int3" in do_user_addr_fault, a panic).
+        .arg("--qemu-opts=-accel tcg,thread=single")
         // udev's coldplug loads a module for each emulated device before the script starts;
         // these take seconds each under TCG and nothing here needs them (modprobe's own
         // blacklist: the kernel's module_blacklist would still read and unpack each).

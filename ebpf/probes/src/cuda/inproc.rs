@@ -50,11 +50,11 @@ pub(super) fn launch_elsewhere(ctx: &ProbeContext, slot: u32, pid: u32, key: u64
     if last != 0 {
         crate::sample::set_last_launcher(pid, last, id);
     }
-    if let Some((code, instr, names, from)) = call_site(pid) {
+    if let Some((code, instr, names, from)) = call_site::<1>(pid) {
         (k.py_code, k.py_instr, k.py_names) = (code, instr, names);
         k.py_elsewhere = from;
     }
-    count_launch(&k);
+    count_launch::<1>(&k);
     Some(())
 }
 

@@ -359,10 +359,7 @@ impl Bpf {
     pub fn set_inproc(&mut self, pid: u32, slot: u8) -> Result<(), BpfError> {
         let [python, all, inproc] = self.py_masks;
         self.write_py_masks([python, all, inproc | 1 << slot])?;
-        let mask = self.py_inproc.get(&pid, 0).unwrap_or(0);
-        self.py_inproc
-            .insert(pid, mask | 1 << slot, 0)
-            .map_err(map_err("PY_INPROC"))
+        maps::add_slot(&mut self.py_inproc, pid, slot).map_err(map_err("PY_INPROC"))
     }
 
     /// The slots that count `pid` in-process (marked by the daemon, or by the kernel as its
@@ -386,20 +383,7 @@ impl Bpf {
 
     /// Forgets `slot` everywhere in `PY_INPROC` (its session ended).
     pub fn clear_inproc(&mut self, slot: u8) {
-        let pids: Vec<(u32, SessionMask)> = self
-            .py_inproc
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, m)| m & (1 << slot) != 0)
-            .collect();
-        for (pid, mask) in pids {
-            let rest = mask & !(1 << slot);
-            let _ = if rest == 0 {
-                self.py_inproc.remove(&pid)
-            } else {
-                self.py_inproc.insert(pid, rest, 0)
-            };
-        }
+        maps::clear_slot(&mut self.py_inproc, slot);
         let [python, all, inproc] = self.py_masks;
         if let Err(e) = self.write_py_masks([python, all, inproc & !(1 << slot)]) {
             tracing::error!(%e, "updating Python session masks");

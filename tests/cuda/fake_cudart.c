@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include "fake_cuda_abi.h"
 #include "fake_cupti_abi.h"
+#include "fake_cupti_client.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -76,28 +77,10 @@ static __thread cudaError_t last_error;
 
 /* ---- CUPTI's API callbacks ------------------------------------------------------------- */
 
-/* The fake CUPTI's dispatcher, and which launch entry points have their callback id enabled
- * (FAKE_CUPTI_LAUNCH_*_BIT), set by the fake CUPTI at every change. A launch whose bit is
- * clear costs one atomic load and a branch. */
-static fake_cupti_api_fn cupti_api;
-static uint32_t cupti_launch_mask;
-
+/* The fake CUPTI's API callbacks (fake_cupti_client.h), set by it at every change. */
 API void fake_cudart_cupti_callbacks(fake_cupti_api_fn dispatch, uint32_t mask) {
     FRAME();
-    if (dispatch) __atomic_store_n(&cupti_api, dispatch, __ATOMIC_RELEASE);
-    __atomic_store_n(&cupti_launch_mask, mask, __ATOMIC_RELEASE);
-}
-
-#define CUPTI_CALLBACK_ON(bit) \
-    __builtin_expect((__atomic_load_n(&cupti_launch_mask, __ATOMIC_ACQUIRE) & (bit)) != 0, 0)
-
-/* A CUPTI loaded before the runtime's first call hands its callbacks over now. */
-static void pull_cupti_callbacks(void) {
-    void *h = dlopen("libcupti.so.13", RTLD_NOW | RTLD_NOLOAD);
-    fake_cupti_push_callbacks_fn push =
-        h ? (fake_cupti_push_callbacks_fn)dlsym(h, "fake_cupti_push_callbacks") : NULL;
-    if (push) push();
-    if (h) dlclose(h);
+    take_cupti_callbacks(dispatch, mask);
 }
 
 static void load_driver(void) {

@@ -4,10 +4,37 @@
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, RingBuf, StackTraceMap};
 use tracer_common::{
     CudaLaunchKey, CudaMemKey, CudaMemStats, GpuKernelKey, GpuKernelStats, NativeCallKey,
-    PyAsyncLayout, PyCallKey, PyCallStats, PyEdgeKey, PySampleProc,
+    PyAsyncLayout, PyCallKey, PyCallStats, PyEdgeKey, PySampleProc, SessionMask,
 };
 
 use super::BpfError;
+
+/// Sets `slot`'s bit in `pid`'s mask of a pid → sessions map (`PY_INPROC`, `CUDA_INPROC`).
+pub fn add_slot(
+    map: &mut HashMap<MapData, u32, SessionMask>,
+    pid: u32,
+    slot: u8,
+) -> Result<(), MapError> {
+    let mask = map.get(&pid, 0).unwrap_or(0);
+    map.insert(pid, mask | 1 << slot, 0)
+}
+
+/// Clears `slot`'s bit in every mask of a pid → sessions map, removing masks left empty.
+pub fn clear_slot(map: &mut HashMap<MapData, u32, SessionMask>, slot: u8) {
+    let pids: Vec<(u32, SessionMask)> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, m)| m & (1 << slot) != 0)
+        .collect();
+    for (pid, mask) in pids {
+        let rest = mask & !(1 << slot);
+        let _ = if rest == 0 {
+            map.remove(&pid)
+        } else {
+            map.insert(pid, rest, 0)
+        };
+    }
+}
 
 /// The entries of a map shared by sessions whose key `belongs` to one session, read, and
 /// taken out of the map with `take` (at the session's end) or left there (live readings).

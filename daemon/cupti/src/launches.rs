@@ -11,7 +11,7 @@
 //! for as the launch probes do (one trap, for those launches alone).
 
 use std::{
-    cell::{Cell, UnsafeCell},
+    cell::UnsafeCell,
     ffi::{c_char, c_void},
     sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering},
 };
@@ -98,12 +98,6 @@ static COUNTING: AtomicU32 = AtomicU32::new(0);
 /// `thread_id`, handed to the probe of a launch made elsewhere (as the probes'
 /// `PY_LAST_LAUNCHER`).
 static LAST_LAUNCHER: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
-
-thread_local! {
-    /// The runtime launch under way on this thread: its handle, for the driver launch it
-    /// makes (0: none).
-    static RUNTIME_FUNC: Cell<u64> = const { Cell::new(0) };
-}
 
 /// tracerd's probe point: a launch from a thread without a Python frame in a Python process.
 /// The probe reads `key` (its call site left empty), finds the thread it works for (the last
@@ -224,9 +218,6 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
         return;
     };
     if d.site != SITE_ENTER {
-        if domain == DOMAIN_RUNTIME {
-            RUNTIME_FUNC.with(|f| f.set(0));
-        }
         return;
     }
     // SAFETY: the parameters struct of the call `cbid` names.
@@ -239,12 +230,6 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
         crate::caller::Domain::Driver
     };
     key.caller = crate::caller::launch_caller(caller_domain, cbid, entry_names(cbid), sp);
-    let runtime_func = if domain == DOMAIN_RUNTIME {
-        RUNTIME_FUNC.with(|f| f.set(key.func));
-        0
-    } else {
-        RUNTIME_FUNC.with(Cell::get)
-    };
     let python = PYTHON.load(Ordering::Acquire);
     if !python.is_null() {
         // SAFETY: set once, never freed.
@@ -253,6 +238,7 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
             Some((code, instr, names, tstate)) => {
                 (key.py_code, key.py_instr, key.py_names) = (code, instr, names);
                 key.py_elsewhere = py_from::OWN;
+                // SAFETY: this thread's own state, as in `own_site`.
                 let id = unsafe { read::<u64>(tstate + u64::from(at.layout.tstate_thread_id)) };
                 LAST_LAUNCHER[0].store(tstate, Ordering::Relaxed);
                 LAST_LAUNCHER[1].store(id, Ordering::Relaxed);
@@ -267,7 +253,7 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
             }
         }
     }
-    count(&key, d.symbol_name as u64, runtime_func);
+    count(&key, d.symbol_name as u64);
 }
 
 /// A plain read of this process's memory at `addr`.
@@ -380,7 +366,7 @@ fn own_site(at: &PythonAt) -> Option<(u64, u64, u64, u64)> {
 }
 
 /// Adds one launch of `key` to the table.
-fn count(key: &CudaLaunchKey, name: u64, runtime_func: u64) {
+fn count(key: &CudaLaunchKey, name: u64) {
     let base = TABLE.load(Ordering::Acquire);
     if base.is_null() {
         return;
@@ -404,7 +390,6 @@ fn count(key: &CudaLaunchKey, name: u64, runtime_func: u64) {
                     Ok(_) => {
                         (*e).key = *key;
                         (*e).name = name;
-                        (*e).runtime_func = runtime_func;
                         AtomicU64::from_ptr(std::ptr::addr_of_mut!((*e).count))
                             .store(1, Ordering::Relaxed);
                         st.store(state::READY, Ordering::Release);

@@ -109,6 +109,15 @@ pub mod cuda_api {
         }
     }
 
+    /// A kernel launch's entry point (graphs aside): what `--cuda-in-process` counts
+    /// in-process, and what the launch probes then skip.
+    pub const fn is_kernel_launch(which: u32) -> bool {
+        matches!(
+            which,
+            CU_LAUNCH | CU_LAUNCH_EX | CUDA_LAUNCH | CUDA_LAUNCH_EX
+        )
+    }
+
     /// `cudaMemcpyKind`, as the probe folds it into a memory key's kind (× 100).
     pub fn memcpy_kind(kind: u32) -> (u32, &'static str) {
         let direction = match kind / 100 {

@@ -54,9 +54,7 @@ pub struct Entry {
     /// CUPTI's `symbolName` for the launch (the kernel's mangled name, a string CUPTI keeps
     /// for the process's life), read by tracerd from the process's memory.
     pub name: u64,
-    /// For a driver launch made inside a runtime launch on the same thread: the runtime
-    /// launch's handle (0: none), which names it as the probes' `ROW_LINK` does.
-    pub runtime_func: u64,
+    pub _reserved: u64,
     pub count: u64,
 }
 

@@ -133,11 +133,7 @@ pub fn tracer_cuda_call(ctx: ProbeContext) -> u32 {
 
 fn try_call(ctx: &ProbeContext) -> Option<()> {
     let (which, slot, pid, cookie) = accepted(ctx)?;
-    if matches!(
-        which,
-        api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX
-    ) && inproc::in_process(pid, slot)
-    {
+    if api::is_kernel_launch(which) && inproc::in_process(pid, slot) {
         return None;
     }
     let a = args(ctx);

@@ -14,14 +14,12 @@ use tracer_common::{
     CudaLaunchKey,
 };
 
-/// One row as read: the key, its launches so far, CUPTI's name pointer and the runtime
-/// handle above a driver launch (0: none).
+/// One row as read: the key, its launches so far and CUPTI's name pointer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Row {
     pub key: CudaLaunchKey,
     pub count: u64,
     pub name: u64,
-    pub runtime_func: u64,
 }
 
 /// A snapshot: every row's count, and the launches the table had no room for.
@@ -168,7 +166,6 @@ impl LaunchTable {
                 key: e.key,
                 count: e.count,
                 name: e.name,
-                runtime_func: e.runtime_func,
             });
         }
         Counts {
@@ -207,7 +204,6 @@ mod tests {
             },
             count,
             name: 0,
-            runtime_func: 0,
         }
     }
 

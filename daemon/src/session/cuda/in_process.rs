@@ -12,14 +12,6 @@ use tracer_inspect::cuda;
 
 use super::{gpu_times::InProcess, CudaSession};
 
-/// A kernel launch (not a graph): the entry points the library counts.
-pub(super) fn kernel_launch(which: u32) -> bool {
-    matches!(
-        which,
-        api::CU_LAUNCH | api::CU_LAUNCH_EX | api::CUDA_LAUNCH | api::CUDA_LAUNCH_EX
-    )
-}
-
 /// Which of a library's entry points a job attaches.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Points {
@@ -34,8 +26,8 @@ impl Points {
     pub(super) fn keeps(self, which: u32) -> bool {
         match self {
             Self::All => true,
-            Self::NoKernelLaunches => !kernel_launch(which),
-            Self::KernelLaunchesOnly => kernel_launch(which),
+            Self::NoKernelLaunches => !api::is_kernel_launch(which),
+            Self::KernelLaunchesOnly => api::is_kernel_launch(which),
         }
     }
 }
@@ -57,30 +49,37 @@ impl CudaSession {
     /// The session's in-process launches so far (slot and pid filled in), and how many
     /// launches the table had no room for.
     pub(super) fn in_process_counts(&self) -> (Vec<(CudaLaunchKey, u64)>, u64) {
-        let Some(c) = self.in_process.as_ref() else {
-            return (Vec::new(), 0);
-        };
-        let counts = c.inproc.table.read().since(&c.inproc.base);
-        let rows = counts
+        self.in_process_read()
+            .map_or((Vec::new(), 0), |(pid, counts)| {
+                (self.keys(pid, &counts), counts.full)
+            })
+    }
+
+    /// The target and its table's counts since the session's start.
+    fn in_process_read(&self) -> Option<(u32, cuda::LaunchCounts)> {
+        let c = self.in_process.as_ref()?;
+        Some((c.pid, c.inproc.table.read().since(&c.inproc.base)))
+    }
+
+    /// `counts`' rows as the session's launch counts in `pid` (slot and pid filled in).
+    fn keys(&self, pid: u32, counts: &cuda::LaunchCounts) -> Vec<(CudaLaunchKey, u64)> {
+        counts
             .rows
             .iter()
             .map(|r| {
                 let mut key = r.key;
-                (key.slot, key.pid) = (u32::from(self.slot), c.pid);
+                (key.slot, key.pid) = (u32::from(self.slot), pid);
                 (key, r.count)
             })
-            .collect();
-        (rows, counts.full)
+            .collect()
     }
 
     /// [`Self::in_process_counts`], with what the rows' announcements (`CUPTI_ROW`) left
     /// unnamed looked up now, where the process may still be read: at the end.
     pub(super) fn in_process_rows(&mut self) -> (Vec<(CudaLaunchKey, u64)>, u64) {
-        let Some(c) = self.in_process.as_ref() else {
+        let Some((pid, counts)) = self.in_process_read() else {
             return (Vec::new(), 0);
         };
-        let counts = c.inproc.table.read().since(&c.inproc.base);
-        let pid = c.pid;
         for r in &counts.rows {
             if r.name != 0 && !self.cupti_names.contains_key(&(pid, r.key.func)) {
                 if let Some(name) = cuda::name_in_process(pid, r.name) {
@@ -88,7 +87,7 @@ impl CudaSession {
                 }
             }
         }
-        let (rows, full) = self.in_process_counts();
+        let (rows, full) = (self.keys(pid, &counts), counts.full);
         let callers: Vec<u64> = rows.iter().map(|(k, _)| k.caller).collect();
         self.callers.locate(pid, &callers);
         let version = self.in_process.as_ref().and_then(|c| c.inproc.python);

@@ -240,6 +240,11 @@ impl Daemon {
         cmd
     }
 
+    /// Session `id`'s report as `report --format json` prints it.
+    pub fn report_json(&self, id: &str) -> serde_json::Value {
+        serde_json::from_str(&self.ok(&["report", id, "--format", "json"])).unwrap()
+    }
+
     /// Session `id`'s report in `format`, written by `report -o` (as a user saves a trace)
     /// and read back.
     pub fn export(&self, id: &str, format: &str) -> Vec<u8> {

@@ -665,8 +665,7 @@ fn a_members_report_holds_only_its_own_losses() {
     assert_eq!(way["way"], "in-process", "{way}");
     assert!(way["why"].as_str().unwrap().contains("ptrace"), "{way}");
     d.ok(&["stop", &root_id]);
-    let ours: serde_json::Value =
-        serde_json::from_str(&d.ok(&["report", &root_id, "--format", "json"])).unwrap();
+    let ours: serde_json::Value = d.report_json(&root_id);
     let too_deep = |r: &serde_json::Value| {
         r["losses"]
             .as_array()

@@ -260,7 +260,7 @@ fn a_system_wide_session_counts_the_forks_it_saw() {
         Command::new("true").status().unwrap();
     }
     d.ok(&["stop", id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(id);
     let p = &report["processes"];
     assert_eq!(p["system_wide"], true, "{p}");
     assert!(p["forked"].as_u64().unwrap() >= 20, "{p}");
@@ -305,7 +305,7 @@ fn a_function_the_kernel_will_not_probe_is_skipped_and_named() {
     let id = id.trim();
     std::thread::sleep(std::time::Duration::from_millis(500));
     d.ok(&["stop", id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(id);
     let native = &report["native"];
     let probed: Vec<&str> = native["probes"]
         .as_array()
@@ -382,7 +382,7 @@ fn a_launch_without_the_loader_is_counted_with_the_probes() {
     tracer_tests::wait_until(30, "the session to end", || {
         d.ok(&["status", &id]).contains("target exited")
     });
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let counted = &report["python"]["counted"][0];
     assert_eq!(counted["way"], "uprobes", "{counted}");
     assert!(

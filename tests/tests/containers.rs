@@ -109,8 +109,7 @@ fn processes_are_attributed_to_their_pod_and_container() {
     tracer_tests::wait_until(10, "the session to end with its target", || {
         d.ok(&["status", id]).contains("finished")
     });
-    let report: serde_json::Value =
-        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: serde_json::Value = d.report_json(id);
     let containers = report["processes"]["containers"].as_array().unwrap();
     let c = containers
         .iter()

@@ -8,10 +8,6 @@ use tracer_tests::{
     counter, one_line_error, python, root_or_skip, script, wait_until, ChildGuard, Daemon,
 };
 
-fn report_json(d: &Daemon, id: &str) -> Value {
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
-}
-
 /// Runs `tracerctl start --mode=counting --events E --format json -o F -- CMD` and parses the report.
 fn count_command(d: &Daemon, events: &str, cmd: &[&str]) -> Value {
     let out_file = d.dir.path().join("report.json");
@@ -318,7 +314,7 @@ fn stop_list_status_and_report() {
     assert!(one_line_error(&early).contains("still running"));
     let stopped = d.ok(&["stop", &id]);
     assert!(stopped.contains("finished (stopped)"), "{stopped}");
-    let report = report_json(&d, &id);
+    let report = d.report_json(&id);
     assert_eq!(report["session"]["end_reason"], "stopped");
     assert_eq!(report["session"]["target"], format!("pid {pid}"));
     assert!(d
@@ -349,8 +345,8 @@ fn reports_survive_a_daemon_restart() {
         .trim()
         .to_owned();
     d.restart();
-    assert_eq!(report_json(&d, &id), report);
-    let closed = report_json(&d, &running);
+    assert_eq!(d.report_json(&id), report);
+    let closed = d.report_json(&running);
     assert_eq!(closed["session"]["end_reason"], "daemon shut down");
     let list = d.ok(&["list"]);
     assert!(list.contains(&id) && list.contains(&running), "{list}");
@@ -388,7 +384,7 @@ fn concurrent_sessions_are_independent() {
     for id in &ids[1..] {
         assert!(d.ok(&["status", id]).contains("state:     running"));
     }
-    let w = report_json(&d, &ids[0]);
+    let w = d.report_json(&ids[0]);
     assert_eq!(w["session"]["end_reason"], "target exited");
     for id in &ids[1..] {
         d.ok(&["stop", id]);

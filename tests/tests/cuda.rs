@@ -70,7 +70,7 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
         &["--mode=counting", "--cuda-driver-only"],
         "function",
     );
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let got = report_rows(&report);
     assert!(
         got.keys().all(|k| !k.0.starts_with("cuda")),
@@ -83,7 +83,7 @@ fn launches_copies_and_allocations_match_what_the_program_did() {
     assert_eq!(got, want);
     // A sampling session counts launches too, beside its CPU profile.
     let (id, truth) = run_app_with(&d, &libs, &["--mode=sampling"], "function");
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     assert!(report["profile"].is_object(), "a sampling report");
     assert_eq!(report_rows(&report), truth_rows(&truth));
 }
@@ -180,7 +180,7 @@ fn counted_from_its_cue(d: &Daemon, app: App) -> (String, Value, Value) {
         .to_owned();
     let truth = app.finish();
     wait_ended(d, &id);
-    let report = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report = d.report_json(&id);
     (id, truth, report)
 }
 
@@ -247,7 +247,7 @@ fn interim_reports_count_launches_so_far() {
     drop(app.stdin.take());
     let _ = app.guard.0.wait();
     wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     assert_eq!(report_rows(&report), want, "final");
 }
 
@@ -271,7 +271,7 @@ fn sessions_on_every_process_probe_libraries_as_they_are_mapped() {
     let truth = app.finish();
     d.ok(&["stop", &id]);
     wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let libraries: Vec<&Value> = report["cuda"]["libraries"]
         .as_array()
         .unwrap()
@@ -426,7 +426,7 @@ fn truth_rows(truth: &Value) -> BTreeMap<Row, u64> {
 
 fn check_app(d: &Daemon, libs: &std::path::Path, handle: &str) {
     let (id, truth) = run_app(d, libs, "--mode=counting", handle);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let cuda = &report["cuda"];
     assert_eq!(report["losses"], serde_json::json!([]));
     assert_eq!(
@@ -683,7 +683,7 @@ fn launch_stacks_show_where_launches_come_from() {
         }
         assert_eq!(from, BTreeMap::from([("launch (", 7), ("warm_up (", 3)]));
     }
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     assert_eq!(report["losses"], serde_json::json!([]));
     let launches: u64 = report["cuda"]["launches"]
         .as_array()
@@ -889,8 +889,7 @@ fn launches_from_threads_without_python_name_the_line_that_waits() {
                 &["--mode=counting", "--cuda", "--cuda-stacks"],
                 false,
             );
-            let report: Value =
-                serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+            let report: Value = d.report_json(&id);
             let rows: Vec<&Value> = report["cuda"]["launches"]
                 .as_array()
                 .unwrap()
@@ -1010,7 +1009,7 @@ fn call_site_of(
         &["--mode=counting", "--cuda"],
         all,
     );
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let rows: Vec<&Value> = report["cuda"]["launches"]
         .as_array()
         .unwrap()
@@ -1048,7 +1047,7 @@ fn traces_show_each_launch_and_copy() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let (id, truth) = run_app(&d, &libs, "--mode=tracing", "function");
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     assert_eq!(report["losses"], serde_json::json!([]));
     let path = d.dir.path().join("cuda.json");
     d.ok(&[
@@ -1163,7 +1162,7 @@ fn gpu_metrics_reach_reports_and_timelines() {
         "{caps}"
     );
     let (id, _) = run_app(&d, &libs, "--mode=counting", "function");
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let gpu = &report["cuda"]["gpu"];
     assert!(gpu["unavailable"].is_null(), "{gpu}");
     let devices = gpu["devices"].as_array().unwrap();
@@ -1268,7 +1267,7 @@ fn launch_counts_reach_prometheus() {
         &["--mode=counting", "--export", "prometheus"],
         "function",
     );
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let mut want: BTreeMap<(String, String), u64> = BTreeMap::new();
     for l in report["cuda"]["launches"].as_array().unwrap() {
         *want
@@ -1561,7 +1560,7 @@ fn gpu_times_reach_sessions_attached_to_a_process_with_the_library() {
     assert!(status.contains("running"), "{status}");
     let truth = app.finish();
     wait_ended(&d, &id);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let c = &report["cuda"];
     let injected = c["libraries"]
         .as_array()
@@ -1603,9 +1602,6 @@ fn gpu_times_without_a_restart() {
         ]
     }
     let start = |pid: &str| d.ok(&gpu_times(pid)).trim().to_owned();
-    let report = |id: &str| -> Value {
-        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
-    };
     let status = |r: &Value| {
         r["cuda"]["gpu_times"][0]["status"]
             .as_str()
@@ -1627,7 +1623,7 @@ fn gpu_times_without_a_restart() {
     assert_eq!(on["subscribed"], 1, "{on}");
     assert_ne!(on["kind"], 0, "{on}");
     d.ok(&["stop", &id]);
-    let r = report(&id);
+    let r = d.report_json(&id);
     let observed = cupti_observed(&truth);
     let launched: u64 = observed.values().map(|v| v.0).sum();
     assert!(launched > 0, "{truth}");
@@ -1658,7 +1654,7 @@ fn gpu_times_without_a_restart() {
     let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
     assert_eq!(on["subscribed"], 1, "{on}");
     d.ok(&["stop", &again]);
-    let line = status(&report(&again));
+    let line = status(&d.report_json(&again));
     assert!(
         line.starts_with("off: turned off at the session's end; 0 kernel records handed over"),
         "{line}"
@@ -1673,7 +1669,7 @@ fn gpu_times_without_a_restart() {
     let id = start(&app.pid());
     let truth = app.finish();
     wait_ended(&d, &id);
-    let r = report(&id);
+    let r = d.report_json(&id);
     assert_eq!(gpu_per_kernel(&r), cupti_observed(&truth));
     assert!(status(&r).contains("at exit"), "{}", status(&r));
 
@@ -1817,7 +1813,7 @@ fn gpu_times_for_a_running_process_ignore_its_environment() {
     // handed over at exit, is the report's.
     let truth = app.finish();
     wait_ended(&d, &id);
-    let r: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let r: Value = d.report_json(&id);
     let line = r["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
     assert!(
         line.starts_with(&format!("on: CUPTI from {}; ", beside.display()))
@@ -2468,10 +2464,7 @@ fn launches_counted_in_process_are_the_probes_rows() {
     assert_eq!(on["api_callbacks"], 8, "the eight launch callbacks: {on}");
     d.ok(&["stop", &inproc]);
     d.ok(&["stop", &probes]);
-    let report = |id: &str| -> Value {
-        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
-    };
-    let (inproc, probes) = (report(&inproc), report(&probes));
+    let (inproc, probes) = (d.report_json(&inproc), d.report_json(&probes));
     let status = inproc["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
     assert!(
         status.starts_with("off: ") && status.contains("launches counted in-process"),
@@ -2563,12 +2556,9 @@ fn launches_counted_in_process_name_their_python_call_site() {
             d.ok(&["stop", &probes]);
             drop(stdin);
             let _ = py.0.wait();
-            let report = |id: &str| -> Value {
-                serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
-            };
             let (mine, theirs) = (
-                full_rows(&report(&inproc), &pid),
-                full_rows(&report(&probes), &pid),
+                full_rows(&d.report_json(&inproc), &pid),
+                full_rows(&d.report_json(&probes), &pid),
             );
             assert_eq!(mine, theirs, "{what}: the probes' rows, field by field");
             let source = std::fs::read_to_string(&script).unwrap();

@@ -60,7 +60,7 @@ fn names_with_terminal_escapes_are_printed_escaped() {
     assert!(report.status.success());
     assert_escaped("tracerctl report", &report.stdout);
     // The machine format keeps the name as the program spelled it.
-    let json: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let json: Value = d.report_json(&id);
     let f = json["python"]["functions"]
         .as_array()
         .expect("python functions")

@@ -155,7 +155,7 @@ fn ended_report(d: &Daemon, id: &str) -> Value {
     wait_until(30, "the session to end", || {
         d.ok(&["status", id]).contains("target exited")
     });
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    d.report_json(id)
 }
 
 /// (way, why) the report gives for `pid`.
@@ -787,7 +787,7 @@ fn a_session_that_ends_before_any_safe_point_leaves_nothing() {
     let d = Daemon::start();
     let (mut child, pid, id) = start_blocked(&d, &py, &[]);
     d.ok(&["stop", &id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let warnings = report["python"]["warnings"].to_string();
     assert!(
         warnings.contains("no thread reached a safe point"),

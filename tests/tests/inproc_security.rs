@@ -64,7 +64,7 @@ fn report(d: &Daemon, id: &str) -> Value {
         let s = d.ok(&["status", id]);
         s.contains("finished") || s.contains("failed")
     });
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    d.report_json(id)
 }
 
 fn warnings(report: &Value) -> Vec<String> {

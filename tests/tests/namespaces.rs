@@ -305,7 +305,7 @@ fn session(
     wait_until(20, "the session to end", || {
         d.ok(&["status", &id]).contains("finished")
     });
-    let report = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report = d.report_json(&id);
     Some((report, Some(pid)))
 }
 
@@ -673,8 +673,7 @@ fn python_in_its_own_pid_namespace_counts_running_threads() {
         wait_until(20, "the session to end", || {
             d.ok(&["status", &id]).contains("finished")
         });
-        let report: Value =
-            serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+        let report: Value = d.report_json(&id);
         let script = file.to_string_lossy();
         let functions = script_functions(&report, &script);
         let calls = |name: &str| -> u64 {

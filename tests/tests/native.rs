@@ -190,7 +190,7 @@ fn attaches_to_a_running_process() {
     wait_until(20, "the target to exit", || {
         d.ok(&["status", &id]).contains("target exited")
     });
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     let rows = report["native"]["calls"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0]["pid"], child.pid());
@@ -241,7 +241,7 @@ fn system_wide_sessions_count_every_process_and_only_then() {
     wait_until(20, "the --pid session to end", || {
         d.ok(&["status", &one]).contains("target exited")
     });
-    let report: Value = serde_json::from_str(&d.ok(&["report", &all, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&all);
     let by_pid: BTreeMap<u64, u64> = report["native"]["calls"]
         .as_array()
         .unwrap()
@@ -251,7 +251,7 @@ fn system_wide_sessions_count_every_process_and_only_then() {
     for w in workers {
         assert_eq!(by_pid.get(&u64::from(w)), Some(&300), "{by_pid:?}");
     }
-    let report: Value = serde_json::from_str(&d.ok(&["report", &one, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&one);
     assert_eq!(report["native"]["calls"], serde_json::json!([]), "{report}");
 }
 

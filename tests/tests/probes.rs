@@ -234,8 +234,7 @@ fn requests_are_answered_while_probes_come_off() {
     // lists, reports and starts sessions.
     let list = d.ok(&["list"]);
     assert!(list.contains(id), "{list}");
-    let report: serde_json::Value =
-        serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: serde_json::Value = d.report_json(id);
     let calls = report["native"]["calls"].as_array().unwrap();
     assert_eq!(calls.len(), 60, "one row per probed function: {calls:?}");
     assert!(

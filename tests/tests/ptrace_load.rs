@@ -47,7 +47,7 @@ fn stopped_report(d: &Daemon, id: &str) -> Value {
         let s = d.ok(&["status", id]);
         s.contains("finished") || s.contains("failed")
     });
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    d.report_json(id)
 }
 
 /// What the report says of how `pid` was counted, and why: ("", "") where it names nothing.

@@ -399,8 +399,7 @@ fn attaches_to_a_running_interpreter() {
         wait_until(20, "the target to exit", || {
             d.ok(&["status", &id]).contains("target exited")
         });
-        let report: Value =
-            serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+        let report: Value = d.report_json(&id);
         check_losses(&report);
         let counts = calls(&ours(&report, &file));
         // fib(15) = 1973 calls, all after attach; `wait` was entered before and is never re-entered.
@@ -462,7 +461,7 @@ fn start_system_wide(d: &Daemon) -> String {
 /// Stops session `id`, whose counts of `wl`'s functions must equal cProfile's under `py`.
 fn stop_and_compare(d: &Daemon, id: &str, py: &Path, wl: &Path) {
     d.ok(&["stop", id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(id);
     let truth = ground_truth(py, "cprofile", wl, &[]);
     assert_eq!(
         calls_and_primitive(&ours(&report, wl)),
@@ -935,7 +934,7 @@ fn forked_children_are_counted_exactly() {
         truth.extend(hook_counts(&String::from_utf8(out.stdout).unwrap()));
     }
     d.ok(&["stop", &id]);
-    let report: Value = serde_json::from_str(&d.ok(&["report", &id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&id);
     assert_eq!(
         f_calls_per_pid(&report, "fork_workload.py"),
         truth,
@@ -1121,7 +1120,7 @@ fn requests_are_answered_while_an_ended_session_is_named_and_stored() {
         answered > 2,
         "{answered} requests answered while the ended session was named and stored"
     );
-    let report: Value = serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(id);
     let counted = report["python"]["functions"]
         .as_array()
         .unwrap()

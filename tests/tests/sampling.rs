@@ -319,8 +319,7 @@ fn requests_are_answered_while_a_profile_is_named() {
     );
     assert!(listed_running > 0, "listed as running while ending");
     if !deleted {
-        let report: serde_json::Value =
-            serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap();
+        let report: serde_json::Value = d.report_json(id);
         let frames = report["profile"]["stacks"]
             .as_array()
             .unwrap()

@@ -263,8 +263,7 @@ fn works_with_exactly(caps: &[String]) {
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    let report: Value =
-        serde_json::from_str(&d.ok(&["report", &traced, "--format", "json"])).unwrap();
+    let report: Value = d.report_json(&traced);
     assert!(
         report["trace"]["python_calls"].as_u64().unwrap_or(0) > 0,
         "{}",

@@ -38,7 +38,7 @@ fn sleeper() -> ChildGuard {
 }
 
 fn report(d: &Daemon, id: &str) -> Value {
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    d.report_json(id)
 }
 
 fn loss(report: &Value, cause: &str) -> u64 {

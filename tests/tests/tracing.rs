@@ -19,7 +19,7 @@ use tracer_tests::{
 };
 
 fn json(d: &Daemon, id: &str) -> Value {
-    serde_json::from_str(&d.ok(&["report", id, "--format", "json"])).unwrap()
+    d.report_json(id)
 }
 
 /// Runs `tracerctl start --mode=MODE ARGS -- PYTHON SCRIPT ARGS` to its end; returns the session id.

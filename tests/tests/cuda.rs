@@ -12,7 +12,7 @@ use std::{
 };
 
 use serde_json::Value;
-use tracer_tests::{root_or_skip, wait_until, ChildGuard, Daemon};
+use tracer_tests::{one_line_error, root_or_skip, wait_until, ChildGuard, Daemon};
 
 /// `c++filt`'s reading of a device name (binutils, not tracer's demangler).
 fn demangle(name: &str) -> String {
@@ -2581,4 +2581,55 @@ fn launches_counted_in_process_name_their_python_call_site() {
             assert_eq!(n, 6, "{what}: six launches from {site}: {mine:#?}");
         }
     }
+}
+
+/// `--cuda-in-process` where it cannot count: another mode, another target, options that
+/// shape the launch probes, and a process whose injection library CUDA loaded at its start
+/// (which counts no launches in-process) — each refused with its reason, nothing started.
+#[test]
+fn launches_in_process_are_refused_where_they_cannot_be_counted() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let injection = tracer_tests::bin_dir().join("libtracer_cupti.so");
+    let mut app = App::spawn(
+        &libs,
+        &["hold=1", "init=1"],
+        &[("CUDA_INJECTION64_PATH", injection.to_str().unwrap())],
+    );
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let pid = app.pid();
+    let shapes =
+        "it needs --cuda, --pid, counting mode, and neither --cuda-stacks nor --cuda-driver-only";
+    for extra in [
+        &["--mode=tracing", "--pid", &pid][..],
+        &["--mode=sampling", "--pid", &pid],
+        &["--mode=counting", "--all"],
+        &["--mode=counting", "--cuda-stacks", "--pid", &pid],
+        &["--mode=counting", "--cuda-driver-only", "--pid", &pid],
+    ] {
+        let args = [&["start", "--cuda", "--cuda-in-process"][..], extra].concat();
+        let line = one_line_error(&d.run(&args));
+        assert!(line.contains(shapes), "{args:?}: {line}");
+    }
+    let line = one_line_error(&d.run(&[
+        "start",
+        "--mode=counting",
+        "--cuda",
+        "--cuda-in-process",
+        "--pid",
+        &pid,
+    ]));
+    assert!(
+        line.contains("--cuda-in-process: pid")
+            && line.contains("counts no launches in-process yet"),
+        "{line}"
+    );
+    assert!(
+        !d.ok(&["list"]).contains("running"),
+        "no session left running"
+    );
+    app.finish();
 }

@@ -135,9 +135,15 @@ struct StartArgs {
     gpu_times: bool,
     /// With --cuda --pid (counting): count the process's launches inside it, through CUPTI's
     /// launch callbacks in tracer's injection library (loaded with ptrace, as for
-    /// --gpu-times), instead of the launch probes: no trap a launch.
+    /// --gpu-times), instead of the launch probes: no trap a launch. The default for such a
+    /// session without --cuda-stacks or --cuda-driver-only; where it cannot be had, the
+    /// probes count them and the report says why.
     #[arg(long, requires = "cuda")]
     cuda_in_process: bool,
+    /// With --cuda: count launches with the launch uprobes only, loading nothing into any
+    /// process.
+    #[arg(long, requires = "cuda", conflicts_with = "cuda_in_process")]
+    cuda_uprobes_only: bool,
     /// Sampling: samples per second on each CPU (default 99).
     #[arg(long, value_name = "HZ", value_parser = parse_frequency)]
     frequency: Option<u64>,
@@ -587,6 +593,7 @@ fn start_request(
             cuda_stacks: args.cuda_stacks,
             cuda_driver_only: args.cuda_driver_only,
             cuda_in_process: args.cuda_in_process,
+            cuda_uprobes_only: args.cuda_uprobes_only,
             // A launched command's is its launcher's (`inject_cupti`).
             gpu_times: args.gpu_times && args.pid.is_some(),
         }),

@@ -63,7 +63,9 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             gpu_col(Some(l)),
             esc(&l.kernel)
         );
-        if !l.named_from.is_empty() {
+        if l.named_from == "CUPTI" {
+            let _ = writeln!(out, "{:>10}  (named by CUPTI)", "");
+        } else if !l.named_from.is_empty() {
             let _ = writeln!(out, "{:>10}  (named from its {})", "", esc(&l.named_from));
         }
         if !l.call_site.is_empty() {
@@ -123,6 +125,13 @@ pub fn table(out: &mut String, c: &CudaReport, limit: usize) {
             " {} rows launch handles with no name: no naming call was seen (made before tracer probed the library) and no symbol names them, or not kernels",
             c.unnamed
         );
+    }
+    for l in &c.launch_counting {
+        let way = match l.way.as_str() {
+            "in-process" => "counted in-process",
+            _ => "counted with probes",
+        };
+        let _ = writeln!(out, " launches in pid {}: {way}: {}", l.pid, esc(&l.why));
     }
     gpu_times(out, c, limit);
     match &c.gpu.unavailable {

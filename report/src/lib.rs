@@ -77,6 +77,19 @@ pub struct CudaReport {
     /// turned on, or why it could not. Empty: no process had it (no GPU times).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpu_times: Vec<GpuTimesStatus>,
+    /// How the launches of each process asked to be counted in-process were counted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub launch_counting: Vec<LaunchCounting>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LaunchCounting {
+    pub pid: u32,
+    /// "in-process" (tracer's injection library counts them, no trap a launch) or "probes"
+    /// (the launch uprobes).
+    pub way: String,
+    /// Why that way.
+    pub why: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -138,7 +151,8 @@ pub struct CudaLaunch {
     /// for the host function the handle stands for), "host stub symbol" (the symbol at that
     /// host stub), "launching function" (the caller's symbol: the host stub itself in nvcc's
     /// code, but any function for hand-written launches) or "runtime launch" (a driver
-    /// launch named after the runtime launch it was made in). Empty: a naming call.
+    /// launch named after the runtime launch it was made in), "CUPTI" (a launch counted
+    /// in-process: CUPTI's name for it). Empty: a naming call.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub named_from: String,
     /// The native function that made the call, `function (file:line)` or `binary+0xOFFSET`.

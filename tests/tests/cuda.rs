@@ -101,7 +101,7 @@ fn launches_right_after_a_library_is_mapped_are_counted() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn(&libs, &[], &[("FAKE_CUDART_LAUNCH_HANDLE", "function")]);
-    let (_, truth, report) = counted_from_its_cue(&d, app);
+    let (_, truth, report) = counted_from_its_cue(&d, app, &[]);
     assert_eq!(report["losses"], serde_json::json!([]));
     let libraries = report["cuda"]["libraries"].as_array().unwrap();
     assert_eq!(libraries.len(), 2, "{libraries:?}");
@@ -126,7 +126,8 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
     let app = App::spawn_program("warm_kernels", &libs, &["4"], &[]);
-    let (_, truth, report) = counted_from_its_cue(&d, app);
+    // The probes' naming: in-process rows are named by CUPTI.
+    let (_, truth, report) = counted_from_its_cue(&d, app, &["--cuda-uprobes-only"]);
     let want = |runtime_only: bool| -> BTreeMap<String, u64> {
         truth["launches"]
             .as_array()
@@ -172,12 +173,10 @@ fn kernels_registered_before_the_session_are_named_from_registration_code() {
 
 /// A `--cuda` counting session on `app`, started before its cue; the session's id, the
 /// program's account and the session's report, once both are done.
-fn counted_from_its_cue(d: &Daemon, app: App) -> (String, Value, Value) {
+fn counted_from_its_cue(d: &Daemon, app: App, extra: &[&str]) -> (String, Value, Value) {
     let pid = app.pid();
-    let id = d
-        .ok(&["start", "--mode=counting", "--cuda", "--pid", &pid])
-        .trim()
-        .to_owned();
+    let start = ["start", "--mode=counting", "--cuda", "--pid", &pid];
+    let id = d.ok(&[&start[..], extra].concat()).trim().to_owned();
     let truth = app.finish();
     wait_ended(d, &id);
     let report = d.report_json(&id);
@@ -571,9 +570,32 @@ fn kernels_named_before_the_session_are_named_from_symbols() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
+    // Counted in-process (the default): CUPTI names every launch's kernel. (In a process
+    // of its own: the probes' session would take CUPTI's names from it.)
     let mut app = App::spawn(&libs, &["warm=1"], &[]);
     assert_eq!(app.cue("go\n"), "registered\n");
-    let (id, truth, report) = counted_from_its_cue(&d, app);
+    let (_, truth, inproc) = counted_from_its_cue(&d, app, &[]);
+    assert_eq!(
+        inproc["cuda"]["launch_counting"][0]["way"], "in-process",
+        "{}",
+        inproc["cuda"]
+    );
+    assert_eq!(
+        report_rows(&inproc),
+        truth_rows(&truth),
+        "every kernel named"
+    );
+    for l in inproc["cuda"]["launches"].as_array().unwrap() {
+        // The program's bad handles have no name anywhere: named after run(), their launcher.
+        let from = l["named_from"].as_str().unwrap_or("");
+        assert!(
+            from.is_empty() || from == "CUPTI" || l["kernel"] == "run",
+            "{l}"
+        );
+    }
+    let mut app = App::spawn(&libs, &["warm=1"], &[]);
+    assert_eq!(app.cue("go\n"), "registered\n");
+    let (id, truth, report) = counted_from_its_cue(&d, app, &["--cuda-uprobes-only"]);
     let cuda = &report["cuda"];
     for lib in cuda["libraries"].as_array().unwrap() {
         assert_eq!(lib["found_by"], "start", "{lib}");
@@ -2449,12 +2471,13 @@ fn launches_counted_in_process_are_the_probes_rows() {
     let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
     assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
     let pid = app.pid();
+    // In-process is the default; --cuda-uprobes-only keeps the launch probes.
     let counting = ["start", "--mode=counting", "--cuda", "--pid", &pid];
-    let probes = d.ok(&counting).trim().to_owned();
-    let inproc = d
-        .ok(&[&counting[..], &["--cuda-in-process"]].concat())
+    let probes = d
+        .ok(&[&counting[..], &["--cuda-uprobes-only"]].concat())
         .trim()
         .to_owned();
+    let inproc = d.ok(&counting).trim().to_owned();
     let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
     assert_eq!(truth["ok"], true, "the program's own checks");
     assert_eq!(app.cue(""), "done\n");
@@ -2465,6 +2488,12 @@ fn launches_counted_in_process_are_the_probes_rows() {
     d.ok(&["stop", &inproc]);
     d.ok(&["stop", &probes]);
     let (inproc, probes) = (d.report_json(&inproc), d.report_json(&probes));
+    assert_eq!(
+        inproc["cuda"]["launch_counting"][0]["way"], "in-process",
+        "{}",
+        inproc["cuda"]
+    );
+    assert_eq!(probes["cuda"]["launch_counting"], Value::Null, "none asked");
     let status = inproc["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
     assert!(
         status.starts_with("off: ") && status.contains("launches counted in-process"),
@@ -2541,7 +2570,10 @@ fn launches_counted_in_process_name_their_python_call_site() {
             assert_eq!(line, "loaded\n");
             let pid = py.pid().to_string();
             let counting = ["start", "--mode=counting", "--cuda", "--pid", &pid];
-            let probes = d.ok(&counting).trim().to_owned();
+            let probes = d
+                .ok(&[&counting[..], &["--cuda-uprobes-only"]].concat())
+                .trim()
+                .to_owned();
             let inproc = d
                 .ok(&[&counting[..], &["--cuda-in-process"]].concat())
                 .trim()
@@ -2583,22 +2615,16 @@ fn launches_counted_in_process_name_their_python_call_site() {
     }
 }
 
-/// `--cuda-in-process` where it cannot count: another mode, another target, options that
-/// shape the launch probes, and a process whose injection library CUDA loaded at its start
-/// (which counts no launches in-process) — each refused with its reason, nothing started.
+/// `--cuda-in-process` with options it cannot go with (another mode, another target, options
+/// that shape the launch probes): refused, each with its reason, nothing started.
 #[test]
-fn launches_in_process_are_refused_where_they_cannot_be_counted() {
+fn launches_in_process_are_refused_with_options_they_cannot_go_with() {
     if !root_or_skip() {
         return;
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let injection = tracer_tests::bin_dir().join("libtracer_cupti.so");
-    let mut app = App::spawn(
-        &libs,
-        &["hold=1", "init=1"],
-        &[("CUDA_INJECTION64_PATH", injection.to_str().unwrap())],
-    );
+    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
     assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
     let pid = app.pid();
     let shapes =
@@ -2614,22 +2640,79 @@ fn launches_in_process_are_refused_where_they_cannot_be_counted() {
         let line = one_line_error(&d.run(&args));
         assert!(line.contains(shapes), "{args:?}: {line}");
     }
-    let line = one_line_error(&d.run(&[
-        "start",
-        "--mode=counting",
-        "--cuda",
-        "--cuda-in-process",
-        "--pid",
-        &pid,
-    ]));
-    assert!(
-        line.contains("--cuda-in-process: pid")
-            && line.contains("counts no launches in-process yet"),
-        "{line}"
-    );
     assert!(
         !d.ok(&["list"]).contains("running"),
         "no session left running"
     );
     app.finish();
+}
+
+/// A running process whose launches cannot be counted in-process is counted with the probes
+/// (the default, and --cuda-in-process alike), and the report says why: CUDA not loaded at
+/// the start (its libraries probed as it maps them), CUPTI's subscriber slot held by
+/// another tool (as torch.profiler holds it), the injection library loaded by CUDA at the
+/// process's start. The rows are the program's own account; CUPTI is left as it was.
+#[test]
+fn launches_that_cannot_be_counted_in_process_are_counted_with_the_probes() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let injection = tracer_tests::bin_dir().join("libtracer_cupti.so");
+    let injection = injection.to_str().unwrap();
+    // (program arguments, environment, tracerctl flag, the reason the report gives)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: [Case; 3] = [
+        (&[], &[], "", "has not loaded CUDA's driver"),
+        (
+            &["hold=1", "init=1", "subscribe=1"],
+            &[],
+            "--cuda-in-process",
+            "another CUPTI subscriber holds this process",
+        ),
+        (
+            &["hold=1", "init=1"],
+            &[("CUDA_INJECTION64_PATH", injection)],
+            "",
+            "from its start (CUDA_INJECTION64_PATH)",
+        ),
+    ];
+    for (args, env, flag, why) in cases {
+        let mut app = App::spawn(&libs, args, env);
+        if !args.is_empty() {
+            assert_eq!(app.cue("go\n"), "loaded\n");
+        }
+        let pid = app.pid();
+        let mut start = vec!["start", "--mode=counting", "--cuda", "--pid", &pid];
+        start.extend((!flag.is_empty()).then_some(flag));
+        let id = d.ok(&start).trim().to_owned();
+        let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+        assert_eq!(truth["ok"], true, "the program's own checks");
+        assert_eq!(app.cue(""), "done\n");
+        let cupti = app.cue("cupti\n");
+        d.ok(&["stop", &id]);
+        let report = d.report_json(&id);
+        let counting = &report["cuda"]["launch_counting"];
+        assert_eq!(counting[0]["way"], "probes", "{args:?}: {counting}");
+        assert_eq!(counting[0]["pid"], pid.parse::<u64>().unwrap());
+        let said = counting[0]["why"].as_str().unwrap();
+        assert!(said.contains(why), "{args:?}: {said}");
+        assert_eq!(
+            report_rows(&report),
+            truth_rows(&truth),
+            "{args:?}: the program's own account"
+        );
+        let text = d.ok(&["report", &id]);
+        assert!(
+            text.contains(&format!("launches in pid {pid}: counted with probes: ")),
+            "{text}"
+        );
+        if args.contains(&"subscribe=1") {
+            let held: Value = serde_json::from_str(&cupti).unwrap();
+            assert_eq!(held["subscribed"], 1, "the other tool's: {held}");
+            assert_eq!(held["api_callbacks"], 0, "none turned on: {held}");
+        }
+        drop(app);
+    }
 }

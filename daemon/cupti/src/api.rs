@@ -124,7 +124,7 @@ impl Cupti {
         let r =
             unsafe { (a.subscribe)(&mut handle, super::launches::on_api, std::ptr::null_mut()) };
         if r == ERROR_MULTIPLE_SUBSCRIBERS {
-            return Err("another CUPTI subscriber holds this process (torch.profiler, Nsight Systems or Compute, cuda-gdb): GPU times are refused rather than taken from it".into());
+            return Err("another CUPTI subscriber holds this process (torch.profiler, Nsight Systems or Compute, cuda-gdb): tracer does not take CUPTI from it".into());
         }
         self.check("cuptiSubscribe", r)?;
         Ok(Subscriber(handle))

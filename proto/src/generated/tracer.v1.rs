@@ -97,10 +97,18 @@ pub struct CountingOptions {
     /// instead of the launch probes: no uprobe trap a launch. Rows are those the probes make (entry point,
     /// kernel, grid, block, shared memory, stream, native caller, Python call site); a launch
     /// from a thread without a Python frame in a Python process is handed to one probe, which
-    /// finds the thread it works for. FAILED_PRECONDITION where the library cannot count them
-    /// (its CUPTI lacks the callbacks; a Python whose layout tracer does not know).
+    /// finds the thread it works for. The default for such a session unless `cuda_stacks`,
+    /// `cuda_driver_only` or `cuda_uprobes_only` is set. Where the library cannot count them
+    /// (the caller may not load code into the process, CUDA not initialized there, another
+    /// CUPTI subscriber such as torch.profiler, another root directory, a Python whose layout
+    /// tracer does not know), the launch probes count them, and the report's
+    /// launch_counting says why. INVALID_ARGUMENT in other modes and targets.
     #[prost(bool, tag = "11")]
     pub cuda_in_process: bool,
+    /// With `cuda`: count launches with the launch uprobes only, loading nothing into any
+    /// process (not with `cuda_in_process`).
+    #[prost(bool, tag = "12")]
+    pub cuda_uprobes_only: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -52,8 +52,8 @@ enum Cond {
     Stacks,
     /// Counting with `--cuda-driver-only`: one probe a launch.
     DriverOnly,
-    /// Counting with `--cuda-in-process`: launches counted inside the loop by tracer's
-    /// injection library, from CUPTI's callbacks: no probe a launch.
+    /// Counting as `--cuda --pid` does by default: launches counted inside the loop by
+    /// tracer's injection library, from CUPTI's callbacks: no probe a launch.
     InProcess,
 }
 
@@ -62,11 +62,11 @@ impl Cond {
         match self {
             Cond::Untraced => "untraced",
             Cond::Bare => "bare",
-            Cond::Counting => "counting",
+            Cond::Counting => "probes",
             Cond::Tracing => "tracing",
             Cond::Stacks => "stacks",
             Cond::DriverOnly => "driver",
-            Cond::InProcess => "in-proc",
+            Cond::InProcess => "default",
         }
     }
 
@@ -74,11 +74,11 @@ impl Cond {
     fn mode(self) -> Option<&'static [&'static str]> {
         match self {
             Cond::Untraced | Cond::Bare => None,
-            Cond::Counting => Some(&["--mode=counting"]),
+            Cond::Counting => Some(&["--mode=counting", "--cuda-uprobes-only"]),
             Cond::Tracing => Some(&["--mode=tracing"]),
             Cond::Stacks => Some(&["--mode=counting", "--cuda-stacks"]),
             Cond::DriverOnly => Some(&["--mode=counting", "--cuda-driver-only"]),
-            Cond::InProcess => Some(&["--mode=counting", "--cuda-in-process"]),
+            Cond::InProcess => Some(&["--mode=counting"]),
         }
     }
 }
@@ -212,8 +212,8 @@ pub(super) fn run() -> Result<()> {
     println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
     println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
     println!("      a launch crosses two probed entry points");
-    println!("sessions: tracerctl start --mode=counting|tracing --cuda [stacks: --cuda-stacks; driver: --cuda-driver-only;");
-    println!("      in-proc: --cuda-in-process] --pid PID, started while the loop waits");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda [probes: --cuda-uprobes-only; stacks: --cuda-stacks;");
+    println!("      driver: --cuda-driver-only; default: nothing more, counted in-process] --pid PID, started while the loop waits");
     println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
     println!(
         "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
@@ -353,19 +353,19 @@ pub(super) fn run() -> Result<()> {
         }
     };
     println!(
-        "added per launch: counting {counting:.0} ns, tracing {tracing:.0} ns, counting with launch stacks {stacks:.0} ns,"
+        "added per launch: counting with the probes {counting:.0} ns, tracing {tracing:.0} ns, counting with launch stacks {stacks:.0} ns,"
     );
     println!("      bare uprobes {bare_added:.0} ns (two probe hits");
     println!(
         "      each: cudaLaunchKernel and cuLaunchKernel), counting at the driver only {driver:.0} ns (one hit),"
     );
-    println!("      counting in-process {inproc:.0} ns (no hit: CUPTI's callbacks in tracer's injection library)");
+    println!("      counting by default {inproc:.0} ns (in-process, no hit: CUPTI's callbacks in tracer's injection library)");
     println!(
-        "      target ≤ {TARGET_NS:.0} ns counting, ≤ {TRACING_TARGET_NS:.0} ns tracing: counting {}, tracing {}, counting at the driver only {}, counting in-process {}",
-        verdict(counting, TARGET_NS),
+        "      target ≤ {TARGET_NS:.0} ns counting, ≤ {TRACING_TARGET_NS:.0} ns tracing: counting by default {}, tracing {}, counting with the probes {}, at the driver only {}",
+        verdict(inproc, TARGET_NS),
         verdict(tracing, TRACING_TARGET_NS),
+        verdict(counting, TARGET_NS),
         verdict(driver, TARGET_NS),
-        verdict(inproc, TARGET_NS)
     );
     println!();
     mismatches.extend(python_part(
@@ -494,6 +494,14 @@ fn one_run(
                 .unwrap_or_default();
             run.wrong = loop_rows_wrong(&launches, cond, rows);
         }
+        // The default's figure is the in-process route's only where it was taken.
+        let way = &json["cuda"]["launch_counting"][0]["way"];
+        if cond == Cond::InProcess && way != "in-process" {
+            run.wrong.push(format!(
+                "counted with probes, not in-process: {}",
+                json["cuda"]["launch_counting"][0]["why"]
+            ));
+        }
         run.events = json["trace"]["cuda_events"].as_u64().unwrap_or(0);
         run.lost = super::losses(&json);
         // Gone once read: a traced run's file holds two events per launch.
@@ -551,7 +559,7 @@ fn python_part(daemon: &Daemon, libs: &Path, c_added: [f64; 4]) -> Result<Vec<St
         "python: {}; tests/cuda/launch_loop.py calls the loop (liblaunch_loop.so) from its main():",
         python.display()
     );
-    println!("      every launch's call site is that line, read in the probe at each entry point (in-proc: by the");
+    println!("      every launch's call site is that line, read in the probe at each entry point (default: by the");
     println!("      injection library, in the launching thread); {RUNS} runs");
     println!("      of each, interleaved, median; \"over C\": added ns over the C loop's in the same condition");
     println!();
@@ -668,8 +676,8 @@ fn torch_part(daemon: &Daemon) -> Result<()> {
     println!("columns: ns per add_; ns added over untraced; ×; launches the session counted at the runtime's");
     println!("      entry points and at the driver's (the whole session, warm-up excluded), against the adds made");
     println!();
-    let conds = [Cond::Untraced, Cond::Counting];
-    let mut runs: Vec<Vec<Run>> = vec![Vec::new(), Vec::new()];
+    let conds = [Cond::Untraced, Cond::Counting, Cond::InProcess];
+    let mut runs: Vec<Vec<Run>> = conds.iter().map(|_| Vec::new()).collect();
     for round in 0..TORCH_RUNS {
         for k in 0..conds.len() {
             let i = (k + round) % conds.len();
@@ -691,21 +699,23 @@ fn torch_part(daemon: &Daemon) -> Result<()> {
         )
     };
     let base = ns(0);
-    let counted = ns(1);
-    let last = runs[1].last().expect("TORCH_RUNS > 0");
     println!(
         "{:<9} {:>9} {:>9} {:>7} {:>12} {:>12} {:>12}",
         "condition", "ns/add_", "added ns", "×", "runtime", "driver", "adds"
     );
     println!("{:<9} {base:>9.0} {:>9} {:>7.2}", "untraced", "-", 1.0);
-    println!(
-        "{:<9} {counted:>9.0} {:>9.0} {:>7.2} {:>12} {:>12} {:>12}",
-        "counting",
-        counted - base,
-        counted / base,
-        group(last.runtime),
-        group(last.driver),
-        group(last.launches)
-    );
+    for (i, cond) in conds.iter().enumerate().skip(1) {
+        let (counted, last) = (ns(i), runs[i].last().expect("TORCH_RUNS > 0"));
+        println!(
+            "{:<9} {counted:>9.0} {:>9.0} {:>7.2} {:>12} {:>12} {:>12} {}",
+            cond.name(),
+            counted - base,
+            counted / base,
+            group(last.runtime),
+            group(last.driver),
+            group(last.launches),
+            last.wrong.join("; ")
+        );
+    }
     Ok(())
 }

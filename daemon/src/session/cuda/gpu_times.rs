@@ -72,14 +72,34 @@ pub enum State {
     Switching,
 }
 
+/// What a session's start made of its ask for GPU times or in-process launches.
+pub enum Start {
+    Ask(Ask),
+    /// Launches in-process alone were asked, and `pid` cannot have them (why): its launches
+    /// are counted with the probes, and nothing is loaded.
+    Probes(u32, String),
+}
+
 /// What [`Enable::run`] got.
 pub enum Enabled {
-    /// Records turned on (or on already for another session): the status line, and the
-    /// launch table where the library counts launches for the session.
-    On(String, Option<InProcess>),
+    /// Records turned on (or on already for another session): the status line, and what
+    /// became of in-process launches.
+    On(String, Launches),
     /// CUDA's driver loaded the library at the process's start (`CUDA_INJECTION64_PATH`):
     /// records are on for the process's life, nobody turns them off.
     Injected(String),
+    /// Launches in-process alone were asked and cannot be had (why): nothing is on, the
+    /// launches are the probes' to count.
+    Probes(String),
+}
+
+/// In-process launches, where a session asked for them.
+pub enum Launches {
+    NotAsked,
+    /// The table the library counts them in.
+    Counted(InProcess),
+    /// Not to be had (why): the probes count them.
+    Probes(String),
 }
 
 /// Checks made at the start, before anything is loaded (the caller's right to load into
@@ -189,6 +209,13 @@ pub struct Enable {
 impl Enable {
     pub fn run(&self) -> Result<Enabled, String> {
         let pid = self.ask.pid;
+        // Known before anything is loaded: where the library would read call sites.
+        let python = match self.ask.in_process.then(|| python_at(pid)) {
+            None => None,
+            Some(Ok(python)) => Some(Ok(python)),
+            Some(Err(why)) if !self.ask.records => return Ok(Enabled::Probes(why)),
+            Some(Err(why)) => Some(Err(why)),
+        };
         let holders = holders(pid);
         let mut held = holders.lock().unwrap_or_else(|e| e.into_inner());
         if self.load {
@@ -221,17 +248,18 @@ impl Enable {
             return Err(format!("GPU times in pid {pid}: {status}"));
         }
         // Asked before "on": the library reads what it needs at it.
-        let python = if self.ask.in_process {
-            let python = python_at(pid)?;
-            injection
-                .ask_launches(python.map(|p| p.0), self.ask.records)
-                .map_err(|e| format!("launches in pid {pid}: {e}"))?;
-            Some(python.map(|p| p.1))
-        } else {
-            None
+        let python = match python {
+            Some(Ok(python)) => {
+                injection
+                    .ask_launches(python.map(|p| p.0), self.ask.records)
+                    .map_err(|e| format!("launches in pid {pid}: {e}"))?;
+                Some(Ok(python.map(|p| p.1)))
+            }
+            Some(Err(why)) => Some(Err(why)),
+            None => None,
         };
         let on_already = *held > 0 && status.starts_with("on:");
-        let status = if on_already && python.is_none() {
+        let status = if on_already && !matches!(python, Some(Ok(_))) {
             status
         } else if on_already {
             // On for another session: asked again, it starts counting launches.
@@ -250,18 +278,22 @@ impl Enable {
             return Err(format!("GPU times in pid {pid}: {why}"));
         }
         *held += 1;
-        let Some(python) = python else {
-            return Ok(Enabled::On(status, None));
+        let python = match python {
+            None => return Ok(Enabled::On(status, Launches::NotAsked)),
+            Some(Err(why)) => return Ok(Enabled::On(status, Launches::Probes(why))),
+            Some(Ok(python)) => python,
         };
         drop(held);
-        match take_table(pid, &injection, &status, python) {
-            Ok(inproc) => Ok(Enabled::On(status, Some(inproc))),
-            Err(e) => {
-                // This session's hold let go again (the last one turns records off).
+        match take_table(&injection, &status, python) {
+            Ok(inproc) => Ok(Enabled::On(status, Launches::Counted(inproc))),
+            Err(why) if self.ask.records => Ok(Enabled::On(status, Launches::Probes(why))),
+            Err(why) => {
+                // Nothing else asked of it: this session's hold let go again (the last one
+                // turns CUPTI off).
                 if let Err(off) = turn_off(pid) {
-                    tracing::warn!(pid, %off, "turning GPU times off after a refusal");
+                    tracing::warn!(pid, %off, "turning CUPTI off after launches were refused");
                 }
-                Err(e)
+                Ok(Enabled::Probes(why))
             }
         }
     }
@@ -313,7 +345,6 @@ fn python_at(
 /// `pid`'s launch table, once its library's status line (`status`, after an "on") says it
 /// counts launches: the table and its counts now; or why not.
 fn take_table(
-    pid: u32,
     injection: &Injection,
     status: &str,
     python: Option<&'static tracer_inspect::python::layout::Version>,
@@ -323,9 +354,7 @@ fn take_table(
             .split("; launches not counted in-process: ")
             .nth(1)
             .unwrap_or(status);
-        return Err(format!(
-            "launches in pid {pid} cannot be counted in-process: {why}"
-        ));
+        return Err(format!("tracer's injection library could not: {why}"));
     }
     let table = injection.launch_table()?;
     let base = table.read();

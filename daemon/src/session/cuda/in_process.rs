@@ -9,8 +9,12 @@
 
 use tracer_common::{cuda_api as api, CudaLaunchKey};
 use tracer_inspect::cuda;
+use tracer_report::LaunchCounting;
 
-use super::{gpu_times::InProcess, CudaSession};
+use super::{
+    gpu_times::{Ask, Enabled, InProcess, Launches, State},
+    CudaJob, CudaSession,
+};
 
 /// Which of a library's entry points a job attaches.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -43,6 +47,11 @@ impl CudaSession {
     /// `CUDA_INPROC` for this session's slot.
     pub(super) fn counting_in_process(&mut self, pid: u32, inproc: InProcess) -> (u32, u8) {
         self.in_process = Some(Counted { pid, inproc });
+        self.launch_counting.push(LaunchCounting {
+            pid,
+            way: "in-process".into(),
+            why: "tracer's injection library counts them from CUPTI's launch callbacks: no trap a launch".into(),
+        });
         (pid, self.slot)
     }
 
@@ -109,5 +118,92 @@ impl CudaSession {
     /// CUPTI's name for an in-process row's handle.
     pub(super) fn cupti_name(&self, pid: u32, func: u64) -> Option<&str> {
         self.cupti_names.get(&(pid, func)).map(String::as_str)
+    }
+}
+
+/// A library of the target probed without kernel launches: what a job for them needs.
+pub(super) struct Skipped {
+    pub lib: cuda::Library,
+    pub path: std::path::PathBuf,
+    pub mapped: String,
+}
+
+/// What the manager does once a job is adopted.
+#[derive(Default)]
+pub struct Adopted {
+    /// The (process, slot) to mark in `CUDA_INPROC`: the library counts its launches from
+    /// now on.
+    pub mark: Option<(u32, u8)>,
+    /// The target's launch probes, attached after all where its library cannot count them.
+    pub jobs: Vec<CudaJob>,
+}
+
+impl CudaSession {
+    /// What turning GPU times or in-process launches on came to: an error refuses the
+    /// session where GPU times were asked; launches that cannot be counted in-process are
+    /// counted with the probes.
+    pub(super) fn enabled(
+        &mut self,
+        ask: Ask,
+        enabled: Result<Enabled, String>,
+    ) -> Result<Adopted, String> {
+        let pid = ask.pid;
+        let enabled = match enabled {
+            Err(why) if ask.in_process && !ask.records => {
+                let prefix = format!("GPU times in pid {pid}: ");
+                Enabled::Probes(why.strip_prefix(&prefix).unwrap_or(&why).to_owned())
+            }
+            other => other?,
+        };
+        let (status, launches) = match enabled {
+            Enabled::On(status, launches) => {
+                self.gpu_times = State::On(ask);
+                (status, launches)
+            }
+            Enabled::Injected(status) if ask.in_process => {
+                let why = format!("pid {pid} runs tracer's injection library from its start (CUDA_INJECTION64_PATH), which does not count launches");
+                (status, Launches::Probes(why))
+            }
+            Enabled::Injected(status) => (status, Launches::NotAsked),
+            Enabled::Probes(why) => return Ok(self.fall_back(pid, why)),
+        };
+        self.injected.insert(pid, status);
+        Ok(match launches {
+            Launches::NotAsked => Adopted::default(),
+            Launches::Counted(inproc) => Adopted {
+                mark: Some(self.counting_in_process(pid, inproc)),
+                jobs: Vec::new(),
+            },
+            Launches::Probes(why) => self.fall_back(pid, why),
+        })
+    }
+
+    /// `pid`'s launches, asked to be counted in-process, are counted with the probes (why):
+    /// the report says so from the start.
+    pub(super) fn counted_with_probes(&mut self, pid: u32, why: String) {
+        self.launch_counting.push(LaunchCounting {
+            pid,
+            way: "probes".into(),
+            why,
+        });
+    }
+
+    /// The target's library cannot count its launches after all (why): the launch probes
+    /// its libraries went without are attached now, before the start is answered.
+    fn fall_back(&mut self, pid: u32, why: String) -> Adopted {
+        tracing::info!(pid, %why, "launches counted with probes");
+        self.counted_with_probes(pid, why);
+        self.in_process_target = None;
+        let points = Points::KernelLaunchesOnly;
+        let jobs: Vec<CudaJob> = std::mem::take(&mut self.launches_skipped)
+            .into_iter()
+            .map(|(id, s)| {
+                let mut job = self.job(s.lib, id, s.path, &s.mapped, pid, "start", points);
+                job.launches_after_all = true;
+                job
+            })
+            .collect();
+        self.launch_jobs += jobs.len();
+        Adopted { mark: None, jobs }
     }
 }

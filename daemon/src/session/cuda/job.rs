@@ -30,6 +30,9 @@ pub struct CudaJob {
     pub(super) points: Vec<(&'static str, u64, bool)>,
     /// tracer's injection library: GPU times turned on once its probes are in.
     pub(super) enable: Option<gpu_times::Enable>,
+    /// The launch probes of a library probed without them, for a process whose launches
+    /// could not be counted in-process after all.
+    pub(super) launches_after_all: bool,
 }
 
 /// What [`CudaJob::run`] attached.

@@ -13,6 +13,7 @@ mod callers;
 pub mod gpu_times;
 mod handles;
 mod in_process;
+pub use in_process::Adopted;
 mod job;
 mod report;
 pub mod watch;
@@ -104,9 +105,14 @@ pub struct CudaSession {
     pub gpu_times: gpu_times::State,
     /// `--cuda-in-process`: the process whose launches tracer's injection library counts.
     in_process_target: Option<u32>,
-    /// Its libraries probed without kernel launches, which another process mapping them
-    /// gets launch probes on.
-    launches_skipped: std::collections::HashSet<LibraryId>,
+    /// Its libraries probed without kernel launches (what a job for their launches needs),
+    /// which another process mapping them gets launch probes on, and the target itself
+    /// where its library cannot count them after all.
+    launches_skipped: HashMap<LibraryId, in_process::Skipped>,
+    /// Jobs attaching the target's launch probes after all, on their way.
+    launch_jobs: usize,
+    /// How each process's launches were asked to be counted in-process came to be counted.
+    launch_counting: Vec<tracer_report::LaunchCounting>,
     /// Its launch table, once the library counts.
     in_process: Option<in_process::Counted>,
     /// (pid, handle) → CUPTI's kernel name, for rows of in-process tables.
@@ -125,7 +131,7 @@ impl CudaSession {
         options: &tracer_proto::CountingOptions,
         at: &super::Opening<'_>,
         tracks: Option<Box<dyn crate::gpu::Tracks>>,
-        times: Option<gpu_times::Ask>,
+        times: Option<gpu_times::Start>,
     ) -> Self {
         if let Err(e) = bpf.load_cuda() {
             tracing::warn!(%e, "loading the CUDA probes (tried again at the first library)");
@@ -149,10 +155,14 @@ impl CudaSession {
             driver_only: options.cuda_driver_only,
         };
         let mut session = Self::new(at.slot, at.pid.is_none(), probing, period, tracks);
-        if let Some(ask) = times {
-            session.in_process_target = ask.in_process.then_some(ask.pid);
-            // Done by the job that probes the injection library, at the first look.
-            session.gpu_times = gpu_times::State::Asked(ask);
+        match times {
+            Some(gpu_times::Start::Ask(ask)) => {
+                session.in_process_target = ask.in_process.then_some(ask.pid);
+                // Done by the job that probes the injection library, at the first look.
+                session.gpu_times = gpu_times::State::Asked(ask);
+            }
+            Some(gpu_times::Start::Probes(pid, why)) => session.counted_with_probes(pid, why),
+            None => {}
         }
         session
     }
@@ -187,7 +197,9 @@ impl CudaSession {
             injected: HashMap::new(),
             gpu_times: gpu_times::State::None,
             in_process_target: None,
-            launches_skipped: Default::default(),
+            launches_skipped: HashMap::new(),
+            launch_jobs: 0,
+            launch_counting: Vec::new(),
             in_process: None,
             cupti_names: HashMap::new(),
         }
@@ -299,7 +311,7 @@ impl CudaSession {
             };
             let cupti = lib == cuda::Library::Cupti && !self.injected.contains_key(&pid);
             let target = self.in_process_target == Some(pid);
-            if !target && self.launches_skipped.remove(&id) {
+            if !target && self.launches_skipped.remove(&id).is_some() {
                 // Another process maps the target's library: launch probes for it (they skip
                 // the target). Its other probes are in already (or on their way).
                 let points = in_process::Points::KernelLaunchesOnly;
@@ -316,7 +328,14 @@ impl CudaSession {
                 self.probing_libs
                     .insert(id, cupti.then_some(pid).into_iter().collect());
                 let points = if target {
-                    self.launches_skipped.insert(id);
+                    self.launches_skipped.insert(
+                        id,
+                        in_process::Skipped {
+                            lib,
+                            path: path.clone(),
+                            mapped: m.path.clone(),
+                        },
+                    );
                     in_process::Points::NoKernelLaunches
                 } else {
                     in_process::Points::All
@@ -392,7 +411,7 @@ impl CudaSession {
 
     /// The libraries being probed: their jobs come back to a session that may have ended.
     pub fn libraries_probing(&self) -> usize {
-        self.probing_libs.len()
+        self.probing_libs.len() + self.launch_jobs
     }
 
     /// The job that attaches `lib`'s entry points in the file `path` (`mapped` in `pid`):
@@ -435,14 +454,14 @@ impl CudaSession {
             found_by: found_by.to_owned(),
             points,
             enable: None,
+            launches_after_all: false,
         }
     }
 
     /// A library's probes, attached by its [`CudaJob`]; the CUPTI status of the processes
     /// that were found mapping it meanwhile is read now that they are in. Why GPU times
-    /// could not be turned on, where the job was to. Ok: the (process, slot) to mark in
-    /// `CUDA_INPROC`, where the library counts the process's launches from now on.
-    pub fn adopt(&mut self, probed: CudaProbed) -> Result<Option<(u32, u8)>, String> {
+    /// could not be turned on, where the job was to; else what the manager is to do next.
+    pub fn adopt(&mut self, probed: CudaProbed) -> Result<in_process::Adopted, String> {
         let CudaProbed {
             job,
             links,
@@ -462,6 +481,10 @@ impl CudaSession {
         });
         // A second job on one library (launch probes for another process) adds to the first's.
         self.libs.entry(job.id).or_default().extend(links);
+        if job.launches_after_all {
+            self.launch_jobs -= 1;
+            return Ok(in_process::Adopted::default());
+        }
         for pid in self.probing_libs.remove(&job.id).unwrap_or_default() {
             // Read once its probes are in: set up already (a warm process), or about to
             // be, and then its probe announces it (a read before the attach could miss
@@ -470,23 +493,9 @@ impl CudaSession {
             self.injected.insert(pid, status);
         }
         let (Some(enabled), Some(enable)) = (enabled, job.enable) else {
-            return Ok(None);
+            return Ok(in_process::Adopted::default());
         };
-        let pid = enable.ask.pid;
-        let mut mark = None;
-        let status = match enabled? {
-            gpu_times::Enabled::On(status, inproc) => {
-                self.gpu_times = gpu_times::State::On(enable.ask);
-                mark = inproc.map(|i| self.counting_in_process(pid, i));
-                status
-            }
-            gpu_times::Enabled::Injected(status) if enable.ask.in_process => {
-                return Err(format!("--cuda-in-process: pid {pid} runs tracer's injection library from its start (CUDA_INJECTION64_PATH), which counts no launches in-process yet: {status}"));
-            }
-            gpu_times::Enabled::Injected(status) => status,
-        };
-        self.injected.insert(pid, status);
-        Ok(mark)
+        self.enabled(enable.ask, enabled)
     }
 
     /// A warning for the report.
@@ -552,6 +561,7 @@ impl CudaSession {
             memory,
             unnamed,
             gpu_kernels: self.gpu_kernels(bpf.gpu_kernel_times(self.slot, false)),
+            launch_counting: self.launch_counting.clone(),
             ..CudaReport::default()
         }
     }
@@ -581,7 +591,7 @@ impl Source for CudaSession {
 
     /// Libraries found and still being probed.
     fn probing(&self) -> bool {
-        !self.probing_libs.is_empty()
+        self.libraries_probing() > 0
     }
 
     fn interim(&self, at: &mut Reading<'_>) -> Option<Box<dyn ReportPart>> {

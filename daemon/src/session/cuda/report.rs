@@ -47,6 +47,7 @@ impl CudaSession {
             warnings,
             gpu_kernels,
             gpu_times,
+            launch_counting: self.launch_counting,
         }
     }
 
@@ -133,13 +134,16 @@ impl CudaSession {
                 let graph = matches!(k.api, api::CU_GRAPH | api::CUDA_GRAPH);
                 let caller = native.addrs.get(&(k.pid, k.caller));
                 let mut named_from = "";
-                let named = self
-                    .names
-                    .name(k.pid, k.func)
-                    .or_else(|| self.cupti_name(k.pid, k.func));
+                let named = self.names.name(k.pid, k.func);
                 let kernel = match named {
                     _ if graph => format!("[graph exec {:#x}]", k.func),
                     Some(name) => cuda::demangle(name),
+                    // Where its naming call was not seen: CUPTI's name for a launch counted
+                    // in-process.
+                    None if self.cupti_name(k.pid, k.func).is_some() => {
+                        named_from = "CUPTI";
+                        cuda::demangle(self.cupti_name(k.pid, k.func).unwrap_or_default())
+                    }
                     None => match self.fallback_name(&k, native) {
                         Some((name, from)) => {
                             named_from = from;

@@ -232,7 +232,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     let target = req
         .target
         .ok_or_else(|| Error::InvalidArgument("a target is required: a pid, or all".into()))?;
-    let options = req.counting.unwrap_or_default();
+    let mut options = req.counting.unwrap_or_default();
     if options.export_prometheus && mode != Mode::Counting {
         return Err(Error::InvalidArgument(
             "--export prometheus is for counting sessions".into(),
@@ -262,6 +262,21 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
             "--cuda-in-process counts a running process's launches through tracer's injection library: it needs --cuda, --pid, counting mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
         ));
     }
+    if options.cuda_uprobes_only && (!options.cuda || options.cuda_in_process) {
+        return Err(Error::InvalidArgument(
+            "--cuda-uprobes-only says how CUDA launches are counted: it needs --cuda, and not --cuda-in-process".into(),
+        ));
+    }
+    // By default a running process's launches are counted in-process where its launch probes
+    // are not asked to do more (stacks, the driver only) and nothing says otherwise: where
+    // that cannot be had, the probes count them and the report says why.
+    options.cuda_in_process |= options.cuda
+        && !options.cuda_uprobes_only
+        && mode == Mode::Counting
+        && !target.launched
+        && matches!(target.kind, Some(target::Kind::Pid(_)))
+        && !options.cuda_stacks
+        && !options.cuda_driver_only;
     if options.python_uprobes_only && !options.python {
         return Err(Error::InvalidArgument(
             "--python-uprobes-only says how Python calls are counted: it needs --python".into(),

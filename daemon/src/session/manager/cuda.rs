@@ -11,6 +11,7 @@ use crate::session::{
     cuda::{gpu_times, watch, CudaProbed, CudaSession},
     source::Source,
 };
+use crate::{access::Caller, error::Error};
 
 impl Manager {
     pub(super) fn drain_kernel_names(&mut self, ring: &mut RingBuf<MapData>) {
@@ -73,20 +74,28 @@ impl Manager {
             .get_mut(session)
             .and_then(|s| s.sources.get_mut::<CudaSession>())
         {
-            match c.adopt(probed) {
+            let adopted = match c.adopt(probed) {
                 Err(why) => {
                     self.gpu_times_refused(session, why);
                     return;
                 }
-                // Its launch probes skip the process from now on, its library counting them.
-                Ok(Some((pid, slot))) => {
-                    if let Err(e) = self.bpf.set_cuda_inproc(pid, slot) {
-                        self.gpu_times_refused(session, format!("--cuda-in-process: {e}"));
-                        return;
-                    }
+                Ok(adopted) => adopted,
+            };
+            // Its launch probes skip the process from now on, its library counting them.
+            if let Some((pid, slot)) = adopted.mark {
+                if let Err(e) = self.bpf.set_cuda_inproc(pid, slot) {
+                    self.gpu_times_refused(session, format!("--cuda-in-process: {e}"));
+                    return;
                 }
-                Ok(None) => {}
             }
+            // The launch probes a process goes without where its library counts them,
+            // attached after all: the start waits for them.
+            let jobs: watch::Jobs = adopted
+                .jobs
+                .into_iter()
+                .map(|job| (session.to_owned(), job))
+                .collect();
+            self.probe_cuda(jobs);
             // Answered once none of its sources' probes is on its way.
             if !self.running.get(session).is_some_and(|s| s.probing()) {
                 if let Some(start) = self.starts.probing.remove(session) {
@@ -216,6 +225,42 @@ impl Manager {
         if let Some(c) = cuda {
             c.switched_off(pid, status);
             self.finish(id, reason, error);
+        }
+    }
+}
+
+impl Manager {
+    /// A start's ask for GPU times or in-process launches in `pid`, checked before anything
+    /// is taken (loading into the process is ptrace's to allow). Launches alone that cannot
+    /// be counted in-process are counted with the probes (the report says why); GPU times
+    /// that cannot be had refuse the start.
+    pub(super) fn gpu_times_start(
+        &self,
+        pid: u32,
+        owner_uid: u32,
+        options: &tracer_proto::CountingOptions,
+        caller: &Caller,
+    ) -> Result<gpu_times::Start, Error> {
+        let may = caller.may_load_into(pid);
+        if options.gpu_times {
+            may?;
+        } else if let Err(e) = may {
+            return Ok(gpu_times::Start::Probes(pid, e.to_string()));
+        }
+        let who = caller.clone();
+        let may_load: gpu_times::MayLoad =
+            std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
+        let checked = gpu_times::check(
+            pid,
+            owner_uid,
+            may_load,
+            options.cuda_in_process,
+            options.gpu_times,
+        );
+        match checked {
+            Ok(ask) => Ok(gpu_times::Start::Ask(ask)),
+            Err(why) if !options.gpu_times => Ok(gpu_times::Start::Probes(pid, why)),
+            Err(why) => Err(Error::FailedPrecondition(why)),
         }
     }
 }

@@ -287,27 +287,11 @@ impl Manager {
         let (scope, pid) = checks::scope(&asked.target, &caller)?;
         let owner_uid = caller.acting_uid("starting a session")?;
         // Checked before anything is taken: loading into the process is ptrace's to allow.
-        let gpu_times = match pid
-            .filter(|_| asked.options.gpu_times || asked.options.cuda_in_process)
-        {
-            Some(pid) => {
-                caller.may_load_into(pid)?;
-                let who = caller.clone();
-                let may_load: cuda::gpu_times::MayLoad =
-                    std::sync::Arc::new(move |p| who.may_load_into(p).map_err(|e| e.to_string()));
-                Some(
-                    cuda::gpu_times::check(
-                        pid,
-                        owner_uid,
-                        may_load,
-                        asked.options.cuda_in_process,
-                        asked.options.gpu_times,
-                    )
-                    .map_err(Error::FailedPrecondition)?,
-                )
-            }
-            None => None,
-        };
+        let gpu_times =
+            match pid.filter(|_| asked.options.gpu_times || asked.options.cuda_in_process) {
+                Some(pid) => Some(self.gpu_times_start(pid, owner_uid, &asked.options, &caller)?),
+                None => None,
+            };
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !asked.target.launched);
@@ -400,7 +384,7 @@ impl Manager {
         attached: &mut Option<ahead::Attached>,
         prepared: &mut Option<Prepared>,
         python_found: Option<Vec<FoundPython>>,
-        gpu_times: Option<cuda::gpu_times::Ask>,
+        gpu_times: Option<cuda::gpu_times::Start>,
     ) -> Result<Opened, Error> {
         let Plan {
             id,

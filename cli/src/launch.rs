@@ -45,6 +45,9 @@ pub fn hold(cmd: &[String]) -> Result<Held> {
             // Forked from a single-threaded process: allocating and setting variables is safe.
             for (name, value) in read_env(&rx) {
                 let value = match std::env::var_os(&name) {
+                    // Another tool's injection library, set by the user, stays: tracerd then
+                    // counts the command's launches with its probes.
+                    Some(old) if name == "CUDA_INJECTION64_PATH" && !old.is_empty() => continue,
                     Some(old) if name == "LD_PRELOAD" && !old.is_empty() => {
                         let mut v = std::ffi::OsString::from(value);
                         v.push(":");
@@ -198,7 +201,9 @@ pub fn inject_cupti(cmd: &[String]) -> Result<()> {
         ),
         _ => {}
     }
-    // Before any other thread exists: nothing reads the environment meanwhile.
+    // Before any other thread exists: nothing reads the environment meanwhile. Records on
+    // (the library counts launches alone where a session asks only for those).
     std::env::set_var(VAR, &lib);
+    std::env::set_var("TRACER_CUPTI_RECORDS", "1");
     Ok(())
 }

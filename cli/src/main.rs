@@ -133,11 +133,12 @@ struct StartArgs {
     /// until the session ends.
     #[arg(long, requires = "cuda")]
     gpu_times: bool,
-    /// With --cuda --pid (counting): count the process's launches inside it, through CUPTI's
-    /// launch callbacks in tracer's injection library (loaded with ptrace, as for
-    /// --gpu-times), instead of the launch probes: no trap a launch. The default for such a
-    /// session without --cuda-stacks or --cuda-driver-only; where it cannot be had, the
-    /// probes count them and the report says why.
+    /// With --cuda (counting, --pid or -- CMD): count the process's launches inside it,
+    /// through CUPTI's launch callbacks in tracer's injection library (loaded with ptrace
+    /// into a running process, as for --gpu-times; set in a launched command's environment),
+    /// instead of the launch probes: no trap a launch. The default for such a session
+    /// without --cuda-stacks or --cuda-driver-only; where it cannot be had, the probes count
+    /// them and the report says why.
     #[arg(long, requires = "cuda")]
     cuda_in_process: bool,
     /// With --cuda: count launches with the launch uprobes only, loading nothing into any

@@ -1,7 +1,9 @@
 #!/bin/sh
 # The PyTorch part of `cargo xtask bench cuda`, for a GPU machine with the built binaries and
-# no build tree: ns per launch of tests/gpu/torch_launch_loop.py untraced and under
-# `--mode=counting --cuda` attached before its timed rounds, RUNS runs of each, interleaved.
+# no build tree: ns per launch of tests/gpu/torch_launch_loop.py untraced, under
+# `--mode=counting --cuda` (the default: launches counted in-process, through CUPTI's
+# callbacks) and under `--mode=counting --cuda --cuda-uprobes-only` (the launch probes),
+# attached before its timed rounds, RUNS runs of each, interleaved.
 # Not part of CI: run by hand as root; results go in docs/GPU_VALIDATION.md.
 # usage: bench_cuda.sh BIN_DIR [N=20000] [ROUNDS=3] [RUNS=3]
 #        (START_ARGS=--cuda-driver-only adds arguments to the session's start)
@@ -21,10 +23,11 @@ run() {
   exec 3>"$STATE/in"
   while ! grep -q ready "$STATE/out" 2>/dev/null; do sleep 0.1; done
   ID=
-  if [ "$1" = counting ]; then
-    ID=$($CTL start --mode=counting --cuda ${START_ARGS:-} --pid $LOOP)
-    sleep 1
-  fi
+  case "$1" in
+  counting) ID=$($CTL start --mode=counting --cuda ${START_ARGS:-} --pid $LOOP) ;;
+  probes) ID=$($CTL start --mode=counting --cuda --cuda-uprobes-only ${START_ARGS:-} --pid $LOOP) ;;
+  esac
+  [ -z "$ID" ] || sleep 1
   echo go >&3
   wait $LOOP
   exec 3>&-
@@ -35,10 +38,12 @@ run() {
     report_when_ended "$ID" --format json -o "$STATE/r.json"
     COUNTS=$(python3 - "$STATE/r.json" <<'PY'
 import json, sys
-c = json.load(open(sys.argv[1]))["cuda"]["launches"]
+r = json.load(open(sys.argv[1]))["cuda"]
+c = r["launches"]
 rt = sum(l["launches"] for l in c if l["api"].startswith("cuda") and "Graph" not in l["api"])
 dr = sum(l["launches"] for l in c if not l["api"].startswith("cuda") and "Graph" not in l["api"])
-print(f"runtime {rt} driver {dr}")
+way = ",".join(w["way"] for w in r.get("launch_counting", [])) or "probes"
+print(f"runtime {rt} driver {dr} ({way})")
 PY
 )
   fi
@@ -49,10 +54,13 @@ echo "torch_launch_loop.py $N x $ROUNDS rounds, $RUNS runs each; ns per x.add_(1
 for i in $(seq "$RUNS"); do
   run untraced
   run counting
+  run probes
 done | tee "$STATE/runs"
 median() {
   awk -v c="$1" '$1 == c { print $2 }' "$STATE/runs" | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
 }
 U=$(median untraced)
 C=$(median counting)
-echo "median: untraced $U ns, counting $C ns: $((C - U)) ns added per launch"
+P=$(median probes)
+echo "median: untraced $U ns; counting (default, in-process) $C ns: $((C - U)) ns added per launch;"
+echo "        counting with the launch probes $P ns: $((P - U)) ns added per launch"

@@ -2628,7 +2628,7 @@ fn launches_in_process_are_refused_with_options_they_cannot_go_with() {
     assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
     let pid = app.pid();
     let shapes =
-        "it needs --cuda, --pid, counting mode, and neither --cuda-stacks nor --cuda-driver-only";
+        "it needs --cuda, --pid or -- CMD, counting mode, and neither --cuda-stacks nor --cuda-driver-only";
     for extra in [
         &["--mode=tracing", "--pid", &pid][..],
         &["--mode=sampling", "--pid", &pid],
@@ -2714,5 +2714,179 @@ fn launches_that_cannot_be_counted_in_process_are_counted_with_the_probes() {
             assert_eq!(held["api_callbacks"], 0, "none turned on: {held}");
         }
         drop(app);
+    }
+}
+
+/// `tracerctl start --mode=counting --cuda -- CMD` and its launched command, driven by its
+/// cues through tracerctl's stdin and stdout: the program's account and the session's JSON
+/// report (written when the command exits).
+fn launched(
+    d: &Daemon,
+    extra: &[&str],
+    cmd: &[&str],
+    env: &[(&str, &str)],
+    cues: &[&str],
+) -> (Vec<String>, Value) {
+    let out = d
+        .dir
+        .path()
+        .join(format!("launched-{}.json", std::process::id()));
+    let mut ctl = d.ctl();
+    ctl.args(["start", "--mode=counting", "--cuda"])
+        .args(extra)
+        .args(["--format", "json", "-o"])
+        .arg(&out)
+        .arg("--")
+        .args(cmd)
+        .env_remove("CUDA_INJECTION64_PATH")
+        .env_remove("TRACER_CUPTI_LAUNCHES")
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut guard = ChildGuard::spawn(&mut ctl);
+    let mut app = App {
+        out: BufReader::new(guard.0.stdout.take().unwrap()),
+        stdin: guard.0.stdin.take(),
+        guard,
+    };
+    let said: Vec<String> = cues.iter().map(|c| app.cue(c)).collect();
+    drop(app.stdin.take());
+    let _ = app.guard.0.wait();
+    let report = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    (said, report)
+}
+
+/// A launched command's launches are counted in-process by default: the launcher sets
+/// tracer's injection library and `TRACER_CUPTI_LAUNCHES=1` for it, the library waits in
+/// `cuInit` for the session's answer, and every launch made after is counted there, the rows
+/// the program's own account with their callers; the same as `--cuda-uprobes-only` counts.
+/// A program of the command started without those variables (another tool's injection
+/// library, or an environment of its own) is counted with the probes, and the report says
+/// why.
+#[test]
+fn launched_commands_count_their_launches_in_process() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let app = libs.join("cuda_app");
+    let app = app.to_str().unwrap();
+    let cues = ["", "go\n"];
+    let account = |said: &[String]| -> Value {
+        assert_eq!(said[0], "ready\n");
+        let truth: Value = serde_json::from_str(&said[1]).expect("the program's account");
+        assert_eq!(truth["ok"], true, "the program's own checks");
+        truth
+    };
+    let callers = |r: &Value| -> BTreeMap<String, u64> {
+        let mut all = BTreeMap::new();
+        for l in r["cuda"]["launches"].as_array().unwrap() {
+            // Graph executables' handles differ from run to run.
+            if l["api"].as_str().unwrap().contains("Graph") {
+                continue;
+            }
+            let key = format!("{} {} {}", l["api"], l["kernel"], l["caller"]);
+            *all.entry(key).or_default() += l["launches"].as_u64().unwrap();
+        }
+        all
+    };
+
+    let (said, inproc) = launched(&d, &[], &[app], &[], &cues);
+    let truth = account(&said);
+    let counting = &inproc["cuda"]["launch_counting"];
+    assert_eq!(counting[0]["way"], "in-process", "{}", inproc["cuda"]);
+    assert_eq!(counting[0]["pid"], truth["pid"]);
+    assert_eq!(
+        report_rows(&inproc),
+        truth_rows(&truth),
+        "the program's own account"
+    );
+    let status = inproc["cuda"]["gpu_times"][0]["status"].as_str().unwrap();
+    assert!(
+        status.contains("no kernel records (launches alone)")
+            && status.contains("; launches counted in-process"),
+        "{status}"
+    );
+
+    let (said, probes) = launched(&d, &["--cuda-uprobes-only"], &[app], &[], &cues);
+    let truth = account(&said);
+    assert_eq!(probes["cuda"]["launch_counting"], Value::Null, "none asked");
+    assert_eq!(
+        probes["cuda"]["gpu_times"],
+        Value::Null,
+        "no library loaded"
+    );
+    assert_eq!(report_rows(&probes), truth_rows(&truth));
+    assert_eq!(callers(&inproc), callers(&probes), "the probes' callers");
+
+    // Started with another tool's library (the launcher leaves it), and a program of the
+    // command given an environment without tracer's.
+    let other = ("CUDA_INJECTION64_PATH", "/nonexistent/libother_tool.so");
+    let stripped = ["env", "-u", "CUDA_INJECTION64_PATH", app];
+    for (cmd, env, why) in [
+        (&[app][..], &[other][..], "another tool's injection library"),
+        (
+            &stripped[..],
+            &[][..],
+            "started without CUDA_INJECTION64_PATH",
+        ),
+    ] {
+        let (said, report) = launched(&d, &[], cmd, env, &cues);
+        let truth = account(&said);
+        let counting = &report["cuda"]["launch_counting"];
+        assert_eq!(counting[0]["way"], "probes", "{cmd:?}: {counting}");
+        assert_eq!(counting[0]["pid"], truth["pid"]);
+        let said = counting[0]["why"].as_str().unwrap();
+        assert!(said.contains(why), "{cmd:?}: {said}");
+        assert_eq!(report_rows(&report), truth_rows(&truth), "{cmd:?}");
+    }
+}
+
+/// A launched Python program's launches counted in-process name their Python call site as
+/// the probes do: the line that launched, and a thread without Python given the line of the
+/// thread that launched from Python last.
+#[test]
+fn launched_python_names_its_call_sites_in_process() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let script = tracer_tests::script("cuda_calls.py");
+    let runtime = libs.join("libcudart.so.13");
+    let python = tracer_tests::python();
+    let sites = |r: &Value| -> BTreeMap<String, u64> {
+        let mut all = BTreeMap::new();
+        for l in r["cuda"]["launches"].as_array().unwrap() {
+            let key = format!("{} {} {}", l["api"], l["call_site"], l["call_site_from"]);
+            *all.entry(key).or_default() += l["launches"].as_u64().unwrap();
+        }
+        all
+    };
+    for mode in ["", "thread-busy"] {
+        let cmd = [
+            python.to_str().unwrap(),
+            script.to_str().unwrap(),
+            runtime.to_str().unwrap(),
+            "6",
+            "2",
+            mode,
+        ];
+        let cues = ["", "go\n"];
+        let (said, inproc) = launched(&d, &[], &cmd, &[], &cues);
+        assert_eq!(said, ["loaded\n", "done\n"], "{mode}");
+        let (said, probes) = launched(&d, &["--cuda-uprobes-only"], &cmd, &[], &cues);
+        assert_eq!(said, ["loaded\n", "done\n"], "{mode}");
+        assert_eq!(
+            inproc["cuda"]["launch_counting"][0]["way"], "in-process",
+            "{mode}: {}",
+            inproc["cuda"]
+        );
+        let (mine, theirs) = (sites(&inproc), sites(&probes));
+        assert_eq!(mine, theirs, "{mode}: the probes' call sites");
+        let named = mine.keys().filter(|k| k.contains(".py:")).count();
+        assert!(named > 0, "{mode}: {mine:#?}");
     }
 }

@@ -148,6 +148,13 @@ impl Cupti {
         Ok(())
     }
 
+    /// Lets the subscriber slot go (its callbacks with it), CUPTI left attached.
+    pub fn let_go(&self, subscriber: Subscriber) -> Result<(), String> {
+        let a = self.attach()?;
+        // SAFETY: a plain call with the handle CUPTI gave.
+        self.check("cuptiUnsubscribe", unsafe { (a.unsubscribe)(subscriber.0) })
+    }
+
     /// Turns kernel records of `kind` (if any) off, lets the subscriber slot go and detaches CUPTI
     /// from the process (`cuptiFinalize`), as a profiler that ends does. Errors are said,
     /// and every step is tried.

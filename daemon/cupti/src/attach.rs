@@ -290,14 +290,14 @@ fn serve() {
 
 /// The first byte of `tracer_cupti_kernel` as the file has it: a uprobe replaces it in the
 /// process's copy of the page (a breakpoint, or a jump where the instruction allows one).
-struct Probe {
+pub(crate) struct Probe {
     addr: usize,
     file_byte: u8,
 }
 
 impl Probe {
     /// Found through the process's mapping of the function's page; None if it cannot be.
-    fn find() -> Option<Self> {
+    pub(crate) fn find() -> Option<Self> {
         let addr = super::tracer_cupti_kernel as extern "C" fn(_) as usize;
         let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
         maps.lines().find_map(|line| {
@@ -324,7 +324,7 @@ impl Probe {
         })
     }
 
-    fn probed(&self) -> bool {
+    pub(crate) fn probed(&self) -> bool {
         // SAFETY: the first byte of one of our own functions, mapped for as long as we are.
         unsafe { std::ptr::read_volatile(self.addr as *const u8) != self.file_byte }
     }

@@ -175,6 +175,32 @@ pub fn table() -> Result<i32, String> {
     }
 }
 
+thread_local! {
+    /// A runtime launch under way on this thread when counting started (inside the `cuInit` it
+    /// ran): its entry point and caller, made into its row by its driver launch's callback.
+    static UNDER_WAY: std::cell::Cell<Option<(u32, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// The runtime's launch entry points (exported names) and theirs in tracer's terms.
+const RUNTIME_ENTRIES: [(&str, u32); 4] = [
+    ("cudaLaunchKernel", api::CUDA_LAUNCH),
+    ("cudaLaunchKernel_ptsz", api::CUDA_LAUNCH),
+    ("cudaLaunchKernelExC", api::CUDA_LAUNCH_EX),
+    ("cudaLaunchKernelExC_ptsz", api::CUDA_LAUNCH_EX),
+];
+
+/// Called where counting starts inside `cuInit` (a launched command's): a runtime launch
+/// that ran it entered before its callback was on, and is counted with its driver launch.
+pub fn catch_launch_under_way() {
+    if let Some(found) = crate::under_way::under_way(&RUNTIME_ENTRIES) {
+        // A loss until a later callback of the call makes its row.
+        if let Some(u) = unseen() {
+            u.fetch_add(1, Ordering::Relaxed);
+        }
+        UNDER_WAY.with(|u| u.set(Some(found)));
+    }
+}
+
 /// Starts counting: the Python layout tracerd wrote is taken now.
 pub fn start() {
     // SAFETY: tracerd wrote it before asking; read once here.
@@ -217,7 +243,20 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
     let Some(&(_, _, which)) = CALLBACKS.iter().find(|c| c.0 == domain && c.1 == cbid) else {
         return;
     };
+    let name = d.symbol_name as u64;
     if d.site != SITE_ENTER {
+        // The exit of a runtime launch under way when counting started, which made no
+        // driver launch (refused): its row from its own parameters.
+        let under_way = UNDER_WAY.with(std::cell::Cell::get);
+        if let Some((_, caller)) = under_way.filter(|u| domain == DOMAIN_RUNTIME && u.0 == which) {
+            UNDER_WAY.with(|u| u.set(None));
+            // SAFETY: the parameters struct of the call `cbid` names.
+            if let Some(mut key) = unsafe { read_params(which, d.params) } {
+                key.caller = caller;
+                seen_after_all();
+                finish(key, None, name);
+            }
+        }
         return;
     }
     // SAFETY: the parameters struct of the call `cbid` names.
@@ -230,6 +269,25 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
         crate::caller::Domain::Driver
     };
     key.caller = crate::caller::launch_caller(caller_domain, cbid, entry_names(cbid), sp);
+    // The runtime launch this driver launch is made in, if its own callback came before
+    // counting did: its row, with the driver call's handle, configuration and name.
+    let runtime = if domain == DOMAIN_DRIVER {
+        UNDER_WAY.with(std::cell::Cell::take).map(|(api, caller)| {
+            seen_after_all();
+            let mut k = key;
+            (k.api, k.caller) = (api, caller);
+            k
+        })
+    } else {
+        None
+    };
+    finish(key, runtime, name);
+}
+
+/// Counts `key` (and `also`, a row of the same launch) with the launching thread's Python
+/// call site; from a thread without a Python frame in a Python process, hands them to the
+/// probe point that finds the thread it works for.
+fn finish(mut key: CudaLaunchKey, also: Option<CudaLaunchKey>, name: u64) {
     let python = PYTHON.load(Ordering::Acquire);
     if !python.is_null() {
         // SAFETY: set once, never freed.
@@ -244,16 +302,39 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
                 LAST_LAUNCHER[1].store(id, Ordering::Relaxed);
             }
             None => {
-                tracer_cupti_launch_elsewhere(
-                    &key,
-                    LAST_LAUNCHER[0].load(Ordering::Relaxed),
-                    LAST_LAUNCHER[1].load(Ordering::Relaxed),
-                );
+                for k in also.iter().chain(std::iter::once(&key)) {
+                    tracer_cupti_launch_elsewhere(
+                        k,
+                        LAST_LAUNCHER[0].load(Ordering::Relaxed),
+                        LAST_LAUNCHER[1].load(Ordering::Relaxed),
+                    );
+                }
                 return;
             }
         }
     }
-    count(&key, d.symbol_name as u64);
+    if let Some(mut r) = also {
+        (r.py_code, r.py_instr, r.py_names, r.py_elsewhere) =
+            (key.py_code, key.py_instr, key.py_names, key.py_elsewhere);
+        count(&r, name);
+    }
+    count(&key, name);
+}
+
+/// The table's `unseen` word (null without a table).
+fn unseen() -> Option<&'static AtomicU64> {
+    let base = TABLE.load(Ordering::Acquire);
+    // SAFETY: the table is mapped for the process's life; the header is its start.
+    (!base.is_null()).then(|| unsafe {
+        AtomicU64::from_ptr(std::ptr::addr_of_mut!((*base.cast::<Header>()).unseen))
+    })
+}
+
+/// The launch under way when counting started has its row after all.
+fn seen_after_all() {
+    if let Some(u) = unseen() {
+        let _ = u.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
 }
 
 /// A plain read of this process's memory at `addr`.

@@ -18,7 +18,9 @@ mod api;
 mod attach;
 mod caller;
 mod find;
+mod launched;
 mod launches;
+mod under_way;
 
 use std::{
     cell::UnsafeCell,
@@ -162,13 +164,20 @@ pub extern "C" fn InitializeInjection() -> c_int {
     if !attach::claim(attach::Mode::Driver) || CUPTI.get().is_some() {
         return 1;
     }
-    let line = match start() {
+    // Launches counted here (a session's launcher asked): kernel records only where
+    // `--gpu-times` asked for them too.
+    let launches = launched::asked();
+    let records = !launches || std::env::var_os("TRACER_CUPTI_RECORDS").is_some_and(|v| v == "1");
+    let mut line = match start(records) {
         Ok(line) => line,
         Err(e) => {
             eprintln!("libtracer_cupti: GPU kernel times unavailable: {e}");
             format!("error: {e}")
         }
     };
+    if launches {
+        line = launched::count_here(CUPTI.get(), &line);
+    }
     set_status(&line);
     announce(&line);
     1
@@ -180,11 +189,17 @@ fn announce(line: &str) {
     tracer_cupti_initialized(c.as_ptr());
 }
 
-fn start() -> Result<String, String> {
+fn start(records: bool) -> Result<String, String> {
     // The user's own program, not in secure mode (checked above): its environment may name
     // CUPTI.
     let (lib, path) = find::libcupti()?;
     let cupti = Cupti::load(lib)?;
+    if !records {
+        let _ = CUPTI.set(cupti);
+        return Ok(format!(
+            "ok: CUPTI from {path}; no kernel records (launches alone)"
+        ));
+    }
     // CUPTI stamps records with CLOCK_REALTIME on Linux. Its timestamp callback would give
     // CLOCK_MONOTONIC directly, but CUPTI 12.6 to 13.0 write zero kernel times when one is
     // registered (fixed in 13.1): an offset, measured again at each buffer, instead.

@@ -417,6 +417,12 @@ impl Manager {
                 self.cuda_probed(&session, probed);
                 self.continue_cuda_held();
             }
+            Done::CudaHandshake {
+                session,
+                pid,
+                injection,
+                counted,
+            } => self.cuda_handshaken(&session, pid, injection, counted),
             Done::CudaReleased(slot) => self.cuda_released(slot),
             Done::CudaScanned(pids) => {
                 self.scans.cuda = false;

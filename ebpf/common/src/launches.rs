@@ -17,13 +17,21 @@ use crate::CudaLaunchKey;
 /// `b"trlaunch"`, little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"trlaunch");
 /// Bumped whenever anything below changes shape.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Entries in the table (a power of two).
 pub const SLOTS: usize = 8192;
 /// How many slots an insertion looks at before counting the launch as lost.
 pub const PROBES: usize = 64;
 /// The memfd's name, as `/proc/PID/fd/N` shows it (`memfd:` + this).
 pub const MEMFD_NAME: &str = "tracer-cuda-launches";
+
+/// A launched command's library, waiting in `cuInit` for tracerd's answer, says this in its
+/// status line; and this before why, where it cannot count launches there.
+pub const WAITING: &str = "launches: waiting for tracerd";
+pub const CANNOT: &str = "cannot count them here: ";
+/// The variable a session's launcher sets for the library to count launches in the command
+/// (and its children), beside `CUDA_INJECTION64_PATH`.
+pub const LAUNCHES_VAR: &str = "TRACER_CUPTI_LAUNCHES";
 
 /// `Entry::state`.
 pub mod state {
@@ -41,7 +49,11 @@ pub struct Header {
     pub slots: u32,
     /// Launches not counted: no free slot within [`PROBES`] of their key's.
     pub full: u64,
-    pub _reserved: [u64; 5],
+    /// A runtime launch under way when counting started inside the `cuInit` it ran (its
+    /// entry callback came before counting did), until its row is made from a later
+    /// callback of the call: a loss while it stands.
+    pub unseen: u64,
+    pub _reserved: [u64; 4],
 }
 
 /// One row: a launch key (its `slot` and `pid` unused: 0) and how many launches had it.

@@ -34,6 +34,8 @@ pub struct Injection {
     want_launches: u64,
     python: u64,
     launch_fd: u64,
+    /// `tracer_cupti_go`: the answer a launched command's library waits for in `cuInit`.
+    go: u64,
 }
 
 /// What the library needs to read a launching thread's Python call site: the address of
@@ -80,6 +82,7 @@ impl Injection {
             want_launches: word("tracer_cupti_want_launches"),
             python: word("tracer_cupti_python"),
             launch_fd: word("tracer_cupti_launch_fd"),
+            go: word("tracer_cupti_go"),
         })
     }
 
@@ -145,6 +148,19 @@ impl Injection {
         // The library's WANT_WITH_RECORDS and WANT_ONLY.
         let want: u64 = if records { 1 } else { 2 };
         write(self.want_launches, &want.to_ne_bytes())
+    }
+
+    /// Answers a launched command's library waiting in `cuInit`: count launches there
+    /// (`count`), or not (the probes count them).
+    pub fn answer(&self, count: bool) -> Result<(), String> {
+        let pid = self.pid;
+        if self.go == 0 {
+            return Err("this injection library waits for no answer (an older build)".into());
+        }
+        let word: u64 = if count { 1 } else { 2 };
+        Pinned::open(pid)
+            .and_then(|pin| pin.write(self.go, &word.to_ne_bytes()))
+            .map_err(|e| format!("writing pid {pid}'s memory: {e}"))
     }
 
     /// The library's launch table, taken from the process and mapped here.

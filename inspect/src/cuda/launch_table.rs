@@ -27,6 +27,8 @@ pub struct Row {
 pub struct Counts {
     pub rows: Vec<Row>,
     pub full: u64,
+    /// A launch under way when counting started whose row could not be made (`Header::unseen`).
+    pub unseen: u64,
 }
 
 impl Counts {
@@ -60,6 +62,7 @@ impl Counts {
         Counts {
             rows,
             full: self.full.saturating_sub(base.full),
+            unseen: self.unseen.saturating_sub(base.unseen),
         }
     }
 }
@@ -171,6 +174,7 @@ impl LaunchTable {
         Counts {
             rows,
             full: self.header().full,
+            unseen: self.header().unseen,
         }
     }
 }
@@ -212,13 +216,15 @@ mod tests {
         let base = Counts {
             rows: vec![row(1, 10), row(2, 5)],
             full: 1,
+            unseen: 0,
         };
         let now = Counts {
             rows: vec![row(1, 12), row(2, 5), row(3, 4), row(3, 1)],
             full: 3,
+            unseen: 1,
         };
         let d = now.since(&base);
         assert_eq!(d.rows, vec![row(1, 2), row(3, 5)]);
-        assert_eq!(d.full, 2);
+        assert_eq!((d.full, d.unseen), (2, 1));
     }
 }

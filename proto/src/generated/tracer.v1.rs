@@ -91,9 +91,10 @@ pub struct CountingOptions {
     /// sets CUDA_INJECTION64_PATH (INVALID_ARGUMENT here).
     #[prost(bool, tag = "10")]
     pub gpu_times: bool,
-    /// With `cuda`, for a running process named by pid, counting mode: count its kernel
-    /// launches inside it, through CUPTI's launch callbacks in tracer's injection library
-    /// (loaded as for `gpu_times`, which it does not imply: without it, no kernel records),
+    /// With `cuda`, counting mode, for a process named by pid: count its kernel launches inside
+    /// it, through CUPTI's launch callbacks in tracer's injection library (in a running process
+    /// loaded as for `gpu_times`, which it does not imply: without it, no kernel records; a
+    /// launched command is started with it, through SessionInfo.launch_env),
     /// instead of the launch probes: no uprobe trap a launch. Rows are those the probes make (entry point,
     /// kernel, grid, block, shared memory, stream, native caller, Python call site); a launch
     /// from a thread without a Python frame in a Python process is handed to one probe, which

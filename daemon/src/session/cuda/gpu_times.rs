@@ -78,6 +78,9 @@ pub enum Start {
     /// Launches in-process alone were asked, and `pid` cannot have them (why): its launches
     /// are counted with the probes, and nothing is loaded.
     Probes(u32, String),
+    /// A launched command's launches, counted in-process where its library (set in its
+    /// environment by the launcher) asks from `cuInit` (`launched.rs`).
+    Launched,
 }
 
 /// What [`Enable::run`] got.
@@ -310,7 +313,7 @@ pub struct InProcess {
 
 /// Where `pid`'s library reads a launching thread's Python call site: None for a process
 /// that runs no CPython; an error for one whose call sites it could not read.
-fn python_at(
+pub(super) fn python_at(
     pid: u32,
 ) -> Result<
     Option<(
@@ -459,7 +462,7 @@ fn find_cupti(maps: &[MapEntry], exists: impl Fn(&Path) -> bool) -> Result<PathB
 }
 
 /// tracer's injection library in `pid`.
-fn find(pid: u32) -> Result<Injection, String> {
+pub(super) fn find(pid: u32) -> Result<Injection, String> {
     let maps = ProcMaps::read(pid).map_err(|e| format!("pid {pid}: {e}"))?;
     let mine: Vec<&MapEntry> = maps
         .entries()

@@ -9,6 +9,7 @@
 
 use tracer_common::{cuda_api as api, CudaLaunchKey};
 use tracer_inspect::cuda;
+use tracer_inspect::python::layout::Version;
 use tracer_report::LaunchCounting;
 
 use super::{
@@ -46,7 +47,7 @@ impl CudaSession {
     /// The launch table came with the GPU times the job turned on: the process to mark in
     /// `CUDA_INPROC` for this session's slot.
     pub(super) fn counting_in_process(&mut self, pid: u32, inproc: InProcess) -> (u32, u8) {
-        self.in_process = Some(Counted { pid, inproc });
+        self.in_process.push(Counted { pid, inproc });
         self.launch_counting.push(LaunchCounting {
             pid,
             way: "in-process".into(),
@@ -56,18 +57,22 @@ impl CudaSession {
     }
 
     /// The session's in-process launches so far (slot and pid filled in), and how many
-    /// launches the table had no room for.
+    /// launches the tables had no room for.
     pub(super) fn in_process_counts(&self) -> (Vec<(CudaLaunchKey, u64)>, u64) {
-        self.in_process_read()
-            .map_or((Vec::new(), 0), |(pid, counts)| {
-                (self.keys(pid, &counts), counts.full)
-            })
+        let mut all = (Vec::new(), 0);
+        for (c, counts) in self.in_process_read() {
+            all.0.extend(self.keys(c.pid, &counts));
+            all.1 += counts.full;
+        }
+        all
     }
 
-    /// The target and its table's counts since the session's start.
-    fn in_process_read(&self) -> Option<(u32, cuda::LaunchCounts)> {
-        let c = self.in_process.as_ref()?;
-        Some((c.pid, c.inproc.table.read().since(&c.inproc.base)))
+    /// Each process counted in-process, with its table's counts since the session's start.
+    fn in_process_read(&self) -> Vec<(&Counted, cuda::LaunchCounts)> {
+        self.in_process
+            .iter()
+            .map(|c| (c, c.inproc.table.read().since(&c.inproc.base)))
+            .collect()
     }
 
     /// `counts`' rows as the session's launch counts in `pid` (slot and pid filled in).
@@ -84,11 +89,32 @@ impl CudaSession {
     }
 
     /// [`Self::in_process_counts`], with what the rows' announcements (`CUPTI_ROW`) left
-    /// unnamed looked up now, where the process may still be read: at the end.
-    pub(super) fn in_process_rows(&mut self) -> (Vec<(CudaLaunchKey, u64)>, u64) {
-        let Some((pid, counts)) = self.in_process_read() else {
-            return (Vec::new(), 0);
-        };
+    /// unnamed looked up now, where the processes may still be read: at the end. Also the
+    /// launches under way when counting started whose rows could not be made.
+    pub(super) fn in_process_rows(&mut self) -> (Vec<(CudaLaunchKey, u64)>, u64, u64) {
+        let read: Vec<(u32, Option<&'static Version>, cuda::LaunchCounts)> = self
+            .in_process_read()
+            .into_iter()
+            .map(|(c, counts)| (c.pid, c.inproc.python, counts))
+            .collect();
+        let mut all = (Vec::new(), 0, 0);
+        for (pid, version, counts) in read {
+            let rows = self.named_rows(pid, version, &counts);
+            all.0.extend(rows);
+            all.1 += counts.full;
+            all.2 += counts.unseen;
+        }
+        all
+    }
+
+    /// `pid`'s rows, their kernels, callers and call sites named where the announcements
+    /// left them unnamed.
+    fn named_rows(
+        &mut self,
+        pid: u32,
+        version: Option<&'static Version>,
+        counts: &cuda::LaunchCounts,
+    ) -> Vec<(CudaLaunchKey, u64)> {
         for r in &counts.rows {
             if r.name != 0 && !self.cupti_names.contains_key(&(pid, r.key.func)) {
                 if let Some(name) = cuda::name_in_process(pid, r.name) {
@@ -96,10 +122,9 @@ impl CudaSession {
                 }
             }
         }
-        let (rows, full) = (self.keys(pid, &counts), counts.full);
+        let rows = self.keys(pid, counts);
         let callers: Vec<u64> = rows.iter().map(|(k, _)| k.caller).collect();
         self.callers.locate(pid, &callers);
-        let version = self.in_process.as_ref().and_then(|c| c.inproc.python);
         for (k, _) in &rows {
             let site = (k.pid, k.py_code, k.py_instr, k.py_names);
             if k.py_code == 0 || self.call_sites.contains_key(&site) {
@@ -112,7 +137,7 @@ impl CudaSession {
                 self.call_sites.insert(site, format!("{q} ({f}:{line})"));
             }
         }
-        (rows, full)
+        rows
     }
 
     /// CUPTI's name for an in-process row's handle.
@@ -190,7 +215,7 @@ impl CudaSession {
 
     /// The target's library cannot count its launches after all (why): the launch probes
     /// its libraries went without are attached now, before the start is answered.
-    fn fall_back(&mut self, pid: u32, why: String) -> Adopted {
+    pub(super) fn fall_back(&mut self, pid: u32, why: String) -> Adopted {
         tracing::info!(pid, %why, "launches counted with probes");
         self.counted_with_probes(pid, why);
         self.in_process_target = None;

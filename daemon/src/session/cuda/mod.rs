@@ -13,7 +13,9 @@ mod callers;
 pub mod gpu_times;
 mod handles;
 mod in_process;
+mod launched;
 pub use in_process::Adopted;
+pub use launched::{handshake, launch_env, Handshaken};
 mod job;
 mod report;
 pub mod watch;
@@ -114,7 +116,9 @@ pub struct CudaSession {
     /// How each process's launches were asked to be counted in-process came to be counted.
     launch_counting: Vec<tracer_report::LaunchCounting>,
     /// Its launch table, once the library counts.
-    in_process: Option<in_process::Counted>,
+    in_process: Vec<in_process::Counted>,
+    /// A launched command's processes counted in-process (`launched.rs`).
+    launched: Option<launched::Launched>,
     /// (pid, handle) → CUPTI's kernel name, for rows of in-process tables.
     cupti_names: HashMap<ProcAddr, String>,
 }
@@ -162,6 +166,7 @@ impl CudaSession {
                 session.gpu_times = gpu_times::State::Asked(ask);
             }
             Some(gpu_times::Start::Probes(pid, why)) => session.counted_with_probes(pid, why),
+            Some(gpu_times::Start::Launched) => session.launched = Some(Default::default()),
             None => {}
         }
         session
@@ -200,7 +205,8 @@ impl CudaSession {
             launches_skipped: HashMap::new(),
             launch_jobs: 0,
             launch_counting: Vec::new(),
-            in_process: None,
+            in_process: Vec::new(),
+            launched: None,
             cupti_names: HashMap::new(),
         }
     }
@@ -247,10 +253,12 @@ impl CudaSession {
         }
         if matches!(ev.api, api::CUPTI_KERNEL | api::CUPTI_STATUS) {
             let text = cuda::event_name(ev);
-            match ev.api {
-                api::CUPTI_KERNEL => self.gpu_names.insert((ev.pid, ev.handle), text),
-                _ => self.announced.insert(ev.pid, text),
-            };
+            if ev.api == api::CUPTI_KERNEL {
+                self.gpu_names.insert((ev.pid, ev.handle), text);
+            } else {
+                self.launched_status(ev.pid, &text);
+                self.announced.insert(ev.pid, text);
+            }
             return;
         }
         if ev.api != api::CALL_SITE {
@@ -310,7 +318,8 @@ impl CudaSession {
                 }
             };
             let cupti = lib == cuda::Library::Cupti && !self.injected.contains_key(&pid);
-            let target = self.in_process_target == Some(pid);
+            let target = self.in_process_target == Some(pid)
+                || self.launched_in_process(pid, lib == cuda::Library::Driver);
             if !target && self.launches_skipped.remove(&id).is_some() {
                 // Another process maps the target's library: launch probes for it (they skip
                 // the target). Its other probes are in already (or on their way).
@@ -349,6 +358,7 @@ impl CudaSession {
             }
             if cupti {
                 let status = injection_status(pid, &path, id, Some(&maps));
+                self.launched_status(pid, &status);
                 self.injected.insert(pid, status);
             }
         }
@@ -490,6 +500,7 @@ impl CudaSession {
             // be, and then its probe announces it (a read before the attach could miss
             // both, the announcement and the finished line).
             let status = injection_status(pid, &job.path, job.id, None);
+            self.launched_status(pid, &status);
             self.injected.insert(pid, status);
         }
         let (Some(enabled), Some(enable)) = (enabled, job.enable) else {
@@ -630,13 +641,18 @@ impl Source for CudaSession {
         }
         let probes = self.take_probes();
         // Read with the probes' counts: the table keeps counting after the session.
-        let (inproc_rows, table_full) = self.in_process_rows();
+        let (inproc_rows, table_full, unseen) = self.in_process_rows();
+        if unseen > 0 {
+            self.warnings.push(format!("{unseen} runtime launches were not counted: each was under way when CUDA initialized inside it, before CUPTI's callbacks were on, and no later callback of the call came (counted as losses)"));
+        }
         if table_full > 0 {
             self.warnings.push(format!("{table_full} launches were not counted: tracer's injection library found no room for their rows in its table (counted as losses)"));
         }
-        if self.in_process.is_some() {
+        if !self.in_process.is_empty() {
             at.ends.bpf.clear_cuda_inproc(slot);
         }
+        let silent = self.launched_silent();
+        self.warnings.extend(silent);
         let maps = at.ends.bpf.cuda_maps();
         let counts = at.ends.last_counts(slot, maps, |bpf| {
             (

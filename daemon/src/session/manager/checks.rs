@@ -252,14 +252,13 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     }
     if options.cuda_in_process
         && (!options.cuda
-            || target.launched
             || !matches!(target.kind, Some(target::Kind::Pid(_)))
             || mode != Mode::Counting
             || options.cuda_stacks
             || options.cuda_driver_only)
     {
         return Err(Error::InvalidArgument(
-            "--cuda-in-process counts a running process's launches through tracer's injection library: it needs --cuda, --pid, counting mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
+            "--cuda-in-process counts a process's launches through tracer's injection library: it needs --cuda, --pid or -- CMD, counting mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
         ));
     }
     if options.cuda_uprobes_only && (!options.cuda || options.cuda_in_process) {
@@ -267,13 +266,13 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
             "--cuda-uprobes-only says how CUDA launches are counted: it needs --cuda, and not --cuda-in-process".into(),
         ));
     }
-    // By default a running process's launches are counted in-process where its launch probes
-    // are not asked to do more (stacks, the driver only) and nothing says otherwise: where
-    // that cannot be had, the probes count them and the report says why.
+    // By default a process's launches (a running one's, a launched command's) are counted
+    // in-process where its launch probes are not asked to do more (stacks, the driver only)
+    // and nothing says otherwise: where that cannot be had, the probes count them and the
+    // report says why.
     options.cuda_in_process |= options.cuda
         && !options.cuda_uprobes_only
         && mode == Mode::Counting
-        && !target.launched
         && matches!(target.kind, Some(target::Kind::Pid(_)))
         && !options.cuda_stacks
         && !options.cuda_driver_only;

@@ -106,6 +106,14 @@ pub(super) enum Done {
         session: String,
         probed: crate::session::cuda::CudaProbed,
     },
+    /// A launched process's library waiting in `cuInit` (`cuda::launched`): found and its
+    /// table taken, or why launches cannot be counted there, off the manager's task.
+    CudaHandshake {
+        session: String,
+        pid: u32,
+        injection: Option<tracer_inspect::cuda::Injection>,
+        counted: Result<crate::session::cuda::gpu_times::InProcess, String>,
+    },
     /// Probes of a CUDA library that came back after their session ended are gone: its
     /// slot may be taken again.
     CudaReleased(u8),

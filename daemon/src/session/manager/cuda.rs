@@ -8,7 +8,7 @@ use tracer_proto::EndReason;
 
 use super::{Done, Manager};
 use crate::session::{
-    cuda::{gpu_times, watch, CudaProbed, CudaSession},
+    cuda::{self, gpu_times, watch, CudaProbed, CudaSession},
     source::Source,
 };
 use crate::{access::Caller, error::Error};
@@ -31,6 +31,7 @@ impl Manager {
             }
         }
         self.continue_cuda_held();
+        self.cuda_handshakes();
     }
 
     /// Continues the processes stopped at their mapping of a CUDA library once no CUDA
@@ -96,6 +97,8 @@ impl Manager {
                 .map(|job| (session.to_owned(), job))
                 .collect();
             self.probe_cuda(jobs);
+            self.cuda_handshakes();
+            self.answer_launched(session);
             // Answered once none of its sources' probes is on its way.
             if !self.running.get(session).is_some_and(|s| s.probing()) {
                 if let Some(start) = self.starts.probing.remove(session) {
@@ -153,6 +156,7 @@ impl Manager {
     pub(super) fn look_for_cuda(&mut self, force: bool, scanned: Option<&[u32]>) {
         let (jobs, scan) = watch::look(force, scanned, &mut self.running, &self.sampling);
         self.probe_cuda(jobs);
+        self.cuda_handshakes();
         if scan && !self.scans.cuda {
             self.scans.cuda = true;
             let tx = self.done.clone();
@@ -261,6 +265,98 @@ impl Manager {
             Ok(ask) => Ok(gpu_times::Start::Ask(ask)),
             Err(why) if !options.gpu_times => Ok(gpu_times::Start::Probes(pid, why)),
             Err(why) => Err(Error::FailedPrecondition(why)),
+        }
+    }
+}
+
+/// Launched commands' processes waiting in `cuInit` (`session::cuda::launched`).
+impl Manager {
+    /// Starts the handshakes the sessions' libraries asked for, off this task.
+    fn cuda_handshakes(&mut self) {
+        for (id, s) in &mut self.running {
+            let Some(c) = s.sources.get_mut::<CudaSession>() else {
+                continue;
+            };
+            for pid in c.take_handshakes() {
+                let (tx, session) = (self.done.clone(), id.clone());
+                tokio::task::spawn_blocking(move || {
+                    let (injection, counted) = cuda::handshake(pid);
+                    let _ = tx.send(Done::CudaHandshake {
+                        session,
+                        pid,
+                        injection,
+                        counted,
+                    });
+                });
+            }
+        }
+    }
+
+    /// A handshake is back: the process is marked and told to count, or the launch probes
+    /// it went without are attached, and it is told so once they are in. A session gone
+    /// meanwhile: told that nothing counts there.
+    pub(super) fn cuda_handshaken(
+        &mut self,
+        session: &str,
+        pid: u32,
+        injection: Option<tracer_inspect::cuda::Injection>,
+        counted: Result<gpu_times::InProcess, String>,
+    ) {
+        let Some(c) = self
+            .running
+            .get_mut(session)
+            .and_then(|s| s.sources.get_mut::<CudaSession>())
+        else {
+            answer(injection, false, pid);
+            return;
+        };
+        let mut done = c.handshaken(pid, injection, counted);
+        if let Some((pid, slot)) = done.adopted.mark {
+            // Marked before the answer: the probes skip it from its first launch on.
+            match self.bpf.set_cuda_inproc(pid, slot) {
+                Ok(()) => answer(done.count.take(), true, pid),
+                Err(e) => {
+                    if let Some(c) = self
+                        .running
+                        .get_mut(session)
+                        .and_then(|s| s.sources.get_mut::<CudaSession>())
+                    {
+                        let why = format!("marking it for the probes to skip: {e}");
+                        done.adopted = c.not_in_process(pid, why, done.count.take());
+                    }
+                }
+            }
+        }
+        let jobs: watch::Jobs = done
+            .adopted
+            .jobs
+            .into_iter()
+            .map(|job| (session.to_owned(), job))
+            .collect();
+        self.probe_cuda(jobs);
+        self.answer_launched(session);
+    }
+
+    /// Tells the libraries waiting for the launch probes of `session` that they are in.
+    fn answer_launched(&mut self, session: &str) {
+        let Some(c) = self
+            .running
+            .get_mut(session)
+            .and_then(|s| s.sources.get_mut::<CudaSession>())
+        else {
+            return;
+        };
+        for i in c.answers_due() {
+            answer(Some(i), false, 0);
+        }
+    }
+}
+
+/// Writes a waiting library's answer (one word in its memory).
+fn answer(injection: Option<tracer_inspect::cuda::Injection>, count: bool, pid: u32) {
+    if let Some(i) = injection {
+        if let Err(e) = i.answer(count) {
+            tracing::warn!(pid, %e, "answering a launched process's injection library");
         }
     }
 }

@@ -196,10 +196,10 @@ impl Manager {
             .map(|(mut info, record)| {
                 // The counter was taken: the launcher sets its loader's variables.
                 if let (Some(env), None) = (env, prepared.as_ref()) {
-                    info.launch_env = env
-                        .into_iter()
-                        .map(|(name, value)| tracer_proto::EnvVar { name, value })
-                        .collect();
+                    info.launch_env.extend(
+                        env.into_iter()
+                            .map(|(name, value)| tracer_proto::EnvVar { name, value }),
+                    );
                 }
                 (info, record)
             });
@@ -287,11 +287,23 @@ impl Manager {
         let (scope, pid) = checks::scope(&asked.target, &caller)?;
         let owner_uid = caller.acting_uid("starting a session")?;
         // Checked before anything is taken: loading into the process is ptrace's to allow.
-        let gpu_times =
-            match pid.filter(|_| asked.options.gpu_times || asked.options.cuda_in_process) {
-                Some(pid) => Some(self.gpu_times_start(pid, owner_uid, &asked.options, &caller)?),
-                None => None,
-            };
+        let in_process = asked.options.gpu_times || asked.options.cuda_in_process;
+        // A launched command's: its launcher sets the variables that have CUDA load tracer's
+        // library into it.
+        let (gpu_times, cuda_env) = match pid.filter(|_| in_process) {
+            Some(_) if asked.target.launched => match cuda::launch_env() {
+                Ok(env) => (Some(cuda::gpu_times::Start::Launched), env),
+                Err(why) => (
+                    pid.map(|p| cuda::gpu_times::Start::Probes(p, why)),
+                    Vec::new(),
+                ),
+            },
+            Some(pid) => (
+                Some(self.gpu_times_start(pid, owner_uid, &asked.options, &caller)?),
+                Vec::new(),
+            ),
+            None => (None, Vec::new()),
+        };
 
         // A launched target has not exec'd yet: its mappings are tracerctl's.
         let maps_of = pid.filter(|_| !asked.target.launched);
@@ -353,7 +365,12 @@ impl Manager {
             session.sources.has::<CudaSession>(),
             session.measure.records_calls(),
         );
-        let info = session.info(&loss_base);
+        let mut info = session.info(&loss_base);
+        info.launch_env.extend(
+            cuda_env
+                .into_iter()
+                .map(|(name, value)| tracer_proto::EnvVar { name, value }),
+        );
         let record = persist::running_report(&info, session.measure.as_ref());
         let target = session.target;
         self.running.insert(id.clone(), session);

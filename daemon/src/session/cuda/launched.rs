@@ -85,6 +85,9 @@ pub fn handshake(pid: u32) -> (Option<Injection>, Result<InProcess, String>) {
     };
     let counted = (|| {
         let status = injection.status()?;
+        if !status.contains(WAITING) {
+            return Err(format!("its library no longer waits: {status}"));
+        }
         if let Some(why) = status.split(CANNOT).nth(1) {
             return Err(format!("tracer's injection library could not: {why}"));
         }

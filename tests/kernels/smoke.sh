@@ -177,9 +177,9 @@ fi
 # the launch probes (the BPF programs this matrix is for), not counted in-process.
 t0=$SECONDS
 fake=${TRACER_FAKECUDA_DIR:-}
-if [ -z "$fake" ] || [ ! -x "$fake/cuda_app" ]; then
-    row cuda failed "no fake CUDA build (TRACER_FAKECUDA_DIR=${fake:-unset})"
-elif ctl cuda start --mode=counting --cuda --cuda-uprobes-only -- "$fake/cuda_app"; then
+# One run: `got` (the report's launches, driver and runtime) and `want` (cuda_app's).
+cuda_run() {
+    ctl cuda start --mode=counting --cuda --cuda-uprobes-only -- "$fake/cuda_app" || return 1
     # `CUDA launches: 31 at the driver's entry points (…), 22 at the runtime's (…)`.
     got=$(echo "$out" | sed -n "s/.*CUDA launches: \([0-9,]*\) at the driver's.*, \([0-9,]*\) at the runtime's.*/\1 \2/p" | tr -d ,)
     want=$(echo "$out" | grep -m 1 '^{"format":"tracer-fake-cuda/' | "$python" -c '
@@ -187,10 +187,24 @@ import json, sys
 t = json.load(sys.stdin)["totals"]
 def launches(calls): return sum(n for api, n in calls.items() if "LaunchKernel" in api)
 print(launches(t["driver_calls"]), launches(t["runtime_calls"]))' 2>&1)
+}
+if [ -z "$fake" ] || [ ! -x "$fake/cuda_app" ]; then
+    row cuda failed "no fake CUDA build (TRACER_FAKECUDA_DIR=${fake:-unset})"
+elif cuda_run; then
     if [ -n "$got" ] && [ "$got" = "$want" ]; then
         row cuda ok "launches (driver runtime) $got, as cuda_app made"
     else
-        row cuda wrong "launches (driver runtime) ${got:-none in the report}, cuda_app made $want"
+        # Seen on sid under one-thread TCG now and then: a row the launch program made from
+        # another entry point's registers (KERNELS.md). Said in the row, and run once more.
+        first="$got"
+        echo "== cuda: the report's launches (driver runtime) $got, cuda_app made $want: once more"
+        if ! cuda_run; then
+            : # its `failed` row is written
+        elif [ -n "$got" ] && [ "$got" = "$want" ]; then
+            row cuda ok "launches (driver runtime) $got, as cuda_app made (second run; the first counted $first)"
+        else
+            row cuda wrong "launches (driver runtime) ${got:-none in the report}, cuda_app made $want (first run: $first)"
+        fi
     fi
 fi
 

@@ -125,16 +125,7 @@ mod imp {
     };
 
     use super::{call_forms, tag, Domain, BEFORE};
-
-    extern "C" {
-        // libgcc_s's unwinder, which std links on linux-gnu.
-        fn _Unwind_Backtrace(
-            trace: extern "C" fn(*mut c_void, *mut c_void) -> c_int,
-            arg: *mut c_void,
-        ) -> c_int;
-        fn _Unwind_GetIP(ctx: *mut c_void) -> usize;
-        fn _Unwind_GetCFA(ctx: *mut c_void) -> usize;
-    }
+    use crate::unwind::{_Unwind_Backtrace, _Unwind_GetCFA, _Unwind_GetIP};
 
     /// Learned paths: enough for every launch function's few internal routes.
     const PATHS: usize = 64;

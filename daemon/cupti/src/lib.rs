@@ -21,6 +21,7 @@ mod find;
 mod launched;
 mod launches;
 mod under_way;
+mod unwind;
 
 use std::{
     cell::UnsafeCell,

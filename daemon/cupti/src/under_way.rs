@@ -3,19 +3,13 @@
 
 use std::ffi::{c_int, c_void};
 
+use crate::unwind::{_Unwind_Backtrace, _Unwind_GetIP};
+
 /// The runtime launch entry point (of `names`, with its tag) whose call is under way on this
 /// thread, and the return address of that call (its caller, as a probe at its entry reads
 /// it): for `cuInit` run from inside a runtime launch, before CUPTI's callbacks were on. An
 /// unwind from here, each frame named by `dladdr1`.
 pub(crate) fn under_way(names: &[(&str, u32)]) -> Option<(u32, u64)> {
-    extern "C" {
-        // libgcc_s's unwinder, which std links on linux-gnu.
-        fn _Unwind_Backtrace(
-            trace: extern "C" fn(*mut c_void, *mut c_void) -> c_int,
-            arg: *mut c_void,
-        ) -> c_int;
-        fn _Unwind_GetIP(ctx: *mut c_void) -> usize;
-    }
     extern "C" fn trace(ctx: *mut c_void, arg: *mut c_void) -> c_int {
         // SAFETY: `arg` is the Vec passed below; `ctx` is the unwinder's.
         let ips = unsafe { &mut *arg.cast::<Vec<usize>>() };

@@ -643,10 +643,10 @@ impl Source for CudaSession {
         // Read with the probes' counts: the table keeps counting after the session.
         let (inproc_rows, table_full, unseen) = self.in_process_rows();
         if unseen > 0 {
-            self.warnings.push(format!("{unseen} runtime launches were not counted: each was under way when CUDA initialized inside it, before CUPTI's callbacks were on, and no later callback of the call came (counted as losses)"));
+            self.warnings.push(format!("{unseen} runtime launches were not counted: each was under way when CUDA initialized inside it, before CUPTI's callbacks were on, and no later callback of the call came"));
         }
         if table_full > 0 {
-            self.warnings.push(format!("{table_full} launches were not counted: tracer's injection library found no room for their rows in its table (counted as losses)"));
+            self.warnings.push(format!("{table_full} launches were not counted: tracer's injection library found no room for their rows in its table"));
         }
         if !self.in_process.is_empty() {
             at.ends.bpf.clear_cuda_inproc(slot);
@@ -674,6 +674,10 @@ impl Source for CudaSession {
                 counts,
                 stacks,
                 inproc_rows,
+                inproc_lost: [
+                    ("cuda_launch_table_full", table_full),
+                    ("cuda_launch_unseen", unseen),
+                ],
             })),
         }
     }
@@ -689,6 +693,8 @@ struct CudaEnd {
     stacks: Option<Box<dyn ReportPart>>,
     /// Launches counted in-process (`--cuda-in-process`), read at the end.
     inproc_rows: Vec<(tracer_common::CudaLaunchKey, u64)>,
+    /// Launches the in-process tables lost, by cause: the report's losses.
+    inproc_lost: [(&'static str, u64); 2],
 }
 
 impl CudaEnd {
@@ -704,6 +710,14 @@ impl ReportPart for CudaEnd {
     fn fill(mut self: Box<Self>, report: &mut tracer_report::Report) {
         if let Some(stacks) = self.stacks.take() {
             stacks.fill(report);
+        }
+        for (cause, count) in self.inproc_lost {
+            if count > 0 {
+                report.losses.push(tracer_report::LossEntry {
+                    cause: cause.into(),
+                    count,
+                });
+            }
         }
         report.cuda = Some(self.finish());
     }

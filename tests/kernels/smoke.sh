@@ -195,7 +195,8 @@ elif cuda_run; then
         row cuda ok "launches (driver runtime) $got, as cuda_app made"
     else
         # Seen on sid under one-thread TCG now and then: a row the launch program made from
-        # another entry point's registers (KERNELS.md). Said in the row, and run once more.
+        # another entry point's registers, most likely a preempted uprobe program's private
+        # stack overwritten (KERNELS.md). Said in the row, and run once more.
         first="$got"
         echo "== cuda: the report's launches (driver runtime) $got, cuda_app made $want: once more"
         if ! cuda_run; then

@@ -187,6 +187,7 @@ import json, sys
 t = json.load(sys.stdin)["totals"]
 def launches(calls): return sum(n for api, n in calls.items() if "LaunchKernel" in api)
 print(launches(t["driver_calls"]), launches(t["runtime_calls"]))' 2>&1)
+    return 0
 }
 if [ -z "$fake" ] || [ ! -x "$fake/cuda_app" ]; then
     row cuda failed "no fake CUDA build (TRACER_FAKECUDA_DIR=${fake:-unset})"

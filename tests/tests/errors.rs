@@ -149,6 +149,28 @@ fn bad_requests_get_one_line_each_and_the_daemon_keeps_serving() {
             &[
                 "start",
                 "--mode=counting",
+                "--cuda-uprobes-only",
+                "--pid",
+                &pid,
+            ],
+            "--cuda",
+        ),
+        (
+            &[
+                "start",
+                "--mode=counting",
+                "--cuda",
+                "--cuda-uprobes-only",
+                "--cuda-in-process",
+                "--pid",
+                &pid,
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "start",
+                "--mode=counting",
                 "--cuda-driver-only",
                 "--pid",
                 &pid,

@@ -178,18 +178,24 @@ fn loadable(pid: u32, driver: bool) -> Result<(), String> {
 }
 
 /// An injection library the process's environment names.
-enum Named {
+pub(super) enum Named {
     Ours(String),
     Other(String),
 }
 
-/// The injection library the process's (initial) environment names, if any.
-fn injection_env(pid: u32) -> Option<Named> {
+/// `name`'s value in `pid`'s (initial) environment, if set.
+pub(super) fn env_value(pid: u32, name: &str) -> Option<String> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let value = env
-        .split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"CUDA_INJECTION64_PATH="))?;
-    let value = String::from_utf8_lossy(value).into_owned();
+    env.split(|&b| b == 0).find_map(|kv| {
+        kv.strip_prefix(name.as_bytes())
+            .and_then(|rest| rest.strip_prefix(b"="))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    })
+}
+
+/// The injection library the process's (initial) environment names, if any.
+pub(super) fn injection_env(pid: u32) -> Option<Named> {
+    let value = env_value(pid, "CUDA_INJECTION64_PATH")?;
     if value.is_empty() {
         return None;
     }
@@ -213,12 +219,10 @@ impl Enable {
     pub fn run(&self) -> Result<Enabled, String> {
         let pid = self.ask.pid;
         // Known before anything is loaded: where the library would read call sites.
-        let python = match self.ask.in_process.then(|| python_at(pid)) {
-            None => None,
-            Some(Ok(python)) => Some(Ok(python)),
-            Some(Err(why)) if !self.ask.records => return Ok(Enabled::Probes(why)),
-            Some(Err(why)) => Some(Err(why)),
-        };
+        let python = self.ask.in_process.then(|| python_at(pid));
+        if let (Some(Err(why)), false) = (&python, self.ask.records) {
+            return Ok(Enabled::Probes(why.clone()));
+        }
         let holders = holders(pid);
         let mut held = holders.lock().unwrap_or_else(|e| e.into_inner());
         if self.load {

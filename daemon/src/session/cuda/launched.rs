@@ -20,7 +20,7 @@ use tracer_inspect::{
 };
 
 use super::{
-    gpu_times::{self, InProcess},
+    gpu_times::{self, InProcess, Named},
     in_process::Adopted,
     CudaSession,
 };
@@ -40,17 +40,8 @@ pub fn launch_env() -> Result<Vec<(String, String)>, String> {
 /// Whether `pid` started with the launcher's variables (its environment at its exec, which
 /// CUDA's driver reads at `cuInit`), or why its launches are the probes'.
 fn started_with_them(pid: u32) -> Result<(), String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ"))
-        .map_err(|e| format!("reading pid {pid}'s environment: {e}"))?;
-    let value = |name: &str| {
-        env.split(|&b| b == 0).find_map(|kv| {
-            kv.strip_prefix(name.as_bytes())
-                .and_then(|rest| rest.strip_prefix(b"="))
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-        })
-    };
-    match value("CUDA_INJECTION64_PATH") {
-        Some(p) if Path::new(&p).file_name() == Some(INJECTION_LIBRARY.as_ref()) => {
+    match gpu_times::injection_env(pid) {
+        Some(Named::Ours(p)) => {
             // Where the driver will look for it: the process's root (a chroot may lack it).
             let inside = Path::new(&format!("/proc/{pid}/root")).join(p.trim_start_matches('/'));
             if !inside.is_file() {
@@ -59,18 +50,18 @@ fn started_with_them(pid: u32) -> Result<(), String> {
                 ));
             }
         }
-        Some(p) if !p.is_empty() => {
+        Some(Named::Other(p)) => {
             return Err(format!(
                 "pid {pid} started with CUDA_INJECTION64_PATH={p}: another tool's injection library holds CUPTI there"
             ))
         }
-        _ => {
+        None => {
             return Err(format!(
                 "pid {pid} started without CUDA_INJECTION64_PATH naming tracer's injection library (a program of the command gave it an environment of its own)"
             ))
         }
     }
-    if value(LAUNCHES_VAR).as_deref() != Some("1") {
+    if gpu_times::env_value(pid, LAUNCHES_VAR).as_deref() != Some("1") {
         return Err(format!("pid {pid} started without {LAUNCHES_VAR}=1"));
     }
     Ok(())

@@ -135,16 +135,16 @@ impl CudaSession {
                 let caller = native.addrs.get(&(k.pid, k.caller));
                 let mut named_from = "";
                 let named = self.names.name(k.pid, k.func);
-                let kernel = match named {
+                let kernel = match (named, self.cupti_name(k.pid, k.func)) {
                     _ if graph => format!("[graph exec {:#x}]", k.func),
-                    Some(name) => cuda::demangle(name),
+                    (Some(name), _) => cuda::demangle(name),
                     // Where its naming call was not seen: CUPTI's name for a launch counted
                     // in-process.
-                    None if self.cupti_name(k.pid, k.func).is_some() => {
+                    (None, Some(name)) => {
                         named_from = "CUPTI";
-                        cuda::demangle(self.cupti_name(k.pid, k.func).unwrap_or_default())
+                        cuda::demangle(name)
                     }
-                    None => match self.fallback_name(&k, native) {
+                    (None, None) => match self.fallback_name(&k, native) {
                         Some((name, from)) => {
                             named_from = from;
                             name

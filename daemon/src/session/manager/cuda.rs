@@ -91,12 +91,7 @@ impl Manager {
             }
             // The launch probes a process goes without where its library counts them,
             // attached after all: the start waits for them.
-            let jobs: watch::Jobs = adopted
-                .jobs
-                .into_iter()
-                .map(|job| (session.to_owned(), job))
-                .collect();
-            self.probe_cuda(jobs);
+            self.probe_session_jobs(session, adopted.jobs);
             self.cuda_handshakes();
             self.answer_launched(session);
             // Answered once none of its sources' probes is on its way.
@@ -271,6 +266,18 @@ impl Manager {
 
 /// Launched commands' processes waiting in `cuInit` (`session::cuda::launched`).
 impl Manager {
+    /// Session `id`'s CUDA source, while it runs.
+    fn cuda_of(&mut self, id: &str) -> Option<&mut CudaSession> {
+        self.running
+            .get_mut(id)
+            .and_then(|s| s.sources.get_mut::<CudaSession>())
+    }
+
+    /// Attaches `jobs`, one session's, off this task.
+    fn probe_session_jobs(&self, session: &str, jobs: Vec<cuda::CudaJob>) {
+        self.probe_cuda(jobs.into_iter().map(|j| (session.to_owned(), j)).collect());
+    }
+
     /// Starts the handshakes the sessions' libraries asked for, off this task.
     fn cuda_handshakes(&mut self) {
         for (id, s) in &mut self.running {
@@ -302,11 +309,7 @@ impl Manager {
         injection: Option<tracer_inspect::cuda::Injection>,
         counted: Result<gpu_times::InProcess, String>,
     ) {
-        let Some(c) = self
-            .running
-            .get_mut(session)
-            .and_then(|s| s.sources.get_mut::<CudaSession>())
-        else {
+        let Some(c) = self.cuda_of(session) else {
             answer(injection, false, pid);
             return;
         };
@@ -316,34 +319,20 @@ impl Manager {
             match self.bpf.set_cuda_inproc(pid, slot) {
                 Ok(()) => answer(done.count.take(), true, pid),
                 Err(e) => {
-                    if let Some(c) = self
-                        .running
-                        .get_mut(session)
-                        .and_then(|s| s.sources.get_mut::<CudaSession>())
-                    {
+                    if let Some(c) = self.cuda_of(session) {
                         let why = format!("marking it for the probes to skip: {e}");
                         done.adopted = c.not_in_process(pid, why, done.count.take());
                     }
                 }
             }
         }
-        let jobs: watch::Jobs = done
-            .adopted
-            .jobs
-            .into_iter()
-            .map(|job| (session.to_owned(), job))
-            .collect();
-        self.probe_cuda(jobs);
+        self.probe_session_jobs(session, done.adopted.jobs);
         self.answer_launched(session);
     }
 
     /// Tells the libraries waiting for the launch probes of `session` that they are in.
     fn answer_launched(&mut self, session: &str) {
-        let Some(c) = self
-            .running
-            .get_mut(session)
-            .and_then(|s| s.sources.get_mut::<CudaSession>())
-        else {
+        let Some(c) = self.cuda_of(session) else {
             return;
         };
         for i in c.answers_due() {

@@ -4,6 +4,7 @@
 //! processes; the tracepoint programs extend it on fork and report forks and exits on the
 //! `PROC_EVENTS` ring buffer, which [`ProcessFollower::events`] drains.
 
+mod cuda_allocs;
 mod cuda_inproc;
 mod maps;
 mod offcpu;
@@ -152,6 +153,8 @@ pub struct Bpf {
     cuda_watch: Array<MapData, [SessionMask; 2]>,
     /// Processes whose launches sessions count in-process (`cuda_inproc.rs`).
     cuda_inproc: HashMap<MapData, u32, SessionMask>,
+    /// Sessions' records of allocations not yet freed (`cuda_allocs.rs`).
+    cuda_allocs: HashMap<MapData, [u64; 2], u64>,
     exec_hold: Array<MapData, SessionMask>,
     /// Processes stopped at exec or at a CUDA library mapping, until continued (see `guardian`).
     held: HashMap<MapData, u32, u64>,
@@ -323,6 +326,7 @@ impl Bpf {
             cuda_names: Some(take(&mut ebpf, "CUDA_NAMES")?),
             cuda_watch: take(&mut ebpf, "CUDA_WATCH")?,
             cuda_inproc: take(&mut ebpf, "CUDA_INPROC")?,
+            cuda_allocs: take(&mut ebpf, "CUDA_ALLOCS")?,
             exec_hold: take(&mut ebpf, "EXEC_HOLD")?,
             held: take(&mut ebpf, "HELD")?,
             offcpu_sessions: take(&mut ebpf, "OFFCPU_SESSIONS")?,

@@ -2456,6 +2456,29 @@ fn full_rows(report: &Value, pid: &str) -> BTreeMap<String, u64> {
     rows
 }
 
+/// tests/cuda's program with CUDA initialized, under two sessions of `mode` started while it
+/// waits — the default (launches counted in-process) and `--cuda-uprobes-only` — then run:
+/// the program (still alive), its pid, its account, and the sessions' ids (default, probes).
+fn side_by_side(
+    d: &Daemon,
+    libs: &std::path::Path,
+    mode: &str,
+) -> (App, String, Value, [String; 2]) {
+    let mut app = App::spawn(libs, &["hold=1", "init=1"], &[]);
+    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
+    let pid = app.pid();
+    let start = ["start", mode, "--cuda", "--pid", &pid];
+    let probes = d
+        .ok(&[&start[..], &["--cuda-uprobes-only"]].concat())
+        .trim()
+        .to_owned();
+    let inproc = d.ok(&start).trim().to_owned();
+    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
+    assert_eq!(truth["ok"], true, "the program's own checks");
+    assert_eq!(app.cue(""), "done\n");
+    (app, pid, truth, [inproc, probes])
+}
+
 /// `--cuda-in-process`: the launches tracer's injection library counts inside the process,
 /// from CUPTI's launch callbacks, make the rows the launch probes make — each launch, kernel
 /// name, configuration, stream and native caller — checked against a probes' session on the
@@ -2468,19 +2491,7 @@ fn launches_counted_in_process_are_the_probes_rows() {
     }
     let d = Daemon::start();
     let Some(libs) = build(&d) else { return };
-    let mut app = App::spawn(&libs, &["hold=1", "init=1"], &[]);
-    assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
-    let pid = app.pid();
-    // In-process is the default; --cuda-uprobes-only keeps the launch probes.
-    let counting = ["start", "--mode=counting", "--cuda", "--pid", &pid];
-    let probes = d
-        .ok(&[&counting[..], &["--cuda-uprobes-only"]].concat())
-        .trim()
-        .to_owned();
-    let inproc = d.ok(&counting).trim().to_owned();
-    let truth: Value = serde_json::from_str(&app.cue("go\n")).expect("the program's account");
-    assert_eq!(truth["ok"], true, "the program's own checks");
-    assert_eq!(app.cue(""), "done\n");
+    let (mut app, pid, truth, [inproc, probes]) = side_by_side(&d, &libs, "--mode=counting");
     let on: Value = serde_json::from_str(&app.cue("cupti\n")).unwrap();
     assert_eq!(on["subscribed"], 1, "CUPTI's subscriber taken: {on}");
     assert_eq!(on["kind"], 0, "no kernel records without --gpu-times: {on}");
@@ -2628,10 +2639,9 @@ fn launches_in_process_are_refused_with_options_they_cannot_go_with() {
     assert_eq!(app.cue("go\n"), "loaded\n", "CUDA initialized");
     let pid = app.pid();
     let shapes =
-        "it needs --cuda, --pid or -- CMD, counting mode, and neither --cuda-stacks nor --cuda-driver-only";
+        "it needs --cuda, --pid or -- CMD, counting or tracing mode, and neither --cuda-stacks nor --cuda-driver-only";
     for extra in [
-        &["--mode=tracing", "--pid", &pid][..],
-        &["--mode=sampling", "--pid", &pid],
+        &["--mode=sampling", "--pid", &pid][..],
         &["--mode=counting", "--all"],
         &["--mode=counting", "--cuda-stacks", "--pid", &pid],
         &["--mode=counting", "--cuda-driver-only", "--pid", &pid],
@@ -2732,7 +2742,9 @@ fn launched(
         .path()
         .join(format!("launched-{}.json", std::process::id()));
     let mut ctl = d.ctl();
-    ctl.args(["start", "--mode=counting", "--cuda"])
+    let counting = !extra.iter().any(|a| a.starts_with("--mode="));
+    ctl.args(["start", "--cuda"])
+        .args(counting.then_some("--mode=counting"))
         .args(extra)
         .args(["--format", "json", "-o"])
         .arg(&out)
@@ -2810,6 +2822,19 @@ fn launched_commands_count_their_launches_in_process() {
         "{status}"
     );
 
+    // Traced: each launch counted in-process an event too, from the library's ring.
+    let (said, traced) = launched(&d, &["--mode=tracing"], &[app], &[], &cues);
+    let truth = account(&said);
+    assert_eq!(traced["cuda"]["launch_counting"][0]["way"], "in-process");
+    assert_eq!(report_rows(&traced), truth_rows(&truth), "traced");
+    let sum = |what: &str, field: &str| -> u64 {
+        let rows = traced["cuda"][what].as_array().unwrap();
+        rows.iter().map(|r| r[field].as_u64().unwrap()).sum()
+    };
+    let events = sum("launches", "launches") + sum("memory", "calls");
+    assert_eq!(traced["trace"]["cuda_events"], events, "an event each");
+    assert_eq!(traced["losses"], serde_json::json!([]));
+
     let (said, probes) = launched(&d, &["--cuda-uprobes-only"], &[app], &[], &cues);
     let truth = account(&said);
     assert_eq!(probes["cuda"]["launch_counting"], Value::Null, "none asked");
@@ -2865,7 +2890,9 @@ fn launched_python_names_its_call_sites_in_process() {
         }
         all
     };
-    for mode in ["", "thread-busy"] {
+    // The thread-busy run is a tracing session's: its launches from threads without Python
+    // are events made by the library's probe point, the others the library's own.
+    for (mode, session) in [("", "--mode=counting"), ("thread-busy", "--mode=tracing")] {
         let cmd = [
             python.to_str().unwrap(),
             script.to_str().unwrap(),
@@ -2875,7 +2902,7 @@ fn launched_python_names_its_call_sites_in_process() {
             mode,
         ];
         let cues = ["", "go\n"];
-        let (said, inproc) = launched(&d, &[], &cmd, &[], &cues);
+        let (said, inproc) = launched(&d, &[session], &cmd, &[], &cues);
         assert_eq!(said, ["loaded\n", "done\n"], "{mode}");
         let (said, probes) = launched(&d, &["--cuda-uprobes-only"], &cmd, &[], &cues);
         assert_eq!(said, ["loaded\n", "done\n"], "{mode}");
@@ -2888,5 +2915,137 @@ fn launched_python_names_its_call_sites_in_process() {
         assert_eq!(mine, theirs, "{mode}: the probes' call sites");
         let named = mine.keys().filter(|k| k.contains(".py:")).count();
         assert!(named > 0, "{mode}: {mine:#?}");
+        if session == "--mode=tracing" {
+            let sum = |what: &str, field: &str| -> u64 {
+                let rows = inproc["cuda"][what].as_array().unwrap();
+                rows.iter().map(|r| r[field].as_u64().unwrap()).sum()
+            };
+            let events = sum("launches", "launches") + sum("memory", "calls");
+            assert_eq!(
+                inproc["trace"]["cuda_events"], events,
+                "{mode}: an event each"
+            );
+            assert_eq!(inproc["losses"], serde_json::json!([]), "{mode}");
+        }
     }
+}
+
+/// Session `id`'s launch instants in pid `pid`, in time order: (time in µs, thread, name and
+/// arguments as the Chrome export gives them).
+fn launch_instants(d: &Daemon, id: &str, pid: &str) -> Vec<(f64, u64, String)> {
+    let path = d.dir.path().join(format!("{id}.json"));
+    d.ok(&[
+        "report",
+        id,
+        "--format",
+        "chrome",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let chrome: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let mut all: Vec<(f64, u64, String)> = chrome["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "cuda" && !e["args"]["api"].is_null())
+        .filter(|e| e["pid"].as_u64() == pid.parse().ok())
+        .map(|e| {
+            let what = format!("{} {}", e["name"], e["args"]);
+            (e["ts"].as_f64().unwrap(), e["tid"].as_u64().unwrap(), what)
+        })
+        .collect();
+    all.sort_by(|a, b| a.0.total_cmp(&b.0));
+    all
+}
+
+/// A tracing session counts a running process's launches in-process by default, and each
+/// launch is an instant on its timeline as the launch probes make it: checked against a
+/// `--cuda-uprobes-only` tracing session on the same process at the same time — the same
+/// instants (kernel, configuration, stream, caller), on the same threads, in the same order,
+/// each stamped between its probe's and the next launch's — and against the report's counts.
+#[test]
+fn traced_launches_counted_in_process_are_the_probes_instants() {
+    if !root_or_skip() {
+        return;
+    }
+    let d = Daemon::start();
+    let Some(libs) = build(&d) else { return };
+    let (_app, pid, truth, [inproc, probes]) = side_by_side(&d, &libs, "--mode=tracing");
+    d.ok(&["stop", &inproc]);
+    d.ok(&["stop", &probes]);
+    let (mine, theirs) = (d.report_json(&inproc), d.report_json(&probes));
+    let counting = &mine["cuda"]["launch_counting"];
+    assert_eq!(counting[0]["way"], "in-process", "{counting}");
+    for r in [&mine, &theirs] {
+        assert_eq!(r["losses"], serde_json::json!([]));
+        assert_eq!(
+            report_rows(r),
+            truth_rows(&truth),
+            "the program's own account"
+        );
+    }
+    assert_eq!(full_rows(&mine, &pid), full_rows(&theirs, &pid));
+    let (a, b) = (
+        launch_instants(&d, &inproc, &pid),
+        launch_instants(&d, &probes, &pid),
+    );
+    let launches: u64 = mine["cuda"]["launches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["launches"].as_u64().unwrap())
+        .sum();
+    assert_eq!(a.len() as u64, launches, "an instant a launch");
+    // Per thread (threads launch at once, so only each one's order is the program's).
+    let threads = |v: &[(f64, u64, String)]| -> BTreeMap<u64, Vec<(f64, String)>> {
+        let mut all: BTreeMap<u64, Vec<(f64, String)>> = BTreeMap::new();
+        for (at, tid, what) in v {
+            all.entry(*tid).or_default().push((*at, what.clone()));
+        }
+        all
+    };
+    let (a, b) = (threads(&a), threads(&b));
+    let names = |m: &BTreeMap<u64, Vec<(f64, String)>>| -> BTreeMap<u64, Vec<String>> {
+        m.iter()
+            .map(|(t, v)| (*t, v.iter().map(|(_, w)| w.clone()).collect()))
+            .collect()
+    };
+    assert_eq!(names(&a), names(&b), "the probes' instants, in their order");
+    // The library's clock is the probes': each kernel launch after its probe's instant (the
+    // probe fires at the call's first instruction, CUPTI's callback inside it), before the
+    // next. (Graph launches are probed in both sessions.)
+    for (tid, mine) in &a {
+        let theirs = &b[tid];
+        for (i, (at, what)) in mine.iter().enumerate() {
+            if what.contains("Graph") {
+                continue;
+            }
+            assert!(
+                *at >= theirs[i].0,
+                "{what}: {at} µs, its probe's {}",
+                theirs[i].0
+            );
+            if let Some(next) = theirs.get(i + 1) {
+                assert!(
+                    *at <= next.0,
+                    "{what}: {at} µs, the next probe's {}",
+                    next.0
+                );
+            }
+        }
+    }
+    // Copies, allocations and frees stay the probes' in both, each session's own: every
+    // allocation and the bytes of its free in each.
+    let memory = |r: &Value| -> Vec<String> {
+        let mut all: Vec<String> = r["cuda"]["memory"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(Value::to_string)
+            .collect();
+        all.sort();
+        all
+    };
+    assert_eq!(memory(&mine), memory(&theirs));
+    assert_eq!(mine["trace"]["cuda_events"], theirs["trace"]["cuda_events"]);
 }

@@ -139,8 +139,7 @@ impl On {
         };
         let subscriber = cupti.subscribe()?;
         // Launches alone (`--cuda-in-process` without `--gpu-times`): no kernel records.
-        let records =
-            launches::tracer_cupti_want_launches.load(Ordering::Acquire) != launches::WANT_ONLY;
+        let records = !launches::launches_only();
         let (what, kind) = if records {
             CLOCK_OFFSET.store(clock_offset(cupti), Ordering::Relaxed);
             let enabled = cupti

@@ -18,7 +18,7 @@ use std::{
 
 use tracer_common::{
     cuda_api as api,
-    launches::{self, state, Entry, Header},
+    launches::{self, state, want, Entry, Event, Header},
     py_from, py_kind, py_names_id, CudaLaunchKey, PyLayout, PY_FRAME_OWNER_NOT_PYTHON,
 };
 
@@ -56,11 +56,16 @@ fn entry_names(cbid: u32) -> &'static [&'static str] {
     }
 }
 
-/// tracerd's ask: count launches here at the next "on" (1, or [`WANT_ONLY`]: without
-/// kernel records, where no session asked for GPU times; 0: not asked).
+/// tracerd's ask: count launches here at the next "on" (`want::RECORDS`, or `want::ONLY`:
+/// without kernel records, where no session asked for GPU times; 0: not asked), with
+/// `want::EVENTS` for a tracing session.
 #[no_mangle]
 pub static tracer_cupti_want_launches: AtomicU64 = AtomicU64::new(0);
-pub const WANT_ONLY: u64 = 2;
+
+/// Whether tracerd asked for launches without kernel records.
+pub fn launches_only() -> bool {
+    tracer_cupti_want_launches.load(Ordering::Acquire) & (want::RECORDS | want::ONLY) == want::ONLY
+}
 
 /// The table's memfd in this process (-1: none yet), for tracerd to take.
 #[no_mangle]
@@ -94,6 +99,8 @@ static PYTHON: AtomicPtr<PythonAt> = AtomicPtr::new(std::ptr::null_mut());
 static TABLE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
 /// Counting is on: the callback counts.
 static COUNTING: AtomicU32 = AtomicU32::new(0);
+/// Each launch counted is also an event in the table's ring (a tracing session's).
+static EVENTS: AtomicU32 = AtomicU32::new(0);
 /// The thread that made the process's last launch from Python: its thread state and
 /// `thread_id`, handed to the probe of a launch made elsewhere (as the probes'
 /// `PY_LAST_LAUNCHER`).
@@ -208,6 +215,8 @@ pub fn start() {
     if at.set == 1 && at.get_tstate != 0 && PYTHON.load(Ordering::Acquire).is_null() {
         PYTHON.store(Box::into_raw(Box::new(at)), Ordering::Release);
     }
+    let events = tracer_cupti_want_launches.load(Ordering::Acquire) & want::EVENTS != 0;
+    EVENTS.store(u32::from(events), Ordering::Release);
     COUNTING.store(1, Ordering::Release);
 }
 
@@ -238,6 +247,8 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
     }
     let marker = 0u8;
     let sp = std::ptr::addr_of!(marker) as usize;
+    // A tracing session's: the launch's time, as near its entry as the callback gets.
+    let at = (EVENTS.load(Ordering::Relaxed) != 0).then(crate::monotonic_ns);
     // SAFETY: CUPTI's callback data for an API callback.
     let d = unsafe { &*data.cast::<CallbackData>() };
     let Some(&(_, _, which)) = CALLBACKS.iter().find(|c| c.0 == domain && c.1 == cbid) else {
@@ -254,7 +265,7 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
             if let Some(mut key) = unsafe { read_params(which, d.params) } {
                 key.caller = caller;
                 seen_after_all();
-                finish(key, None, name);
+                finish(key, None, name, at);
             }
         }
         return;
@@ -281,13 +292,14 @@ pub extern "C" fn on_api(_: *mut c_void, domain: u32, cbid: u32, data: *const c_
     } else {
         None
     };
-    finish(key, runtime, name);
+    finish(key, runtime, name, at);
 }
 
 /// Counts `key` (and `also`, a row of the same launch) with the launching thread's Python
-/// call site; from a thread without a Python frame in a Python process, hands them to the
-/// probe point that finds the thread it works for.
-fn finish(mut key: CudaLaunchKey, also: Option<CudaLaunchKey>, name: u64) {
+/// call site, each an event made `at` for a tracing session; from a thread without a Python
+/// frame in a Python process, hands them to the probe point that finds the thread it works
+/// for (whose program makes their events).
+fn finish(mut key: CudaLaunchKey, also: Option<CudaLaunchKey>, name: u64, at: Option<u64>) {
     let python = PYTHON.load(Ordering::Acquire);
     if !python.is_null() {
         // SAFETY: set once, never freed.
@@ -316,9 +328,52 @@ fn finish(mut key: CudaLaunchKey, also: Option<CudaLaunchKey>, name: u64) {
     if let Some(mut r) = also {
         (r.py_code, r.py_instr, r.py_names, r.py_elsewhere) =
             (key.py_code, key.py_instr, key.py_names, key.py_elsewhere);
-        count(&r, name);
+        if let (Some(entry), Some(at)) = (count(&r, name), at) {
+            event(entry, at);
+        }
     }
-    count(&key, name);
+    if let (Some(entry), Some(at)) = (count(&key, name), at) {
+        event(entry, at);
+    }
+}
+
+thread_local! {
+    /// This thread's id, asked of the kernel once.
+    static TID: u32 = {
+        // SAFETY: a plain syscall.
+        unsafe { libc::gettid() as u32 }
+    };
+}
+
+/// Writes a launch of table entry `entry` at `start_ns` as an event in the ring: its place
+/// claimed, its fields written, then its number published.
+fn event(entry: u32, start_ns: u64) {
+    let base = TABLE.load(Ordering::Acquire);
+    if base.is_null() {
+        return;
+    }
+    // SAFETY: a plain call (glibc reads it from rseq or the vDSO).
+    let cpu = unsafe { libc::sched_getcpu() };
+    // SAFETY: the table is mapped for the process's life, `BYTES` long; the ring follows the
+    // entries, `EVENTS` places of it.
+    unsafe {
+        let header = base.cast::<Header>();
+        let n = AtomicU64::from_ptr(std::ptr::addr_of_mut!((*header).events))
+            .fetch_add(1, Ordering::Relaxed);
+        let place = base
+            .add(launches::RING_AT)
+            .cast::<Event>()
+            .add(n as usize & (launches::EVENTS - 1));
+        let seq = AtomicU64::from_ptr(std::ptr::addr_of_mut!((*place).seq));
+        // A reader that copies the place while this writes sees `seq` change under it.
+        seq.store(launches::WRITING, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        std::ptr::addr_of_mut!((*place).start_ns).write_volatile(start_ns);
+        std::ptr::addr_of_mut!((*place).tid).write_volatile(TID.with(|t| *t));
+        std::ptr::addr_of_mut!((*place).cpu).write_volatile(cpu.max(0) as u32);
+        std::ptr::addr_of_mut!((*place).entry).write_volatile(entry);
+        seq.store(n + 1, Ordering::Release);
+    }
 }
 
 /// The table's `unseen` word (null without a table).
@@ -446,11 +501,11 @@ fn own_site(at: &PythonAt) -> Option<(u64, u64, u64, u64)> {
     }
 }
 
-/// Adds one launch of `key` to the table.
-fn count(key: &CudaLaunchKey, name: u64) {
+/// Adds one launch of `key` to the table: the entry counted, if there was room.
+fn count(key: &CudaLaunchKey, name: u64) -> Option<u32> {
     let base = TABLE.load(Ordering::Acquire);
     if base.is_null() {
-        return;
+        return None;
     }
     // SAFETY: the table is mapped for the process's life, `BYTES` long.
     unsafe {
@@ -458,7 +513,8 @@ fn count(key: &CudaLaunchKey, name: u64) {
         let entries = base.add(std::mem::size_of::<Header>()).cast::<Entry>();
         let first = launches::first_slot(key);
         for i in 0..launches::PROBES {
-            let e = entries.add((first + i) & (launches::SLOTS - 1));
+            let at = (first + i) & (launches::SLOTS - 1);
+            let e = entries.add(at);
             let st = AtomicU32::from_ptr(std::ptr::addr_of_mut!((*e).state));
             let mut s = st.load(Ordering::Acquire);
             if s == state::EMPTY {
@@ -475,7 +531,7 @@ fn count(key: &CudaLaunchKey, name: u64) {
                             .store(1, Ordering::Relaxed);
                         st.store(state::READY, Ordering::Release);
                         tracer_cupti_new_row(key, name);
-                        return;
+                        return Some(at as u32);
                     }
                     Err(now) => s = now,
                 }
@@ -492,10 +548,11 @@ fn count(key: &CudaLaunchKey, name: u64) {
             if s == state::READY && (*e).key == *key {
                 AtomicU64::from_ptr(std::ptr::addr_of_mut!((*e).count))
                     .fetch_add(1, Ordering::Relaxed);
-                return;
+                return Some(at as u32);
             }
         }
         AtomicU64::from_ptr(std::ptr::addr_of_mut!((*header).full)).fetch_add(1, Ordering::Relaxed);
+        None
     }
 }
 

@@ -291,7 +291,7 @@ fn flush_all() {
     }
 }
 
-/// CLOCK_MONOTONIC now, ns.
+/// CLOCK_MONOTONIC now, ns (the vDSO's): the probes' `bpf_ktime_get_ns`.
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

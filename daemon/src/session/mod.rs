@@ -36,6 +36,11 @@ use tracer_proto::{EndReason, Loss, Mode, SessionInfo, SessionState, Target};
 use tracer_bpf::Bpf;
 use tracer_report as report;
 
+/// A tracing session's events, for those read in user space.
+pub trait Timeline: Send + Sync {
+    fn push(&self, events: &[tracer_common::TraceEvent]);
+}
+
 /// What one of a session's sources leaves once its last readings are taken at the session's
 /// end: named off the manager's task into its part of the report.
 pub trait ReportPart: Send {
@@ -63,6 +68,12 @@ pub trait Measurement: Send {
 
     /// Where GPU metrics go while it runs besides the report (a trace's counter tracks).
     fn gpu_tracks(&self) -> Option<Box<dyn crate::gpu::Tracks>> {
+        None
+    }
+
+    /// Where events read outside the kernel's ring go (a trace's), for sources that read
+    /// them (launches counted in-process).
+    fn timeline(&self) -> Option<std::sync::Arc<dyn Timeline>> {
         None
     }
 

@@ -36,13 +36,16 @@ static CUDA_LAUNCHES: HashMap<CudaLaunchKey, u64> = HashMap::with_max_entries(65
 #[map]
 static CUDA_MEMORY: HashMap<CudaMemKey, CudaMemStats> = HashMap::with_max_entries(4_096, 0);
 
-/// (pid | layer << 32, device pointer) → bytes, for the frees of allocations seen. Per layer:
-/// `cudaMalloc` runs `cuMemAlloc` inside it, for the same pointer.
+/// (pid | layer << 32 | session slot << 33, device pointer) → bytes, for the frees of
+/// allocations seen. Per layer: `cudaMalloc` runs `cuMemAlloc` inside it, for the same
+/// pointer; per session: each session's free probe finds its own record.
 #[map]
 static CUDA_ALLOCS: HashMap<[u64; 2], u64> = HashMap::with_max_entries(262_144, 0);
 
-/// (thread, entry point) → the arguments of a call whose result the return probe reads.
-/// Keyed by entry point too: the runtime's calls run the driver's inside them.
+/// (thread, entry point | session slot << 16) → the arguments of a call whose result the
+/// return probe reads. Keyed by entry point too: the runtime's calls run the driver's inside
+/// them; and by session: each session's return probe takes its own (two sessions on one
+/// process each see every allocation).
 #[map]
 static CUDA_PENDING: HashMap<[u32; 2], [u64; 2]> = HashMap::with_max_entries(16_384, 0);
 
@@ -333,7 +336,7 @@ fn add_or_insert<K, V>(
 }
 
 /// A tracing session's event for this call, at this instant.
-fn trace(slot: u32, pid: u32, kind: u16, flags: u32, a: u64, b: u64) {
+pub(super) fn trace(slot: u32, pid: u32, kind: u16, flags: u32, a: u64, b: u64) {
     trace_with(slot, || {
         // SAFETY: plain helper call.
         let now = unsafe { bpf_ktime_get_ns() };
@@ -727,7 +730,7 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
         }
         api::CUDA_FREE | api::CU_MEM_FREE => {
             let ptr: u64 = arg(0)?;
-            let key = [alloc_owner(pid, which), ptr];
+            let key = [alloc_owner(slot, pid, which), ptr];
             // SAFETY: map values are valid for the duration of the program.
             let bytes = unsafe { CUDA_ALLOCS.get(&key) }.copied().unwrap_or(0);
             let _ = CUDA_ALLOCS.remove(&key);
@@ -748,7 +751,7 @@ fn memory_or_name(a: &[u64; 6], which: u32, slot: u32, pid: u32) -> Option<()> {
                 api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => arg(2)?,
                 _ => arg(1)?,
             };
-            let _ = CUDA_PENDING.insert(&[tid, which], &[arg(0)?, third], 0);
+            let _ = CUDA_PENDING.insert(&[tid, which | slot << 16], &[arg(0)?, third], 0);
         }
         // __cudaRegisterFunction(module, host_stub, device_fun, device_name, …).
         api::CUDA_REGISTER_FUNCTION => send(pid, which, arg(1)?, 0, 0, arg(3)?),
@@ -766,7 +769,7 @@ pub fn tracer_cuda_return(ctx: RetProbeContext) -> u32 {
 
 fn try_return(ctx: &RetProbeContext) -> Option<()> {
     let (which, slot, pid, _) = accepted(ctx)?;
-    let key = [bpf_get_current_pid_tgid() as u32, which];
+    let key = [bpf_get_current_pid_tgid() as u32, which | slot << 16];
     // SAFETY: map values are valid for the duration of the program.
     let [out, extra] = unsafe { CUDA_PENDING.get(&key) }.copied()?;
     let _ = CUDA_PENDING.remove(&key);
@@ -777,7 +780,7 @@ fn try_return(ctx: &RetProbeContext) -> Option<()> {
     let handle: u64 = user(out)?;
     match which {
         api::CUDA_MALLOC | api::CU_MEM_ALLOC => {
-            let _ = CUDA_ALLOCS.insert(&[alloc_owner(pid, which), handle], &extra, 0);
+            let _ = CUDA_ALLOCS.insert(&[alloc_owner(slot, pid, which), handle], &extra, 0);
             add_memory(slot, pid, which, extra);
         }
         api::CU_MODULE_GET_FUNCTION | api::CU_LIBRARY_GET_KERNEL => {
@@ -788,8 +791,9 @@ fn try_return(ctx: &RetProbeContext) -> Option<()> {
     Some(())
 }
 
-/// The first half of a `CUDA_ALLOCS` key: the process, and whether the driver's calls made it.
-fn alloc_owner(pid: u32, which: u32) -> u64 {
+/// The first half of a `CUDA_ALLOCS` key: the process, whether the driver's calls made it, and
+/// the session (each session's free finds its own record of the allocation).
+fn alloc_owner(slot: u32, pid: u32, which: u32) -> u64 {
     let driver = matches!(which, api::CU_MEM_ALLOC | api::CU_MEM_FREE);
-    u64::from(pid) | u64::from(driver) << 32
+    u64::from(pid) | u64::from(driver) << 32 | u64::from(slot) << 33
 }

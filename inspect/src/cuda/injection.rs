@@ -117,8 +117,14 @@ impl Injection {
 
     /// Asks the library to count launches in-process from its next "on" (or now, if on
     /// already), reading Python call sites as `python` says (None: not a Python process);
-    /// `records`: with kernel records (GPU times) if it turns on now.
-    pub fn ask_launches(&self, python: Option<PythonAt>, records: bool) -> Result<(), String> {
+    /// `records`: with kernel records (GPU times) if it turns on now; `events`: each launch
+    /// also an event in the table's ring (a tracing session).
+    pub fn ask_launches(
+        &self,
+        python: Option<PythonAt>,
+        records: bool,
+        events: bool,
+    ) -> Result<(), String> {
         let pid = self.pid;
         if self.want_launches == 0 || self.python == 0 || self.launch_fd == 0 {
             return Err("this injection library cannot count launches (an older build): install tracerd's own libtracer_cupti.so".into());
@@ -145,8 +151,9 @@ impl Injection {
             )
         });
         write(self.python, &bytes)?;
-        // The library's WANT_WITH_RECORDS and WANT_ONLY.
-        let want: u64 = if records { 1 } else { 2 };
+        use tracer_common::launches::want;
+        let want = if records { want::RECORDS } else { want::ONLY }
+            | if events { want::EVENTS } else { 0 };
         write(self.want_launches, &want.to_ne_bytes())
     }
 

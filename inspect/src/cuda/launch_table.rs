@@ -144,7 +144,11 @@ impl LaunchTable {
         Ok(table)
     }
 
-    fn header(&self) -> Header {
+    pub(super) fn base(&self) -> *const u8 {
+        self.map
+    }
+
+    pub(super) fn header(&self) -> Header {
         // SAFETY: the mapping starts with the header.
         unsafe { std::ptr::read_volatile(self.map.cast::<Header>()) }
     }

@@ -3,10 +3,12 @@
 //! from the calls that create them.
 
 mod injection;
+mod launch_events;
 mod launch_table;
 mod registered;
 
 pub use injection::{Injection, PythonAt, CUPTI_PATH_LEN, REFUSED_SECURE, STATUS_LEN};
+pub use launch_events::{EventCursor, LaunchEvent};
 pub use launch_table::{Counts as LaunchCounts, LaunchTable, Row as LaunchRow};
 pub use registered::Registrations;
 

@@ -57,6 +57,8 @@ pub struct Ask {
     pub in_process: bool,
     /// `--gpu-times`: kernel records on (else launches alone).
     pub records: bool,
+    /// A tracing session's: each launch counted in-process also an event.
+    pub events: bool,
 }
 
 /// Where a session's ask stands.
@@ -113,7 +115,7 @@ pub fn check(
     owner: u32,
     may_load: MayLoad,
     in_process: bool,
-    records: bool,
+    (records, events): (bool, bool),
 ) -> Result<Ask, String> {
     // The program as checked from here on.
     let image = Image::of(pid).map_err(|e| format!("pid {pid}: {e}"))?;
@@ -140,6 +142,7 @@ pub fn check(
         may_load,
         in_process,
         records,
+        events,
     })
 }
 
@@ -258,7 +261,7 @@ impl Enable {
         let python = match python {
             Some(Ok(python)) => {
                 injection
-                    .ask_launches(python.map(|p| p.0), self.ask.records)
+                    .ask_launches(python.map(|p| p.0), self.ask.records, self.ask.events)
                     .map_err(|e| format!("launches in pid {pid}: {e}"))?;
                 Some(Ok(python.map(|p| p.1)))
             }
@@ -308,11 +311,30 @@ impl Enable {
 
 /// A process's launches, counted by tracer's injection library in its table.
 pub struct InProcess {
-    pub table: cuda::LaunchTable,
+    pub table: std::sync::Arc<cuda::LaunchTable>,
     /// The table when the session started: the session's launches are those counted since.
     pub base: cuda::LaunchCounts,
     /// The interpreter it runs (None: not a Python process), to name call sites.
     pub python: Option<&'static tracer_inspect::python::layout::Version>,
+    /// Where the table's ring of launch events stood (a tracing session reads on from there).
+    pub events: Option<cuda::EventCursor>,
+}
+
+impl InProcess {
+    /// `table` as the session finds it now: its counts and events from here on.
+    pub fn from_now(
+        table: cuda::LaunchTable,
+        python: Option<&'static tracer_inspect::python::layout::Version>,
+    ) -> Self {
+        let base = table.read();
+        let events = Some(table.events_from_now());
+        Self {
+            table: std::sync::Arc::new(table),
+            base,
+            python,
+            events,
+        }
+    }
 }
 
 /// Where `pid`'s library reads a launching thread's Python call site: None for a process
@@ -363,13 +385,7 @@ fn take_table(
             .unwrap_or(status);
         return Err(format!("tracer's injection library could not: {why}"));
     }
-    let table = injection.launch_table()?;
-    let base = table.read();
-    Ok(InProcess {
-        table,
-        base,
-        python,
-    })
+    Ok(InProcess::from_now(injection.launch_table()?, python))
 }
 
 /// Lets go of a session's hold on `pid`'s records: the last one turns them off, after

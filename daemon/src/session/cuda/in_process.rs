@@ -41,13 +41,32 @@ impl Points {
 pub(super) struct Counted {
     pub pid: u32,
     pub inproc: InProcess,
+    /// A tracing session's: the thread moving its launch events into the trace.
+    pub drainer: Option<super::events::Drainer>,
 }
 
 impl CudaSession {
     /// The launch table came with the GPU times the job turned on: the process to mark in
     /// `CUDA_INPROC` for this session's slot.
-    pub(super) fn counting_in_process(&mut self, pid: u32, inproc: InProcess) -> (u32, u8) {
-        self.in_process.push(Counted { pid, inproc });
+    pub(super) fn counting_in_process(&mut self, pid: u32, mut inproc: InProcess) -> (u32, u8) {
+        let drainer = match (&self.timeline, inproc.events.take()) {
+            (Some(timeline), Some(from)) => {
+                let table = inproc.table.clone();
+                match super::events::Drainer::start(pid, table, from, timeline.clone()) {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        self.warnings.push(format!("launches in pid {pid} are counted but not traced: starting the thread that reads their events: {e}"));
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        self.in_process.push(Counted {
+            pid,
+            inproc,
+            drainer,
+        });
         self.launch_counting.push(LaunchCounting {
             pid,
             way: "in-process".into(),
@@ -138,6 +157,21 @@ impl CudaSession {
             }
         }
         rows
+    }
+
+    /// Stops the threads moving launch events into the trace, after their last reads: the
+    /// events lost.
+    pub(super) fn drain_launch_events(&mut self) -> u64 {
+        self.in_process
+            .iter_mut()
+            .filter_map(|c| c.drainer.take())
+            .map(super::events::Drainer::finish)
+            .sum()
+    }
+
+    /// Whether launches counted in-process also go to a trace.
+    pub fn traces_launches(&self) -> bool {
+        self.timeline.is_some()
     }
 
     /// CUPTI's name for an in-process row's handle.

@@ -69,7 +69,7 @@ fn started_with_them(pid: u32) -> Result<(), String> {
 
 /// The session's side of a launched process's library waiting in `cuInit`: the library (to
 /// answer), and its launch table, or why launches cannot be counted there.
-pub fn handshake(pid: u32) -> (Option<Injection>, Result<InProcess, String>) {
+pub fn handshake(pid: u32, events: bool) -> (Option<Injection>, Result<InProcess, String>) {
     let injection = match gpu_times::find(pid) {
         Ok(i) => i,
         Err(e) => return (None, Err(e)),
@@ -85,15 +85,12 @@ pub fn handshake(pid: u32) -> (Option<Injection>, Result<InProcess, String>) {
         // Written before the answer: the library reads it when it starts counting.
         let python = gpu_times::python_at(pid)?;
         injection
-            .ask_launches(python.map(|p| p.0), false)
+            .ask_launches(python.map(|p| p.0), false, events)
             .map_err(|e| format!("launches in pid {pid}: {e}"))?;
-        let table = injection.launch_table()?;
-        let base = table.read();
-        Ok(InProcess {
-            table,
-            base,
-            python: python.map(|p| p.1),
-        })
+        Ok(InProcess::from_now(
+            injection.launch_table()?,
+            python.map(|p| p.1),
+        ))
     })();
     (Some(injection), counted)
 }

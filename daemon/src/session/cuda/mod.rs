@@ -10,6 +10,7 @@ use std::{
 };
 
 mod callers;
+mod events;
 pub mod gpu_times;
 mod handles;
 mod in_process;
@@ -121,20 +122,30 @@ pub struct CudaSession {
     launched: Option<launched::Launched>,
     /// (pid, handle) → CUPTI's kernel name, for rows of in-process tables.
     cupti_names: HashMap<ProcAddr, String>,
+    /// A tracing session's: where launches counted in-process go as events (`events.rs`).
+    timeline: Option<std::sync::Arc<dyn super::Timeline>>,
 }
+
+/// Where a tracing session's CUDA data goes besides its report: its GPU metrics' tracks, and
+/// its timeline for launches counted in-process.
+pub type TraceOutputs = (
+    Option<Box<dyn crate::gpu::Tracks>>,
+    Option<std::sync::Arc<dyn super::Timeline>>,
+);
 
 impl CudaSession {
     /// Opens `--cuda` (in `options`) for a session in `at.slot`: the probes are loaded
     /// before the start is answered, for loading them at the first library mapped would let
     /// the program run seconds ahead of them; launch stacks (`--cuda-stacks`) go through the
-    /// sampling ring and worker, one sample a launch. `tracks`: as for `new`; `times`:
-    /// GPU times asked in a running process (`--gpu-times --pid`), checked already.
+    /// sampling ring and worker, one sample a launch. `tracks`: as for `new`; `timeline`:
+    /// a tracing session's, for launches counted in-process; `times`: GPU times asked in a
+    /// running process (`--gpu-times --pid`), checked already.
     pub fn open(
         bpf: &mut Bpf,
         sampling: &super::sampling::Sampling,
         options: &tracer_proto::CountingOptions,
         at: &super::Opening<'_>,
-        tracks: Option<Box<dyn crate::gpu::Tracks>>,
+        (tracks, timeline): TraceOutputs,
         times: Option<gpu_times::Start>,
     ) -> Self {
         if let Err(e) = bpf.load_cuda() {
@@ -159,6 +170,7 @@ impl CudaSession {
             driver_only: options.cuda_driver_only,
         };
         let mut session = Self::new(at.slot, at.pid.is_none(), probing, period, tracks);
+        session.timeline = timeline;
         match times {
             Some(gpu_times::Start::Ask(ask)) => {
                 session.in_process_target = ask.in_process.then_some(ask.pid);
@@ -208,6 +220,7 @@ impl CudaSession {
             in_process: Vec::new(),
             launched: None,
             cupti_names: HashMap::new(),
+            timeline: None,
         }
     }
 
@@ -640,6 +653,7 @@ impl Source for CudaSession {
             at.ends.slots.hold(slot);
         }
         let probes = self.take_probes();
+        let events_lost = self.drain_launch_events();
         // Read with the probes' counts: the table keeps counting after the session.
         let (inproc_rows, table_full, unseen) = self.in_process_rows();
         if unseen > 0 {
@@ -651,6 +665,7 @@ impl Source for CudaSession {
         if !self.in_process.is_empty() {
             at.ends.bpf.clear_cuda_inproc(slot);
         }
+        at.ends.bpf.clear_cuda_allocs(slot);
         let silent = self.launched_silent();
         self.warnings.extend(silent);
         let maps = at.ends.bpf.cuda_maps();
@@ -677,6 +692,7 @@ impl Source for CudaSession {
                 inproc_lost: [
                     ("cuda_launch_table_full", table_full),
                     ("cuda_launch_unseen", unseen),
+                    ("cuda_launch_events_lost", events_lost),
                 ],
             })),
         }
@@ -694,7 +710,7 @@ struct CudaEnd {
     /// Launches counted in-process (`--cuda-in-process`), read at the end.
     inproc_rows: Vec<(tracer_common::CudaLaunchKey, u64)>,
     /// Launches the in-process tables lost, by cause: the report's losses.
-    inproc_lost: [(&'static str, u64); 2],
+    inproc_lost: [(&'static str, u64); 3],
 }
 
 impl CudaEnd {

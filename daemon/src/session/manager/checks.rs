@@ -253,12 +253,12 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     if options.cuda_in_process
         && (!options.cuda
             || !matches!(target.kind, Some(target::Kind::Pid(_)))
-            || mode != Mode::Counting
+            || !matches!(mode, Mode::Counting | Mode::Tracing)
             || options.cuda_stacks
             || options.cuda_driver_only)
     {
         return Err(Error::InvalidArgument(
-            "--cuda-in-process counts a process's launches through tracer's injection library: it needs --cuda, --pid or -- CMD, counting mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
+            "--cuda-in-process counts a process's launches through tracer's injection library: it needs --cuda, --pid or -- CMD, counting or tracing mode, and neither --cuda-stacks nor --cuda-driver-only (which shape the launch probes)".into(),
         ));
     }
     if options.cuda_uprobes_only && (!options.cuda || options.cuda_in_process) {
@@ -272,7 +272,7 @@ pub(super) fn asked(req: StartSessionRequest) -> Result<Asked, Error> {
     // report says why.
     options.cuda_in_process |= options.cuda
         && !options.cuda_uprobes_only
-        && mode == Mode::Counting
+        && matches!(mode, Mode::Counting | Mode::Tracing)
         && matches!(target.kind, Some(target::Kind::Pid(_)))
         && !options.cuda_stacks
         && !options.cuda_driver_only;

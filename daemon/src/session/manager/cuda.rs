@@ -232,12 +232,13 @@ impl Manager {
     /// A start's ask for GPU times or in-process launches in `pid`, checked before anything
     /// is taken (loading into the process is ptrace's to allow). Launches alone that cannot
     /// be counted in-process are counted with the probes (the report says why); GPU times
-    /// that cannot be had refuse the start.
+    /// that cannot be had refuse the start. `events`: a tracing session's, each launch
+    /// counted in-process also an event.
     pub(super) fn gpu_times_start(
         &self,
         pid: u32,
         owner_uid: u32,
-        options: &tracer_proto::CountingOptions,
+        (options, events): (&tracer_proto::CountingOptions, bool),
         caller: &Caller,
     ) -> Result<gpu_times::Start, Error> {
         let may = caller.may_load_into(pid);
@@ -254,7 +255,7 @@ impl Manager {
             owner_uid,
             may_load,
             options.cuda_in_process,
-            options.gpu_times,
+            (options.gpu_times, events),
         );
         match checked {
             Ok(ask) => Ok(gpu_times::Start::Ask(ask)),
@@ -284,10 +285,11 @@ impl Manager {
             let Some(c) = s.sources.get_mut::<CudaSession>() else {
                 continue;
             };
+            let events = c.traces_launches();
             for pid in c.take_handshakes() {
                 let (tx, session) = (self.done.clone(), id.clone());
                 tokio::task::spawn_blocking(move || {
-                    let (injection, counted) = cuda::handshake(pid);
+                    let (injection, counted) = cuda::handshake(pid, events);
                     let _ = tx.send(Done::CudaHandshake {
                         session,
                         pid,

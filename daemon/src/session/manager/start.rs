@@ -299,7 +299,12 @@ impl Manager {
                 ),
             },
             Some(pid) => (
-                Some(self.gpu_times_start(pid, owner_uid, &asked.options, &caller)?),
+                Some(self.gpu_times_start(
+                    pid,
+                    owner_uid,
+                    (&asked.options, asked.mode == Mode::Tracing),
+                    &caller,
+                )?),
                 Vec::new(),
             ),
             None => (None, Vec::new()),
@@ -493,13 +498,13 @@ impl Manager {
             }
         };
         let cuda = slot.filter(|_| options.cuda).map(|slot| {
-            let tracks = measure.gpu_tracks();
+            let outputs = (measure.gpu_tracks(), measure.timeline());
             CudaSession::open(
                 &mut self.bpf,
                 &self.sampling,
                 options,
                 &opening(slot),
-                tracks,
+                outputs,
                 gpu_times,
             )
         });

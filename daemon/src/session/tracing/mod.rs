@@ -143,6 +143,10 @@ impl Measurement for TracingSession {
         Some(self.trace.gpu_tracks())
     }
 
+    fn timeline(&self) -> Option<std::sync::Arc<dyn super::Timeline>> {
+        Some(self.trace.timeline())
+    }
+
     fn named(&self, (pid, code, names): (u32, u64, u64), (q, f, line): (&str, &str, i32)) {
         let function = tracer_report::trace::TraceFunction {
             pid,

@@ -135,6 +135,11 @@ impl TraceSession {
         })
     }
 
+    /// Where events read in user space join the kernel's.
+    pub fn timeline(&self) -> Arc<dyn crate::session::Timeline> {
+        Arc::new(SpoolTimeline(self.spool.clone()))
+    }
+
     /// Records the counters' values as COUNTER events, if their period has come (or `now`).
     pub fn read_counters(&mut self, read: impl FnOnce() -> Vec<Counter>, force: bool) {
         if !force && Instant::now() < self.next_reading {
@@ -297,7 +302,14 @@ impl TraceEnd {
             .retain(|l| !TRACE_LOSSES.contains(&l.cause.as_str()));
         info.losses.extend(session.losses());
         (info.trace_events, info.trace_bytes) = session.progress();
-        report.losses = info.losses.iter().map(Into::into).collect();
+        // The report's own losses (its parts', such as launches counted in-process whose
+        // events were lost) stay beside the session's.
+        let parts: Vec<tracer_report::LossEntry> = std::mem::take(&mut report.losses)
+            .into_iter()
+            .filter(|l| !TRACE_LOSSES.contains(&l.cause.as_str()))
+            .filter(|l| !info.losses.iter().any(|i| i.cause == l.cause))
+            .collect();
+        report.losses = info.losses.iter().map(Into::into).chain(parts).collect();
         let (trace, write_error) = session.finish(end_ns, name);
         if let Some(e) = write_error {
             report.session.error.get_or_insert(e);
@@ -334,6 +346,14 @@ pub fn unfinished(
 }
 
 /// A trace's counter tracks for GPU readings: each becomes a COUNTER event.
+struct SpoolTimeline(Arc<std::sync::Mutex<Spool>>);
+
+impl crate::session::Timeline for SpoolTimeline {
+    fn push(&self, events: &[TraceEvent]) {
+        worker::push_local(&self.0, events);
+    }
+}
+
 struct GpuTracks {
     spool: Arc<std::sync::Mutex<Spool>>,
     counters: Counters,

@@ -4,9 +4,9 @@
 //! here with the call site of the thread it works for, and a new row of its table, announced.
 
 use aya_ebpf::{macros::map, maps::HashMap, programs::ProbeContext};
-use tracer_common::{cuda_api as api, CudaLaunchKey, SessionMask};
+use tracer_common::{cuda_api as api, trace_kind, CudaLaunchKey, SessionMask};
 
-use super::{announce_row, call_site, count_launch, send, user};
+use super::{announce_row, call_site, count_launch, send, trace, user};
 
 /// pid → the sessions (slot bits) that count its kernel launches in-process, through tracer's
 /// injection library (`tracer_common::launches`): their launch probes skip it, and its
@@ -37,7 +37,9 @@ pub(super) fn new_row(ctx: &ProbeContext, slot: u32, pid: u32, key: u64) -> Opti
 
 /// A launch the injection library counted in-process but could not give a call site (its
 /// thread runs no Python): counted here with the site of the thread it works for, for the
-/// sessions that count the process in-process (the others' launch probes saw it).
+/// sessions that count the process in-process (the others' launch probes saw it); for a
+/// tracing session, its event, as the launch probes make it (the library's ring has only
+/// the launches it counted itself).
 pub(super) fn launch_elsewhere(ctx: &ProbeContext, slot: u32, pid: u32, key: u64) -> Option<()> {
     if !in_process(pid, slot) {
         return None;
@@ -55,6 +57,7 @@ pub(super) fn launch_elsewhere(ctx: &ProbeContext, slot: u32, pid: u32, key: u64
         k.py_elsewhere = from;
     }
     count_launch::<1>(&k);
+    trace(slot, pid, trace_kind::CUDA_LAUNCH, k.api, k.func, k.row_id());
     Some(())
 }
 

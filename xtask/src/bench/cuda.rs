@@ -1,7 +1,8 @@
 //! `cargo xtask bench cuda`: the time tracer adds to each CUDA kernel launch, measured side
 //! by side in one run on a launch-bound loop: untraced, under bare uprobes (`perf stat`
 //! counting `perf probe` uprobes on the same two entry points: the floor any uprobe-based
-//! counter pays), under `--mode=counting --cuda` and under `--mode=tracing --cuda`.
+//! counter pays), under `--mode=counting --cuda` and under `--mode=tracing --cuda`, each by
+//! default (launches counted in-process) and with the launch probes.
 //!
 //! The loop is tests/cuda's `launch_loop`, against tests/cuda's libcudart/libcuda (CUDA's ABI,
 //! no GPU needed): each `cudaLaunchKernel` goes on to the driver's `cuLaunchKernel`, as the
@@ -47,7 +48,10 @@ enum Cond {
     Untraced,
     Bare,
     Counting,
+    /// Tracing as `--cuda --pid` does by default: launches counted and stamped in-process.
     Tracing,
+    /// Tracing with `--cuda-uprobes-only`: an event a probe hit.
+    TracingProbes,
     /// Counting with `--cuda-stacks`: every launch's stack recorded too.
     Stacks,
     /// Counting with `--cuda-driver-only`: one probe a launch.
@@ -64,6 +68,7 @@ impl Cond {
             Cond::Bare => "bare",
             Cond::Counting => "probes",
             Cond::Tracing => "tracing",
+            Cond::TracingProbes => "tr-probes",
             Cond::Stacks => "stacks",
             Cond::DriverOnly => "driver",
             Cond::InProcess => "default",
@@ -76,6 +81,7 @@ impl Cond {
             Cond::Untraced | Cond::Bare => None,
             Cond::Counting => Some(&["--mode=counting", "--cuda-uprobes-only"]),
             Cond::Tracing => Some(&["--mode=tracing"]),
+            Cond::TracingProbes => Some(&["--mode=tracing", "--cuda-uprobes-only"]),
             Cond::Stacks => Some(&["--mode=counting", "--cuda-stacks"]),
             Cond::DriverOnly => Some(&["--mode=counting", "--cuda-driver-only"]),
             Cond::InProcess => Some(&["--mode=counting"]),
@@ -83,7 +89,7 @@ impl Cond {
     }
 }
 
-const CONDS: [Cond; 7] = [
+const CONDS: [Cond; 8] = [
     Cond::Untraced,
     Cond::Bare,
     Cond::Counting,
@@ -91,6 +97,7 @@ const CONDS: [Cond; 7] = [
     Cond::Stacks,
     Cond::DriverOnly,
     Cond::InProcess,
+    Cond::TracingProbes,
 ];
 
 /// One run of a loop.
@@ -106,6 +113,8 @@ struct Run {
     driver: u64,
     /// Tracing: the trace's CUDA events; all sessions: events lost.
     events: u64,
+    /// Copies, allocations and synchronizations the session counted.
+    memory: u64,
     lost: u64,
     /// tracerd's CPU time over the run, in clock ticks.
     daemon_ticks: u64,
@@ -212,8 +221,8 @@ pub(super) fn run() -> Result<()> {
     println!("      cudaLaunchKernel), against tests/cuda's libcudart.so.13/libcuda.so.1 (CUDA's ABI, no GPU);");
     println!("      each cudaLaunchKernel calls the driver's cuLaunchKernel, as the real runtime's launches do:");
     println!("      a launch crosses two probed entry points");
-    println!("sessions: tracerctl start --mode=counting|tracing --cuda [probes: --cuda-uprobes-only; stacks: --cuda-stacks;");
-    println!("      driver: --cuda-driver-only; default: nothing more, counted in-process] --pid PID, started while the loop waits");
+    println!("sessions: tracerctl start --mode=counting|tracing --cuda [probes, tr-probes: --cuda-uprobes-only; stacks: --cuda-stacks;");
+    println!("      driver: --cuda-driver-only; default, tracing: nothing more, counted in-process] --pid PID, started while the loop waits");
     println!("      for its cue with both libraries mapped; 1,000 untimed warm-up launches, then {ROUNDS} timed");
     println!(
         "      rounds of {} launches; a run's figure is its median round; {RUNS} runs of each",
@@ -299,6 +308,23 @@ pub(super) fn run() -> Result<()> {
                     )
                 })
                 .collect();
+            // A traced run has an event for each launch it counted, at each layer, and each
+            // copy or synchronization, or counts it lost.
+            let traced = matches!(cond, Cond::Tracing | Cond::TracingProbes);
+            bad.extend(
+                runs[i]
+                    .iter()
+                    .filter(|r| traced && r.events + r.lost != r.runtime + r.driver + r.memory)
+                    .map(|r| {
+                        format!(
+                            "{name}: {} events and {} lost for {} launches and {} other calls counted",
+                            r.events,
+                            r.lost,
+                            r.runtime + r.driver,
+                            r.memory
+                        )
+                    }),
+            );
             // And every row names the kernel, configuration and callers the loop launched.
             bad.extend(
                 runs[i]
@@ -315,7 +341,7 @@ pub(super) fn run() -> Result<()> {
                 group(last.driver),
                 group(last.launches),
                 if bad.is_empty() { "ok" } else { "BAD" },
-                if *cond == Cond::Tracing {
+                if traced {
                     group(median(runs[i].iter().map(|r| r.events as f64).collect()) as u64)
                 } else {
                     "-".to_owned()
@@ -338,12 +364,13 @@ pub(super) fn run() -> Result<()> {
         }
         println!("{:<9} {:>9}", "", range(i));
     }
-    let (counting, tracing, stacks, driver, inproc) = (
+    let (counting, tracing, stacks, driver, inproc, tracing_probes) = (
         ns(2) - base,
         ns(3) - base,
         ns(4) - base,
         ns(5) - base,
         ns(6) - base,
+        ns(7) - base,
     );
     let verdict = |added: f64, target: f64| {
         if added <= target {
@@ -353,13 +380,14 @@ pub(super) fn run() -> Result<()> {
         }
     };
     println!(
-        "added per launch: counting with the probes {counting:.0} ns, tracing {tracing:.0} ns, counting with launch stacks {stacks:.0} ns,"
+        "added per launch: counting with the probes {counting:.0} ns, tracing with the probes {tracing_probes:.0} ns, counting with launch stacks {stacks:.0} ns,"
     );
     println!("      bare uprobes {bare_added:.0} ns (two probe hits");
     println!(
         "      each: cudaLaunchKernel and cuLaunchKernel), counting at the driver only {driver:.0} ns (one hit),"
     );
-    println!("      counting by default {inproc:.0} ns (in-process, no hit: CUPTI's callbacks in tracer's injection library)");
+    println!("      counting by default {inproc:.0} ns, tracing by default {tracing:.0} ns (in-process, no hit: CUPTI's callbacks in");
+    println!("      tracer's injection library, each launch also stamped into its table's ring when tracing)");
     println!(
         "      target ≤ {TARGET_NS:.0} ns counting, ≤ {TRACING_TARGET_NS:.0} ns tracing: counting by default {}, tracing {}, counting with the probes {}, at the driver only {}",
         verdict(inproc, TARGET_NS),
@@ -496,13 +524,19 @@ fn one_run(
         }
         // The default's figure is the in-process route's only where it was taken.
         let way = &json["cuda"]["launch_counting"][0]["way"];
-        if cond == Cond::InProcess && way != "in-process" {
+        if matches!(cond, Cond::InProcess | Cond::Tracing) && way != "in-process" {
             run.wrong.push(format!(
                 "counted with probes, not in-process: {}",
                 json["cuda"]["launch_counting"][0]["why"]
             ));
         }
         run.events = json["trace"]["cuda_events"].as_u64().unwrap_or(0);
+        run.memory = json["cuda"]["memory"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| m["calls"].as_u64().unwrap_or(0))
+            .sum();
         run.lost = super::losses(&json);
         // Gone once read: a traced run's file holds two events per launch.
         let _ = tracerctl(daemon).args(["delete", &id]).output();

@@ -21,9 +21,14 @@ use tracer_inspect::cuda::{EventCursor, LaunchTable};
 
 use super::super::Timeline;
 
-/// How often the ring is read: it holds `launches::EVENTS` events, 26 ms of ten million a
-/// second (the fake libraries' launch rate; a real GPU's is a tenth of it at most).
+/// How often the ring is read while launches come: it holds `launches::EVENTS` events, 26 ms
+/// of ten million a second (the fake libraries' launch rate; a real GPU's is a tenth of it at
+/// most).
 const DRAIN_EVERY: Duration = Duration::from_millis(1);
+/// How long a read waits at most once the ring was found empty (doubling from
+/// `DRAIN_EVERY`): a process between launches costs a wakeup every 8 ms, and a burst that
+/// starts meanwhile fills a third of the ring at most before it is read.
+const IDLE_EVERY: Duration = Duration::from_millis(8);
 
 /// The thread that moves one table's events into the trace, until told to stop.
 pub(super) struct Drainer {
@@ -50,16 +55,20 @@ impl Drainer {
                     at: from,
                     rows: HashMap::new(),
                 };
+                let mut wait = DRAIN_EVERY;
                 loop {
                     let last = told.load(Ordering::Acquire);
                     let events = ring.read(last);
-                    if !events.is_empty() {
+                    wait = if events.is_empty() {
+                        (wait * 2).min(IDLE_EVERY)
+                    } else {
                         timeline.push(&events);
-                    }
+                        DRAIN_EVERY
+                    };
                     if last {
                         return ring.at.lost;
                     }
-                    std::thread::sleep(DRAIN_EVERY);
+                    std::thread::sleep(wait);
                 }
             })?;
         Ok(Self {

@@ -44,6 +44,16 @@ fn build_into(libs: std::path::PathBuf) -> Option<std::path::PathBuf> {
 
 type Row = (String, String, Vec<u64>, Vec<u64>, u64);
 
+/// A report's launches (`cuda.launches[].launches`) and copies, allocations, frees and
+/// synchronizations (`cuda.memory[].calls`), summed: what a trace has an event for each of.
+fn counted(report: &Value) -> (u64, u64) {
+    let sum = |what: &str, field: &str| -> u64 {
+        let rows = report["cuda"][what].as_array().unwrap();
+        rows.iter().map(|r| r[field].as_u64().unwrap()).sum()
+    };
+    (sum("launches", "launches"), sum("memory", "calls"))
+}
+
 fn dims(v: &Value) -> Vec<u64> {
     v.as_array()
         .unwrap()
@@ -707,12 +717,7 @@ fn launch_stacks_show_where_launches_come_from() {
     }
     let report: Value = d.report_json(&id);
     assert_eq!(report["losses"], serde_json::json!([]));
-    let launches: u64 = report["cuda"]["launches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["launches"].as_u64().unwrap())
-        .sum();
+    let (launches, _) = counted(&report);
     assert_eq!(launches, 10, "{}", report["cuda"]);
     // pprof, weighted by launches, as go tool pprof reads it.
     if Command::new("go").arg("version").output().is_err() {
@@ -1129,20 +1134,9 @@ fn traces_show_each_launch_and_copy() {
         *shapes.entry(key).or_default() += 1;
     }
     assert_eq!(shapes, truth_rows(&truth));
-    let launches: u64 = report["cuda"]["launches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["launches"].as_u64().unwrap())
-        .sum();
+    let (launches, memory) = counted(&report);
     let instants = cuda.iter().filter(|e| !e["args"]["api"].is_null()).count() as u64;
     assert_eq!(instants, launches);
-    let memory: u64 = report["cuda"]["memory"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["calls"].as_u64().unwrap())
-        .sum();
     let copies = cuda
         .iter()
         .filter(|e| !e["args"]["bytes"].is_null())
@@ -2827,12 +2821,12 @@ fn launched_commands_count_their_launches_in_process() {
     let truth = account(&said);
     assert_eq!(traced["cuda"]["launch_counting"][0]["way"], "in-process");
     assert_eq!(report_rows(&traced), truth_rows(&truth), "traced");
-    let sum = |what: &str, field: &str| -> u64 {
-        let rows = traced["cuda"][what].as_array().unwrap();
-        rows.iter().map(|r| r[field].as_u64().unwrap()).sum()
-    };
-    let events = sum("launches", "launches") + sum("memory", "calls");
-    assert_eq!(traced["trace"]["cuda_events"], events, "an event each");
+    let (launches, memory) = counted(&traced);
+    assert_eq!(
+        traced["trace"]["cuda_events"],
+        launches + memory,
+        "an event each"
+    );
     assert_eq!(traced["losses"], serde_json::json!([]));
 
     let (said, probes) = launched(&d, &["--cuda-uprobes-only"], &[app], &[], &cues);
@@ -2916,13 +2910,10 @@ fn launched_python_names_its_call_sites_in_process() {
         let named = mine.keys().filter(|k| k.contains(".py:")).count();
         assert!(named > 0, "{mode}: {mine:#?}");
         if session == "--mode=tracing" {
-            let sum = |what: &str, field: &str| -> u64 {
-                let rows = inproc["cuda"][what].as_array().unwrap();
-                rows.iter().map(|r| r[field].as_u64().unwrap()).sum()
-            };
-            let events = sum("launches", "launches") + sum("memory", "calls");
+            let (launches, memory) = counted(&inproc);
             assert_eq!(
-                inproc["trace"]["cuda_events"], events,
+                inproc["trace"]["cuda_events"],
+                launches + memory,
                 "{mode}: an event each"
             );
             assert_eq!(inproc["losses"], serde_json::json!([]), "{mode}");
@@ -2989,12 +2980,7 @@ fn traced_launches_counted_in_process_are_the_probes_instants() {
         launch_instants(&d, &inproc, &pid),
         launch_instants(&d, &probes, &pid),
     );
-    let launches: u64 = mine["cuda"]["launches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["launches"].as_u64().unwrap())
-        .sum();
+    let (launches, _) = counted(&mine);
     assert_eq!(a.len() as u64, launches, "an instant a launch");
     // Per thread (threads launch at once, so only each one's order is the program's).
     let threads = |v: &[(f64, u64, String)]| -> BTreeMap<u64, Vec<(f64, String)>> {

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tracer_common::launches::{self, state, Entry, Event, Header, WRITING};
+use tracer_common::launches::{self, state, WRITING};
 
 use super::LaunchTable;
 
@@ -85,7 +85,7 @@ impl LaunchTable {
         let i = n as usize & (launches::EVENTS - 1);
         // SAFETY: the ring is inside the mapping, `EVENTS` places from `RING_AT`.
         let (before, e, after) = unsafe {
-            let p = self.base().add(launches::RING_AT).cast::<Event>().add(i);
+            let p = self.ring().add(i);
             let seq = std::ptr::addr_of!((*p).seq);
             let before = seq.read_volatile();
             std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
@@ -115,12 +115,7 @@ impl LaunchTable {
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         // SAFETY: as in `entry_state`; the key was written before the state was published.
         Some(unsafe {
-            let e = self
-                .base()
-                .add(std::mem::size_of::<Header>())
-                .cast::<Entry>()
-                .add(entry as usize);
-            std::ptr::addr_of!((*e).key).read_volatile()
+            std::ptr::addr_of!((*self.entries().add(entry as usize)).key).read_volatile()
         })
     }
 
@@ -131,14 +126,7 @@ impl LaunchTable {
 
     fn entry_state(&self, i: usize) -> u32 {
         // SAFETY: entries follow the header, `SLOTS` of them, inside the mapping; `i` < SLOTS.
-        unsafe {
-            let e = self
-                .base()
-                .add(std::mem::size_of::<Header>())
-                .cast::<Entry>()
-                .add(i);
-            std::ptr::addr_of!((*e).state).read_volatile()
-        }
+        unsafe { std::ptr::addr_of!((*self.entries().add(i)).state).read_volatile() }
     }
 }
 
@@ -152,6 +140,7 @@ enum Place {
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use tracer_common::launches::{Entry, Event, Header};
 
     /// A table made as the library makes it, mapped writable here, and taken as tracerd takes it.
     struct Made {

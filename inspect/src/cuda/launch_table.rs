@@ -144,8 +144,16 @@ impl LaunchTable {
         Ok(table)
     }
 
-    pub(super) fn base(&self) -> *const u8 {
-        self.map
+    /// The rows, `SLOTS` of them, after the header.
+    pub(super) fn entries(&self) -> *const Entry {
+        // SAFETY: inside the mapping, `BYTES` long.
+        unsafe { self.map.add(std::mem::size_of::<Header>()).cast() }
+    }
+
+    /// The event ring, `EVENTS` places from `RING_AT`.
+    pub(super) fn ring(&self) -> *const tracer_common::launches::Event {
+        // SAFETY: inside the mapping, `BYTES` long.
+        unsafe { self.map.add(launches::RING_AT).cast() }
     }
 
     pub(super) fn header(&self) -> Header {
@@ -156,8 +164,7 @@ impl LaunchTable {
     /// Every published row and the launches not counted for want of room, now.
     pub fn read(&self) -> Counts {
         let mut rows = Vec::new();
-        // SAFETY: entries follow the header, `SLOTS` of them, inside the mapping.
-        let entries = unsafe { self.map.add(std::mem::size_of::<Header>()).cast::<Entry>() };
+        let entries = self.entries();
         for i in 0..launches::SLOTS {
             // SAFETY: inside the mapping; the state is read before the rest (published last).
             let e = unsafe {

@@ -345,7 +345,7 @@ pub fn unfinished(
         .collect()
 }
 
-/// A trace's counter tracks for GPU readings: each becomes a COUNTER event.
+/// A trace's spool, taking events read in user space beside the kernel's.
 struct SpoolTimeline(Arc<std::sync::Mutex<Spool>>);
 
 impl crate::session::Timeline for SpoolTimeline {
@@ -354,6 +354,7 @@ impl crate::session::Timeline for SpoolTimeline {
     }
 }
 
+/// A trace's counter tracks for GPU readings: each becomes a COUNTER event.
 struct GpuTracks {
     spool: Arc<std::sync::Mutex<Spool>>,
     counters: Counters,
